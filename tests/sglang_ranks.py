@@ -1,0 +1,106 @@
+"""Spawn N real gloo ranks (separate python processes) running one function; collect results.
+
+    results = run_ranks("test_sglang_models:_worker", world=2, kwargs={...}, timeout=120)
+
+Each child: initializes torch.distributed (gloo, file:// rendezvous in a fresh temp dir), builds
+a tpprobe RankContext, calls `fn(ctx, **kwargs)` (fn given as "module:function"; the tests folder
+is on sys.path), pickles the return value, destroys the process group. The parent waits up to
+`timeout` seconds in total, kills every straggler, and raises RanksFailed with each failed
+child's exit code and stderr tail (its traceback).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 180.0,
+              env: dict | None = None) -> list:
+    with tempfile.TemporaryDirectory(prefix="tpprobe-ranks-") as tmp:
+        args_path = os.path.join(tmp, "args.pkl")
+        with open(args_path, "wb") as f:
+            pickle.dump(kwargs or {}, f)
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env["PYTHONPATH"] = os.pathsep.join([HERE, ROOT, child_env.get("PYTHONPATH", "")])
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        procs, logs = [], []
+        for r in range(world):
+            log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), fn, str(r), str(world), init,
+                 args_path, os.path.join(tmp, f"rank{r}.pkl")],
+                stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            for p in procs:
+                left = deadline - time.monotonic()
+                try:
+                    p.wait(timeout=max(left, 0.1))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    break
+        finally:
+            for p in procs:  # kill stragglers (only our own children, by handle)
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        failed = []
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            out = log.read()
+            log.close()
+            if p.returncode != 0:
+                failed.append(f"--- rank {r} exit {p.returncode} ---\n{out[-6000:]}")
+        if timed_out or failed:
+            head = f"{fn} at world={world}: " + (f"timed out after {timeout:.0f}s; " if timed_out else "")
+            raise RanksFailed(head + f"{len(failed)} rank(s) failed\n" + "\n".join(failed))
+        results = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _child(fn: str, rank: int, world: int, init: str, args_path: str, out_path: str) -> None:
+    import importlib
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from tpprobe.target import RankContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        ctx = RankContext(rank=rank, world_size=world, local_rank=rank,
+                          device=torch.device("cpu"), backend="gloo", group=None, seed=0)
+        mod, name = fn.split(":")
+        with open(args_path, "rb") as f:
+            kwargs = pickle.load(f)
+        result = getattr(importlib.import_module(mod), name)(ctx, **kwargs)
+        with open(out_path, "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    _child(a[0], int(a[1]), int(a[2]), a[3], a[4], a[5])

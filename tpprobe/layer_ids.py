@@ -1,0 +1,206 @@
+"""What an EAGLE-3 layer id really captures in SGLang 0.5.23, per architecture.
+
+Pure Python (no sglang import): used by `tpprobe layers` and by the probe report.
+
+The ids here are the ids a user hands SGLang, i.e. what `set_eagle3_layers_to_capture(ids)`
+receives (a draft model's `eagle_aux_hidden_state_layer_ids`). tpprobe passes them to SGLang
+verbatim; this module says what SGLang then does with them.
+
+SGLang's rules (read in the 0.5.23 source, proven by tests/test_sglang_layer_ids.py against real
+captures of the tiny models):
+
+* Decoder layer ``i`` in SGLang's ``layers_to_capture`` captures the residual stream *entering*
+  layer ``i`` (previous layer's output after its all-reduce, plus residual; before the input norm)
+  = HF ``hidden_states[i]``. ``i = 0`` is the embedding output. The loop runs ``i = 0..L-1``, so an
+  index ``L`` (the final layer's output) or a negative one is never reached.
+* Llama (models/llama.py ``set_eagle3_layers_to_capture``): ``layers_to_capture = [id + 1 ...]``
+  always. So id -1 = embedding output, id k = HF hidden_states[k+1], id L-1 -> L is never reached:
+  silently dropped when another id captures something (the draft gets fewer slots); alone it
+  crashes (llama.py unpacks a missing aux list). Captures go in an ``AuxHiddenStateList``.
+* DeepSeek-V2/V3/Kimi (models/deepseek_v2.py): ``+1`` ONLY when the first id is 1, otherwise the
+  ids are used as given, so id k = HF hidden_states[k]. Captures go in an ``AuxHiddenStatePacker``
+  sized for every requested id: any id that captures nothing (out of range, duplicate) crashes
+  with ``captured n of K aux hidden states``.
+* Both: ``i in layers_to_capture`` is a membership test, so slots come out in *layer order*,
+  not in the requested order, and a duplicate captures once.
+* ``ids=None`` means SGLang's default ``layers_to_capture = [2, L//2, L-3]`` (no +1 applied).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tpprobe.errors import UsageError
+
+SGLANG_VERSION = "0.5.23"
+
+# arch name (as given to --arch, or HF model_type) -> capture family
+_FAMILIES = {
+    "llama": "llama",
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+    "kimi_k2": "deepseek",
+}
+ARCHES = tuple(_FAMILIES)
+
+
+def family(arch: str) -> str:
+    try:
+        return _FAMILIES[arch.lower()]
+    except KeyError:
+        raise UsageError(
+            f"unknown SGLang arch {arch!r}: layer-id rules are known for {', '.join(ARCHES)}"
+        ) from None
+
+
+@dataclass
+class LayerIdRow:
+    requested: Optional[int]   # the id given (None for SGLang's default list)
+    layer: int                 # index in SGLang's layers_to_capture
+    captured: bool             # does the forward loop ever reach it
+    slot: Optional[int]        # position in the packed aux tensor (None: no slot)
+    hf_index: Optional[int]    # HF hidden_states index the slot equals (None: nothing)
+    what: str                  # what it physically is
+    status: str                # "ok" | "dropped" | "crash"
+    note: str
+
+
+@dataclass
+class LayerPlan:
+    arch: str
+    family: str
+    num_layers: int
+    ids: Optional[list[int]]
+    shift: int                           # +1 or 0 applied to every id
+    rule: str                            # one line: which +1 rule applied and why
+    layers_to_capture: list[int]
+    rows: list[LayerIdRow] = field(default_factory=list)
+    crash: Optional[str] = None          # what SGLang's forward raises, if it does
+
+    @property
+    def slot_hf_indices(self) -> list[int]:
+        """HF hidden_states index held by each slot of the packed aux tensor, in slot order."""
+        return sorted({r.hf_index for r in self.rows if r.slot is not None})
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_hf_indices)
+
+
+def _what(layer: int, num_layers: int) -> str:
+    if layer == 0:
+        return "embedding output (= HF hidden_states[0])"
+    return f"residual stream entering layer {layer} = HF hidden_states[{layer}]"
+
+
+def plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
+    """Apply SGLang 0.5.23's capture-id rules for `arch` to `ids` on a model of `num_layers`."""
+    fam = family(arch)
+    L = int(num_layers)
+    if L < 1:
+        raise UsageError(f"--num-layers must be >= 1, got {num_layers}")
+    if ids is None:
+        shift, rule = 0, "ids not given: SGLang's default layers_to_capture [2, L//2, L-3], no +1"
+        layers = [2, L // 2, L - 3]
+        requested: list[Optional[int]] = [None] * 3
+    else:
+        ids = [int(i) for i in ids]
+        if fam == "llama":
+            shift, rule = 1, "Llama: +1 always (layer i captures the output of layer i-1)"
+        elif ids and ids[0] == 1:
+            shift, rule = 1, "DeepSeek-V2/V3/Kimi: first id is 1, so +1 applies to every id"
+        else:
+            shift, rule = 0, "DeepSeek-V2/V3/Kimi: first id is not 1, so ids are used as given (no +1)"
+        layers = [i + shift for i in ids]
+        requested = list(ids)
+
+    reached = [0 <= c < L for c in layers]
+    slot_layers = sorted({c for c, ok in zip(layers, reached) if ok})
+    n_captures_packer = sum(1 for c in set(layers) if 0 <= c < L)
+    p = LayerPlan(arch=arch, family=fam, num_layers=L, ids=ids, shift=shift, rule=rule,
+                  layers_to_capture=layers)
+    seen: set[int] = set()
+    for req, c, ok in zip(requested, layers, reached):
+        shift_note = f"+1 applied ({req}->{c})" if shift and req is not None else "no +1"
+        if not ok:
+            if c == L:
+                why = f"layer {c} = output of the last layer: the loop (0..{L - 1}) never reaches it"
+            else:
+                why = f"layer {c} is outside 0..{L - 1}: never reached"
+            row = LayerIdRow(req, c, False, None, None, "nothing", "", f"{shift_note}; {why}")
+        elif c in seen:
+            row = LayerIdRow(req, c, True, None, c, _what(c, L), "",
+                             f"{shift_note}; duplicate of an earlier id: captured once")
+        else:
+            seen.add(c)
+            slot = slot_layers.index(c)
+            row = LayerIdRow(req, c, True, slot, c, _what(c, L), "ok", shift_note)
+        p.rows.append(row)
+
+    captured_any = bool(slot_layers)
+    if fam == "llama":
+        for r in p.rows:
+            if r.status == "":
+                r.status = "dropped" if captured_any else "crash"
+        if not captured_any:
+            p.crash = ("no id captures anything: LlamaForCausalLM.forward unpacks a missing aux "
+                       "list (llama.py:621) and fails")
+    else:
+        bad = [r for r in p.rows if r.status == ""]
+        for r in bad:
+            r.status = "crash"
+        if bad and captured_any:
+            p.crash = (f"AuxHiddenStatePacker expects {len(layers)} captures, gets "
+                       f"{n_captures_packer}: RuntimeError 'captured {n_captures_packer} of "
+                       f"{len(layers)} aux hidden states'")
+        elif bad:
+            p.crash = ("no id captures anything: the model returns no aux hidden states although "
+                       "EAGLE-3 capture is on")
+    if captured_any and [r.layer for r in p.rows if r.slot is not None] != slot_layers:
+        for r in p.rows:
+            if r.slot is not None:
+                r.note += "; slots follow layer order, not the order of the ids"
+    return p
+
+
+def layers_table(p: LayerPlan):
+    """A rich Table of `p` (for `tpprobe layers` and the probe report)."""
+    from rich.table import Table
+
+    given = "default" if p.ids is None else ",".join(str(i) for i in p.ids)
+    t = Table(title=f"SGLang {SGLANG_VERSION} EAGLE-3 capture, arch {p.arch}, {p.num_layers} layers, "
+                    f"ids {given}",
+              caption=f"{p.rule}. layers_to_capture={p.layers_to_capture}; packed aux = "
+                      f"{p.num_slots} slot(s) of hidden_size, same full tensor on every TP rank"
+                      + (f". CRASH: {p.crash}" if p.crash else ""))
+    t.add_column("id", justify="right")
+    t.add_column("captures layer", justify="right")
+    t.add_column("aux slot", justify="right")
+    t.add_column("what it physically is")
+    t.add_column("status")
+    t.add_column("note")
+    style = {"ok": "green", "dropped": "yellow", "crash": "bold red"}
+    for r in p.rows:
+        t.add_row("-" if r.requested is None else str(r.requested), str(r.layer),
+                  "-" if r.slot is None else str(r.slot), r.what,
+                  f"[{style.get(r.status, '')}]{r.status or '-'}[/]", r.note)
+    return t
+
+
+def parse_ids(text: Optional[str]) -> Optional[list[int]]:
+    """'-1,2,30' -> [-1, 2, 30]; '' or None -> None (SGLang's default). Bad text -> UsageError."""
+    if text is None or not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--ids must be comma-separated integers like -1,2,30, got {text!r}") from None
+
+
+def render_layers_table(arch: str, ids: Optional[list[int]], num_layers: int, console=None) -> LayerPlan:
+    """Print the table for `tpprobe layers` on `console` (a rich Console; default stdout)."""
+    from rich.console import Console
+
+    p = plan(arch, ids, num_layers)
+    (console or Console()).print(layers_table(p))
+    return p

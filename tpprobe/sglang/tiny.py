@@ -1,0 +1,331 @@
+"""Tiny random-weight SGLang models on CPU gloo: `tpprobe probe --backend sglang --arch ...`.
+
+`build_target(ctx, arch, ...)` builds SGLang's own `LlamaForCausalLM` or `DeepseekV2ForCausalLM`
+(MLA, optionally with an MoE layer) on this rank, sharded by SGLang's parallel state, which
+`tpprobe.sglang.dist` publishes over the probe's already-initialized gloo world. Weights: one
+full, seeded tensor set (identical on every rank), generated through the HF transformers model
+of the same config and loaded with the SGLang model's own `load_weights` (which shards it).
+The forward is an EXTEND batch of `tokens` tokens with the `torch_native` attention backend and
+`CaptureHiddenMode.FULL`, so the returned `LogitsProcessorOutput.hidden_states` is the packed aux
+tensor SGLang hands the EAGLE-3 draft, for every token.
+
+Layer ids: `layer_ids` are passed VERBATIM to SGLang's `set_eagle3_layers_to_capture` (the ids a
+draft model's config names). What each one captures depends on the arch; see
+`tpprobe.layer_ids` (Llama: +1 always; DeepSeek: +1 only when the first id is 1). `None` means
+SGLang's default ids; `[]` turns capture off. Ids that would crash SGLang's forward raise
+UsageError before the model is built.
+
+`hf_reference(...)` recomputes the same seeded weights in HF transformers and returns HF's
+per-layer hidden states (hidden_states[0] = embeddings, [i] = input of layer i), so tests can
+prove what each aux slot holds.
+
+CPU only: this module enables `tpprobe.sglang.cpu_mode`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from tpprobe import layer_ids as lid
+from tpprobe.errors import UsageError
+from tpprobe.sglang import INSTALL_HINT, SGLANG_VERSION, require
+from tpprobe.target import ProbeTarget, RankContext
+
+ARCHES = ("llama", "deepseek_v2")
+
+# HF model_type -> tpprobe arch
+_MODEL_TYPES = {"llama": "llama", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v2",
+                "kimi_k2": "deepseek_v2"}
+
+
+def tiny_config(arch: str, num_layers: int, moe: bool = True):
+    """The built-in tiny config (float32) for `arch`."""
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32",
+            architectures=["LlamaForCausalLM"])
+    if arch == "deepseek_v2":
+        from transformers import DeepseekV3Config
+
+        c = DeepseekV3Config(
+            vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=_first_dense(num_layers, moe),
+            max_position_embeddings=256,
+            # SGLang's CPU rope supports only deepseek_yarn (as real DeepSeek-V3 uses)
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                             "original_max_position_embeddings": 128, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            tie_word_embeddings=False, torch_dtype="float32", rms_norm_eps=1e-6)
+        c.architectures = ["DeepseekV3ForCausalLM"]
+        return c
+    raise UsageError(f"--arch {arch!r} is not supported by the SGLang backend: "
+                     f"use one of {', '.join(ARCHES)}")
+
+
+def _first_dense(num_layers: int, moe: bool) -> int:
+    # moe: layer 0 dense, the rest MoE (one layer alone is made MoE); else all dense
+    return (1 if num_layers >= 2 else 0) if moe else num_layers
+
+
+def load_config(arch: Optional[str], config_path: str, num_layers: int, moe: bool = True):
+    """A user's config.json (file or its folder) cut to `num_layers` layers, for random weights."""
+    path = config_path
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--config {config_path}: cannot read a JSON config ({e})") from None
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise UsageError(f"--config {config_path}: no 'model_type' in it; expected a HF config.json")
+    mt = d["model_type"]
+    if mt not in _MODEL_TYPES:
+        raise UsageError(f"--config {config_path}: model_type {mt!r} is not supported by the SGLang "
+                         f"backend (supported: {', '.join(sorted(_MODEL_TYPES))})")
+    if arch is not None and _MODEL_TYPES[mt] != arch:
+        raise UsageError(f"--config {config_path} is a {mt} model but --arch is {arch}: "
+                         f"use --arch {_MODEL_TYPES[mt]}")
+    for drop in ("quantization_config", "auto_map", "_name_or_path"):
+        d.pop(drop, None)  # random weights in the probe dtype; never run remote code
+    if mt == "kimi_k2":
+        mt = d["model_type"] = "deepseek_v3"
+    d["num_hidden_layers"] = num_layers
+    if _MODEL_TYPES[mt] == "deepseek_v2":
+        d["first_k_dense_replace"] = min(int(d.get("first_k_dense_replace", 0)),
+                                         _first_dense(num_layers, moe))
+        d.pop("num_nextn_predict_layers", None)
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.for_model(**d)
+    except Exception as e:  # noqa: BLE001 - transformers' own validation, one line for the user
+        raise UsageError(f"--config {config_path}: transformers rejects it: {e}") from None
+    c.num_hidden_layers = num_layers
+    return c
+
+
+def _arch_of(config) -> str:
+    return _MODEL_TYPES[config.model_type]
+
+
+def _hf_class(config):
+    import transformers
+
+    name = {"llama": "LlamaForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}[config.model_type]
+    return getattr(transformers, name)
+
+
+def seeded_hf_model(config, seed: int):
+    """HF model of `config` with weights drawn from `seed` only (identical on every rank)."""
+    torch.manual_seed(seed)
+    hf = _hf_class(config)(config).eval().float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(hf.named_parameters()):
+            if p.dim() > 1:   # non-trivial but bounded activations for any width
+                p.normal_(0.0, min(0.2, 1.5 / math.sqrt(p.shape[-1])), generator=g)
+            else:             # norms etc. away from 1 so a skipped norm is visible
+                p.uniform_(0.5, 1.5, generator=g)
+    return hf
+
+
+def _input_ids(vocab: int, tokens: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed + 1))
+
+
+def hf_reference(arch: str, num_layers: int, tokens: int, seed: int,
+                 config_path: Optional[str] = None, moe: bool = True):
+    """HF transformers' forward on the same seeded weights and input ids as `build_target`.
+
+    Returns (input_ids [tokens], hidden_states: list of L+1 tensors [tokens, hidden] with
+    hidden_states[0] = embedding output and hidden_states[i] = input of decoder layer i
+    (the last one is after the final norm), logits [tokens, vocab]); all float32.
+    """
+    config = _config(arch, num_layers, config_path, moe)
+    hf = seeded_hf_model(config, seed)
+    ids = _input_ids(config.vocab_size, tokens, seed)
+    with torch.no_grad():
+        out = hf(ids[None], output_hidden_states=True)
+    return ids, [h[0] for h in out.hidden_states], out.logits[0]
+
+
+def _config(arch, num_layers, config_path, moe):
+    if arch is not None and arch not in ARCHES:
+        raise UsageError(f"--arch {arch!r} is not supported by the SGLang backend: "
+                         f"use one of {', '.join(ARCHES)}")
+    if num_layers < 1:
+        raise UsageError(f"--num-layers must be >= 1, got {num_layers}")
+    if config_path:
+        config = load_config(arch, config_path, num_layers, moe)
+    else:
+        if arch is None:
+            raise UsageError("--arch or --config is needed for the SGLang backend")
+        config = tiny_config(arch, num_layers, moe)
+    if _arch_of(config) == "deepseek_v2":
+        from tpprobe.sglang.cpu_mode import fill_deepseek_config
+
+        fill_deepseek_config(config)
+    return config
+
+
+@dataclass
+class _Runtime:
+    model: Any
+    config: Any
+    ids: torch.Tensor
+    dtype: torch.dtype
+    mla: bool
+    capture: bool
+
+
+def _forward_batch(rt: _Runtime):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.memory_pool import (MHATokenToKVPool, MLATokenToKVPool,
+                                                  ReqToTokenPool)
+    from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch,
+                                                              ForwardMode)
+
+    n = rt.ids.numel()
+    L = rt.config.num_hidden_layers
+    size = n + 8
+    req_pool = ReqToTokenPool(size=1, max_context_len=size, device="cpu",
+                              enable_memory_saver=False)
+    if rt.mla:
+        attn = rt.model.model.layers[0].self_attn
+        kv_pool = MLATokenToKVPool(size=size, page_size=1, dtype=rt.dtype,
+                                   kv_lora_rank=attn.kv_lora_rank,
+                                   qk_rope_head_dim=attn.qk_rope_head_dim, layer_num=L,
+                                   device="cpu", enable_memory_saver=False)
+    else:
+        attn = rt.model.model.layers[0].self_attn
+        kv_pool = MHATokenToKVPool(size=size, page_size=1, dtype=rt.dtype,
+                                   head_num=attn.num_kv_heads, head_dim=attn.head_dim,
+                                   layer_num=L, device="cpu", enable_memory_saver=False,
+                                   enable_alt_stream=False)
+    locs = torch.arange(1, n + 1, dtype=torch.int64)  # slot 0 is the padding slot
+    req_idx = 1                                         # row 0 is the padding row
+    req_pool.req_to_token[req_idx, :n] = locs.to(req_pool.req_to_token.dtype)
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
+    backend = TorchNativeAttnBackend(runner)
+    if rt.mla:
+        backend.prefill_attention_backend_str = backend.decode_attention_backend_str = "torch_native"
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=rt.ids,
+        req_pool_indices=torch.tensor([req_idx]), seq_lens=torch.tensor([n], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([n], dtype=torch.int32), out_cache_loc=locs, seq_lens_sum=n,
+        positions=torch.arange(n, dtype=torch.int64))
+    fb.extend_prefix_lens = torch.tensor([0], dtype=torch.int32)
+    fb.extend_prefix_lens_cpu = [0]
+    fb.extend_seq_lens = torch.tensor([n], dtype=torch.int32)
+    fb.extend_seq_lens_cpu = [n]
+    fb.extend_num_tokens = n
+    # FULL: the logits processor returns the (aux) hidden states of every token
+    fb.capture_hidden_mode = CaptureHiddenMode.FULL if rt.capture else CaptureHiddenMode.NULL
+    return fb, backend
+
+
+def _run(rt: _Runtime):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    fb, backend = _forward_batch(rt)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_forward_metadata(fb)
+        return rt.model(rt.ids, fb.positions, fb)
+
+
+def packed_aux(result) -> Optional[torch.Tensor]:
+    """The packed aux tensor [tokens, K*hidden] SGLang hands the EAGLE-3 draft (None: no capture)."""
+    aux = getattr(result, "hidden_states", None)
+    if aux is None:
+        return None
+    if not isinstance(aux, torch.Tensor):
+        from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+        aux = pack_aux_hidden_states(aux)
+    return aux
+
+
+def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
+                 dtype: torch.dtype, layer_ids: Optional[list[int]],
+                 config_path: Optional[str] = None, moe: bool = True) -> ProbeTarget:
+    """A tiny SGLang model on this rank, ready for the probe (see the module docstring).
+
+    Needs torch.distributed already initialized with world size = tp (ctx.world_size).
+    """
+    require()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UsageError(f"--dtype {dtype} is not supported by the SGLang backend "
+                         f"(float32, bfloat16, float16)")
+    if tokens < 1:
+        raise UsageError(f"--tokens must be >= 1, got {tokens}")
+    config = _config(arch, num_layers, config_path, moe)
+    arch = _arch_of(config)
+    capture = layer_ids is None or len(layer_ids) > 0
+    plan = lid.plan(arch, layer_ids, num_layers) if capture else None
+    if plan is not None and plan.crash:
+        given = "default" if layer_ids is None else ",".join(map(str, layer_ids))
+        raise UsageError(f"layer ids {given} crash SGLang's {arch} forward ({plan.crash}); see "
+                         f"`tpprobe layers --arch {arch} --ids {given} --num-layers {num_layers}`")
+    heads = config.num_attention_heads
+    if heads % ctx.world_size:
+        raise UsageError(f"{heads} attention heads do not split over tp={ctx.world_size}")
+
+    from tpprobe.sglang import cpu_mode
+
+    cpu_mode.enable()
+    from tpprobe.sglang.dist import publish_for
+
+    publish_for(ctx)
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    hf = seeded_hf_model(config, seed)
+    weights = [(k, v.to(dtype)) for k, v in hf.state_dict().items()]
+    vocab = config.vocab_size
+    del hf
+    config.torch_dtype = dtype
+    with set_default_torch_dtype(dtype):
+        if arch == "llama":
+            from sglang.srt.models.llama import LlamaForCausalLM as Cls
+        else:
+            from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM as Cls
+        model = Cls(config).eval()
+    model.load_weights(weights)
+    del weights
+    if capture:
+        model.set_eagle3_layers_to_capture(layer_ids)
+    rt = _Runtime(model=model, config=config, ids=_input_ids(vocab, tokens, seed), dtype=dtype,
+                  mla=arch == "deepseek_v2", capture=capture)
+    mlps = [type(layer.mlp).__name__ for layer in model.model.layers]
+    info = {
+        "backend": f"sglang {SGLANG_VERSION} (CPU test mode, torch_native attention, EXTEND)",
+        "model": f"{type(model).__name__} ({'config ' + config_path if config_path else 'tiny'}, "
+                 f"random weights, seed {seed})",
+        "vocab": vocab,
+        "mlp per layer": ",".join(mlps),
+        "sglang layers_to_capture": list(model.model.layers_to_capture) if capture else "off",
+        "layer-id rule": plan.rule if plan else "capture off",
+    }
+    return ProbeTarget(
+        model=model, forward=lambda: _run(rt), input_ids=rt.ids, num_layers=num_layers,
+        hidden_size=config.hidden_size, dtype=dtype, arch=arch,
+        packed_aux=packed_aux if capture else None,
+        model_layer_ids=None if layer_ids is None else list(layer_ids), info=info)
+
+
+__all__ = ["build_target", "hf_reference", "packed_aux", "tiny_config", "load_config",
+           "seeded_hf_model", "ARCHES", "INSTALL_HINT"]
