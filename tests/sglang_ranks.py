@@ -25,6 +25,9 @@ class RanksFailed(AssertionError):
     pass
 
 
+LAST_LOGS: list = []   # each rank's stdout+stderr of the last run_ranks call
+
+
 def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 180.0,
               env: dict | None = None) -> list:
     with tempfile.TemporaryDirectory(prefix="tpprobe-ranks-") as tmp:
@@ -60,10 +63,12 @@ def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 
                     p.kill()
                     p.wait()
         failed = []
+        LAST_LOGS.clear()
         for r, (p, log) in enumerate(zip(procs, logs)):
             log.seek(0)
             out = log.read()
             log.close()
+            LAST_LOGS.append(out)
             if p.returncode != 0:
                 failed.append(f"--- rank {r} exit {p.returncode} ---\n{out[-6000:]}")
         if timed_out or failed:
