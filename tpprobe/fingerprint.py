@@ -1,0 +1,364 @@
+"""Fingerprints of captured tensors: checks that cost a few KB, not a gather.
+
+A :class:`Fingerprint` holds
+
+* ``bit_hash``: an exact 128-bit hash of the tensor's bytes (32 hex chars).
+  The bytes are read as little-endian uint32 words (zero-padded to a multiple
+  of 4 bytes); word ``q`` is mixed with its index through two independent
+  bijective 32-bit mixers (lanes a and b), and each lane is the plain sum of
+  its mixed words mod 2^64 (each lane then passed through the splitmix64
+  finalizer, a bijection, for display).  Because every mixer is a bijection of the word for
+  a fixed index, changing any single word always changes both lanes; any other
+  change collides with probability about 2^-64.  -0.0 and 0.0 differ (their
+  bytes differ).  The hash does not depend on ``seed``.
+* ``sketch``: a seeded LINEAR sketch, ``sketch[j] = sum_i s_j(i) * x_i`` with
+  ``s_j(i) = a_j(i mod 128) * b_j(i // 128)`` in {+1, -1}.  ``a_j``/``b_j`` are
+  bits of counter-based hashes of (seed, j, column) and (seed, j, row), so no
+  k x n matrix is stored and every rank derives the same signs.  Linearity
+  makes all-reduce completeness checkable on sketches:
+  ``sketch(out) ~= sum_r sketch(in_r)``.
+* ``sumsq`` (sum of squares, float64), ``absmax`` (max |x| ignoring NaN),
+  ``n_nan``, ``n_inf``, and ``row_nonzero``: for a 2-D [tokens, hidden]
+  tensor a hex bitmap (bit r, little-endian bit order within each byte) of the
+  token rows that hold any non-zero element; empty for other ranks.
+
+The PyTorch path here is the reference (float64 sketch on CPU, float32 blocks
+on GPU).  CUDA tensors go through the fused Triton kernel in
+``tpprobe._triton_fingerprint`` when triton imports; it yields the identical
+``bit_hash`` / counts / bitmap and a sketch equal within float tolerance.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["Fingerprint", "fingerprint", "fingerprints", "sum_matches", "sketch_close",
+           "SKETCH_ROW"]
+
+M32 = 0xFFFFFFFF
+M64 = (1 << 64) - 1
+SKETCH_ROW = 128          # sign pattern row width (elements): s_j(i) = a_j(i % 128) * b_j(i // 128)
+_CHUNK_ROWS = 8192        # CPU path: rows of 128 elements per chunk (1 Mi elements)
+
+# lane constants (fixed: the bit hash is independent of the sketch seed)
+QA, SA = 0x9E3779B1, 0x6A09E667
+QB, SB = 0x85EBCA77, 0xBB67AE85
+
+
+# --------------------------------------------------------------------------- mixing
+def _mix_a_py(x: int) -> int:
+    x &= M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    x ^= x >> 16
+    return x
+
+
+def _mix_a(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding uint32 values (bijection of 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def _mix_b(x: torch.Tensor) -> torch.Tensor:
+    """A second, independent 32-bit bijective mixer."""
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & M32
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & M32
+    return x ^ (x >> 15)
+
+
+def _fmix64(x: int) -> int:
+    """splitmix64 finalizer: a bijection of 2^64, so it spreads the lane sums
+    over all 64 bits without losing information."""
+    x &= M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def hash_hex(la: int, lb: int) -> str:
+    return f"{_fmix64(la):016x}{_fmix64(lb ^ 0x5851F42D4C957F2D):016x}"
+
+
+def _salt(seed: int, tag: int) -> int:
+    s = seed & M64
+    return _mix_a_py(_mix_a_py((s & M32) ^ 0x3C6EF372) ^ (s >> 32) ^ ((tag * 0xA54FF53A) & M32))
+
+
+def _col_salts(seed: int, groups: int) -> list[int]:
+    return [_salt(seed, 2 * g + 1) for g in range(groups)]
+
+
+def _row_salts(seed: int, groups: int) -> list[int]:
+    return [_salt(seed, 2 * g + 2) for g in range(groups)]
+
+
+def _sign_bits(idx: torch.Tensor, salts: list[int], k: int) -> torch.Tensor:
+    """[len(idx), k] float tensor of +-1: bit (j % 32) of mix_a((idx mod 2^32) ^ salt[j // 32])."""
+    idx = idx & M32
+    j = torch.arange(k, device=idx.device)
+    cols = []
+    for g, s in enumerate(salts):
+        h = _mix_a(idx ^ s)
+        jj = j[g * 32:(g + 1) * 32] - g * 32
+        cols.append((h[:, None] >> jj[None, :]) & 1)
+    bits = torch.cat(cols, dim=1)
+    return 1.0 - 2.0 * bits.to(torch.float64)
+
+
+_A_CACHE: dict = {}
+
+
+def column_signs(seed: int, k: int, device="cpu", dtype=torch.float64) -> torch.Tensor:
+    """The [128, k] +-1 matrix a_j(c) (exact in any float dtype)."""
+    key = (seed, k, str(device), dtype)
+    a = _A_CACHE.get(key)
+    if a is None:
+        a = _sign_bits(torch.arange(SKETCH_ROW, dtype=torch.int64), _col_salts(seed, (k + 31) // 32), k)
+        a = a.to(device=device, dtype=dtype)
+        _A_CACHE[key] = a
+    return a
+
+
+def row_signs(rows: torch.Tensor, seed: int, k: int) -> torch.Tensor:
+    """[len(rows), k] +-1 matrix b_j(r) (float64)."""
+    return _sign_bits(rows.to(torch.int64), _row_salts(seed, (k + 31) // 32), k)
+
+
+# --------------------------------------------------------------------------- dataclass
+@dataclass
+class Fingerprint:
+    shape: list
+    dtype: str
+    bit_hash: str
+    sketch: list = field(default_factory=list)
+    sumsq: float = 0.0
+    absmax: float = 0.0
+    n_nan: int = 0
+    n_inf: int = 0
+    row_nonzero: str = ""
+    seed: int = 0
+
+    @property
+    def k(self) -> int:
+        return len(self.sketch)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        # JSON has no inf/nan: encode as strings
+        for key in ("sumsq", "absmax"):
+            d[key] = _enc_float(d[key])
+        d["sketch"] = [_enc_float(v) for v in d["sketch"]]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Fingerprint":
+        d = dict(d)
+        for key in ("sumsq", "absmax"):
+            d[key] = float(d[key])
+        d["sketch"] = [float(v) for v in d["sketch"]]
+        d["shape"] = list(d["shape"])
+        return cls(**d)
+
+    def nonzero_rows(self) -> list[bool]:
+        """Decoded row_nonzero bitmap (one bool per token row)."""
+        if not self.row_nonzero:
+            return []
+        b = bytes.fromhex(self.row_nonzero)
+        n = self.shape[0]
+        return [bool((b[r >> 3] >> (r & 7)) & 1) for r in range(n)]
+
+
+def _enc_float(v):
+    v = float(v)
+    return v if math.isfinite(v) else repr(v)   # 'inf', '-inf', 'nan' -> float() reads them
+
+
+def _bitmap_hex(flags: torch.Tensor) -> str:
+    """bool [rows] -> hex string, bit r of byte r//8 (little-endian bit order)."""
+    f = flags.to("cpu", torch.uint8).flatten()
+    n = f.numel()
+    pad = (-n) % 8
+    if pad:
+        f = torch.cat([f, torch.zeros(pad, dtype=torch.uint8)])
+    w = f.view(-1, 8).to(torch.int64) << torch.arange(8)
+    return bytes(w.sum(1).to(torch.uint8).tolist()).hex()
+
+
+# --------------------------------------------------------------------------- torch path
+def _words(byts: torch.Tensor) -> torch.Tensor:
+    """uint8 [nb] -> int64 tensor of little-endian uint32 words (zero-padded)."""
+    pad = (-byts.numel()) % 4
+    if pad:
+        byts = torch.cat([byts, torch.zeros(pad, dtype=torch.uint8, device=byts.device)])
+    return byts.view(torch.int32).to(torch.int64) & M32
+
+
+def _hash_words(w: torch.Tensor, q0: int) -> tuple[int, int]:
+    q = (torch.arange(w.numel(), dtype=torch.int64, device=w.device) + q0) & M32
+    ha = _mix_a(w ^ ((q * QA + SA) & M32))
+    hb = _mix_b((w + ((q * QB) & M32 ^ SB)) & M32)
+    # each summand < 2^32 and a chunk has < 2^31 words: the int64 sums are exact
+    return int(ha.sum()), int(hb.sum())
+
+
+def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
+    flat = t.detach().contiguous().reshape(-1)
+    n = flat.numel()
+    isz = flat.element_size()
+    on_cpu = flat.device.type == "cpu"
+    acc = torch.float64 if on_cpu else torch.float32
+    byts = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
+    A = column_signs(seed, k, flat.device, acc)
+    chunk = _CHUNK_ROWS * SKETCH_ROW if on_cpu else 1 << 26
+    la = lb = 0
+    sk = torch.zeros(k, dtype=torch.float64)
+    sumsq = 0.0
+    absmax = 0.0
+    n_nan = n_inf = 0
+    for e0 in range(0, n, chunk):
+        e1 = min(n, e0 + chunk)
+        a, b = _hash_words(_words(byts[e0 * isz:e1 * isz]), e0 * isz // 4)
+        la += a
+        lb += b
+        x = flat[e0:e1]
+        if x.is_complex():
+            x = torch.view_as_real(x).reshape(-1)  # pragma: no cover - not a capture dtype
+        x = x.to(acc)
+        m = x.numel()
+        pad = (-m) % SKETCH_ROW
+        xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
+        X = xp.view(-1, SKETCH_ROW)
+        r0 = e0 // SKETCH_ROW
+        rows = torch.arange(r0, r0 + X.shape[0], dtype=torch.int64)
+        Y = (X @ A).to(torch.float64).cpu()                 # [rows, k]
+        sk += (Y * row_signs(rows, seed, k)).sum(0)
+        sumsq += float(x.to(torch.float64).square().sum())
+        isn = torch.isnan(x)
+        n_nan += int(isn.sum())
+        n_inf += int(torch.isinf(x).sum())
+        if m:
+            absmax = max(absmax, float(torch.where(isn, torch.zeros_like(x), x.abs()).max()))
+    rows_hex = ""
+    if t.dim() == 2:
+        rows_hex = _bitmap_hex((t.detach() != 0).any(dim=1) if t.shape[1] else
+                               torch.zeros(t.shape[0], dtype=torch.bool))
+    return Fingerprint(shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""),
+                       bit_hash=hash_hex(la, lb), sketch=sk.tolist(),
+                       sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf,
+                       row_nonzero=rows_hex, seed=seed)
+
+
+# --------------------------------------------------------------------------- dispatch
+def _triton_ok(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda" or os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+        return False
+    try:
+        from . import _triton_fingerprint as tf
+    except Exception:
+        return False
+    return tf.supported(t)
+
+
+def fingerprint(t: torch.Tensor, seed: int = 0, k: int = 32) -> Fingerprint:
+    """Fingerprint one tensor (on its own device). k in 1..64."""
+    return fingerprints([t], seed=seed, k=k)[0]
+
+
+def fingerprints(tensors: list, seed: int = 0, k: int = 32) -> list[Fingerprint]:
+    """Fingerprint several tensors; CUDA tensors share one device->host transfer."""
+    if not 1 <= k <= 64:
+        raise ValueError("k must be in 1..64")
+    out: list = [None] * len(tensors)
+    fused = [i for i, t in enumerate(tensors) if _triton_ok(t)]
+    if fused:
+        from . import _triton_fingerprint as tf
+        for i, fp in zip(fused, tf.fingerprint_batch([tensors[i] for i in fused], seed, k)):
+            out[i] = fp
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = _fingerprint_torch(t, seed, k)
+    return out
+
+
+# --------------------------------------------------------------------------- judging
+def _eps(dtype) -> float:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    e = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    # floor: float32 sketch accumulation noise (blocked sums on GPU)
+    return max(e, 2.0 ** -17)
+
+
+NOISE_FACTOR = 4.0
+
+
+def sum_matches(out_fp: Fingerprint, in_fps: list, dtype: torch.dtype) -> tuple[bool, float]:
+    """Is the all-reduce output the sum of the inputs?  Judged on the sketches.
+
+    Rule: with m = len(in_fps), k sketch entries, u = max(eps(dtype), 2^-17),
+    S = max(sqrt(sum_r sumsq(in_r)), sqrt(sumsq(out)))::
+
+        rel = ||sketch(out) - sum_r sketch(in_r)||_2 / (sqrt(k) * S)
+        ok  = rel <= 4 * u * sqrt(m)
+
+    Why: the sketch is linear and its random signs make each entry of the
+    sketch of a difference vector d have mean 0 and variance ||d||^2, so
+    rel ~= ||d|| / S.  Reduction-order rounding gives ||d|| <~ 0.3 * u *
+    sqrt(m-1) * S (one rounding per add, independent errors), an order of
+    magnitude under the bound; a missing share d = -in_r gives
+    rel ~= ||in_r|| / S (0.7 for 1 of 2 equal shares, 0.7 for 2 of 4, 0.35 for
+    1 of 8), far above it (bf16: 0.044 for m=2, 0.088 for m=8).  A missing share
+    whose norm is below ~ 4*u*sqrt(m) of the total cannot be told from noise.
+    Shapes must agree and no NaN may be present; otherwise (False, nan).
+    Returns (ok, rel).
+    """
+    fps = [out_fp, *in_fps]
+    if not in_fps or any(f.shape != out_fp.shape for f in in_fps):
+        return False, float("nan")
+    if any(f.k != out_fp.k or f.seed != out_fp.seed for f in in_fps):
+        raise ValueError("sketches differ in k or seed")
+    if any(f.n_nan for f in fps) or any(f.n_inf for f in fps):
+        return False, float("nan")
+    k = out_fp.k
+    diff = [out_fp.sketch[j] - math.fsum(f.sketch[j] for f in in_fps) for j in range(k)]
+    err = math.sqrt(math.fsum(d * d for d in diff))
+    S = max(math.sqrt(math.fsum(f.sumsq for f in in_fps)), math.sqrt(out_fp.sumsq))
+    if S == 0.0:
+        return err == 0.0, 0.0 if err == 0.0 else float("inf")
+    rel = err / (math.sqrt(k) * S)
+    return rel <= NOISE_FACTOR * _eps(dtype) * math.sqrt(len(in_fps)), rel
+
+
+def sketch_close(a: Fingerprint, b: Fingerprint, dtype) -> bool:
+    """Are two captures equal within rounding noise?  Bitwise-equal ones are;
+    otherwise shapes must agree, NaN/Inf counts match and
+    ||sketch(a) - sketch(b)|| / (sqrt(k) * max(||a||, ||b||)) <= 4 * u * sqrt(2)
+    (the sum_matches rule with one term each side)."""
+    if a.shape != b.shape:
+        return False
+    if a.bit_hash == b.bit_hash and a.dtype == b.dtype:
+        return True
+    if a.k != b.k or a.seed != b.seed:
+        raise ValueError("sketches differ in k or seed")
+    if (a.n_nan, a.n_inf) != (b.n_nan, b.n_inf) or a.n_nan:
+        return False
+    err = math.sqrt(math.fsum((x - y) ** 2 for x, y in zip(a.sketch, b.sketch)))
+    S = math.sqrt(max(a.sumsq, b.sumsq))
+    if S == 0.0:
+        return err == 0.0
+    return err / (math.sqrt(a.k) * S) <= NOISE_FACTOR * _eps(dtype) * math.sqrt(2)
