@@ -1,0 +1,145 @@
+"""The command line: `tpprobe probe | report | diff | layers`.
+
+Exit codes: 0 healthy (rounding noise allowed), 1 findings, 2 bad usage or unreadable input.
+Bad usage is one line on stderr (what is wrong, what to do); --debug shows the traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.exceptions import Abort, Exit, TyperException
+
+from .errors import TPProbeError, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="tpprobe: a debugger for tensor-parallel LLM inference.")
+
+_DEBUG = {"on": False}
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"--layers {text!r}: expected comma-separated integers like -1,1,3")
+
+
+@app.command()
+def probe(
+    nproc: Annotated[int, typer.Option("--nproc", help="local ranks to start (ignored under torchrun)")] = 2,
+    layers: Annotated[str, typer.Option("--layers", help="EAGLE-3 layer ids to capture; -1 = the embedding")] = "-1,1,3",
+    num_layers: Annotated[int, typer.Option("--num-layers")] = 6,
+    hidden: Annotated[int, typer.Option("--hidden")] = 64,
+    heads: Annotated[int, typer.Option("--heads")] = 8,
+    ffn: Annotated[int, typer.Option("--ffn")] = 128,
+    vocab: Annotated[int, typer.Option("--vocab")] = 131,
+    tokens: Annotated[int, typer.Option("--tokens")] = 16,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
+    backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
+    arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
+    config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory")] = None,
+    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable)")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
+    exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
+    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+) -> None:
+    """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
+    from . import dist as tdist
+    from .probe import ProbeOptions, run, validate
+
+    _DEBUG["on"] = debug
+    opts = ProbeOptions(layers=_ids(layers), num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
+                        vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
+                        config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
+                        exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
+                        nproc=nproc, debug=debug)
+    if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
+        raise typer.Exit(run(opts))
+    validate(opts, nproc)
+    if opts.out is None:
+        opts.out = time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+    from .capture import check_out_dir
+    check_out_dir(Path(opts.out), 0)
+    if not quiet and not json_out:
+        from .report import console
+        console(stderr=True).print(f"[dim]tpprobe: starting {nproc} local ranks; capture folder {opts.out}[/]")
+    from .launch import launch_local
+    raise typer.Exit(launch_local(nproc, ["probe", *options_argv(opts)]))
+
+
+def options_argv(opts) -> list[str]:
+    """ProbeOptions back to the command line the ranks run."""
+    a = ["--layers", ",".join(map(str, opts.layers)), "--num-layers", str(opts.num_layers), "--hidden", str(opts.hidden),
+         "--heads", str(opts.heads), "--ffn", str(opts.ffn), "--vocab", str(opts.vocab), "--tokens", str(opts.tokens),
+         "--seed", str(opts.seed), "--dtype", opts.dtype, "--backend", opts.backend, "--arch", opts.arch,
+         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out)]
+    for flag, v in (("--config", opts.config), ("--model", opts.model), ("--html", opts.html),
+                    ("--markdown", opts.markdown)):
+        if v:
+            a += [flag, str(v)]
+    for f in opts.inject:
+        a += ["--inject", f]
+    for flag, v in (("--json", opts.json_out), ("--quiet", opts.quiet), ("--debug", opts.debug)):
+        if v:
+            a.append(flag)
+    return a
+
+
+@app.command()
+def report(
+    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin")],
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+    html: Annotated[Optional[str], typer.Option("--html")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet")] = False,
+    debug: Annotated[bool, typer.Option("--debug")] = False,
+) -> None:
+    """Re-run the checks on a capture folder, offline, and print the report."""
+    _DEBUG["on"] = debug
+    from .offline import report_dir
+    raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    _DEBUG["on"] = "--debug" in argv
+    try:
+        code = app(args=argv, prog_name="tpprobe", standalone_mode=False)
+    except TyperException as e:          # typer's (vendored click) usage errors
+        if type(e).__name__ == "NoArgsIsHelpError":
+            code = 0
+        else:
+            ctx = getattr(e, "ctx", None)
+            cmd = f"tpprobe {ctx.info_name} --help" if ctx and ctx.info_name != "tpprobe" else "tpprobe --help"
+            _fail(f"{e.format_message()} (see {cmd})", e)
+            code = 2
+    except Exit as e:
+        code = e.exit_code
+    except Abort:
+        code = 130
+    except TPProbeError as e:
+        _fail(str(e), e)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(msg: str, exc: BaseException) -> None:
+    from .report import error_line
+    if _DEBUG["on"]:
+        import traceback
+        traceback.print_exception(exc)
+    error_line(msg)

@@ -1,0 +1,158 @@
+"""Process-group setup, the probe's own key-value channel, and the watchdog.
+
+How the probe never hangs on a broken peer
+------------------------------------------
+The model's collectives run on the model's group, bounded by the process group's timeout. The
+probe's own exchange does NOT start with a collective: every rank first posts its metadata (what
+it captured, every all-reduce it issued, its status) to the rendezvous store, and waits for the
+others' with a deadline, polling. A rank that died, hung or issued a different sequence of
+collectives therefore shows up as a missing or disagreeing post, never as a hang. Only when every
+rank posted and the posts agree do ranks run collectives again (the tensor exchange), on a
+dedicated gloo group whose sequence all ranks derive from the same metadata.
+
+A watchdog thread per rank posts a heartbeat (phase, place, the all-reduce it is blocked in) so the
+others can say what a missing rank was doing; if its own main thread sits in one all-reduce
+longer than `stall` seconds it posts that too (the others conclude "rank R issued a collective we
+never will"); and when rank 0 posts the final verdict it ends a rank whose main thread is stuck.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+from .hooks import Progress
+from .target import RankContext
+
+
+def env_rank() -> Optional[tuple[int, int, int]]:
+    """(rank, world_size, local_rank) when launched by torchrun / the elastic agent, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    except ValueError:
+        raise UsageError("RANK / WORLD_SIZE / LOCAL_RANK must be integers (set by torchrun)")
+
+
+def choose_backend(requested: Optional[str], local_rank: int) -> str:
+    if requested and requested != "auto":
+        if requested not in ("gloo", "nccl"):
+            raise UsageError(f"unknown --backend {requested!r}: use gloo, nccl or auto")
+        if requested == "nccl" and not torch.cuda.is_available():
+            raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
+        return requested
+    # one code path for CPU and GPU: NCCL when every rank has its own CUDA device
+    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
+        return "nccl"
+    return "gloo"
+
+
+def init(backend: Optional[str], timeout: float, seed: int = 0) -> RankContext:
+    rank, world, local = env_rank() or (0, 1, 0)
+    backend = choose_backend(backend, local)
+    device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
+                                **({"device_id": device} if backend == "nccl" else {}))
+    return RankContext(rank=rank, world_size=world, local_rank=local, device=device,
+                       backend=backend, group=None, seed=seed)
+
+
+def open_store(timeout: float, prefix: str):
+    """A store client of our own on the rendezvous store (thread-safe use: one client per thread)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        base = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    else:  # file:// or other init methods: reuse the default group's store
+        base = dist.distributed_c10d._get_default_store()
+    return dist.PrefixStore(prefix, base)
+
+
+def run_prefix() -> str:
+    return (f"tpprobe/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+
+
+class Channel:
+    """JSON posts keyed by name and rank on the store; waits poll with a deadline."""
+
+    def __init__(self, store, rank: int, world: int):
+        self.store, self.rank, self.world = store, rank, world
+
+    def post(self, key: str, obj, rank: Optional[int] = None) -> None:
+        self.store.set(f"{key}/{self.rank if rank is None else rank}", json.dumps(obj))
+
+    def get(self, key: str, rank: int):
+        k = f"{key}/{rank}"
+        if not self.store.check([k]):
+            return None
+        return json.loads(self.store.get(k))
+
+    def collect_rank(self, key: str, rank: int, deadline: float, poll: float = 0.05):
+        while True:
+            v = self.get(key, rank)
+            if v is not None or time.time() >= deadline:
+                return v
+            time.sleep(poll)
+
+    def collect(self, key: str, deadline: float, stop_early=None, poll: float = 0.05) -> dict[int, dict]:
+        """Every rank's post under key, waiting until `deadline` (time.time()) for missing ones.
+
+        stop_early(found) -> bool ends the wait before the deadline (e.g. the missing ranks are
+        known to be stuck)."""
+        found: dict[int, dict] = {}
+        while True:
+            for r in range(self.world):
+                if r not in found:
+                    v = self.get(key, r)
+                    if v is not None:
+                        found[r] = v
+            if len(found) == self.world or time.time() >= deadline:
+                return found
+            if stop_early is not None and stop_early(found):
+                return found
+            time.sleep(poll)
+
+
+class Watchdog(threading.Thread):
+    """Heartbeats, stall reports, and the end of a rank stuck after the verdict."""
+
+    def __init__(self, channel: Channel, progress: Progress, stall: float, interval: float = 0.25):
+        super().__init__(daemon=True, name="tpprobe-watchdog")
+        self.ch, self.progress, self.stall, self.interval = channel, progress, stall, interval
+        self.done = threading.Event()
+        self.stall_posted = False
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                p = self.progress
+                self.ch.post("hb", {"t": time.time(), "phase": p.phase, "where": p.where,
+                                    "collective": p.collective})
+                c = p.collective
+                if c and not self.stall_posted and time.time() - c["since"] > self.stall:
+                    audit = [a.meta() for a in list(p.audit or [])]
+                    self.ch.post("stall", {"t": time.time(), "collective": c, "where": p.where, "audit": audit})
+                    self.stall_posted = True
+                final = self.ch.get("final", 0)
+                if final is not None and p.phase not in ("report", "done"):
+                    # the verdict is out and this rank's main thread is still stuck: end it
+                    os._exit(int(final.get("code", 1)))
+            except Exception:
+                # the store is gone (the launcher ended): nobody is left to report to
+                return
+
+    def stop(self) -> None:
+        self.done.set()

@@ -1,0 +1,286 @@
+"""Scoped hooks: what the probe sees during one forward on one rank.
+
+`Tap(model, ...)` is a context manager. On enter it finds modules by class-name pattern
+(default `VocabParallelEmbedding` and `*DecoderLayer`, so any model built like SGLang's works),
+registers forward hooks, and wraps `torch.distributed.all_reduce` so that every all-reduce issued
+during the forward is audited: its input (before; all-reduce is in place) and output (after), the
+group size, and which module issued it. On exit every handle is removed and the wrapper undone, in
+`finally`, also when the forward raises.
+
+Capture points (names used everywhere in tpprobe):
+  embed.local   the embedding's local, pre-reduce output (the input of the all-reduce it issues;
+                equal to embed.out when it issues none)
+  embed.out     the embedding module's output
+  layer.K.out   the residual stream leaving decoder layer K (hidden_states + residual), which is
+                what EAGLE-3 layer id K captures (SGLang-Llama convention; id -1 = embed.out)
+
+`keep(name) -> bool` decides which points keep a tensor; the others are passed to `summarize`
+(e.g. a fingerprint) so the Tap never holds more than it must. All tensors kept are copies.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+
+@dataclass
+class HookHandle:
+    kind: str                 # "embed" | "layer" | "module"
+    name: str                 # qualified module name
+    index: Optional[int]      # layer index for decoder layers
+    handles: list = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def __repr__(self) -> str:
+        idx = "" if self.index is None else f"[{self.index}]"
+        return f"<{self.kind}{idx} {self.name}>"
+
+
+@dataclass
+class AllReduceRecord:
+    seq: int
+    module: str                     # innermost hooked module running when it was issued
+    source: Optional[str]           # row-parallel module whose output it reduced, if known
+    layer: Optional[int]            # decoder layer index, None outside layers
+    where: str                      # "embed" | "layer.K" | "other"
+    shape: tuple
+    dtype: str
+    group_size: int
+    op: str
+    inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
+    out: Optional[torch.Tensor] = None
+    inp_summary: Any = None
+    out_summary: Any = None
+    seconds: float = 0.0
+
+    def meta(self) -> dict:
+        return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
+                "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
+                "group_size": self.group_size, "op": self.op}
+
+
+@dataclass
+class Progress:
+    """Shared with the watchdog thread: where this rank is, cheaply updated by the hooks."""
+    phase: str = "start"
+    where: str = ""
+    collective: Optional[dict] = None       # the all-reduce this rank is blocked in, if any
+    since: float = field(default_factory=time.time)
+    audit: Optional[list] = None            # this rank's all-reduce records so far (for stall posts)
+
+    def set(self, phase: str, where: str = "") -> None:
+        self.phase, self.where, self.since = phase, where, time.time()
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)$")
+_ROW_PATTERNS = ("*RowParallel*",)
+
+
+def find_modules(model: torch.nn.Module, embed_pattern: str, layer_pattern: str):
+    """(embedding (name, module) or None, [(index, name, module)] of decoder layers in order)."""
+    embed, layers = None, []
+    for name, m in model.named_modules():
+        cls = type(m).__name__
+        if embed is None and fnmatch.fnmatchcase(cls, embed_pattern):
+            embed = (name, m)
+        elif fnmatch.fnmatchcase(cls, layer_pattern):
+            hit = _LAYER_RE.search(name)
+            layers.append((int(hit.group(1)) if hit else len(layers), name, m))
+    layers.sort(key=lambda x: x[0])
+    return embed, layers
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                return y
+    return None
+
+
+def residual_stream(output) -> Optional[torch.Tensor]:
+    """The stream leaving a decoder layer: hidden_states + residual (SGLang's convention)."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        h = output[0]
+        r = output[1] if len(output) > 1 and isinstance(output[1], torch.Tensor) else None
+        return h.clone() if r is None else h + r
+    return None
+
+
+class Tap:
+    def __init__(self, model: torch.nn.Module, *, embed_pattern: str = "VocabParallelEmbedding",
+                 layer_pattern: str = "*DecoderLayer", keep: Callable[[str], bool] = lambda n: True,
+                 summarize: Optional[Callable[[torch.Tensor], Any]] = None,
+                 keep_allreduce_tensors: bool = True, audit: bool = True,
+                 progress: Optional[Progress] = None):
+        self.model = model
+        self.embed_pattern, self.layer_pattern = embed_pattern, layer_pattern
+        self.keep, self.summarize = keep, summarize
+        self.keep_ar = keep_allreduce_tensors
+        self.audit = audit
+        self.progress = progress or Progress()
+        self.captures: dict[str, torch.Tensor] = {}
+        self.summaries: dict[str, Any] = {}
+        self.order: list[str] = []                 # capture points in the order they fired
+        self.allreduces: list[AllReduceRecord] = []
+        self.progress.audit = self.allreduces
+        self.handles: list[HookHandle] = []
+        self.row_outputs: list[dict] = []          # row-parallel outputs and whether they were reduced
+        self.embed_name: Optional[str] = None
+        self.layer_indices: list[int] = []
+        self._stack: list[tuple[str, str, Optional[int]]] = []   # (name, kind, layer index)
+        self._orig = None
+        self._lock = threading.Lock()
+
+    # -- install / remove -------------------------------------------------------------------
+    def __enter__(self) -> "Tap":
+        try:
+            self._install()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def _install(self) -> None:
+        embed, layers = find_modules(self.model, self.embed_pattern, self.layer_pattern)
+        if embed is not None:
+            self.embed_name = embed[0]
+            self._hook(embed[1], HookHandle("embed", embed[0], None), self._embed_post)
+        for idx, name, m in layers:
+            self.layer_indices.append(idx)
+            self._hook(m, HookHandle("layer", name, idx), self._layer_post)
+            for sub_name, sub in m.named_modules():
+                if sub is m:
+                    continue
+                kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
+                self._hook(sub, HookHandle(kind, f"{name}.{sub_name}", idx), self._module_post)
+        if self.audit:
+            self._orig = (dist.all_reduce, c10d.all_reduce)
+            dist.all_reduce = self._all_reduce
+            c10d.all_reduce = self._all_reduce
+
+    def _hook(self, module, handle: HookHandle, post) -> None:
+        def pre(mod, args):
+            self._stack.append((handle.name, handle.kind, handle.index))
+            if handle.kind == "layer":
+                self.progress.set("forward", f"layer {handle.index}")
+
+        def post_(mod, args, output):
+            if self._stack and self._stack[-1][0] == handle.name:
+                self._stack.pop()
+            post(handle, args, output)
+
+        handle.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post_)]
+        self.handles.append(handle)
+
+    def _remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self._orig is not None:
+            dist.all_reduce, c10d.all_reduce = self._orig
+            self._orig = None
+
+    # -- capture --------------------------------------------------------------------------
+    def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
+        if t is None:
+            return
+        self.order.append(name)
+        if self.keep(name):
+            self.captures[name] = t if copied else t.detach().clone()
+        if self.summarize is not None:
+            self.summaries[name] = self.summarize(t)
+
+    def _embed_post(self, handle, args, output) -> None:
+        out = _first_tensor(output)
+        local = next((r for r in self.allreduces if r.where == "embed"), None)
+        if local is None:  # no all-reduce ran inside the embedding: its local output is the output
+            self._record("embed.local", out, copied=False)
+        else:
+            self.order.append("embed.local")
+            if local.inp is not None and self.keep("embed.local"):
+                self.captures["embed.local"] = local.inp
+            if self.summarize is not None and local.inp_summary is not None:
+                self.summaries["embed.local"] = local.inp_summary
+        self._record("embed.out", out, copied=False)
+
+    def _layer_post(self, handle, args, output) -> None:
+        self._record(f"layer.{handle.index}.out", residual_stream(output), copied=True)
+
+    def _module_post(self, handle, args, output) -> None:
+        if handle.kind != "row":
+            if handle.name.endswith(".input_layernorm") and self.layer_indices and handle.index == self.layer_indices[0]:
+                # a candidate for "the embedding slot was taken after a transform"
+                self._record(f"layer.{handle.index}.in_norm", _first_tensor(output), copied=False)
+            return
+        out = _first_tensor(output)
+        reduced_inside = any(r.source == handle.name for r in self.allreduces)
+        self.row_outputs.append({"module": handle.name, "layer": handle.index,
+                                 "ptr": out.data_ptr() if out is not None else None,
+                                 "reduced": reduced_inside})
+
+    # -- all-reduce audit -----------------------------------------------------------------
+    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        orig = self._orig[0]
+        if not isinstance(tensor, torch.Tensor):
+            return orig(tensor, op=op, group=group, async_op=async_op)
+        seq = len(self.allreduces)
+        module, layer, where, source = self._attribution(tensor)
+        rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
+                              shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+                              group_size=dist.get_world_size(group), op=str(op).split(".")[-1])
+        keep = self.keep_ar or where == "embed"
+        if keep:
+            rec.inp = tensor.detach().clone()
+        if self.summarize is not None:
+            rec.inp_summary = self.summarize(tensor)
+        self.allreduces.append(rec)
+        self.progress.collective = {"seq": seq, "module": module, "where": where,
+                                    "shape": list(rec.shape), "since": time.time()}
+        t0 = time.perf_counter()
+        work = orig(tensor, op=op, group=group, async_op=async_op)
+        if async_op and work is not None:
+            work.wait()
+        rec.seconds = time.perf_counter() - t0
+        self.progress.collective = None
+        if keep:
+            rec.out = tensor.detach().clone()
+        if self.summarize is not None:
+            rec.out_summary = self.summarize(tensor)
+        return work
+
+    def _attribution(self, tensor):
+        module = self._stack[-1][0] if self._stack else "<outside hooked modules>"
+        layer = next((idx for _, kind, idx in reversed(self._stack) if kind == "layer"), None)
+        in_embed = any(kind == "embed" for _, kind, _ in self._stack)
+        where = "embed" if in_embed else (f"layer.{layer}" if layer is not None else "other")
+        source = next((name for name, kind, _ in reversed(self._stack) if kind == "row"), None)
+        if source is None:  # reduced after the row-parallel module returned (reduce_results=False)
+            ptr = tensor.data_ptr()
+            for row in reversed(self.row_outputs):
+                if row["ptr"] == ptr and not row["reduced"]:
+                    row["reduced"], source = True, row["module"]
+                    break
+        return module, layer, where, source
+
+    def unreduced_rows(self) -> list[dict]:
+        return [{"module": r["module"], "layer": r["layer"]} for r in self.row_outputs if not r["reduced"]]

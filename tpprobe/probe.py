@@ -1,0 +1,368 @@
+"""One probe on one rank: dist -> build model -> hooks -> forward -> write -> exchange -> check -> report.
+
+`run(opts)` is what every rank executes (under torchrun, or under `tpprobe probe`'s own elastic
+launch). It returns the exit code every rank agrees on: 0 healthy, 1 findings, 2 bad usage.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import capture, checks, faults as faults_mod
+from .dist import Channel, Watchdog, init, open_store, run_prefix
+from .errors import TPProbeError, UsageError
+from .findings import exit_code
+from .hooks import Progress, Tap
+from .target import ProbeTarget, RankContext
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+SHARDED_MODULES = ("*ParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "*MoE*", "*Experts*")
+
+
+@dataclass
+class ProbeOptions:
+    layers: list[int] = field(default_factory=lambda: [-1, 1, 3])
+    num_layers: int = 6
+    hidden: int = 64
+    heads: int = 8
+    ffn: int = 128
+    vocab: int = 131
+    tokens: int = 16
+    seed: int = 0
+    dtype: str = "float32"
+    backend: str = "auto"            # auto | gloo | nccl | sglang (SGLang's model on gloo/nccl)
+    arch: str = "llama"              # with --backend sglang
+    config: Optional[str] = None     # with --backend sglang: a real config.json, random weights
+    model: Optional[str] = None      # package.module:factory
+    inject: list[str] = field(default_factory=list)
+    out: Optional[str] = None
+    timeout: float = 60.0
+    exchange: str = "full"           # full | fingerprint
+    embed_pattern: str = "VocabParallelEmbedding"
+    layer_pattern: str = "*DecoderLayer"
+    quiet: bool = False
+    json_out: bool = False
+    html: Optional[str] = None
+    markdown: Optional[str] = None
+    nproc: int = 2
+    debug: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in DTYPES:
+            raise UsageError(f"unknown --dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        return DTYPES[self.dtype]
+
+
+def validate(opts: ProbeOptions, world: int) -> None:
+    """Everything that can be checked before any process starts; raises UsageError."""
+    _ = opts.torch_dtype
+    if world < 1:
+        raise UsageError(f"--nproc must be >= 1 (got {world})")
+    if opts.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0 seconds (got {opts.timeout})")
+    if opts.exchange not in ("full", "fingerprint"):
+        raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
+    if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
+        raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
+    ids = opts.layers
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")
+    if not ids:
+        raise UsageError("--layers is empty: give ids like -1,1,3 (-1 = the embedding)")
+    if opts.model is None:
+        bad = [i for i in ids if i < -1 or i >= opts.num_layers]
+        if bad:
+            raise UsageError(f"--layers {bad} out of range for a model of {opts.num_layers} layers: "
+                             f"ids run from -1 (embedding) to {opts.num_layers - 1}")
+        if opts.backend != "sglang":
+            from .model import BuiltinConfig
+            BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
+                          vocab=opts.vocab, tokens=opts.tokens).validate(world)
+    if opts.model is not None and ":" not in opts.model:
+        raise UsageError(f"--model {opts.model!r} must be package.module:factory")
+    if opts.inject and (opts.model or opts.backend == "sglang"):
+        raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
+    faults_mod.parse(opts.inject, world, opts.num_layers, ids)
+
+
+# ---- building the target -----------------------------------------------------------------------
+def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> ProbeTarget:
+    if opts.model:
+        return _user_target(ctx, opts.model)
+    if opts.backend == "sglang":
+        from .sglang.tiny import build_target as sglang_target
+        return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
+                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
+    from .model import BuiltinConfig, build_builtin
+    cfg = BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
+                        vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
+                        layer_ids=layer_ids)
+    return build_builtin(ctx, cfg)
+
+
+def _user_target(ctx: RankContext, spec: str) -> ProbeTarget:
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"--model {spec}: cannot import {fn_name!r} from {mod_name!r} ({e}); "
+                         f"check the module is on PYTHONPATH")
+    try:
+        target = fn(ctx)
+    except TPProbeError:
+        raise
+    except Exception as e:
+        raise UsageError(f"--model {spec}: the factory raised {type(e).__name__}: {e}; run with --debug for the traceback") from e
+    if not isinstance(target, ProbeTarget):
+        raise UsageError(f"--model {spec}: the factory returned {type(target).__name__}, expected "
+                         f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")
+    return target
+
+
+def replicated_param_hashes(model: torch.nn.Module) -> dict:
+    """Hashes of parameters every rank must hold identically (not TP-sharded)."""
+    out = {}
+    for mname, m in model.named_modules():
+        if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in SHARDED_MODULES):
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if getattr(p, "input_dim", None) is not None or getattr(p, "output_dim", None) is not None:
+                continue
+            data = p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+            layer = next((int(x) for x in mname.split(".") if x.isdigit()), None)
+            out[f"{mname}.{pname}" if mname else pname] = {"hash": hashlib.sha1(data).hexdigest(), "layer": layer}
+    return out
+
+
+# ---- the pipeline --------------------------------------------------------------------------------
+def run(opts: ProbeOptions) -> int:
+    t_start = time.time()
+    grace = min(5.0, max(1.0, opts.timeout * 0.2))
+    ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
+    progress = Progress()
+    ch = Channel(open_store(opts.timeout, run_prefix()), ctx.rank, ctx.world_size)
+    watchdog = Watchdog(Channel(open_store(opts.timeout, run_prefix()), ctx.rank, ctx.world_size), progress,
+                        stall=min(5.0, max(1.0, opts.timeout / 4)))
+    watchdog.start()
+    signal.signal(signal.SIGTERM, _on_sigterm)   # the launcher stops us when a peer died: finish the report
+    code = 1
+    try:
+        code = _run(opts, ctx, ch, progress, grace, t_start)
+    finally:
+        progress.set("done")
+        watchdog.stop()
+        watchdog.join(timeout=2)
+        if ctx.rank == 0:
+            ch.post("final", {"code": code}, rank=0)
+    _shutdown(ctx)
+    return code
+
+
+def _shutdown(ctx) -> None:
+    try:
+        if ctx.world_size > 1:
+            # let every rank read the verdict before the store's host (rank 0's agent) may go
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _run(opts, ctx, ch, progress, grace, t_start) -> int:
+    world = ctx.world_size
+    # a usage error on any rank ends every rank with exit 2 (rank 0 says why)
+    try:
+        validate(opts, world)
+        out = Path(_agree_out_dir(opts, ctx, ch))
+        flt = faults_mod.parse(opts.inject, world, opts.num_layers, opts.layers)
+        layer_ids = faults_mod.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
+        progress.set("build")
+        groups = faults_mod.prepare_groups(flt, ctx)
+        target = build_target(ctx, opts, layer_ids)
+        faults_mod.apply(flt, target, ctx, groups)
+        ch.post("ready", {"ok": True})
+    except UsageError as e:
+        ch.post("ready", {"ok": False, "error": str(e)})
+        if ctx.rank == 0:
+            from .report import error_line
+            error_line(str(e))
+        return 2
+    peers = ch.collect("ready", time.time() + opts.timeout)
+    bad = {r: v for r, v in peers.items() if not v.get("ok")}
+    if bad:
+        if ctx.rank == 0:
+            from .report import error_line
+            error_line(next(iter(bad.values()))["error"])
+        return 2
+
+    # -- forward under the hooks --------------------------------------------------------------
+    keep_ids = {checks.id_point(i) for i in layer_ids}
+    keep_all = opts.exchange == "full"
+    keep = (lambda n: True) if keep_all else (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
+    status, error, result = "ok", None, None
+    t0 = time.time()
+    progress.set("forward")
+    with torch.no_grad(), Tap(target.model, embed_pattern=opts.embed_pattern, layer_pattern=opts.layer_pattern,
+                              keep=keep, keep_allreduce_tensors=keep_all, progress=progress) as tap:
+        try:
+            result = target.forward()
+        except Exception as e:   # a peer died or a collective timed out: report what we have
+            status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    t_forward = time.time() - t0
+    packed = None
+    if status == "ok" and target.packed_aux is not None:
+        packed = target.packed_aux(result)
+
+    # -- write this rank's capture (in parallel on every rank) --------------------------------
+    progress.set("write")
+    tensors = dict(tap.captures)
+    for rec in tap.allreduces:
+        if rec.inp is not None and rec.out is not None:
+            tensors[f"allreduce.{rec.seq}.in"], tensors[f"allreduce.{rec.seq}.out"] = rec.inp, rec.out
+    tensors["input_ids"] = target.input_ids
+    aux_meta = {}
+    if packed is not None:
+        aux_meta = {"shape": list(packed.shape), "dtype": str(packed.dtype).replace("torch.", ""),
+                    "contiguous": packed.is_contiguous(), "stride": list(packed.stride())}
+        tensors["aux.packed"] = packed
+    meta = {
+        "rank": ctx.rank, "world_size": world, "status": status, "error": error,
+        "points": [{"name": n, "shape": list(tensors[n].shape), "dtype": str(tensors[n].dtype).replace("torch.", "")}
+                   for n in tap.order if n in tensors],
+        "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
+        "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices),
+        "aux": aux_meta, "params": replicated_param_hashes(target.model),
+        "timings": {"forward_s": t_forward}, "device": str(ctx.device),
+    }
+    files = capture.write_rank(out, ctx.rank, tensors, meta)
+
+    # -- exchange: metadata through the store first, so disagreement never hangs ---------------
+    progress.set("exchange")
+    ch.post("meta", {"files": files, "status": status, "error": error, "n_allreduce": len(tap.allreduces),
+                     "meta": meta, "index": {n: [list(t.shape), str(t.dtype).replace("torch.", "")]
+                                             for n, t in tensors.items()}})
+    deadline = time.time() + (grace if status == "error" else opts.timeout)
+    posts = ch.collect("meta", deadline, stop_early=lambda found: _all_missing_explained(ch, found, world))
+    missing = [r for r in range(world) if r not in posts]
+    all_ok = not missing and all(p["status"] == "ok" for p in posts.values())
+    t1 = time.time()
+    records = _gather(opts, ctx, out, tensors, meta, posts, all_ok)
+    t_exchange = time.time() - t1
+
+    if ctx.rank != 0:
+        return _await_final(ch, opts.timeout + grace)
+
+    # -- check and report (rank 0) ---------------------------------------------------------------
+    progress.set("report")
+    liveness = {"missing": {r: _missing_info(ch, r, posts) for r in missing}}
+    settings = {"world_size": world, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": layer_ids,
+                "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
+                "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
+                "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
+                "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
+                "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
+    references = _references(opts, target, layer_ids) if target.arch == "builtin" and keep_all else None
+    t2 = time.time()
+    result_checks = checks.run_checks(records, settings, liveness, references)
+    from .report import build_report, emit
+    report = build_report(settings, result_checks, timings={
+        "forward_s": t_forward, "exchange_s": t_exchange, "check_s": time.time() - t2,
+        "total_s": time.time() - t_start}, out=str(out))
+    manifest_files = [f for p in posts.values() for f in p["files"]]
+    capture.write_manifest(out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
+                                 "tool": report["tool"]}, manifest_files)
+    emit(report, out, opts)
+    return exit_code(report["findings"])
+
+
+def _agree_out_dir(opts, ctx, ch) -> str:
+    """Rank 0 picks the folder (the launcher passes it down); every rank uses the same one."""
+    if ctx.rank == 0:
+        out = opts.out or time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+        capture.check_out_dir(Path(out), 0)
+        ch.post("out", {"out": out}, rank=0)
+        return out
+    v = ch.collect_rank("out", 0, time.time() + opts.timeout)
+    if v is None:
+        raise UsageError("rank 0 did not say where to write the capture (did it fail to start?)")
+    Path(v["out"]).mkdir(parents=True, exist_ok=True)
+    return v["out"]
+
+
+def _all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
+    """Stop waiting early when every missing rank is known dead (silent) or stalled in a collective
+    none of the others will issue."""
+    now = time.time()
+    for r in range(world):
+        if r in found:
+            continue
+        stall = ch.get("stall", r)
+        if stall and all(p["n_allreduce"] <= stall["collective"]["seq"] for p in found.values()):
+            continue
+        hb = ch.get("hb", r)
+        if hb is not None and now - hb["t"] > 3.0:
+            continue
+        return False
+    return bool(found)
+
+
+def _missing_info(ch: Channel, r: int, posts: dict) -> dict:
+    hb, stall = ch.get("hb", r), ch.get("stall", r)
+    info = {"heartbeat": hb, "stall": stall}
+    if hb is None:
+        info["state"] = "never started the probe (no heartbeat)"
+    else:
+        info["silent_s"] = time.time() - hb["t"]
+        info["state"] = "hung (alive, no progress)" if info["silent_s"] < 2.0 else "died (heartbeat stopped)"
+    return info
+
+
+def _gather(opts, ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok: bool) -> dict:
+    """Rank 0 gets every rank's record: collectives when every rank is healthy, else the files."""
+    if ctx.world_size == 1:
+        return {0: capture.RankRecord(0, meta, tensors)}
+    if all_ok:
+        from .exchange import gather_full
+        return gather_full(ctx, tensors, meta, posts)
+    if ctx.rank != 0:
+        return {}
+    # some rank is missing or failed: no collective is safe; read what the others wrote
+    records = {0: capture.RankRecord(0, meta, tensors)}
+    for r in posts:
+        if r == 0:
+            continue
+        try:
+            records[r] = capture.load_rank_files(out, r, posts[r]["files"])
+        except TPProbeError:
+            pass   # checks report this rank from its posted metadata alone
+    return records
+
+
+def _await_final(ch: Channel, wait: float) -> int:
+    v = ch.collect_rank("final", 0, time.time() + wait)
+    return int(v["code"]) if v else 1
+
+
+def _references(opts, target, layer_ids):
+    from .model import BuiltinConfig, reference_streams
+    cfg = BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
+                        vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype)
+    return reference_streams(cfg)
+
+
+def _on_sigterm(signum, frame):
+    # The elastic agent sends SIGTERM to every worker once one worker failed. We are already on our
+    # way to report that failure (the dead peer breaks our collectives); keep going. SIGKILL follows
+    # after the agent's grace period if we do not finish.
+    pass

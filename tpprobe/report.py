@@ -1,0 +1,149 @@
+"""The rank-diff report: one dict (report.json), rendered to the terminal with rich.
+
+One render, many sinks: `render(report, console)` draws into any rich Console; the terminal,
+`--json` and the files under --out all come from the same dict. Rendered on rank 0 only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import __version__
+from .findings import EXPLAIN, exit_code
+
+SCHEMA = "tpprobe.report/1"
+LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
+               "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim", "share": "dim"}
+
+
+def environment() -> dict:
+    env = {"tpprobe": __version__, "torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform()}
+    try:
+        import importlib.metadata as md
+        env["sglang"] = md.version("sglang")
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            pass
+        env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    else:
+        env["devices"] = ["CPU"]
+    return env
+
+
+def build_report(settings: dict, result: dict, timings: dict, out: Optional[str]) -> dict:
+    findings = result["findings"]
+    return {"schema": SCHEMA, "tool": f"tpprobe {__version__}", "settings": settings,
+            "environment": environment(), "timings": timings, "out": out,
+            "points": result["points"], "allreduce": result["allreduce"], "slots": result["slots"],
+            "ranks_missing": result.get("ranks_missing", []), "findings": findings,
+            "exit_code": exit_code(findings)}
+
+
+def console(stderr: bool = False) -> Console:
+    # rich follows the terminal's capabilities and NO_COLOR by itself
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+
+
+def error_line(msg: str) -> None:
+    Console(stderr=True, highlight=False).print(Text(f"tpprobe: error: {msg}", style="bold red"))
+
+
+def verdict_lines(report: dict) -> list[str]:
+    lines = [f["line"] for f in report["findings"]]
+    return lines or ["HEALTHY: every capture point agrees across ranks and every all-reduce is complete"]
+
+
+def _cell(s: dict) -> Text:
+    lv = s.get("level", "?")
+    if lv in ("reference", "bitwise", "share"):
+        label = {"reference": "ref", "bitwise": "bitwise", "share": "own share"}[lv]
+    elif lv == "shape":
+        label = f"shape {s.get('shape')}"
+    else:
+        label = f"{lv} {s.get('max_abs', 0):.2g}"
+    if s.get("nan") or s.get("inf"):
+        label += f" nan={s.get('nan')} inf={s.get('inf')}"
+    return Text(label, style=LEVEL_STYLE.get(lv, ""))
+
+
+def render(report: dict, con: Console) -> None:
+    st = report["settings"]
+    con.rule(f"[bold]tpprobe rank-diff[/] — {st.get('model')} · tp={st['world_size']} · {st.get('backend')} · "
+             f"{st.get('dtype')} · ids {st.get('layer_ids')}")
+    world = st["world_size"]
+    t = Table(title="capture points × ranks", show_lines=False, header_style="bold")
+    t.add_column("capture point")
+    for r in range(world):
+        t.add_column(f"rank {r}")
+    for p in report["points"]:
+        row = [p["name"]]
+        for r in range(world):
+            s = p["per_rank"].get(str(r))
+            row.append(_cell(s) if s else Text("missing" if r in report["ranks_missing"] else "—", style="dim"))
+        t.add_row(*row)
+    con.print(t)
+    ar = report["allreduce"]
+    if ar:
+        counts = ar.get("count_per_rank", {})
+        con.print(f"all-reduce audit: {ar.get('checked', 0)} checked against Σ ranks of their inputs — "
+                  f"{ar.get('complete', 0)} complete ({ar.get('noise', 0)} within rounding), "
+                  f"{ar.get('incomplete', 0)} incomplete; issued per rank: {counts}")
+    if report.get("slots"):
+        s = Table(title="aux slots (what the draft model receives)", header_style="bold")
+        for c in ("slot", "id", "expected", "holds"):
+            s.add_column(c)
+        for row in report["slots"]:
+            s.add_row(str(row["slot"]), str(row["id"]), str(row["expected"]),
+                      Text(str(row["matched"]), style="green" if row["ok"] else "bold red"))
+        con.print(s)
+    con.print(Text("verdict", style="bold"))
+    for f in report["findings"]:
+        style = {"failure": "bold red", "warning": "yellow", "info": "cyan"}[f["severity"]]
+        con.print(Text(f"  {f['line']}", style=style))
+        if f["severity"] != "info" and f.get("explain"):
+            con.print(Text(f"    why: {f['explain']}", style="dim"))
+        for c in f.get("consequences", [])[:5]:
+            con.print(Text(f"    follows from it: {c}", style="dim"))
+    if not report["findings"]:
+        con.print(Text("  " + verdict_lines(report)[0], style="bold green"))
+    tm = report.get("timings", {})
+    con.print(Text(f"settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
+                   f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
+                   f"time: forward {tm.get('forward_s', 0):.2f}s exchange {tm.get('exchange_s', 0):.2f}s "
+                   f"checks {tm.get('check_s', 0):.2f}s", style="dim"))
+    if report.get("out"):
+        con.print(Text(f"captures and report.json: {report['out']}", style="dim"))
+
+
+def write_json(report: dict, path: Path) -> None:
+    from .capture import atomic_write_bytes
+    atomic_write_bytes(Path(path), json.dumps(report, indent=1, default=str).encode())
+
+
+def emit(report: dict, out: Optional[Path], opts) -> None:
+    if out is not None:
+        write_json(report, Path(out) / "report.json")
+    if getattr(opts, "json_out", False):
+        sys.stdout.write(json.dumps(report, indent=1, default=str) + "\n")
+    elif not getattr(opts, "quiet", False):
+        render(report, console())
+    if getattr(opts, "html", None):
+        from .html import write_html
+        write_html(report, Path(opts.html), capture_dir=out)
+    if getattr(opts, "markdown", None):
+        from .markdown import write_markdown
+        write_markdown(report, Path(opts.markdown))

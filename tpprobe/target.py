@@ -1,0 +1,49 @@
+"""What the probe needs to know about this rank and the model it probes.
+
+`RankContext` is handed to every model factory (built-in, SGLang, or a user's
+`--model package.module:factory`); the factory returns a `ProbeTarget`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str                      # "gloo" | "nccl"
+    group: Any = None                 # the TP process group the model reduces over (None = WORLD)
+    seed: int = 0
+
+    def __repr__(self) -> str:
+        return f"RankContext(rank={self.rank}/{self.world_size}, {self.backend}, {self.device})"
+
+
+@dataclass
+class ProbeTarget:
+    """A model ready to run one forward on this rank.
+
+    forward() runs the forward pass (no grad is set by the probe) and returns whatever the model
+    returns. Decoder layers are found by class-name pattern; the embedding likewise.
+    """
+
+    model: torch.nn.Module
+    forward: Callable[[], Any]
+    input_ids: torch.Tensor                 # [tokens], identical on every rank
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+    arch: str = "builtin"
+    # The model's own packed aux hidden state (what the EAGLE-3 draft receives), when the model
+    # packs it itself (SGLang): called after forward(); None when the probe packs from its hooks.
+    packed_aux: Optional[Callable[[Any], Optional[torch.Tensor]]] = None
+    # Ids the model itself was told to capture (SGLang set_eagle3_layers_to_capture), if any.
+    model_layer_ids: Optional[list[int]] = None
+    # Free-form facts shown in the report's settings (vocab, config path, ...).
+    info: dict = field(default_factory=dict)
