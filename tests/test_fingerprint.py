@@ -1,0 +1,272 @@
+"""Fingerprint layer (issue 6): exact bit hash, linear sketch, completeness rule.
+
+CPU only; the Triton path is compared against this reference on the GPU
+machine (bench/fingerprint_gpu.py --check)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tpprobe.fingerprint import (Fingerprint, column_signs, fingerprint, fingerprints, row_signs,
+                                 sketch_close, sum_matches)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ----------------------------------------------------------------- bit hash
+def _flip_bit(t: torch.Tensor, elem: int, bit: int) -> torch.Tensor:
+    u = t.clone().reshape(-1)
+    iv = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[u.element_size()]
+    w = u.view(iv)
+    top = bit == 8 * u.element_size() - 1 and iv != torch.uint8
+    w[elem] = w[elem] ^ (torch.iinfo(iv).min if top else (1 << bit))
+    return u.view(t.shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 700), dt=st.sampled_from(DTYPES + [torch.float64, torch.int8]),
+       data=st.data())
+def test_hash_one_bit_flip_differs(n, dt, data):
+    g = torch.Generator().manual_seed(n)
+    t = (torch.randn(n, generator=g) * 3).to(dt)
+    elem = data.draw(st.integers(0, n - 1))
+    bit = data.draw(st.integers(0, 8 * t.element_size() - 1))
+    u = _flip_bit(t, elem, bit)
+    assert not torch.equal(t.view(-1).view(torch.uint8), u.view(-1).view(torch.uint8))
+    assert fingerprint(t).bit_hash != fingerprint(u).bit_hash
+    assert fingerprint(t).bit_hash == fingerprint(t.clone()).bit_hash
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_hash_one_ulp_and_signed_zero(dt):
+    t = torch.randn(33, 130).to(dt)
+    u = t.clone()
+    u[5, 7] = torch.nextafter(u[5, 7].float(), torch.tensor(math.inf)).to(dt) \
+        if dt == torch.float32 else _flip_bit(t, 5 * 130 + 7, 0)[5, 7]
+    assert fingerprint(t).bit_hash != fingerprint(u).bit_hash
+    z = torch.zeros(17, 9, dtype=dt)
+    nz = z.clone()
+    nz[3, 4] = -0.0
+    assert torch.equal(z, nz)                                  # equal as numbers...
+    assert fingerprint(z).bit_hash != fingerprint(nz).bit_hash  # ...not as bits
+    assert fingerprint(z).bit_hash != fingerprint(-z).bit_hash
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 400), seed=st.integers(0, 2**31))
+def test_hash_permutation_differs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g).bfloat16()
+    p = torch.randperm(n, generator=g)
+    u = t[p]
+    if torch.equal(u.view(torch.int16), t.view(torch.int16)):
+        return
+    assert fingerprint(t).bit_hash != fingerprint(u).bit_hash
+
+
+def test_hash_swap_two_and_shape_independent_of_seed():
+    t = torch.randn(64, 256)
+    u = t.clone()
+    u[0, 0], u[63, 255] = t[63, 255], t[0, 0]
+    assert fingerprint(t).bit_hash != fingerprint(u).bit_hash
+    assert fingerprint(t, seed=1).bit_hash == fingerprint(t, seed=2).bit_hash
+    assert len(fingerprint(t).bit_hash) == 32
+    int(fingerprint(t).bit_hash, 16)
+
+
+def test_noncontiguous_equals_contiguous():
+    t = torch.randn(300, 64).bfloat16()
+    assert fingerprint(t.t()).bit_hash == fingerprint(t.t().contiguous()).bit_hash
+
+
+# ----------------------------------------------------------------- sketch
+def test_sketch_matches_definition():
+    k, seed = 40, 7
+    x = torch.randn(300, dtype=torch.float64)   # 2 full sign rows + a partial one
+    A = column_signs(seed, k)
+    B = row_signs(torch.arange(3), seed, k)
+    want = [sum(float(A[i % 128, j] * B[i // 128, j] * x[i]) for i in range(300)) for j in range(k)]
+    got = fingerprint(x, seed=seed, k=k).sketch
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert set(A.unique().tolist()) == {-1.0, 1.0} and set(B.unique().tolist()) == {-1.0, 1.0}
+    # signs are balanced and the seeds decorrelate
+    assert abs(float(A.mean())) < 0.1
+    assert fingerprint(x, seed=seed + 1, k=k).sketch != got
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), c=st.floats(-4, 4),
+       seed=st.integers(0, 2**40))
+def test_sketch_linearity(rows, cols, c, seed):
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    a = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    b = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    fa, fb = fingerprint(a, seed=seed), fingerprint(b, seed=seed)
+    fs = fingerprint(a + c * b, seed=seed)
+    scale = math.sqrt(fa.sumsq + fb.sumsq) * (1 + abs(c))
+    for s, x, y in zip(fs.sketch, fa.sketch, fb.sketch):
+        assert abs(s - (x + c * y)) <= 1e-12 * scale
+
+
+def _ar_inputs(m, shape, dt, seed):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.empty(m).uniform_(0.3, 3.0, generator=g)   # realistic, unequal shares
+    return [(torch.randn(*shape, generator=g) * s).to(dt) for s in scales]
+
+
+def _orders(ins):
+    """The same all-reduce in several reduction orders / precisions."""
+    dt = ins[0].dtype
+    outs = [torch.stack([x.float() for x in ins]).sum(0).to(dt)]        # fp32 accumulate
+    acc = ins[0]
+    for x in ins[1:]:
+        acc = acc + x                                                   # ring order, in dtype
+    outs.append(acc)
+    acc = ins[-1]
+    for x in reversed(ins[:-1]):
+        acc = acc + x                                                   # reversed ring
+    outs.append(acc)
+    if len(ins) == 4:
+        outs.append((ins[0] + ins[2]) + (ins[3] + ins[1]))              # tree
+    return outs
+
+
+CASES = [(2, (64, 256)), (4, (128, 1024)), (2, (512, 512)), (4, (256, 384)), (8, (64, 768))]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,shape", CASES)
+def test_sum_matches_reduction_orders(dt, m, shape):
+    ins = _ar_inputs(m, shape, dt, seed=m * 7 + shape[0])
+    in_fps = fingerprints(ins)
+    for out in _orders(ins):
+        ok, rel = sum_matches(fingerprint(out), in_fps, dt)
+        assert ok, (dt, m, shape, rel)
+    # shuffled rank order on the input side is the same sum
+    ok, _ = sum_matches(fingerprint(_orders(ins)[0]), in_fps[::-1], dt)
+    assert ok
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m,shape", CASES)
+def test_sum_matches_rejects_missing_share(dt, m, shape):
+    for trial in range(2 if shape[0] * shape[1] <= 2**17 else 1):
+        ins = _ar_inputs(m, shape, dt, seed=1000 * trial + m * 7 + shape[0])
+        in_fps = fingerprints(ins)
+        drop = {2: [[0], [1]], 4: [[0, 1], [2, 3], [1], [0, 3]], 8: [[0], [5, 6]]}[m]
+        for d in drop:
+            kept = [x for i, x in enumerate(ins) if i not in d]
+            partial = torch.stack([x.float() for x in kept]).sum(0).to(dt)
+            ok, rel = sum_matches(fingerprint(partial), in_fps, dt)
+            assert not ok, (dt, m, shape, d, rel)
+        # a share counted twice is wrong too
+        doubled = (torch.stack([x.float() for x in ins]).sum(0) + ins[0].float()).to(dt)
+        assert not sum_matches(fingerprint(doubled), in_fps, dt)[0]
+
+
+def test_sum_matches_edge_cases():
+    z = torch.zeros(4, 128)
+    assert sum_matches(fingerprint(z), [fingerprint(z), fingerprint(z)], torch.float32) == (True, 0.0)
+    a = torch.randn(4, 128)
+    assert not sum_matches(fingerprint(a), [fingerprint(z), fingerprint(z)], torch.float32)[0]
+    assert not sum_matches(fingerprint(a), [fingerprint(a[:2])], torch.float32)[0]   # shape
+    n = a.clone()
+    n[0, 0] = float("nan")
+    ok, rel = sum_matches(fingerprint(n), [fingerprint(a)], torch.float32)
+    assert not ok and math.isnan(rel)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sketch_close(dt):
+    x = torch.randn(256, 512)
+    y = torch.randn(256, 512)
+    a = (x + y).to(dt)
+    b = (x.to(dt) + y.to(dt))                     # same values, different rounding history
+    assert sketch_close(fingerprint(a), fingerprint(b), dt)
+    assert sketch_close(fingerprint(a), fingerprint(a.clone()), dt)
+    c = a.clone()
+    c[::8] *= 1.5                                 # 1/8 of the token rows diverge materially
+    assert not sketch_close(fingerprint(a), fingerprint(c), dt)
+    # a single row of 256 scaled by 1.5 moves the norm by ~3%: below bf16 noise
+    # resolution of a global sketch; bit_hash differs, which routes it to the
+    # detailed diff (sketch_close only says "no evidence beyond noise").
+    d = a.clone()
+    d[17] *= 1.5
+    assert fingerprint(d).bit_hash != fingerprint(a).bit_hash
+    assert not sketch_close(fingerprint(a), fingerprint(x.to(dt)), dt)
+
+
+# ----------------------------------------------------------------- stats, bitmap, json
+def test_nan_inf_counts_and_stats():
+    t = torch.randn(20, 130)
+    t[1, 2] = float("nan")
+    t[3, 4] = float("nan")
+    t[5, 6] = float("inf")
+    t[7, 8] = -float("inf")
+    t[9, 9] = 1e3
+    fp = fingerprint(t.bfloat16())
+    assert (fp.n_nan, fp.n_inf) == (2, 2)
+    assert fp.absmax == math.inf
+    f2 = fingerprint(torch.tensor([[1.0, -7.5], [float("nan"), 2.0]]))
+    assert f2.absmax == 7.5 and f2.n_nan == 1 and math.isnan(f2.sumsq)
+    f3 = fingerprint(torch.tensor([3.0, -4.0]))
+    assert f3.sumsq == 25.0 and f3.absmax == 4.0 and f3.row_nonzero == ""
+
+
+def test_row_bitmap():
+    t = torch.randn(19, 256).bfloat16()
+    zero_rows = [0, 3, 8, 18]
+    t[zero_rows] = 0
+    t[3, 255] = -0.0                              # -0.0 is zero
+    fp = fingerprint(t)
+    assert fp.nonzero_rows() == [r not in zero_rows for r in range(19)]
+    assert len(fp.row_nonzero) == 2 * math.ceil(19 / 8)
+    assert fingerprint(torch.randn(3, 4, 5)).row_nonzero == ""
+    t[0, 100] = float("nan")                      # NaN is not zero
+    assert fingerprint(t).nonzero_rows()[0]
+
+
+def test_json_round_trip_and_size():
+    t = torch.randn(8192 // 8, 7168 // 8).bfloat16()
+    t[0, 0] = float("inf")
+    for k in (16, 32, 64):
+        fp = fingerprint(t, seed=3, k=k)
+        s = json.dumps(fp.to_json())
+        assert len(s) < 4096, len(s)
+        back = Fingerprint.from_json(json.loads(s))
+        assert back == fp
+        assert back.k == k
+    with pytest.raises(ValueError):
+        fingerprint(t, k=65)
+
+
+_CHILD = """
+import json, torch
+from tpprobe.fingerprint import fingerprint
+g = torch.Generator().manual_seed(1234)
+t = torch.randn(100, 300, generator=g).bfloat16()
+print(json.dumps(fingerprint(t, seed=99, k=24).to_json()))
+"""
+
+
+def test_deterministic_across_processes():
+    g = torch.Generator().manual_seed(1234)
+    t = torch.randn(100, 300, generator=g).bfloat16()
+    here = fingerprint(t, seed=99, k=24).to_json()
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True)
+    there = json.loads(out.stdout.strip().splitlines()[-1])
+    assert there == json.loads(json.dumps(here))
+
+
+def test_chunking_invariance(monkeypatch):
+    import tpprobe.fingerprint as F
+    t = torch.randn(77, 333)
+    a = fingerprint(t)
+    monkeypatch.setattr(F, "_CHUNK_ROWS", 3)
+    b = fingerprint(t)
+    assert a.bit_hash == b.bit_hash and (a.n_nan, a.row_nonzero) == (b.n_nan, b.row_nonzero)
+    assert a.sketch == pytest.approx(b.sketch, rel=1e-12, abs=1e-9)
