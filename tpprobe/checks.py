@@ -85,13 +85,20 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
         stall = info.get("stall")
         if stall and all(counts[q] <= stall["collective"]["seq"] for q in live):
             c = stall["collective"]
-            where, extra_at = _extra_collective_place(stall.get("audit"), records[ref].meta.get("allreduces", []))
-            roots.append(Finding(
-                "collective-mismatch", where or c.get("where", "?"), [r],
-                detail=(f"rank {r} issued all-reduce #{extra_at if extra_at is not None else c['seq']} "
-                        f"({c.get('module')}, shape {c.get('shape')}) that ranks {live} never issued "
-                        f"(they issued {max(counts.values())}); rank {r} blocked there and was stopped"),
-                evidence={"stall": stall, "counts": counts}))
+            audit = stall.get("audit") or []
+            where, extra_at = _extra_collective_place(audit, records[ref].meta.get("allreduces", []))
+            if extra_at is not None and extra_at < len(audit) and extra_at != c["seq"]:
+                a = audit[extra_at]
+                text = (f"rank {r} issued an extra all-reduce #{extra_at} at {a['where']} ({a['module']}, shape "
+                        f"{a['shape']}) that ranks {live} never issued; from there its collectives paired with "
+                        f"the wrong ones and it blocked in #{c['seq']}, one more than the others' "
+                        f"{max(counts.values())}")
+            else:
+                text = (f"rank {r} blocked in all-reduce #{c['seq']} ({c.get('module')}, shape {c.get('shape')}) "
+                        f"that ranks {live} never issued (they issued {max(counts.values())})")
+            roots.append(Finding("collective-mismatch", where or c.get("where", "?"), [r],
+                                 detail=text + f"; rank {r} was stopped",
+                                 evidence={"stall": stall, "counts": counts}))
         else:
             hb = info.get("heartbeat") or {}
             doing = f"{hb.get('phase', 'starting')}{': ' + hb['where'] if hb.get('where') else ''}"
@@ -99,8 +106,8 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
                 doing += f", in all-reduce #{hb['collective']['seq']} ({hb['collective'].get('module')})"
             state = info.get("state", "died or hung")
             roots.append(Finding(
-                "rank-timeout", hb.get("where") or "startup", [r],
-                detail=(f"rank {r} {state}: last seen {doing}"
+                "rank-timeout", hb.get("phase") or "startup", [r],
+                detail=(f"rank {r} {state}; its last heartbeat said: {doing}"
                         + (f", {info['silent_s']:.1f} s before the others gave up" if "silent_s" in info else "")
                         + "; the others stopped within the timeout"),
                 evidence={"heartbeat": hb}))
@@ -179,7 +186,9 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
         roots[0].consequences = [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
                                  f"differ" for n in material if n != roots[0].where][:64]
     findings += roots + slot_findings
-    noisy = [n for n in names if any(s["level"] == "noise" for s in point_stats.get(n, {}).values())]
+    explained = {f.where for f in findings} | ({"aux.packed"} if slot_findings else set())
+    noisy = [n for n in names if n not in explained
+             and any(s["level"] == "noise" for s in point_stats.get(n, {}).values())]
     if noisy:
         worst_ulp = max([s.get("ulp_max", 0) for n in noisy for s in point_stats[n].values()] + [0])
         findings.append(Finding("rounding-noise", ", ".join(noisy[:6]) + (" …" if len(noisy) > 6 else "") or "all-reduce",

@@ -128,7 +128,7 @@ class Tap:
                  layer_pattern: str = "*DecoderLayer", keep: Callable[[str], bool] = lambda n: True,
                  summarize: Optional[Callable[[torch.Tensor], Any]] = None,
                  keep_allreduce_tensors: bool = True, audit: bool = True,
-                 progress: Optional[Progress] = None):
+                 progress: Optional[Progress] = None, extensions: tuple = ()):
         self.model = model
         self.embed_pattern, self.layer_pattern = embed_pattern, layer_pattern
         self.keep, self.summarize = keep, summarize
@@ -146,7 +146,11 @@ class Tap:
         self.layer_indices: list[int] = []
         self._stack: list[tuple[str, str, Optional[int]]] = []   # (name, kind, layer index)
         self._orig = None
-        self._lock = threading.Lock()
+        # extensions(tap) -> handles with .remove(): model-specific capture that calls
+        # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
+        self.extensions = tuple(extensions)
+        self._ext_handles: list = []
+        self.stream_from_layer_output = True
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "Tap":
@@ -165,14 +169,18 @@ class Tap:
         if embed is not None:
             self.embed_name = embed[0]
             self._hook(embed[1], HookHandle("embed", embed[0], None), self._embed_post)
+        seen: set[int] = set()
         for idx, name, m in layers:
             self.layer_indices.append(idx)
             self._hook(m, HookHandle("layer", name, idx), self._layer_post)
             for sub_name, sub in m.named_modules():
-                if sub is m:
+                if sub is m or id(sub) in seen:   # a module shared by layers (SGLang's rope) once
                     continue
+                seen.add(id(sub))
                 kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
                 self._hook(sub, HookHandle(kind, f"{name}.{sub_name}", idx), self._module_post)
+        for ext in self.extensions:
+            self._ext_handles += list(ext(self) or [])
         if self.audit:
             self._orig = (dist.all_reduce, c10d.all_reduce)
             dist.all_reduce = self._all_reduce
@@ -196,6 +204,9 @@ class Tap:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for h in self._ext_handles:
+            h.remove()
+        self._ext_handles = []
         if self._orig is not None:
             dist.all_reduce, c10d.all_reduce = self._orig
             self._orig = None
@@ -223,8 +234,13 @@ class Tap:
                 self.summaries["embed.local"] = local.inp_summary
         self._record("embed.out", out, copied=False)
 
+    def record_point(self, name: str, t: Optional[torch.Tensor], copied: bool = False) -> None:
+        """For extensions: record a capture point (copied=False makes the Tap clone it)."""
+        self._record(name, t, copied=copied)
+
     def _layer_post(self, handle, args, output) -> None:
-        self._record(f"layer.{handle.index}.out", residual_stream(output), copied=True)
+        if self.stream_from_layer_output:
+            self._record(f"layer.{handle.index}.out", residual_stream(output), copied=True)
 
     def _module_post(self, handle, args, output) -> None:
         if handle.kind != "row":
@@ -279,6 +295,8 @@ class Tap:
             for row in reversed(self.row_outputs):
                 if row["ptr"] == ptr and not row["reduced"]:
                     row["reduced"], source = True, row["module"]
+                    if not in_embed and row["layer"] is not None:
+                        layer, where = row["layer"], f"layer.{row['layer']}"
                     break
         return module, layer, where, source
 

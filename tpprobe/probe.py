@@ -191,6 +191,8 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
         groups = faults_mod.prepare_groups(flt, ctx)
         target = build_target(ctx, opts, layer_ids)
         faults_mod.apply(flt, target, ctx, groups)
+        if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
+            capture.check_out_dir(out, estimate_capture_bytes(target, layer_ids, opts.exchange == "full") * _local_world())
         ch.post("ready", {"ok": True})
     except UsageError as e:
         ch.post("ready", {"ok": False, "error": str(e)})
@@ -214,7 +216,9 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
     t0 = time.time()
     progress.set("forward")
     with torch.no_grad(), Tap(target.model, embed_pattern=opts.embed_pattern, layer_pattern=opts.layer_pattern,
-                              keep=keep, keep_allreduce_tensors=keep_all, progress=progress) as tap:
+                              keep=keep, keep_allreduce_tensors=keep_all, progress=progress,
+                              extensions=target.tap_extensions) as tap:
+        tap.stream_from_layer_output = target.stream_from_layer_output
         try:
             result = target.forward()
         except Exception as e:   # a peer died or a collective timed out: report what we have
@@ -284,6 +288,20 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
                                  "tool": report["tool"]}, manifest_files)
     emit(report, out, opts)
     return exit_code(report["findings"])
+
+
+def estimate_capture_bytes(target: ProbeTarget, layer_ids: list[int], keep_all: bool) -> int:
+    """What one rank writes: embedding (local + out), the kept layers, the packed aux, and with
+    --exchange full every layer plus two tensors per audited all-reduce (about 2 per layer)."""
+    per = int(target.input_ids.numel()) * target.hidden_size * torch.empty((), dtype=target.dtype).element_size()
+    n = 3 + len(layer_ids) + len(layer_ids)
+    if keep_all:
+        n += target.num_layers + 2 * (2 * target.num_layers + 1)
+    return n * per
+
+
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _agree_out_dir(opts, ctx, ch) -> str:

@@ -47,3 +47,9 @@ class ProbeTarget:
     model_layer_ids: Optional[list[int]] = None
     # Free-form facts shown in the report's settings (vocab, config path, ...).
     info: dict = field(default_factory=dict)
+    # Model-specific capture added to the Tap: each is called with the Tap on enter and returns
+    # handles with .remove(); it records points with tap.record_point(name, tensor).
+    tap_extensions: tuple = ()
+    # False when decoder layers do not return (hidden_states, residual) (SGLang 0.5.23's owed
+    # output): the extension records layer.K.out instead.
+    stream_from_layer_output: bool = True

@@ -1,0 +1,254 @@
+"""Fused Triton fingerprint kernel for CUDA tensors (bf16 / fp16 / fp32).
+
+Reads each element once: the tensor is viewed as uint32 words laid out as
+[sign rows of 128 elements, words]; one persistent program walks tiles of
+BLOCK_R sign rows and, per tile, computes
+
+* both hash lanes of every word (same mixers as ``fingerprint._mix_a/_mix_b``),
+* sum of squares, max |x| (NaN ignored), NaN and Inf counts,
+* the sketch contribution ``sum_r b_j(r) * (X_tile @ A)[r, j]`` with the +-1
+  column-sign matrix A on the tensor cores (exact products, fp32 accumulate),
+* the per-token-row non-zero flags (atomic max into an int32 [tokens] buffer,
+  only when hidden % 128 == 0; otherwise the caller falls back to torch).
+
+Each program writes one row of partials; the host combines them in float64 /
+exact int64 after ONE device->host copy for a whole batch of tensors.
+Imported lazily (triton is optional).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fingerprint as F
+
+_DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+QA = tl.constexpr(F.QA)
+SA = tl.constexpr(F.SA)
+QB = tl.constexpr(F.QB)
+SB = tl.constexpr(F.SB)
+
+
+@triton.jit
+def _mix_a(x):
+    x = x ^ (x >> 16)
+    x = x * tl.cast(0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.cast(0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _mix_b(x):
+    x = x ^ (x >> 15)
+    x = x * tl.cast(0x2C1B3C6D, tl.uint32)
+    x = x ^ (x >> 12)
+    x = x * tl.cast(0x297A2D39, tl.uint32)
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
+               nwords, nbrows, brows_per_token, iters, salt_b0, salt_b1,
+               DT: tl.constexpr, BW: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr,
+               NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    r_off = tl.arange(0, BLOCK_R)
+    c_off = tl.arange(0, BW)
+    j = tl.arange(0, KP)
+    a_idx = c_off[:, None] * KP + j[None, :]
+    alo = tl.load(alo_ptr + a_idx)
+    if DT != 2:
+        ahi = tl.load(ahi_ptr + a_idx)
+    sb0 = tl.cast(salt_b0, tl.uint32)
+    sb1 = tl.cast(salt_b1, tl.uint32)
+    shj = (j % 32).to(tl.uint32)
+    lane0 = j < 32
+
+    acc_sk = tl.zeros([KP], tl.float32)
+    acc_sq = tl.zeros([BLOCK_R], tl.float32)
+    acc_mx = tl.zeros([BLOCK_R], tl.float32)
+    acc_ha = tl.zeros([BLOCK_R], tl.uint64)
+    acc_hb = tl.zeros([BLOCK_R], tl.uint64)
+    acc_nan = tl.zeros([BLOCK_R], tl.int32)
+    acc_inf = tl.zeros([BLOCK_R], tl.int32)
+    for it in range(0, iters):
+        rows = (pid + it * NPROG) * BLOCK_R + r_off
+        q = rows.to(tl.int64)[:, None] * BW + c_off[None, :]
+        m = q < nwords
+        w = tl.load(w_ptr + q, mask=m, other=0).to(tl.uint32, bitcast=True)
+        qq = q.to(tl.uint32)
+        ha = _mix_a(w ^ (qq * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
+        hb = _mix_b(w + ((qq * tl.cast(QB, tl.uint32)) ^ tl.cast(SB, tl.uint32)))
+        ha = tl.where(m, ha, tl.zeros_like(ha))
+        hb = tl.where(m, hb, tl.zeros_like(hb))
+        acc_ha += tl.sum(ha.to(tl.uint64), axis=1)
+        acc_hb += tl.sum(hb.to(tl.uint64), axis=1)
+
+        if DT == 2:
+            x = w.to(tl.float32, bitcast=True)
+            y = tl.dot(x, alo, input_precision="ieee")
+            acc_sq += tl.sum(x * x, axis=1)
+            acc_mx = tl.maximum(acc_mx, tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1))
+            acc_nan += tl.sum((x != x).to(tl.int32), axis=1)
+            acc_inf += tl.sum((tl.abs(x) == float("inf")).to(tl.int32), axis=1)
+            nz = tl.max((x != 0).to(tl.int32), axis=1)
+        else:
+            if DT == 0:
+                lo16 = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                hi16 = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                lo16 = w.to(tl.uint16).to(tl.float16, bitcast=True)
+                hi16 = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            xl = lo16.to(tl.float32)
+            xh = hi16.to(tl.float32)
+            if F32DOT:   # the CPU interpreter mishandles 16-bit dots
+                y = tl.dot(xl, alo.to(tl.float32), input_precision="ieee") + \
+                    tl.dot(xh, ahi.to(tl.float32), input_precision="ieee")
+            else:
+                y = tl.dot(lo16, alo) + tl.dot(hi16, ahi)
+            acc_sq += tl.sum(xl * xl + xh * xh, axis=1)
+            ml = tl.where(xl != xl, 0.0, tl.abs(xl))
+            mh = tl.where(xh != xh, 0.0, tl.abs(xh))
+            acc_mx = tl.maximum(acc_mx, tl.max(tl.maximum(ml, mh), axis=1))
+            acc_nan += tl.sum((xl != xl).to(tl.int32) + (xh != xh).to(tl.int32), axis=1)
+            acc_inf += tl.sum((tl.abs(xl) == float("inf")).to(tl.int32)
+                              + (tl.abs(xh) == float("inf")).to(tl.int32), axis=1)
+            nz = tl.max(((xl != 0) | (xh != 0)).to(tl.int32), axis=1)
+
+        r32 = rows.to(tl.uint32)
+        h0 = _mix_a(r32 ^ sb0)
+        h1 = _mix_a(r32 ^ sb1)
+        hsel = tl.where(lane0[None, :], h0[:, None], h1[:, None])
+        sgn = 1.0 - 2.0 * ((hsel >> shj[None, :]) & 1).to(tl.float32)
+        acc_sk += tl.sum(y * sgn, axis=0)
+        if DO_FLAGS:
+            tl.atomic_max(flag_ptr + rows // brows_per_token, nz, mask=(rows < nbrows) & (nz > 0))
+
+    fbase = fpart_ptr + pid * (KP + 2)
+    tl.store(fbase + j, acc_sk)
+    tl.store(fbase + KP, tl.sum(acc_sq, axis=0))
+    tl.store(fbase + KP + 1, tl.max(acc_mx, axis=0))
+    ibase = ipart_ptr + pid * 4
+    tl.store(ibase, tl.sum(acc_ha, axis=0).to(tl.int64, bitcast=True))
+    tl.store(ibase + 1, tl.sum(acc_hb, axis=0).to(tl.int64, bitcast=True))
+    tl.store(ibase + 2, tl.sum(acc_nan, axis=0).to(tl.int64))
+    tl.store(ibase + 3, tl.sum(acc_inf, axis=0).to(tl.int64))
+
+
+def supported(t: torch.Tensor) -> bool:
+    return (t.is_cuda and t.dtype in _DT and t.is_contiguous() and t.numel() > 0
+            and (t.numel() * t.element_size()) % 4 == 0 and t.data_ptr() % 16 == 0
+            and t.numel() * t.element_size() // 4 < 2 ** 31 - 2 ** 20)
+
+
+_A: dict = {}
+_NSM: dict = {}
+
+
+def _signs(seed: int, k: int, kp: int, dtype, device):
+    key = (seed, k, kp, dtype, str(device))
+    v = _A.get(key)
+    if v is None:
+        a = torch.zeros(F.SKETCH_ROW, kp, dtype=torch.float64)
+        a[:, :k] = F.column_signs(seed, k)
+        if dtype == torch.float32:
+            v = (a.to(device, torch.float32).contiguous(),) * 2
+        else:
+            v = (a[0::2].to(device, dtype).contiguous(), a[1::2].to(device, dtype).contiguous())
+        _A[key] = v
+    return v
+
+
+def _nsm(device) -> int:
+    d = torch.device(device).index or 0
+    if d not in _NSM:
+        _NSM[d] = torch.cuda.get_device_properties(d).multi_processor_count
+    return _NSM[d]
+
+
+def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None):
+    """Launch the kernels for a batch; returns (host-side finisher, device buffer).
+    Nothing here synchronises; ``finish()`` does the one D2H copy."""
+    block_r = block_r or int(os.environ.get("TPPROBE_FP_BLOCK_R", 64))
+    num_warps = num_warps or int(os.environ.get("TPPROBE_FP_WARPS", 4))
+    progs_per_sm = progs_per_sm or int(os.environ.get("TPPROBE_FP_PROGS", 4))
+    kp = max(16, triton.next_power_of_2(k))
+    salts = F._row_salts(seed, 2)
+    plans = []
+    foff = ioff = 0
+    ntok = 0
+    for t in tensors:
+        isz = t.element_size()
+        n = t.numel()
+        bw = F.SKETCH_ROW * isz // 4
+        nwords = n * isz // 4
+        nbrows = -(-n // F.SKETCH_ROW)
+        ntiles = -(-nbrows // block_r)
+        nprog = max(1, min(ntiles, progs_per_sm * _nsm(t.device)))
+        flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
+        plans.append(dict(t=t, bw=bw, nwords=nwords, nbrows=nbrows, ntiles=ntiles, nprog=nprog,
+                          flags=flags, foff=foff, ioff=ioff, toff=ntok))
+        foff += nprog * (kp + 2)
+        ioff += nprog * 4
+        if flags:
+            ntok += t.shape[0]
+    dev = tensors[0].device
+    # one buffer: [int64 partials | float32 partials | int32 token flags]
+    n64 = ioff + (foff + 1) // 2 + (ntok + 1) // 2
+    buf = torch.empty(max(n64, 1), dtype=torch.int64, device=dev)
+    ipart = buf[:ioff]
+    fpart = buf[ioff:ioff + (foff + 1) // 2].view(torch.float32)
+    flagbuf = buf[ioff + (foff + 1) // 2:].view(torch.int32)
+    if ntok:
+        flagbuf.zero_()
+    for p in plans:
+        t = p["t"]
+        alo, ahi = _signs(seed, k, kp, t.dtype, dev)
+        _fp_kernel[(p["nprog"],)](
+            t.view(-1).view(torch.int32), alo, ahi,
+            fpart[p["foff"]:], ipart[p["ioff"]:], flagbuf[p["toff"]:] if p["flags"] else flagbuf,
+            p["nwords"], p["nbrows"], (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1,
+            -(-p["ntiles"] // p["nprog"]), salts[0], salts[1],
+            DT=_DT[t.dtype], BW=p["bw"], BLOCK_R=block_r, KP=kp, NPROG=p["nprog"],
+            DO_FLAGS=p["flags"], F32DOT=bool(os.environ.get("TRITON_INTERPRET")),
+            num_warps=num_warps)
+    # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
+    extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
+             if p["t"].dim() == 2 and not p["flags"]}
+
+    def finish():
+        host = buf.cpu()
+        ex = {i: v.cpu() for i, v in extra.items()}
+        hi = host[:ioff]
+        hf = host[ioff:ioff + (foff + 1) // 2].view(torch.float32)
+        hflag = host[ioff + (foff + 1) // 2:].view(torch.int32)
+        out = []
+        for i, p in enumerate(plans):
+            t = p["t"]
+            fp = hf[p["foff"]:p["foff"] + p["nprog"] * (kp + 2)].view(p["nprog"], kp + 2).double()
+            ip = hi[p["ioff"]:p["ioff"] + p["nprog"] * 4].view(p["nprog"], 4)
+            la = int(ip[:, 0].sum()) & F.M64      # int64 sums wrap mod 2^64: exact lanes
+            lb = int(ip[:, 1].sum()) & F.M64
+            rows = ""
+            if p["flags"]:
+                rows = F._bitmap_hex(hflag[p["toff"]:p["toff"] + t.shape[0]] > 0)
+            elif i in ex:
+                rows = F._bitmap_hex(ex[i])
+            out.append(F.Fingerprint(
+                shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""),
+                bit_hash=F.hash_hex(la, lb), sketch=fp[:, :k].sum(0).tolist(),
+                sumsq=float(fp[:, kp].sum()), absmax=float(fp[:, kp + 1].max()),
+                n_nan=int(ip[:, 2].sum()), n_inf=int(ip[:, 3].sum()), row_nonzero=rows, seed=seed))
+        return out
+
+    return finish, buf
+
+
+def fingerprint_batch(tensors, seed: int, k: int, **kw):
+    finish, _ = launch(tensors, seed, k, **kw)
+    return finish()
