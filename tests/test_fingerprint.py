@@ -270,3 +270,56 @@ def test_chunking_invariance(monkeypatch):
     b = fingerprint(t)
     assert a.bit_hash == b.bit_hash and (a.n_nan, a.row_nonzero) == (b.n_nan, b.row_nonzero)
     assert a.sketch == pytest.approx(b.sketch, rel=1e-12, abs=1e-9)
+
+
+# ----------------------------------------------------------------- fused Triton path (GPU only)
+def _has_triton_cuda():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_triton_cuda(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", [(8192, 7168), (64, 256), (300, 130), (5, 100), (3, 7, 8), (1, 2)])
+def test_triton_matches_torch(dt, shape):
+    import tpprobe._triton_fingerprint as tf
+    from tpprobe.fingerprint import _fingerprint_torch
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    t = (torch.randn(*shape, device="cuda", generator=g) * 2).to(dt)
+    if t.dim() == 2 and shape[0] > 8:
+        t[3] = 0
+        t[7, -1] = -0.0
+    if not tf.supported(t):
+        pytest.skip("odd byte count: torch path")
+    for k in (16, 32, 64):
+        f = tf.fingerprint_batch([t], seed=11, k=k)[0]
+        for r in (_fingerprint_torch(t, 11, k), _fingerprint_torch(t.cpu(), 11, k)):
+            assert f.bit_hash == r.bit_hash
+            assert (f.n_nan, f.n_inf, f.row_nonzero, f.shape, f.dtype) == \
+                (r.n_nan, r.n_inf, r.row_nonzero, r.shape, r.dtype)
+            assert f.absmax == r.absmax
+            assert f.sumsq == pytest.approx(r.sumsq, rel=1e-5)
+            scale = math.sqrt(r.sumsq)
+            assert max(abs(a - b) for a, b in zip(f.sketch, r.sketch)) <= 2e-6 * scale
+            assert sketch_close(f, r, dt) and sum_matches(f, [r], dt)[0]
+
+
+@pytest.mark.skipif(not _has_triton_cuda(), reason="needs CUDA and triton")
+def test_triton_nan_inf_and_dispatch():
+    t = torch.randn(256, 512, device="cuda").bfloat16()
+    t[1, 2] = float("nan")
+    t[3, 4] = float("inf")
+    f = fingerprint(t)
+    r = fingerprint(t.cpu())
+    assert f.bit_hash == r.bit_hash and (f.n_nan, f.n_inf) == (1, 1) and f.absmax == math.inf
+    ins = _ar_inputs(4, (512, 1024), torch.bfloat16, 3)
+    ins = [x.cuda() for x in ins]
+    fps = fingerprints(ins)
+    assert sum_matches(fingerprint(torch.stack(ins).float().sum(0).bfloat16()), fps, torch.bfloat16)[0]
+    assert not sum_matches(fingerprint(torch.stack(ins[1:]).float().sum(0).bfloat16()), fps,
+                           torch.bfloat16)[0]
