@@ -244,9 +244,9 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
         xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
         X = xp.view(-1, SKETCH_ROW)
         r0 = e0 // SKETCH_ROW
-        rows = torch.arange(r0, r0 + X.shape[0], dtype=torch.int64)
-        Y = (X @ A).to(torch.float64).cpu()                 # [rows, k]
-        sk += (Y * row_signs(rows, seed, k)).sum(0)
+        rows = torch.arange(r0, r0 + X.shape[0], dtype=torch.int64, device=X.device)
+        Y = X @ A                                           # [rows, k]
+        sk += (Y * row_signs(rows, seed, k).to(acc)).sum(0).to("cpu", torch.float64)
         sumsq += float(x.to(torch.float64).square().sum())
         isn = torch.isnan(x)
         n_nan += int(isn.sum())
