@@ -320,11 +320,19 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         "sglang layers_to_capture": list(model.model.layers_to_capture) if capture else "off",
         "layer-id rule": plan.rule if plan else "capture off",
     }
+    # tpprobe.faults.apply reads `model.layers` even when nothing is injected; SGLang keeps them
+    # at model.model.layers. A plain (unregistered) alias: named_modules/state_dict are unchanged.
+    model.__dict__.setdefault("layers", model.model.layers)
+    from tpprobe.sglang.stream import sglang_extensions
+
     return ProbeTarget(
         model=model, forward=lambda: _run(rt), input_ids=rt.ids, num_layers=num_layers,
         hidden_size=config.hidden_size, dtype=dtype, arch=arch,
         packed_aux=packed_aux if capture else None,
-        model_layer_ids=None if layer_ids is None else list(layer_ids), info=info)
+        model_layer_ids=None if layer_ids is None else list(layer_ids), info=info,
+        # SGLang 0.5.23 layers return an owed output, not the stream: record layer.K.out where
+        # SGLang materializes it (tpprobe.sglang.stream)
+        tap_extensions=sglang_extensions(), stream_from_layer_output=False)
 
 
 __all__ = ["build_target", "hf_reference", "packed_aux", "tiny_config", "load_config",

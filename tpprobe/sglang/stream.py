@@ -1,0 +1,131 @@
+"""The residual stream of SGLang 0.5.23 decoder layers, as tpprobe capture points.
+
+SGLang 0.5.23 layers return an opaque `OwedOutput` (the MLP's partial sum, reduced at the next
+layer's input boundary), so neither a layer's output nor its `(hidden, residual)` pair is the
+stream. This Tap extension records `layer.K.out` (the residual stream leaving layer K = HF
+hidden_states[K+1]) where SGLang itself materializes it for EAGLE-3:
+
+* K < L-1: the `capture` callback of layer K+1's `attn_boundary.prepare` (the same callback
+  SGLang's own aux capture uses; it completes layer K's owed reduce at that boundary, as EAGLE-3
+  capture does; values are unchanged);
+* K = L-1: the updated residual returned by the final norm (`model.norm(hidden, residual)`,
+  which is what `residual_batch.final_norm`'s capture would see).
+
+`moe_reduce_extension` makes the all-reduce audit see a MoE block (DeepSeek-V2's
+`DeepseekV2MoE`) as what it is for TP: a row-parallel producer. The block sums its routed experts
+and its shared expert's `down_proj` (a RowParallelLinear with reduce_results=False) into one
+tensor that owes ONE all-reduce, issued later at the next boundary. Without this the Tap sees the
+shared expert's output as never reduced and attributes the block's reduce to the next layer.
+
+Used by the CPU probe (`tpprobe.sglang.tiny`) and the live-server plugin; imports nothing from
+sglang and never imports tpprobe.sglang.cpu_mode (the plugin runs on GPUs).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+class _Undo:
+    def __init__(self, fn: Callable[[], None]):
+        self._fn: Optional[Callable[[], None]] = fn
+
+    def remove(self) -> None:
+        if self._fn is not None:
+            fn, self._fn = self._fn, None
+            fn()
+
+
+def decoder_layers(model) -> list:
+    """SGLang's decoder layers of a *ForCausalLM (model.model.layers), or []."""
+    inner = getattr(model, "model", model)
+    return list(getattr(inner, "layers", None) or [])
+
+
+def wrap_boundary_captures(layers, record: Callable[[int, torch.Tensor], None]) -> list[_Undo]:
+    """Give layer i's attention boundary a capture callback that calls record(i, stream entering
+    layer i) for i >= 1 (the stream entering layer 0 is the embedding output). Returns undo handles."""
+    undo = []
+    for i, layer in enumerate(layers):
+        if i == 0:
+            continue
+        b = getattr(layer, "attn_boundary", None)
+        if b is None or not hasattr(b, "prepare"):
+            continue
+        orig = b.prepare
+
+        def prepare(hidden_states, forward_batch, *a, _i=i, _orig=orig, **kw):
+            theirs = kw.pop("capture", None)
+
+            def capture(value, owned=False, _theirs=theirs, _i=_i):
+                record(_i, value)
+                if _theirs is not None:
+                    _theirs(value, owned=owned)
+
+            return _orig(hidden_states, forward_batch, *a, capture=capture, **kw)
+
+        try:
+            b.prepare = prepare          # an instance attribute shadows the bound method
+        except (AttributeError, TypeError):
+            continue
+        undo.append(_Undo(lambda b=b: b.__dict__.pop("prepare", None)))
+    return undo
+
+
+def hook_final_norm(model, record: Callable[[torch.Tensor], None]) -> list:
+    """Forward hook on the final norm: record the stream leaving the last layer."""
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        return []
+
+    def post(mod, args, output):
+        if isinstance(output, (tuple, list)) and len(output) > 1 and isinstance(output[1], torch.Tensor):
+            record(output[1])          # norm(hidden, residual) -> (normed, hidden + residual)
+        elif args and isinstance(args[0], torch.Tensor) and (len(args) < 2 or args[1] is None):
+            record(args[0])            # no separate residual: the input is the stream
+
+    return [norm.register_forward_hook(post)]
+
+
+def residual_stream_extension(tap) -> list:
+    """Tap extension: `layer.K.out` for every decoder layer K of an SGLang 0.5.23 model."""
+    layers = decoder_layers(tap.model)
+    if not layers:
+        return []
+    last = len(layers) - 1
+    handles = wrap_boundary_captures(layers, lambda i, v: tap.record_point(f"layer.{i - 1}.out", v))
+    handles += hook_final_norm(tap.model, lambda v: tap.record_point(f"layer.{last}.out", v))
+    return handles
+
+
+def moe_reduce_extension(tap) -> list:
+    """Tap extension: register each decoder layer's MoE block output as a row-parallel output
+    (matched by data_ptr when its owed all-reduce runs), and the row-parallel outputs summed into
+    it (the shared expert's down_proj) as consumed by that block."""
+    import fnmatch
+
+    handles = []
+    for idx, layer in enumerate(decoder_layers(tap.model)):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not fnmatch.fnmatchcase(type(mlp).__name__, "*MoE*"):
+            continue
+        name = next((n for n, m in tap.model.named_modules() if m is mlp), f"model.layers.{idx}.mlp")
+
+        def post(mod, args, output, _name=name, _idx=idx):
+            out = output if isinstance(output, torch.Tensor) else getattr(output, "routed", None)
+            if not isinstance(out, torch.Tensor):
+                return
+            for row in tap.row_outputs:      # summed into this block's output: reduced with it
+                if row["module"].startswith(_name + ".") and not row["reduced"]:
+                    row["reduced"], row["into"] = True, _name
+            tap.row_outputs.append({"module": _name, "layer": _idx, "ptr": out.data_ptr(),
+                                    "reduced": any(r.source == _name for r in tap.allreduces)})
+
+        handles.append(mlp.register_forward_hook(post))
+    return handles
+
+
+def sglang_extensions() -> tuple:
+    """Every Tap extension an SGLang 0.5.23 model needs (for ProbeTarget.tap_extensions / the plugin)."""
+    return (residual_stream_extension, moe_reduce_extension)
