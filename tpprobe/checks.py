@@ -357,7 +357,16 @@ def _reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
 def _slots(records, live, settings, dtype) -> tuple[list[Finding], list[dict]]:
     ids: list[int] = settings.get("layer_ids") or []
     hidden, world, L = settings["hidden"], settings["world_size"], settings.get("num_layers")
-    if not ids:
+    if settings.get("expected_points") is not None:
+        # arch-aware (SGLang's rules, tpprobe.layer_ids.expected_slots): one point per slot in slot
+        # order, then None for each id that captures nothing; expected_ids names the id of each
+        expected = list(settings["expected_points"])
+        ids = list(settings.get("expected_ids") or ids)[:len(expected)]
+        ids += [None] * (len(expected) - len(ids))
+    else:
+        expected = [id_point(i) for i in ids]
+    n_slots = sum(1 for e in expected if e is not None)
+    if not expected:
         return [], []
     findings: list[Finding] = []
     verdicts: dict[int, tuple] = {}
@@ -379,8 +388,8 @@ def _slots(records, live, settings, dtype) -> tuple[list[Finding], list[dict]]:
             verdicts[r] = ("layout-mismatch", "aux.packed", "packed aux is a non-contiguous view "
                            f"(strides {aux_meta.get('stride')})")
             continue
-        if world > 1 and width == len(ids) * hidden // world and width != len(ids) * hidden:
-            verdicts[r] = ("tp-sliced", "aux.packed", f"packed aux width is {width} = {len(ids)} × "
+        if world > 1 and width == n_slots * hidden // world and width != n_slots * hidden:
+            verdicts[r] = ("tp-sliced", "aux.packed", f"packed aux width is {width} = {n_slots} × "
                            f"{hidden // world} (hidden {hidden} / tp {world}): each slot is a TP slice")
             continue
         if width % hidden:
@@ -399,7 +408,6 @@ def _slots(records, live, settings, dtype) -> tuple[list[Finding], list[dict]]:
                     m = n
                     break
             match.append(m)
-        expected = [id_point(i) for i in ids]
         if r == live[0]:
             rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
                          "expected": expected[i] if i < len(expected) else None, "matched": m,

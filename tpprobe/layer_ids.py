@@ -204,3 +204,32 @@ def render_layers_table(arch: str, ids: Optional[list[int]], num_layers: int, co
     p = plan(arch, ids, num_layers)
     (console or Console()).print(layers_table(p))
     return p
+
+
+# ---- the packed aux slots as tpprobe capture points ----------------------------------------------
+def layer_point(layer: int) -> str:
+    """tpprobe's capture point equal to the stream SGLang captures at `layers_to_capture` entry
+    `layer` (the stream entering that layer): embed.out for 0, else layer.{layer-1}.out."""
+    return "embed.out" if layer == 0 else f"layer.{layer - 1}.out"
+
+
+def expected_slots(p: LayerPlan) -> tuple[list[Optional[str]], list[Optional[int]]]:
+    """(points, ids): for each slot of the packed aux tensor, in slot order, the capture point it
+    must equal and the id that asked for it; then one `None` point per id that captures nothing
+    (dropped), so the slot check names it as missing. The checks use these instead of the
+    SGLang-Llama convention (id k -> layer.k.out), which is wrong for DeepSeek (no +1)."""
+    points: list[Optional[str]] = []
+    ids: list[Optional[int]] = []
+    for r in sorted((r for r in p.rows if r.slot is not None), key=lambda r: r.slot):
+        points.append(layer_point(r.layer))
+        ids.append(r.requested)
+    for r in p.rows:
+        if r.status == "dropped":
+            points.append(None)
+            ids.append(r.requested)
+    return points, ids
+
+
+def slots_from_layers_to_capture(layers_to_capture, num_layers: int) -> list[str]:
+    """Expected slot points from a live model's `layers_to_capture` (what the plugin sees; no ids)."""
+    return [layer_point(c) for c in sorted({int(c) for c in layers_to_capture}) if 0 <= c < num_layers]

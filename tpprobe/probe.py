@@ -276,6 +276,12 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
                 "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
                 "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
+    if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
+        # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
+        from .layer_ids import ARCHES, expected_slots, plan
+        if target.arch in ARCHES:
+            settings["expected_points"], settings["expected_ids"] = expected_slots(
+                plan(target.arch, target.model_layer_ids, target.num_layers))
     references = _references(opts, target, layer_ids) if target.arch == "builtin" and keep_all else None
     t2 = time.time()
     result_checks = checks.run_checks(records, settings, liveness, references)
