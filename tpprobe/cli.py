@@ -125,7 +125,8 @@ def layers(
 
 
 # -- commands in their own modules (one line each) ---------------------------------------------
-# (diff: tpprobe/diff.py registers itself here)
+from .diff import diff_command  # noqa: E402
+app.command("diff")(diff_command)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
