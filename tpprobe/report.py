@@ -26,22 +26,8 @@ LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise
 
 
 def environment() -> dict:
-    env = {"tpprobe": __version__, "torch": torch.__version__, "python": platform.python_version(),
-           "platform": platform.platform()}
-    try:
-        import importlib.metadata as md
-        env["sglang"] = md.version("sglang")
-    except Exception:
-        pass
-    if torch.cuda.is_available():
-        try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:
-            pass
-        env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    else:
-        env["devices"] = ["CPU"]
-    return env
+    from .envinfo import environment as _environment
+    return _environment()
 
 
 def build_report(settings: dict, result: dict, timings: dict, out: Optional[str]) -> dict:
@@ -54,6 +40,9 @@ def build_report(settings: dict, result: dict, timings: dict, out: Optional[str]
 
 
 def console(stderr: bool = False) -> Console:
+    # the progress display (rank 0) ends before anything is rendered to the terminal
+    from .live import stop_all
+    stop_all()
     # rich follows the terminal's capabilities and NO_COLOR by itself
     return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
 
