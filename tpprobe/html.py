@@ -126,8 +126,7 @@ def heat_png(name: str, m, vmax: float, tokens: Optional[int] = None, missing: t
     fig.patch.set_facecolor("white")
     ax = fig.add_axes((0.12, 0.5 / h_in, 0.74, 1 - 0.8 / h_in))
     cax = fig.add_axes((0.875, 0.5 / h_in, 0.015, 1 - 0.8 / h_in))
-    cmap = matplotlib.colormaps["YlOrRd"].copy()
-    cmap.set_bad((0, 0, 0, 0))
+    cmap = matplotlib.colormaps["YlOrRd"].with_extremes(bad=(0, 0, 0, 0))
     # underneath the log map: bitwise-equal entries green, entries not compared grey
     base = np.where(zero, 1.0, np.where(np.isnan(m), 0.0, np.nan))
     ax.imshow(np.ma.masked_invalid(base), aspect="auto", interpolation="nearest",
