@@ -3,12 +3,16 @@ EAGLE-3 aux slot holds exactly the HF hidden state that tpprobe.layer_ids says i
 
 One process set per (arch, tp): the model is built once and re-told its ids between forwards.
 """
+import os
+import sys
+
 import json
 
 import pytest
 import torch
 
-from sglang_ranks import run_ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
+from sglang_ranks import run_ranks  # noqa: E402
 from tpprobe.errors import UsageError
 from tpprobe.layer_ids import plan
 from tpprobe.sglang import INSTALL_HINT, available

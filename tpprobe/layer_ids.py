@@ -230,6 +230,13 @@ def expected_slots(p: LayerPlan) -> tuple[list[Optional[str]], list[Optional[int
     return points, ids
 
 
-def slots_from_layers_to_capture(layers_to_capture, num_layers: int) -> list[str]:
-    """Expected slot points from a live model's `layers_to_capture` (what the plugin sees; no ids)."""
-    return [layer_point(c) for c in sorted({int(c) for c in layers_to_capture}) if 0 <= c < num_layers]
+def slots_from_layers_to_capture(layers_to_capture, num_layers: int
+                                  ) -> tuple[list[Optional[str]], list[int]]:
+    """(points, ids) like `expected_slots`, from a live model's `layers_to_capture` (what the
+    plugin sees: the ids' +1 is already applied). ids are in tpprobe's convention (layer c -> id
+    c-1, -1 = embedding); entries the loop never reaches come last with point None."""
+    ltc = sorted({int(c) for c in layers_to_capture})
+    inside = [c for c in ltc if 0 <= c < num_layers]
+    outside = [c for c in ltc if not 0 <= c < num_layers]
+    return ([layer_point(c) for c in inside] + [None] * len(outside),
+            [c - 1 for c in inside] + [c - 1 for c in outside])

@@ -13,17 +13,22 @@ Settings (environment):
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
 
 Per captured forward, inside the model's own forward, each TP rank runs tpprobe's `Tap`
-(embedding, decoder layers, every torch.distributed.all_reduce) and writes `rank-NNN.safetensors`
-+ `rank-NNN.json` with `tpprobe.capture.write_rank`; TP rank 0 gathers the file entries over the
-TP group's CPU (gloo) group and writes `manifest.json`, so `tpprobe report DIR/step-000` runs the
-cross-rank checks offline.
+(embedding, decoder layers, every torch.distributed.all_reduce) with the SGLang extensions of
+`tpprobe.sglang.stream`, and writes `rank-NNN.safetensors` + `rank-NNN.json` with
+`tpprobe.capture.write_rank`, using the point names and metadata keys `tpprobe probe` writes
+(`embed.local`, `embed.out`, `layer.K.out` = the residual stream leaving layer K = HF
+hidden_states[K+1], `aux.packed`, `allreduce.N.in/.out`, `input_ids`). TP rank 0 gathers the file
+entries over the TP group's CPU (gloo) group and writes `manifest.json` whose `settings` carry
+world_size, dtype, hidden, num_layers and the slot expectations derived from the live model's
+`layers_to_capture` (layer_ids / expected_points / expected_ids), so `tpprobe report
+DIR/step-000` runs the same cross-rank checks offline.
 
 SGLang 0.5.23 decoder layers return an opaque `OwedOutput` (the MLP's partial sum, reduced at the
-next layer's input), so a forward hook on a layer cannot see the residual stream. The plugin
-therefore also hands each layer's `attn_boundary.prepare` a `capture` callback (SGLang's own
-EAGLE-3 capture mechanism): `resid.K` = the residual stream entering layer K = HF
-hidden_states[K] (K = 0: embedding output). This completes the owed reduce at that point, as
-EAGLE-3 capture does; values are unchanged.
+next layer's input), so a forward hook on a layer cannot see the residual stream: the extension
+hands each layer's `attn_boundary.prepare` a `capture` callback (SGLang's own EAGLE-3 capture
+mechanism; it completes the owed reduce at that boundary, as EAGLE-3 capture does; values are
+unchanged, the fused all-reduce+norm kernel is not used for that boundary) and reads the last
+layer's stream from the final norm.
 
 SGLang logs and swallows plugin exceptions, so this plugin prints its own state loudly: one
 `[tpprobe]` line per rank when it hooks, and one per written or skipped step.
@@ -35,6 +40,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -107,117 +113,142 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     if step >= s["max_steps"] or mode not in s["modes"] or _STEPS["bytes"] >= s["max_bytes"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     from tpprobe.hooks import Tap
+    from tpprobe.sglang.stream import decoder_layers, sglang_extensions
 
     rank, world, tp_group = _tp()
-    layers = list(getattr(getattr(self, "model", None), "layers", []) or [])
-    resid: dict[int, torch.Tensor] = {}
-    undo = _wrap_boundaries(layers, resid)
+    layers = decoder_layers(self)
     if not _STEPS["announced"]:
         _STEPS["announced"] = True
         _say(f"tp_rank {rank}/{world}: hooking {type(self).__name__} (VocabParallelEmbedding, "
-             f"{len(layers)} decoder layers, torch.distributed.all_reduce, residual stream at "
-             f"{sum(1 for u in undo if u)} layer inputs) -> {s['dir']}")
+             f"{len(layers)} decoder layers, torch.distributed.all_reduce, the residual stream at "
+             f"every layer boundary and the final norm) -> {s['dir']}")
     _state.busy = True
+    t0 = time.time()
     try:
-        with Tap(self) as tap:
+        with torch.no_grad(), Tap(self, extensions=sglang_extensions()) as tap:
+            tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
             result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     finally:
         _state.busy = False
-        for u in undo:
-            if u:
-                u()
+    t_forward = time.time() - t0
     _STEPS["n"] += 1
-    try:
-        _write_step(s, step, mode, rank, world, tp_group, tap, resid, input_ids, result, self)
-    except Exception as e:  # noqa: BLE001
-        _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
+    _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward)
     return result
 
 
-def _wrap_boundaries(layers, resid: dict):
-    """Give each layer's attention boundary a capture callback; return undo functions."""
-    undo = []
-    for i, layer in enumerate(layers):
-        b = getattr(layer, "attn_boundary", None)
-        if b is None or not hasattr(b, "prepare"):
-            undo.append(None)
-            continue
-        orig = b.prepare
-
-        def prepare(hidden_states, forward_batch, *a, _i=i, _orig=orig, **call):
-            theirs = call.pop("capture", None)
-
-            def both(value, owned=False, _theirs=theirs):
-                resid[_i] = value.detach().clone()
-                if _theirs is not None:
-                    _theirs(value, owned=owned)
-
-            return _orig(hidden_states, forward_batch, *a, capture=both, **call)
-
-        try:
-            b.prepare = prepare
-        except (AttributeError, TypeError):
-            undo.append(None)
-            continue
-        undo.append(lambda b=b: b.__dict__.pop("prepare", None))
-    return undo
-
-
-def _write_step(s, step, mode, rank, world, tp_group, tap, resid, input_ids, result, model) -> None:
-    from tpprobe.capture import write_manifest, write_rank
-
-    out = s["dir"] / f"step-{step:03d}"
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {k: v for k, v in tap.captures.items()
-                                        if isinstance(v, torch.Tensor)}
-    for i, t in resid.items():
-        tensors[f"resid.{i}"] = t
-    for a in tap.allreduces:
-        if a.inp is not None:
-            tensors[f"allreduce.{a.seq}.in"] = a.inp
-        if a.out is not None:
-            tensors[f"allreduce.{a.seq}.out"] = a.out
+def _aux(result, tokens: int):
+    """The packed aux tensor the draft receives, when it has one row per input token."""
     aux = getattr(result, "hidden_states", None)
-    if isinstance(aux, torch.Tensor):
-        tensors["aux.packed"] = aux
+    if aux is not None and not isinstance(aux, torch.Tensor):
+        try:
+            from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+            aux = pack_aux_hidden_states(aux)
+        except Exception:  # noqa: BLE001
+            return None, "aux hidden states could not be packed"
+    if not isinstance(aux, torch.Tensor):
+        return None, "no aux hidden states in this forward's output"
+    if aux.dim() != 2 or aux.shape[0] != tokens:
+        return None, (f"aux hidden states have {aux.shape[0]} rows for {tokens} tokens "
+                      f"(CaptureHiddenMode LAST?): slots not checked")
+    return aux, None
+
+
+def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward):
+    """This rank's tensors, metadata (the keys `tpprobe probe` writes) and run settings."""
+    from tpprobe.layer_ids import slots_from_layers_to_capture
+    from tpprobe.probe import replicated_param_hashes
+
+    tensors: dict[str, torch.Tensor] = {k: v for k, v in tap.captures.items() if isinstance(v, torch.Tensor)}
+    for a in tap.allreduces:
+        if a.inp is not None and a.out is not None:
+            tensors[f"allreduce.{a.seq}.in"], tensors[f"allreduce.{a.seq}.out"] = a.inp, a.out
     tensors["input_ids"] = input_ids
+    aux, aux_note = _aux(result, int(input_ids.shape[0]))
+    aux_meta = {}
+    if aux is not None:
+        tensors["aux.packed"] = aux
+        aux_meta = {"shape": list(aux.shape), "dtype": str(aux.dtype).replace("torch.", ""),
+                    "contiguous": aux.is_contiguous(), "stride": list(aux.stride())}
     seen = set()
     for k, t in list(tensors.items()):   # safetensors refuses shared storage: copy repeats
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         tensors[k] = t.clone() if key in seen else t
         seen.add(key)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    config = getattr(model, "config", None)
+    L = len(tap.layer_indices)
+    ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
+    points, ids = slots_from_layers_to_capture(ltc, L) if aux is not None else ([], [])
+    dtype = next((t.dtype for n, t in tensors.items() if n == "embed.out"), None) or \
+        next(iter(model.parameters())).dtype
+    meta = {
+        "rank": rank, "world_size": world, "status": "ok", "error": None,
+        "points": [{"name": n, "shape": list(tensors[n].shape), "dtype": str(tensors[n].dtype).replace("torch.", "")}
+                   for n in tap.order if n in tensors],
+        "allreduces": [a.meta() for a in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
+        "embed_module": tap.embed_name, "layers_hooked": L,
+        "aux": aux_meta, "params": replicated_param_hashes(model),
+        "timings": {"forward_s": t_forward}, "device": str(input_ids.device),
+        # plugin-only facts
+        "source": "sglang-plugin", "step": step, "forward_mode": mode, "model": type(model).__name__,
+        "layers_to_capture": ltc, "aux_note": aux_note,
+    }
+    run_settings = {
+        "world_size": world, "backend": "sglang (live server, plugin)",
+        "dtype": str(dtype).replace("torch.", ""),
+        "hidden": int(getattr(config, "hidden_size", 0) or tensors.get("embed.out", torch.empty(0, 0)).shape[-1]),
+        "num_layers": L, "tokens": int(input_ids.numel()),
+        "arch": str(getattr(config, "model_type", type(model).__name__)),
+        "model": type(model).__name__, "layer_ids": ids, "expected_points": points, "expected_ids": ids,
+        "sglang layers_to_capture": str(ltc), "forward_mode": mode, "step": step,
+    }
+    return tensors, meta, run_settings
+
+
+def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward) -> None:
+    """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
+    (also when its own write failed), so one rank's error never hangs the others."""
+    from tpprobe import __version__
+    from tpprobe.capture import write_manifest, write_rank
+
+    out = s["dir"] / f"step-{step:03d}"
     entries: list = []
-    if _STEPS["bytes"] + nbytes > s["max_bytes"]:
-        _STEPS["bytes"] = s["max_bytes"]
-        _say(f"tp_rank {rank}: step {step} skipped: {nbytes} bytes would pass TPPROBE_MAX_BYTES; "
-             f"capture stopped")
-    else:
-        _STEPS["bytes"] += nbytes
-        meta = {
-            "source": "sglang-plugin", "status": "ok", "rank": rank, "world_size": world,
-            "step": step, "forward_mode": mode, "model": type(model).__name__,
-            "points": list(tap.order), "resid_layers": sorted(resid),
-            "layers_to_capture": list(getattr(getattr(model, "model", None), "layers_to_capture", []) or []),
-            "allreduces": [a.meta() for a in tap.allreduces],
-            "unreduced_rows": tap.unreduced_rows(),
-        }
-        try:
+    run_settings: dict = {}
+    nbytes = 0
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tensors, meta, run_settings = _step_record(s, step, mode, rank, world, tap, input_ids, result,
+                                                   model, t_forward)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if _STEPS["bytes"] + nbytes > s["max_bytes"]:
+            _STEPS["bytes"] = s["max_bytes"]
+            _say(f"tp_rank {rank}: step {step} skipped: {nbytes} bytes would pass TPPROBE_MAX_BYTES; "
+                 f"capture stopped")
+        else:
+            _STEPS["bytes"] += nbytes
             entries = write_rank(out, rank, tensors, meta)
-        except Exception as e:  # noqa: BLE001 - still join the gather below, or rank 0 hangs
-            _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
-    # TP rank 0 writes the manifest from every rank's entries (gathered over the gloo CPU group)
+    except Exception as e:  # noqa: BLE001 - SGLang would swallow it; still join the gather below
+        _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
     gathered = [None] * world if rank == 0 else None
-    group = getattr(tp_group, "cpu_group", None)
     if world > 1:
-        torch.distributed.gather_object(entries, gathered, dst=_global_rank0(tp_group), group=group)
+        group = getattr(tp_group, "cpu_group", None)
+        torch.distributed.gather_object((entries, run_settings), gathered, dst=_global_rank0(tp_group), group=group)
     else:
-        gathered = [entries]
+        gathered = [(entries, run_settings)]
     if rank == 0:
-        files = [e for es in gathered for e in (es or [])]
-        write_manifest(out, {"world_size": world, "source": "sglang-plugin", "step": step,
-                             "forward_mode": mode, "model": type(model).__name__}, files)
-    _say(f"tp_rank {rank}: step {step} ({mode}) wrote {len(tensors)} tensors, {nbytes} bytes -> {out}")
+        files = [e for es, _ in gathered for e in (es or [])]
+        ranks = sorted({e["rank"] for e in files})
+        settings_ = next((st for _, st in gathered if st), {"world_size": world})
+        try:
+            write_manifest(out, {"world_size": world, "ranks": ranks, "settings": settings_,
+                                 "tool": f"tpprobe {__version__}", "source": "sglang-plugin", "step": step,
+                                 "forward_mode": mode, "model": type(model).__name__}, files)
+        except Exception as e:  # noqa: BLE001
+            _say(f"tp_rank 0: step {step} manifest NOT written: {type(e).__name__}: {e}")
+            return
+    if entries:
+        _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes -> {out}"
+             + (f"; check it with `tpprobe report {out}`" if rank == 0 else ""))
 
 
 def _global_rank0(tp_group) -> int:

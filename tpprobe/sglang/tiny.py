@@ -149,19 +149,29 @@ def _input_ids(vocab: int, tokens: int, seed: int) -> torch.Tensor:
 
 
 def hf_reference(arch: str, num_layers: int, tokens: int, seed: int,
-                 config_path: Optional[str] = None, moe: bool = True):
+                 config_path: Optional[str] = None, moe: bool = True, prenorm_last: bool = False):
     """HF transformers' forward on the same seeded weights and input ids as `build_target`.
 
     Returns (input_ids [tokens], hidden_states: list of L+1 tensors [tokens, hidden] with
     hidden_states[0] = embedding output and hidden_states[i] = input of decoder layer i
-    (the last one is after the final norm), logits [tokens, vocab]); all float32.
+    (the last one is after the final norm, as HF returns it; with prenorm_last=True it is the
+    stream leaving the last layer BEFORE the final norm, i.e. what tpprobe's layer.{L-1}.out is),
+    logits [tokens, vocab]); all float32.
     """
     config = _config(arch, num_layers, config_path, moe)
     hf = seeded_hf_model(config, seed)
     ids = _input_ids(config.vocab_size, tokens, seed)
-    with torch.no_grad():
-        out = hf(ids[None], output_hidden_states=True)
-    return ids, [h[0] for h in out.hidden_states], out.logits[0]
+    grabbed = {}
+    h = hf.model.norm.register_forward_pre_hook(lambda m, a: grabbed.setdefault("x", a[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            out = hf(ids[None], output_hidden_states=True)
+    finally:
+        h.remove()
+    hs = [x[0] for x in out.hidden_states]
+    if prenorm_last:
+        hs[-1] = grabbed["x"][0]
+    return ids, hs, out.logits[0]
 
 
 def _config(arch, num_layers, config_path, moe):
