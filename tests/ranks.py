@@ -1,0 +1,102 @@
+"""Test helpers that run real processes: the CLI as a subprocess, and N gloo ranks in-process.
+
+How the multi-rank helper works (like PyTorch's MultiProcessTestCase): `spawn(fn, world)` starts
+`world` processes with the spawn start method, each joins a gloo group through a `file://`
+rendezvous in a temp dir (no ports), runs `fn(rank, world, *args)` and sends back its return
+value or its formatted traceback. The parent waits up to `timeout` seconds, terminates every
+straggler when one fails or time runs out, and raises with the child's traceback.
+"""
+from __future__ import annotations
+
+import io
+import json
+import queue
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tpprobe_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tpprobe", *args]
+
+
+def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """Run `python -m tpprobe ARGS` in its own process group; kill the whole group on timeout."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    e.update(env or {})
+    p = subprocess.Popen(tpprobe_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=cwd, env=e, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"tpprobe {' '.join(args)} did not finish in {timeout}s\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120) -> tuple[int, dict, subprocess.CompletedProcess]:
+    """`tpprobe probe --nproc N --out OUT --quiet ARGS`; returns (exit code, report.json, process)."""
+    cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout)
+    rep_path = Path(out) / "report.json"
+    report = json.loads(rep_path.read_text()) if rep_path.exists() else {}
+    return cp.returncode, report, cp
+
+
+def failures(report: dict) -> list[dict]:
+    return [f for f in report.get("findings", []) if f["severity"] == "failure"]
+
+
+def _child(fn, rank, world, init_file, q, args):
+    try:
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        try:
+            buf = io.BytesIO()          # tensors travel as bytes: the child may exit before the parent reads
+            torch.save(fn(rank, world, *args), buf)
+            q.put((rank, "ok", buf.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(fn, world: int, *args, timeout: float = 120) -> dict:
+    """Run fn(rank, world, *args) on `world` gloo ranks; return {rank: result}."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "rdzv")
+        procs = [ctx.Process(target=_child, args=(fn, r, world, init_file, q, args), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        try:
+            for _ in range(world):
+                rank, status, value = q.get(timeout=timeout)
+                if status == "error":
+                    errors[rank] = value
+                    break
+                results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        except queue.Empty:
+            errors.setdefault(-1, f"ranks timed out after {timeout}s (got results from {sorted(results)})")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.terminate()
+        if errors:
+            rank, tb = next(iter(errors.items()))
+            raise AssertionError(f"rank {rank} failed:\n{tb}")
+        return results

@@ -1,0 +1,67 @@
+"""Every fault of the catalogue (F1–F15), injected into the built-in model, named exactly.
+
+Each case asserts the exact diagnosis: one failure finding of the right kind, at the right
+place, on the right ranks, and the exit code. rank-noise must come out as info-level noise only.
+"""
+import time
+
+import pytest
+
+from tests.ranks import failures, probe
+
+# (inject, nproc, extra args, kind, where, ranks)
+CASES = [
+    ("skip-embed-allreduce", 2, [], "partial-allreduce", "embedding (embed_tokens)", [0, 1]),
+    ("skip-allreduce@2", 2, [], "partial-allreduce", "layer 2 (layers.2.self_attn.o_proj)", [0, 1]),
+    ("subgroup-allreduce@1", 4, [], "subgroup-allreduce", "layer 1 (layers.1.self_attn.o_proj)", [0, 1, 2, 3]),
+    ("rank-weight@1", 2, [], "rank-divergence", "layer 3 parameter layers.3.input_layernorm.weight", [1]),
+    ("slice-capture", 2, [], "tp-sliced", "aux.packed", [0, 1]),
+    ("capture-offset", 2, [], "capture-offset", "aux slots [1, 2]", [0, 1]),
+    ("drop-embed-slot", 2, [], "slot-mismatch", "aux slots [0, 1, 2]", [0, 1]),
+    ("slot-order", 2, [], "slot-mismatch", "aux slots [0, 1]", [0, 1]),
+    ("alias-capture", 2, [], "aliased-capture", "aux slots [0, 1, 2]", [0, 1]),
+    ("nan@1", 2, [], "non-finite", "layer.3.out", [1]),
+    ("capture-dtype@1", 2, ["--dtype", "bfloat16"], "dtype-mismatch", "aux.packed", [1]),
+    ("capture-noncontig", 2, [], "layout-mismatch", "aux.packed", [0, 1]),
+    ("extra-collective@1", 2, ["--timeout", "20"], "collective-mismatch", "layer.3", [1]),
+    ("embed-after-norm", 2, [], "transformed-capture", "aux slot 0", [0, 1]),
+    ("kill-rank@1", 2, ["--timeout", "15"], "rank-timeout", "forward", [1]),
+    ("drop-last-id", 2, [], "missing-capture", "aux slot for id 5", [0, 1]),
+    ("skip-allreduce@0", 4, [], "partial-allreduce", "layer 0 (layers.0.self_attn.o_proj)", [0, 1, 2, 3]),
+    ("rank-weight@3", 4, [], "rank-divergence", "layer 3 parameter layers.3.input_layernorm.weight", [3]),
+    ("nan@2", 4, [], "non-finite", "layer.3.out", [2]),
+]
+
+
+@pytest.mark.parametrize("inject,nproc,extra,kind,where,ranks", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
+def test_fault_is_named_exactly(tmp_path, inject, nproc, extra, kind, where, ranks):
+    rc, rep, cp = probe(tmp_path / "r", "--inject", inject, *extra, nproc=nproc)
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [(kind, where, ranks)], rep.get("findings")
+    assert rep["findings"][0]["explain"], "every kind explains itself in one sentence"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_or_two_ulp_on_one_rank_is_rounding_noise_not_a_failure(tmp_path, dtype):
+    rc, rep, _ = probe(tmp_path / "r", "--inject", "rank-noise@1", "--dtype", dtype)
+    assert rc == 0
+    assert failures(rep) == []
+    [f] = rep["findings"]
+    assert f["kind"] == "rounding-noise" and f["severity"] == "info" and f["ranks"] == [1]
+
+
+def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path):
+    t0 = time.time()
+    rc, rep, _ = probe(tmp_path / "r", "--inject", "hang-rank@1", "--timeout", "10")
+    took = time.time() - t0
+    assert rc == 1 and took < 10 + 15, took
+    [f] = failures(rep)
+    assert (f["kind"], f["ranks"]) == ("rank-timeout", [1]) and "hung" in f["detail"]
+    assert rep["ranks_missing"] == [1]
+
+
+def test_a_killed_rank_leaves_the_live_ranks_capture_written(tmp_path):
+    rc, rep, _ = probe(tmp_path / "r", "--inject", "kill-rank@1", "--timeout", "15")
+    assert rc == 1 and rep["ranks_missing"] == [1]
+    assert (tmp_path / "r" / "rank-000.safetensors").exists() and (tmp_path / "r" / "manifest.json").exists()
