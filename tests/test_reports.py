@@ -324,22 +324,27 @@ def _chromium() -> str:
     pytest.skip(f"chromium not installed (install: {CHROMIUM_INSTALL})")
 
 
-def _browser(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
-    base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+@pytest.fixture
+def chromium() -> str:
+    return _chromium()
+
+
+def _browser(chromium: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
             f"--user-data-dir={tmp / 'profile'}", "--force-device-scale-factor=1"]
     return subprocess.run(base + args, capture_output=True, text=True, timeout=90)
 
 
-def test_chromium_renders_faulty_report(faulty, tmp_path):
+def test_chromium_renders_faulty_report(chromium, faulty, tmp_path):   # chromium first: skip before the run
     page = (faulty["dir"] / "report.html").as_uri()
     shot = tmp_path / "shot.png"
-    p = _browser(["--window-size=1280,1600", f"--screenshot={shot}", page], tmp_path)
+    p = _browser(chromium, ["--window-size=1280,1600", f"--screenshot={shot}", page], tmp_path)
     assert shot.exists(), p.stderr[-2000:]
     data = shot.read_bytes()
     png_chunks(data)
     assert png_size(data) == (1280, 1600)
     assert len(data) > 30_000, f"screenshot of {len(data)} bytes: blank page?"
-    dom = _browser(["--dump-dom", page], tmp_path)
+    dom = _browser(chromium, ["--dump-dom", page], tmp_path)
     assert dom.returncode == 0, dom.stderr[-2000:]
     text = parse(dom.stdout).alltext
     for f in faulty["report"]["findings"]:
