@@ -344,7 +344,7 @@ def _param_divergence(records, live) -> list[Finding]:
 def _reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
     for name in stream_order(references):
         if name in rec.tensors:
-            c = compare(rec.tensors[name], references[name].to(rec.tensors[name].dtype), dtype=dtype)
+            c = compare(rec.tensors[name], references[name].to(rec.tensors[name]), dtype=dtype)
             if c["level"] in ("material", "shape"):
                 return [Finding("reference-mismatch", name, [rec.rank], severity=WARNING,
                                 detail=f"{point_label(name)} differs from the unsharded tp=1 reference "

@@ -152,6 +152,8 @@ def run(opts: ProbeOptions) -> int:
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
     ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
     progress = Progress()
+    from .live import attach as live_display
+    live = live_display(progress, ctx.rank, quiet=opts.quiet or opts.json_out)
     ch = Channel(open_store(opts.timeout, run_prefix()), ctx.rank, ctx.world_size)
     watchdog = Watchdog(Channel(open_store(opts.timeout, run_prefix()), ctx.rank, ctx.world_size), progress,
                         stall=min(5.0, max(1.0, opts.timeout / 4)))
@@ -161,6 +163,7 @@ def run(opts: ProbeOptions) -> int:
     try:
         code = _run(opts, ctx, ch, progress, grace, t_start)
     finally:
+        live.stop()
         progress.set("done")
         watchdog.stop()
         watchdog.join(timeout=2)

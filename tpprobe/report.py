@@ -73,6 +73,8 @@ def render(report: dict, con: Console) -> None:
     st = report["settings"]
     con.rule(f"[bold]tpprobe rank-diff[/] — {st.get('model')} · tp={st['world_size']} · {st.get('backend')} · "
              f"{st.get('dtype')} · ids {st.get('layer_ids')}")
+    from .envinfo import env_line
+    con.print(Text(env_line(report), style="dim"))
     world = st["world_size"]
     t = Table(title="capture points × ranks", show_lines=False, header_style="bold")
     t.add_column("capture point")
