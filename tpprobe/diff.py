@@ -142,7 +142,7 @@ def _load_file(role: str, path: Path) -> Side:
         data = safe_torch_load(path)
         if isinstance(data, torch.Tensor):
             return Side(role, path, "bare", _packed2d(path, "the tensor", data))
-        if isinstance(data, dict) and "aux_hidden_state" in data:
+        if isinstance(data, dict) and any(k in data for k in ("aux_hidden_state", "hidden_state", "input_ids")):
             return _from_sample(role, path, parse_sample(path, data))
         if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), torch.Tensor):
             k, v = next(iter(data.items()))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -40,7 +41,9 @@ def safe_torch_load(path: Path):
                 src = io.BytesIO(f.read())
         else:
             src = str(path)
-        return torch.load(src, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():      # torch warns on legacy pickles; the error below says it all
+            warnings.simplefilter("ignore")
+            return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"{path}: refused: the file holds pickled objects other than tensors and plain "
