@@ -90,18 +90,7 @@ def test_deepseek_v2_mla_moe_tp2_captures_match_hf_and_table():
     assert "DeepseekV2MoE" in per_rank[0]["info"]["mlp per layer"]
 
 
-def test_llama_tp4_from_config_file(tmp_path):
-    from tpprobe.sglang.tiny import tiny_config
-
-    d = tiny_config("llama", 32).to_dict()
-    d["quantization_config"] = {"quant_method": "fp8"}   # dropped: random weights in probe dtype
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(d))
-    ids = [[1, 2]]
-    per_rank = run_ranks("test_sglang_models:worker", 4,
-                         dict(arch="llama", id_sets=ids, config_path=str(path)), timeout=200)
-    _check("llama", per_rank, ids)
-    assert "config " in per_rank[0]["info"]["model"]
+# tp 4 from a config file: tests/test_sglang_probe.py::test_cli_llama_tp4_from_config_file (through the CLI)
 
 
 def test_bad_arch_and_config_are_usage_errors(tmp_path):
