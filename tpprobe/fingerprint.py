@@ -29,6 +29,7 @@ on GPU).  CUDA tensors go through the fused Triton kernel in
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -216,6 +217,21 @@ def _hash_words(w: torch.Tensor, q0: int) -> tuple[int, int]:
     return int(ha.sum()), int(hb.sum())
 
 
+_ROW_SIGNS: dict = {}
+
+
+def _cached_row_signs(r0: int, nrows: int, seed: int, k: int, device, acc) -> torch.Tensor:
+    """Row signs for rows [r0, r0+nrows), from a per-(seed, k, device) cache that grows as needed
+    (the hook fingerprints every layer's stream: the signs are the same each time)."""
+    key = (seed, k, str(device), acc)
+    have = _ROW_SIGNS.get(key)
+    if have is None or have.shape[0] < r0 + nrows:
+        n = max(r0 + nrows, 2 * (have.shape[0] if have is not None else 0))
+        rows = torch.arange(0, n, dtype=torch.int64, device=device)
+        have = _ROW_SIGNS[key] = row_signs(rows, seed, k).to(acc)
+    return have[r0:r0 + nrows]
+
+
 def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
     flat = t.detach().contiguous().reshape(-1)
     n = flat.numel()
@@ -230,35 +246,45 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
     sumsq = 0.0
     absmax = 0.0
     n_nan = n_inf = 0
+    # On CPU the exact hash is blake2b-128 of the bytes (hashlib: ~1 GB/s, where the word mixer
+    # in int64 torch ops runs at a few MB/s). Hashes are only ever compared between ranks of one
+    # run, which share a device type; CUDA tensors keep the word mixer the Triton kernel matches.
+    blake = hashlib.blake2b(digest_size=16) if on_cpu else None
     for e0 in range(0, n, chunk):
         e1 = min(n, e0 + chunk)
-        a, b = _hash_words(_words(byts[e0 * isz:e1 * isz]), e0 * isz // 4)
-        la += a
-        lb += b
+        if blake is not None:
+            blake.update(byts[e0 * isz:e1 * isz].numpy().tobytes())
+        else:
+            a, b = _hash_words(_words(byts[e0 * isz:e1 * isz]), e0 * isz // 4)
+            la += a
+            lb += b
         x = flat[e0:e1]
         if x.is_complex():
             x = torch.view_as_real(x).reshape(-1)  # pragma: no cover - not a capture dtype
-        x = x.to(acc)
+        x = x.to(acc) if x.dtype != torch.float32 or not on_cpu else x
         m = x.numel()
         pad = (-m) % SKETCH_ROW
         xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
         X = xp.view(-1, SKETCH_ROW)
         r0 = e0 // SKETCH_ROW
-        rows = torch.arange(r0, r0 + X.shape[0], dtype=torch.int64, device=X.device)
-        Y = X @ A                                           # [rows, k]
-        sk += (Y * row_signs(rows, seed, k).to(acc)).sum(0).to("cpu", torch.float64)
-        sumsq += float(x.to(torch.float64).square().sum())
-        isn = torch.isnan(x)
-        n_nan += int(isn.sum())
-        n_inf += int(torch.isinf(x).sum())
-        if m:
+        # 128-term partial sums in the capture's precision (<= fp32), the rest in float64 on CPU
+        Y = X @ A.to(X.dtype)                               # [rows, k]
+        sk += (Y.to(acc) * _cached_row_signs(r0, X.shape[0], seed, k, X.device, acc)).sum(0).to("cpu", torch.float64)
+        sumsq += float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2) if m else 0.0
+        if m and not bool(torch.isfinite(x).all()):         # one pass when everything is finite
+            isn = torch.isnan(x)
+            n_nan += int(isn.sum())
+            n_inf += int(torch.isinf(x).sum())
             absmax = max(absmax, float(torch.where(isn, torch.zeros_like(x), x.abs()).max()))
+            sumsq = float("nan") if n_nan else sumsq
+        elif m:
+            absmax = max(absmax, float(x.abs().max()))
     rows_hex = ""
     if t.dim() == 2:
         rows_hex = _bitmap_hex((t.detach() != 0).any(dim=1) if t.shape[1] else
                                torch.zeros(t.shape[0], dtype=torch.bool))
     return Fingerprint(shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""),
-                       bit_hash=hash_hex(la, lb), sketch=sk.tolist(),
+                       bit_hash=blake.hexdigest() if blake is not None else hash_hex(la, lb), sketch=sk.tolist(),
                        sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf,
                        row_nonzero=rows_hex, seed=seed)
 
