@@ -17,13 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import CaptureError, UsageError
@@ -90,8 +90,14 @@ def estimate_bytes(n_tensors: int, tokens: int, hidden: int, dtype: torch.dtype)
     return n_tensors * tokens * hidden * torch.empty((), dtype=dtype).element_size()
 
 
+HEADROOM = 16 << 20   # bytes kept free beyond the estimate (manifest, report, the filesystem's own)
+
+
 def check_out_dir(out: Path, need_bytes: int) -> None:
-    """Refuse up front: an unwritable folder, or less free space than the capture needs."""
+    """Refuse up front: an unwritable folder, or less free space than the capture needs.
+
+    need_bytes <= 0 checks only that the folder can be created and written (the launcher does
+    that before any rank starts; the ranks check the space once they know the model's size)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".tpprobe-write-test-{os.getpid()}"
@@ -99,10 +105,14 @@ def check_out_dir(out: Path, need_bytes: int) -> None:
         probe.unlink()
     except OSError as e:
         raise UsageError(f"cannot write to --out {out}: {e.strerror or e}; choose a writable folder")
+    if need_bytes <= 0:
+        return
     free = shutil.disk_usage(out).free
-    if need_bytes * 1.1 + (16 << 20) > free:
-        raise UsageError(f"--out {out} has {free / 1e6:.1f} MB free but this probe writes about "
-                         f"{need_bytes / 1e6:.1f} MB; free space or choose another folder")
+    need = int(need_bytes * 1.1) + HEADROOM
+    if need > free:
+        raise UsageError(f"--out {out} has {free / 1e6:.1f} MB free but this probe needs {need / 1e6:.1f} MB "
+                         f"(about {need_bytes / 1e6:.1f} MB of captures + {HEADROOM >> 20} MB headroom); "
+                         f"free space or choose another folder")
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -121,14 +131,85 @@ class LoadedRun:
     problems: list[dict]          # {"file", "rank", "problem"} for every file that failed to verify
 
 
+MAX_WORLD = 1 << 16          # a manifest claiming more ranks than this is refused, not iterated
+MAX_JSON_BYTES = 256 << 20   # manifest / rank metadata larger than this is refused, not parsed
+
+
 def _safe_member(root: Path, name) -> Path:
-    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name:
-        raise CaptureError(f"{root / MANIFEST}: file path {name!r} is not a plain relative name; "
-                           f"the manifest is corrupt or hostile")
-    p = (root / name).resolve()
-    if root.resolve() not in p.parents:
-        raise CaptureError(f"{root / MANIFEST}: file path {name!r} leaves the capture folder; refused")
+    """The file `name` of the manifest, inside `root`: relative, no `..`, no NUL, no symlink out."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or "\x00" in name \
+            or len(name) > 1024 or ".." in Path(name).parts:
+        raise CaptureError(f"{root / MANIFEST}: file path {str(name)[:80]!r} is not a plain relative name "
+                           f"inside the capture folder; the manifest is corrupt or hostile, refused")
+    try:
+        p = (root / name).resolve()
+        inside = root.resolve() in p.parents
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CaptureError(f"{root / MANIFEST}: file path {name[:80]!r} cannot be resolved ({e}); refused")
+    if not inside:
+        raise CaptureError(f"{root / MANIFEST}: file path {name[:80]!r} leaves the capture folder; refused")
     return p
+
+
+def _read_json(path: Path, what: str):
+    """Parse a JSON file of the capture folder; CaptureError for anything unreadable."""
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CaptureError(f"{path}: {path.stat().st_size} bytes, more than a {what} can be; refused")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except CaptureError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CaptureError(f"{path}: not a readable {what} ({type(e).__name__}: {str(e)[:120]}); it is corrupt")
+
+
+def safe_torch_load(path) -> object:
+    """The only way tpprobe reads a `.pt` file: tensors and plain containers, never code.
+
+    torch.load(weights_only=True) refuses any pickle that would import or call something; that
+    refusal (and any other unreadable file) becomes one CaptureError naming the file."""
+    p = Path(path)
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+        raise CaptureError(f"{p}: refused to load: the file holds more than tensors (it would run code "
+                           f"on load: {first[:160]}); tpprobe reads .pt files with weights_only=True only")
+    except Exception as e:   # truncated zip, not a torch file, ...: unreadable, never executed
+        raise CaptureError(f"{p}: not a readable .pt file ({type(e).__name__}: {str(e)[:120]})")
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """safetensors only (no pickle, no code); CaptureError for anything unreadable."""
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:   # SafetensorError, OSError, and whatever a hostile header provokes
+        raise CaptureError(f"{path}: not a readable safetensors file ({type(e).__name__}: {str(e)[:160]})")
+    return tensors
+
+
+def _check_meta(meta) -> None:
+    """The shape of a rank's metadata the checks rely on (ValueError says what is off)."""
+    if not isinstance(meta, dict):
+        raise ValueError("not a JSON object")
+    pts = meta.get("points", [])
+    if not isinstance(pts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("name"), str)
+            and isinstance(p.get("shape", []), list) and all(isinstance(d, int) for d in p.get("shape", []))
+            and isinstance(p.get("dtype", ""), str) for p in pts):
+        raise ValueError("'points' must be a list of {name, shape, dtype}")
+    ars = meta.get("allreduces", [])
+    if not isinstance(ars, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("where"), str) and isinstance(a.get("shape"), list)
+            and all(isinstance(d, int) for d in a["shape"]) and isinstance(a.get("group_size"), int)
+            and isinstance(a.get("op"), str) and isinstance(a.get("seq"), int) for a in ars):
+        raise ValueError("'allreduces' must be a list of {seq, where, shape, group_size, op}")
+    for k in ("status", "error", "embed_module"):
+        if not (meta.get(k) is None or isinstance(meta.get(k), str)):
+            raise ValueError(f"{k!r} must be a string")
+    for k in ("aux", "params", "timings"):
+        if not isinstance(meta.get(k, {}), dict):
+            raise ValueError(f"{k!r} must be an object")
 
 
 def read_manifest(root: Path) -> dict:
@@ -138,21 +219,22 @@ def read_manifest(root: Path) -> dict:
     if not mp.is_file():
         raise CaptureError(f"{mp}: missing; expected a tpprobe capture folder (written by "
                            f"`tpprobe probe --out` or the SGLang plugin)")
-    try:
-        manifest = json.loads(mp.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CaptureError(f"{mp}: not valid JSON ({e}); the manifest is corrupt")
+    manifest = _read_json(mp, "manifest")
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CaptureError(f"{mp}: schema {got!r}, expected {SCHEMA!r}")
+        raise CaptureError(f"{mp}: schema {str(got)[:80]!r}, expected {SCHEMA!r}")
     files = manifest.get("files")
     ws = manifest.get("world_size")
-    if not isinstance(files, list) or not isinstance(ws, int) or ws < 1:
-        raise CaptureError(f"{mp}: needs 'files' (a list) and 'world_size' (a positive integer)")
+    if not isinstance(files, list) or type(ws) is not int or not 1 <= ws <= MAX_WORLD:
+        raise CaptureError(f"{mp}: needs 'files' (a list) and 'world_size' (an integer 1..{MAX_WORLD})")
+    if not isinstance(manifest.get("settings", {}), dict):
+        raise CaptureError(f"{mp}: 'settings' must be an object")
     for e in files:
-        if not isinstance(e, dict) or not isinstance(e.get("size"), int) or not isinstance(e.get("sha256"), str) \
-                or not (e.get("rank") is None or isinstance(e.get("rank"), int)):
-            raise CaptureError(f"{mp}: file entry {str(e)[:80]!r} needs path, rank, size, sha256")
+        if not isinstance(e, dict) or type(e.get("size")) is not int or e["size"] < 0 \
+                or not isinstance(e.get("sha256"), str) \
+                or not (e.get("rank") is None or (type(e.get("rank")) is int and 0 <= e["rank"] < ws)):
+            raise CaptureError(f"{mp}: file entry {str(e)[:80]!r} needs path, rank (None or 0..{ws - 1}), "
+                               f"size (>= 0) and sha256")
         _safe_member(root, e.get("path"))
     return manifest
 
@@ -167,18 +249,25 @@ def load_run(path, verify: bool = True) -> LoadedRun:
     for e in manifest["files"]:
         p = _safe_member(root, e["path"])
         listed.add(p.name)
-        if not p.is_file():
-            problems.append({"file": e["path"], "rank": e.get("rank"), "problem": "missing"})
-        elif p.stat().st_size != e["size"]:
-            problems.append({"file": e["path"], "rank": e.get("rank"),
-                             "problem": f"size {p.stat().st_size} bytes, manifest says {e['size']} (truncated or replaced)"})
-        elif verify and sha256_file(p) != e["sha256"]:
-            problems.append({"file": e["path"], "rank": e.get("rank"), "problem": "sha256 differs from the manifest (corrupted)"})
-        else:
-            ok_files[e["path"]] = e
-    for p in sorted(root.iterdir()):
-        if p.is_file() and p.name not in listed and p.name not in (MANIFEST, "report.json") \
-                and not p.name.startswith(".") and p.suffix in (".safetensors", ".json", ".pt"):
+        try:
+            if not p.is_file():
+                problems.append({"file": e["path"], "rank": e.get("rank"), "problem": "missing"})
+            elif p.stat().st_size != e["size"]:
+                problems.append({"file": e["path"], "rank": e.get("rank"),
+                                 "problem": f"size {p.stat().st_size} bytes, manifest says {e['size']} (truncated or replaced)"})
+            elif verify and sha256_file(p) != e["sha256"]:
+                problems.append({"file": e["path"], "rank": e.get("rank"), "problem": "sha256 differs from the manifest (corrupted)"})
+            else:
+                ok_files[e["path"]] = e
+        except OSError as err:
+            problems.append({"file": e["path"], "rank": e.get("rank"), "problem": f"unreadable ({err.strerror or err})"})
+    try:
+        present = sorted(root.iterdir())
+    except OSError as err:
+        raise CaptureError(f"{root}: cannot list the folder ({err.strerror or err})")
+    for p in present:
+        if p.name not in listed and p.name not in (MANIFEST, "report.json") \
+                and not p.name.startswith(".") and p.suffix in (".safetensors", ".json", ".pt") and p.is_file():
             problems.append({"file": p.name, "rank": None, "problem": "not in the manifest (extra file; ignored)"})
 
     records: dict[int, RankRecord] = {}
@@ -188,18 +277,20 @@ def load_run(path, verify: bool = True) -> LoadedRun:
         if js not in ok_files:
             continue
         try:
-            meta = json.loads((root / js).read_text())
-            if not isinstance(meta, dict):
-                raise ValueError("not an object")
-        except (UnicodeDecodeError, ValueError) as e:
-            problems.append({"file": js, "rank": rank, "problem": f"unreadable JSON ({e})"})
+            meta = _read_json(root / js, "rank metadata file")
+            _check_meta(meta)
+        except CaptureError as e:
+            problems.append({"file": js, "rank": rank, "problem": f"unreadable JSON ({str(e).split(': ', 1)[-1]})"})
+            continue
+        except ValueError as e:
+            problems.append({"file": js, "rank": rank, "problem": f"malformed rank metadata ({e})"})
             continue
         tensors: dict[str, torch.Tensor] = {}
         if st in ok_files:
             try:
-                tensors = load_file(str(root / st))
-            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                problems.append({"file": st, "rank": rank, "problem": f"not a readable safetensors file ({e})"})
+                tensors = _load_tensors(root / st)
+            except CaptureError as e:
+                problems.append({"file": st, "rank": rank, "problem": str(e).split(": ", 1)[-1]})
                 continue
         elif any(p["file"] == st for p in problems) or meta.get("tensors_file", True):
             continue  # its tensors are unusable: do not report this rank from metadata alone
@@ -211,12 +302,52 @@ def load_rank_files(root: Path, rank: int, entries: list[dict]) -> RankRecord:
     """One rank's record from its two files, verified against the entries it posted."""
     for e in entries:
         p = _safe_member(root, e["path"])
-        if not p.is_file() or p.stat().st_size != e["size"] or sha256_file(p) != e["sha256"]:
+        try:
+            same = p.is_file() and p.stat().st_size == e["size"] and sha256_file(p) == e["sha256"]
+        except (OSError, KeyError, TypeError):
+            same = False
+        if not same:
             raise CaptureError(f"{p}: missing or differs from what rank {rank} reported writing")
     stem = rank_stem(rank)
+    meta = _read_json(root / f"{stem}.json", "rank metadata file")
     try:
-        meta = json.loads((root / f"{stem}.json").read_text())
-        tensors = load_file(str(root / f"{stem}.safetensors"))
-    except (OSError, ValueError, SafetensorError) as e:
-        raise CaptureError(f"{root / stem}: unreadable ({e})")
-    return RankRecord(rank, meta, tensors)
+        _check_meta(meta)
+    except ValueError as e:
+        raise CaptureError(f"{root / stem}.json: malformed rank metadata ({e})")
+    return RankRecord(rank, meta, _load_tensors(root / f"{stem}.safetensors"))
+
+
+def point_set_mismatches(metas: dict[int, dict]) -> list[dict]:
+    """Where ranks disagree on what they captured: the set of capture points, or a point's shape
+    or dtype. Read from each rank's metadata (not its tensors), so it holds also when the live
+    exchange could gather only the points every rank has alike.
+
+    Returns [{"point", "ranks" (the odd ones), "detail"}], the majority (ties: the lowest rank)
+    taken as reference, one entry per disagreeing point."""
+    sig = {r: {p["name"]: (list(p.get("shape") or []), str(p.get("dtype", "?")))
+               for p in (m.get("points") or []) if isinstance(p, dict) and "name" in p}
+           for r, m in sorted(metas.items())}
+    if len(sig) < 2:
+        return []
+    out = []
+    names: list[str] = []
+    for s in sig.values():
+        names += [n for n in s if n not in names]
+    for n in names:
+        have = {r: s.get(n) for r, s in sig.items()}
+        variants: dict = {}
+        for r, v in have.items():
+            variants.setdefault(repr(v), []).append(r)
+        if len(variants) < 2:
+            continue
+        ref_key = max(variants, key=lambda k: (len(variants[k]), -min(variants[k])))
+        ref = have[variants[ref_key][0]]
+        odd = sorted(r for k, rs in variants.items() if k != ref_key for r in rs)
+
+        def text(v):
+            return "no such point" if v is None else f"shape {v[0]} {v[1]}"
+        parts = [f"rank {r}: {text(have[r])}" for r in odd]
+        out.append({"point": n, "ranks": odd,
+                    "detail": f"ranks disagree on capture point {n}: {'; '.join(parts)}; the others "
+                              f"({', '.join(map(str, variants[ref_key]))}): {text(ref)}"})
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .capture import load_run
+from .capture import load_run, point_set_mismatches
 from .checks import run_checks
 from .findings import FAILURE, Finding
 from .report import build_report, emit
@@ -30,6 +30,10 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
             if not any(p["rank"] == r for p in run.problems):
                 file_findings.append(Finding("capture-file", f"rank {r}", [r],
                                              detail="no capture file for this rank in the manifest").to_json())
+    # ranks that captured different points / shapes / dtypes (unless the checks said so already)
+    if not any(f["kind"] == "capture-mismatch" for f in result["findings"]):
+        file_findings += [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"]).to_json()
+                          for m in point_set_mismatches({r: rec.meta for r, rec in run.records.items()})]
     result["findings"] = file_findings + result["findings"]
     rep = build_report(settings, result, timings={}, out=str(path))
     rep["offline"] = True
