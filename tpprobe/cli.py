@@ -155,8 +155,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _fail(msg: str, exc: BaseException) -> None:
-    from .report import error_line
+    """One line on stderr, never wrapped (scripts grep it); the traceback only with --debug."""
     if _DEBUG["on"]:
         import traceback
         traceback.print_exception(exc)
-    error_line(msg)
+    line = " ".join(str(msg).split())
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        line = f"\x1b[1;31mtpprobe: error: {line}\x1b[0m"
+    else:
+        line = f"tpprobe: error: {line}"
+    print(line, file=sys.stderr, flush=True)
