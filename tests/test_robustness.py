@@ -105,8 +105,8 @@ def assert_live_ranks_kept(r: dict, dead: int, world: int, capsys) -> None:
     assert r["report"]["ranks_missing"] == [dead]
     rc, off = offline(r["out"], capsys)
     assert rc == 1, off
-    missing = [f for f in off["findings"] if f["kind"] == "capture-file"]
-    assert missing and missing[0]["ranks"] == [dead] and f"rank {dead}" in missing[0]["line"]
+    missing = [f for f in off["findings"] if f["kind"] == "capture-file" and f["severity"] == "failure"]
+    assert missing and missing[0]["ranks"] == [dead] and f"rank {dead}" in missing[0]["line"], off["findings"]
     healthy = {p["name"]: p["per_rank"] for p in off["points"]}
     assert all(str(q) in healthy["embed.out"] for q in run.records)
 
