@@ -8,7 +8,6 @@ go through the launcher and the ranks' own error line.
 """
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -17,16 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tpprobe import probe as probe_mod, report as report_mod
+
 
 ROOT = Path(__file__).resolve().parents[1]
 M = "tests.test_robustness_models"
 
-# the ranks print their usage errors with report.error_line; one line needs it unwrapped
-_RANK_LINE = "soft_wrap=True" in inspect.getsource(report_mod.error_line)
-_ARCH = "--arch" in inspect.getsource(probe_mod.validate)
-rank_line = pytest.mark.xfail(not _RANK_LINE, strict=True,
-                              reason="report.error_line wraps at 80 columns (issue 7: soft_wrap=True)")
 
 CASES = {
     "unknown-option": (["probe", "--bogus"], "No such option: --bogus"),
@@ -110,12 +104,7 @@ def results(tmp_path_factory):
 
 
 def _case(name):
-    marks = []
-    if name in ON_RANKS:
-        marks.append(rank_line)
-    if name == "arch" and not _ARCH:
-        marks.append(pytest.mark.xfail(strict=True, reason="validate() accepts any --arch (issue 7)"))
-    return pytest.param(name, marks=marks)
+    return pytest.param(name)
 
 
 @pytest.mark.parametrize("name", [_case(n) for n in CASES])
@@ -153,8 +142,7 @@ def test_short_disk_is_refused_up_front_with_the_number(tmp_path):
         assert p.returncode == 2, p.stderr[-1500:]
         assert "Traceback" not in p.stderr
         assert "MB free but this probe needs" in " ".join(p.stderr.split())
-        if _RANK_LINE:
-            assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
         left = [q.name for q in (mnt / "cap").iterdir()] if (mnt / "cap").exists() else []
         assert not any(n.startswith("rank-") for n in left), left
     finally:

@@ -7,7 +7,6 @@ its run's exit code, wall time, report.json, manifest and an offline `tpprobe re
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tpprobe import checks
 from tpprobe.capture import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,9 +147,6 @@ def test_nan_is_a_finding_not_a_crash(runs, capsys):
     assert rc == 1 and kinds(off).get("non-finite") == [1]
 
 
-_PATCHED = "point_set_mismatches" in inspect.getsource(checks)
-needs_checks = pytest.mark.xfail(not _PATCHED, strict=True,
-                                 reason="live capture-mismatch needs the checks.py change of issue 7")
 DISAGREE = {"extra.rank1_only": "no such point", "extra.shape": "[16, 32]", "extra.dtype": "float64"}
 
 
@@ -170,7 +165,6 @@ def test_disagreeing_captures_are_findings_offline(runs, capsys):
         assert point in got and got[point]["ranks"] == [1] and text in got[point]["line"], got
 
 
-@needs_checks
 def test_disagreeing_captures_are_findings_live(runs):
     r = runs["disagree"]
     got = _mismatches(r["report"])

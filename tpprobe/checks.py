@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from .capture import RankRecord
-from .compare import compare, dtype_from_str, nonfinite, nonzero_rows
+from .compare import compare, dtype_from_str
+from .evidence import LEVELS, TensorEvidence
 from .findings import FAILURE, INFO, WARNING, Finding
 
 
@@ -49,12 +50,12 @@ def stream_order(names) -> list[str]:
     return (["embed.out"] if "embed.out" in names else []) + [n for _, n in layers]
 
 
-def _classes(tensors: dict[int, torch.Tensor]) -> list[list[int]]:
+def _classes(ev, name: str, live: list[int]) -> list[list[int]]:
     """Ranks grouped by equal values (bitwise or noise), largest group first."""
     groups: list[list[int]] = []
-    for r in sorted(tensors):
+    for r in live:
         for g in groups:
-            if compare(tensors[r], tensors[g[0]])["level"] in ("bitwise", "noise"):
+            if ev.same(name, r, g[0]):
                 g.append(r)
                 break
         else:
@@ -63,9 +64,10 @@ def _classes(tensors: dict[int, torch.Tensor]) -> list[list[int]]:
 
 
 def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optional[dict] = None,
-               references: Optional[dict[str, torch.Tensor]] = None) -> dict:
+               references: Optional[dict[str, torch.Tensor]] = None, evidence=None) -> dict:
     world = settings["world_size"]
     dtype = dtype_from_str(settings.get("dtype", "float32"))
+    ev = evidence or TensorEvidence(records, dtype)
     live = sorted(records)
     out: dict = {"points": [], "allreduce": {}, "slots": [], "findings": [], "ranks_missing": []}
     findings: list[Finding] = []
@@ -138,41 +140,31 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
         for p in records[r].meta.get("points", []):
             if p["name"] not in names:
                 names.append(p["name"])
-    for extra in ("aux.packed",):
-        if any(extra in records[r].tensors for r in live) and extra not in names:
-            names.append(extra)
+    if "aux.packed" not in names and any("aux.packed" in records[r].tensors or records[r].meta.get("aux")
+                                         for r in live):
+        names.append("aux.packed")
     point_stats: dict[str, dict[int, dict]] = {}
     for name in names:
-        have = {r: records[r].tensors[name] for r in live if name in records[r].tensors}
-        if not have:
+        per = ev.point_stats(name, live, ref)
+        if not per:
             continue
-        base = have.get(ref, next(iter(have.values())))
-        per = {}
-        for r, t in have.items():
-            if name.endswith(".local"):   # each rank's own share: expected to differ
-                s = {"level": "reference" if t is base else "share"}
-            else:
-                s = {"level": "reference"} if t is base else compare(t, base, dtype=_judge_dtype(t, base, dtype))
-            s.update(dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape), **{
-                k: v for k, v in nonfinite(t).items() if k in ("nan", "inf")})
-            per[r] = s
         point_stats[name] = per
         levels = [s["level"] for s in per.values()]
-        worst = max(levels, key=lambda lv: ["reference", "share", "bitwise", "noise", "material", "shape"].index(lv))
+        worst = max(levels, key=LEVELS.index)
         out["points"].append({"name": name, "layer": point_layer(name), "level": worst,
                               "reference_rank": ref, "per_rank": {str(r): s for r, s in per.items()}})
 
     # ---- all-reduce completeness ---------------------------------------------------------------
-    ar = _allreduce_audit(records, live, world, dtype) if complete else {"checked": 0, "records": []}
+    ar = _allreduce_audit(ev, records, live, world) if complete else {"checked": 0, "records": []}
     ar["count_per_rank"] = {str(r): c for r, c in counts.items()}
     out["allreduce"] = ar
 
     # ---- root cause on the residual stream -----------------------------------------------------
     if complete and not roots:
-        roots += _diagnose_stream(records, live, world, point_stats, ar, dtype, references)
+        roots += _diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references)
 
     # ---- slots: what the draft model receives --------------------------------------------------
-    slot_findings, out["slots"] = _slots(records, live, settings, dtype) if complete else ([], [])
+    slot_findings, out["slots"] = _slots(ev, records, live, settings) if complete else ([], [])
     if complete and not roots and "aux.packed" in point_stats and not slot_findings:
         bad = [r for r, s in point_stats["aux.packed"].items() if s["level"] in ("material", "shape")]
         if bad:
@@ -185,7 +177,10 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     if roots:
         roots[0].consequences = [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
                                  f"differ" for n in material if n != roots[0].where][:64]
-    findings += roots + slot_findings
+    from .capture import point_set_mismatches
+    set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
+                    for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []
+    findings += roots + slot_findings + set_findings
     explained = {f.where for f in findings} | ({"aux.packed"} if slot_findings else set())
     noisy = [n for n in names if n not in explained
              and any(s["level"] == "noise" for s in point_stats.get(n, {}).values())]
@@ -200,11 +195,6 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
         findings += _reference_check(records[ref], references, dtype)
     out["findings"] = [f.to_json() for f in findings]
     return out
-
-
-def _judge_dtype(t, base, dtype):
-    from .compare import coarser
-    return coarser(coarser(t.dtype, base.dtype), dtype) if t.dtype.is_floating_point else dtype
 
 
 def _ar_text(a) -> str:
@@ -223,27 +213,18 @@ def _extra_collective_place(audit, ref_audit):
     return None, None
 
 
-def _allreduce_audit(records, live, world, dtype) -> dict:
+def _allreduce_audit(ev, records, live, world) -> dict:
     n = min(len(records[r].meta.get("allreduces", [])) for r in live)
     res = {"checked": 0, "complete": 0, "noise": 0, "incomplete": 0, "records": []}
     for i in range(n):
         metas = [records[r].meta["allreduces"][i] for r in live]
         m = metas[0]
         entry = {k: m[k] for k in ("seq", "where", "module", "source", "shape", "dtype", "group_size", "op")}
-        ins = {r: records[r].tensors.get(f"allreduce.{i}.in") for r in live}
-        outs = {r: records[r].tensors.get(f"allreduce.{i}.out") for r in live}
-        if m["op"] != "SUM" or any(v is None for v in list(ins.values()) + list(outs.values())) \
-                or len({tuple(v.shape) for v in ins.values()}) > 1 or len(live) < world:
+        per = ev.allreduce(i, live, m) if m["op"] == "SUM" and len(live) == world else None
+        if per is None:
             entry["level"] = "unchecked"
             res["records"].append(entry)
             continue
-        total = sum(v.double() for v in ins.values())
-        per = {}
-        for r in live:
-            c = compare(outs[r].double(), total, dtype=outs[r].dtype)
-            # completeness noise: a sum of `world` terms, each rounded in its dtype
-            per[str(r)] = {"level": c["level"] if c["level"] != "bitwise" else "exact",
-                           "rel_diff": c.get("rel_diff", 0.0), "max_abs": c.get("max_abs", 0.0)}
         levels = {p["level"] for p in per.values()}
         entry["level"] = "incomplete" if "material" in levels else ("noise" if "noise" in levels else "exact")
         entry["per_rank"] = per
@@ -254,7 +235,7 @@ def _allreduce_audit(records, live, world, dtype) -> dict:
     return res
 
 
-def _diagnose_stream(records, live, world, point_stats, ar, dtype, references) -> list[Finding]:
+def _diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references) -> list[Finding]:
     order = stream_order(point_stats)
     bad = lambda n: [r for r, s in point_stats[n].items() if s["level"] in ("material", "shape")]  # noqa: E731
     # non-finite first: NaN spreads through every later reduce
@@ -273,23 +254,22 @@ def _diagnose_stream(records, live, world, point_stats, ar, dtype, references) -
     all_r = {"all_ranks": True}
     if first == "embed.out":
         if not any(a["where"] == "embed" for r in live for a in records[r].meta.get("allreduces", [])):
-            rows = torch.stack([nonzero_rows(records[r].tensors["embed.out"]) for r in live])
+            rows = torch.stack([ev.rows_nonzero("embed.out", r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
-            ev = {"rows_nonzero_on_one_rank": single, **all_r}
+            evid = {"rows_nonzero_on_one_rank": single, **all_r}
             if references and "embed.out" in references:
-                s = sum(records[r].tensors["embed.out"].double() for r in live)
-                ev["sum_over_ranks_vs_reference"] = compare(s, references["embed.out"].double(), dtype=dtype)["level"]
+                evid["sum_over_ranks_vs_reference"] = ev.sum_vs("embed.out", live, references["embed.out"])
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
                             detail=f"embedding output is each rank's partial sum: no all-reduce ran in the "
                                    f"embedding; {single:.0%} of token rows are non-zero on exactly one rank"
-                                   + (f"; the sum over ranks matches the reference ({ev['sum_over_ranks_vs_reference']})"
-                                      if "sum_over_ranks_vs_reference" in ev else ""),
-                            evidence=ev)]
+                                   + (f"; the sum over ranks matches the reference ({evid['sum_over_ranks_vs_reference']})"
+                                      if "sum_over_ranks_vs_reference" in evid else ""),
+                            evidence=evid)]
     # an all-reduce over a sub-group in this layer
     sub = [a for a in ar.get("records", []) if a.get("group_size", world) < world
            and (a["where"] == f"layer.{layer}" or layer == -1 and a["where"] == "embed")]
     if sub:
-        groups = _classes({r: records[r].tensors[first] for r in live if first in records[r].tensors})
+        groups = _classes(ev, first, [r for r in live if r in point_stats[first]])
         a = sub[0]
         return [Finding("subgroup-allreduce", f"layer {layer} ({a.get('source') or a['module']})", list(live),
                         detail=f"all-reduce #{a['seq']} summed over {a['group_size']} of {world} ranks; "
@@ -307,7 +287,7 @@ def _diagnose_stream(records, live, world, point_stats, ar, dtype, references) -
                         evidence={"unreduced": unreduced, **({"all_ranks": True} if len(ranks) == world else {})})]
     if pf:
         return pf
-    groups = _classes({r: records[r].tensors[first] for r in live if first in records[r].tensors})
+    groups = _classes(ev, first, [r for r in live if r in point_stats[first]])
     odd = sorted(r for g in groups[1:] for r in g) if len(groups) > 1 else bad(first)
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
     return [Finding("rank-divergence", first, odd,
@@ -354,7 +334,7 @@ def _reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
 
 
 # ---- slots -------------------------------------------------------------------------------------
-def _slots(records, live, settings, dtype) -> tuple[list[Finding], list[dict]]:
+def _slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
     ids: list[int] = settings.get("layer_ids") or []
     hidden, world, L = settings["hidden"], settings["world_size"], settings.get("num_layers")
     if settings.get("expected_points") is not None:
@@ -373,13 +353,12 @@ def _slots(records, live, settings, dtype) -> tuple[list[Finding], list[dict]]:
     rows_out: list[dict] = []
     for r in live:
         rec = records[r]
-        packed = rec.tensors.get("aux.packed")
+        width = ev.packed_width(r)
         aux_meta = rec.meta.get("aux", {})
-        if packed is None:
+        if width is None:
             verdicts[r] = ("missing-capture", "aux.packed", "the model produced no packed aux hidden state "
                            f"for ids {ids}")
             continue
-        width = packed.shape[-1]
         if aux_meta.get("dtype") and aux_meta["dtype"] != settings.get("dtype"):
             verdicts[r] = ("dtype-mismatch", "aux.packed", f"packed aux is {aux_meta['dtype']} where the "
                            f"model runs {settings.get('dtype')}")
@@ -396,18 +375,9 @@ def _slots(records, live, settings, dtype) -> tuple[list[Finding], list[dict]]:
             verdicts[r] = ("layout-mismatch", "aux.packed", f"packed aux width {width} is not a multiple "
                            f"of hidden {hidden}")
             continue
-        slots = list(packed.split(hidden, dim=-1))
-        cands = [n for n in ["embed.out", "layer.0.in_norm", "embed.local"] + stream_order(rec.tensors)[1:]
-                 if n in rec.tensors]
-        match = []
-        for s in slots:
-            m = None
-            for n in cands:
-                c = rec.tensors[n]
-                if c.shape == s.shape and compare(s, c, dtype=_judge_dtype(s, c, dtype))["level"] in ("bitwise", "noise"):
-                    m = n
-                    break
-            match.append(m)
+        match = ev.slot_match(r, hidden)
+        if match is None:
+            continue
         if r == live[0]:
             rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
                          "expected": expected[i] if i < len(expected) else None, "matched": m,

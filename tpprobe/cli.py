@@ -72,9 +72,6 @@ def probe(
         opts.out = time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
     from .capture import check_out_dir
     check_out_dir(Path(opts.out), 0)
-    if not quiet and not json_out:
-        from .report import console
-        console(stderr=True).print(f"[dim]tpprobe: starting {nproc} local ranks; capture folder {opts.out}[/]")
     from .launch import launch_local
     raise typer.Exit(launch_local(nproc, ["probe", *options_argv(opts)]))
 

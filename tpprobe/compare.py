@@ -61,7 +61,6 @@ def compare(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = N
     if tuple(x.shape) != tuple(ref.shape):
         return {"level": "shape", "shape": list(x.shape), "ref_shape": list(ref.shape)}
     if bitwise_equal(x, ref):
-        n = x.numel()
         return {"level": "bitwise", "max_abs": 0.0, "mean_abs": 0.0, "rel_diff": 0.0, "ulp_max": 0.0,
                 "ulp_mean": 0.0, "first_token": None, "bad_fraction": 0.0,
                 "heat": [0.0] * min(max(x.shape[0] if x.dim() else 1, 1), HEAT_BINS), "nan_mismatch": 0}

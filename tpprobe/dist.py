@@ -136,7 +136,7 @@ class Watchdog(threading.Thread):
         self.stall_posted = False
 
     def run(self) -> None:
-        while not self.done.wait(self.interval):
+        while not self.done.is_set():
             try:
                 p = self.progress
                 self.ch.post("hb", {"t": time.time(), "phase": p.phase, "where": p.where,
@@ -153,6 +153,10 @@ class Watchdog(threading.Thread):
             except Exception:
                 # the store is gone (the launcher ended): nobody is left to report to
                 return
+            # wake at once when the phase changes (a rank can die within one interval)
+            self.progress.changed.wait(self.interval)
+            self.progress.changed.clear()
 
     def stop(self) -> None:
         self.done.set()
+        self.progress.changed.set()

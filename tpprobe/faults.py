@@ -104,8 +104,10 @@ def prepare_groups(faults: list[Fault], ctx: RankContext) -> dict:
 def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: dict) -> None:
     from .model import TPModel, all_reduce
 
+    if not faults:
+        return
     model = target.model
-    if faults and not isinstance(model, TPModel):
+    if not isinstance(model, TPModel):
         raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
     L = len(model.layers)
     mid = L // 2

@@ -39,6 +39,10 @@ EXPLAIN = {
                        "silently dropped)",
     "reference-mismatch": "all ranks agree but differ from the unsharded tp=1 reference",
     "rank-error": "a rank raised an error during the probe",
+    "capture-mismatch": "ranks captured different points, shapes or dtypes: rank-dependent control flow "
+                        "or a rank-specific capture path",
+    "capture-file": "a capture file is missing, truncated, corrupted or not in the manifest: re-run the "
+                    "probe or copy the folder again",
 }
 
 

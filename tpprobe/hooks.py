@@ -80,7 +80,11 @@ class Progress:
     since: float = field(default_factory=time.time)
     audit: Optional[list] = None            # this rank's all-reduce records so far (for stall posts)
 
+    changed: threading.Event = field(default_factory=threading.Event, repr=False)
+
     def set(self, phase: str, where: str = "") -> None:
+        if phase != self.phase:
+            self.changed.set()        # the watchdog posts a heartbeat now, not an interval later
         self.phase, self.where, self.since = phase, where, time.time()
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import importlib
+import json
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -23,7 +24,10 @@ from .dist import Channel, Watchdog, init, open_store, run_prefix
 from .errors import TPProbeError, UsageError
 from .findings import exit_code
 from .hooks import Progress, Tap
+from .fingerprint import fingerprint
 from .target import ProbeTarget, RankContext
+
+FP_SEED, FP_K = 0x7470, 32     # every rank sketches with the same signs
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -76,6 +80,8 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
     if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
+    if opts.arch not in ("llama", "deepseek_v2"):   # the tiny SGLang models tpprobe builds
+        raise UsageError(f"unknown --arch {opts.arch!r}: use llama or deepseek_v2 (with --backend sglang)")
     ids = opts.layers
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")
@@ -218,8 +224,9 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
     status, error, result = "ok", None, None
     t0 = time.time()
     progress.set("forward")
+    summarize = None if keep_all else (lambda t: fingerprint(t, seed=FP_SEED, k=FP_K))
     with torch.no_grad(), Tap(target.model, embed_pattern=opts.embed_pattern, layer_pattern=opts.layer_pattern,
-                              keep=keep, keep_allreduce_tensors=keep_all, progress=progress,
+                              keep=keep, keep_allreduce_tensors=keep_all, progress=progress, summarize=summarize,
                               extensions=target.tap_extensions) as tap:
         tap.stream_from_layer_output = target.stream_from_layer_output
         try:
@@ -245,13 +252,28 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
         tensors["aux.packed"] = packed
     meta = {
         "rank": ctx.rank, "world_size": world, "status": status, "error": error,
-        "points": [{"name": n, "shape": list(tensors[n].shape), "dtype": str(tensors[n].dtype).replace("torch.", "")}
-                   for n in tap.order if n in tensors],
+        "points": [_point_meta(n, tensors.get(n), tap.summaries.get(n)) for n in dict.fromkeys(tap.order)
+                   if n in tensors or n in tap.summaries],
         "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
         "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices),
         "aux": aux_meta, "params": replicated_param_hashes(target.model),
-        "timings": {"forward_s": t_forward}, "device": str(ctx.device),
+        "timings": {"forward_s": t_forward}, "device": str(ctx.device), "hidden": target.hidden_size,
     }
+    if not keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
+        fps = {n: f.to_json() for n, f in tap.summaries.items()}
+        if packed is not None:
+            fps["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
+        meta["fingerprints"] = fps
+        for m, rec in zip(meta["allreduces"], tap.allreduces):
+            if rec.inp_summary is not None and rec.out_summary is not None:
+                m["in_fp"], m["out_fp"] = rec.inp_summary.to_json(), rec.out_summary.to_json()
+        if packed is not None:
+            from .evidence import match_slots, slot_candidates
+            cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
+                     for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
+            meta["slot_match"] = match_slots(packed, target.hidden_size, cands, opts.torch_dtype)
+    if ch.get("final", 0) is not None:   # stalled past the verdict: the manifest is already written
+        return _await_final(ch, 0)
     files = capture.write_rank(out, ctx.rank, tensors, meta)
 
     # -- exchange: metadata through the store first, so disagreement never hangs ---------------
@@ -264,8 +286,24 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
     missing = [r for r in range(world) if r not in posts]
     all_ok = not missing and all(p["status"] == "ok" for p in posts.values())
     t1 = time.time()
-    records = _gather(opts, ctx, out, tensors, meta, posts, all_ok)
+    evidence, moved = None, {"sent": 0, "received": 0}
+    if all_ok and not keep_all and world > 1:
+        from .evidence import FingerprintEvidence
+        from .exchange import exchange_fingerprint
+        records, detail, moved = exchange_fingerprint(ctx, ch, tensors, meta, posts, opts.torch_dtype)
+        if ctx.rank == 0:
+            evidence = FingerprintEvidence(records, opts.torch_dtype, detail)
+    else:
+        records = _gather(opts, ctx, out, tensors, meta, posts, all_ok)
+        if all_ok and world > 1:
+            from .exchange import gather_plan
+            sent = sum(_nbytes(shape, wire) for _, shape, wire, _ in gather_plan(posts))
+            moved = {"sent": sent, "received": 0} if ctx.rank else {"sent": 0, "received": sent * (world - 1)}
     t_exchange = time.time() - t1
+    meta_bytes = len(json.dumps(posts.get(ctx.rank, {})))
+    ch.post("bytes", {"sent": moved["sent"] + meta_bytes,
+                      "received": moved["received"] + sum(len(json.dumps(p)) for r, p in posts.items() if r != ctx.rank),
+                      "tensor_sent": moved["sent"], "tensor_received": moved["received"]})
 
     if ctx.rank != 0:
         return _await_final(ch, opts.timeout + grace)
@@ -273,7 +311,8 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
     # -- check and report (rank 0) ---------------------------------------------------------------
     progress.set("report")
     liveness = {"missing": {r: _missing_info(ch, r, posts) for r in missing}}
-    settings = {"world_size": world, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": layer_ids,
+    shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else layer_ids
+    settings = {"world_size": world, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": shown_ids,
                 "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
                 "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
                 "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
@@ -285,13 +324,15 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
         if target.arch in ARCHES:
             settings["expected_points"], settings["expected_ids"] = expected_slots(
                 plan(target.arch, target.model_layer_ids, target.num_layers))
-    references = _references(opts, target, layer_ids) if target.arch == "builtin" and keep_all else None
+    references = _references(opts, target, layer_ids) if target.arch == "builtin" else None
     t2 = time.time()
-    result_checks = checks.run_checks(records, settings, liveness, references)
+    result_checks = checks.run_checks(records, settings, liveness, references, evidence=evidence)
     from .report import build_report, emit
     report = build_report(settings, result_checks, timings={
         "forward_s": t_forward, "exchange_s": t_exchange, "check_s": time.time() - t2,
         "total_s": time.time() - t_start}, out=str(out))
+    report["exchange"] = {"mode": opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + grace),
+                          "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
     manifest_files = [f for p in posts.values() for f in p["files"]]
     capture.write_manifest(out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
                                  "tool": report["tool"]}, manifest_files)
@@ -347,7 +388,10 @@ def _all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
 def _missing_info(ch: Channel, r: int, posts: dict) -> dict:
     hb, stall = ch.get("hb", r), ch.get("stall", r)
     info = {"heartbeat": hb, "stall": stall}
-    if hb is None:
+    if hb is None and ch.get("ready", r) is not None:
+        info["heartbeat"] = {"phase": "forward"}
+        info["state"] = "died (it built its model, then went silent)"
+    elif hb is None:
         info["state"] = "never started the probe (no heartbeat)"
     else:
         info["silent_s"] = time.time() - hb["t"]
@@ -374,6 +418,19 @@ def _gather(opts, ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok
         except TPProbeError:
             pass   # checks report this rank from its posted metadata alone
     return records
+
+
+def _point_meta(name, t, fp) -> dict:
+    if t is not None:
+        return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True}
+    return {"name": name, "shape": list(fp.shape), "dtype": fp.dtype, "kept": False}
+
+
+def _nbytes(shape, dtype: str) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _await_final(ch: Channel, wait: float) -> int:

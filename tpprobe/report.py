@@ -6,19 +6,16 @@ One render, many sinks: `render(report, console)` draws into any rich Console; t
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Optional
 
-import torch
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from . import __version__
-from .findings import EXPLAIN, exit_code
+from .findings import exit_code
 
 SCHEMA = "tpprobe.report/1"
 LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
@@ -48,7 +45,7 @@ def console(stderr: bool = False) -> Console:
 
 
 def error_line(msg: str) -> None:
-    Console(stderr=True, highlight=False).print(Text(f"tpprobe: error: {msg}", style="bold red"))
+    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(f"tpprobe: error: {msg}", style="bold red"))
 
 
 def verdict_lines(report: dict) -> list[str]:
