@@ -281,9 +281,11 @@ def _diagnose_stream(ev, records, live, world, point_stats, ar, dtype, reference
         mod = unreduced[0]["module"]
         ranks = sorted({r for r in live for u in records[r].meta.get("unreduced_rows", []) if u["module"] == mod})
         n_here = Counter(a["where"] for a in records[live[0]].meta.get("allreduces", []))
+        typical = Counter(n for w, n in n_here.items() if w.startswith("layer.")).most_common(1)
+        others = f" (other layers: {typical[0][0]})" if typical else ""
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
-                        detail=f"{mod} output was never all-reduced ({n_here.get(f'layer.{layer}', 0)} all-reduces "
-                               f"ran in layer {layer}); layer {layer}'s output is each rank's partial sum from here on",
+                        detail=f"{mod} output was never all-reduced: {n_here.get(f'layer.{layer}', 0)} all-reduce(s) "
+                               f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
                         evidence={"unreduced": unreduced, **({"all_ranks": True} if len(ranks) == world else {})})]
     if pf:
         return pf
@@ -307,7 +309,10 @@ def _param_divergence(records, live) -> list[Finding]:
     for name in params[live[0]]:
         hashes = {r: params[r].get(name, {}).get("hash") for r in live}
         if len(set(hashes.values())) > 1:
-            common = Counter(hashes.values()).most_common(1)[0][0]
+            common, n_common = Counter(hashes.values()).most_common(1)[0]
+            known = params[live[0]][name].get("replicated", True)
+            if not known and n_common * 2 <= len(live):
+                continue   # maybe a shard: only a strict majority of equal copies proves it replicated
             odd = [r for r, h in hashes.items() if h != common]
             if len(odd) * 2 == len(live):      # a tie: call the ranks other than the lowest one's group odd
                 odd = [r for r in live if hashes[r] != hashes[live[0]]]
@@ -346,8 +351,8 @@ def _slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
     else:
         expected = [id_point(i) for i in ids]
     n_slots = sum(1 for e in expected if e is not None)
-    if not expected:
-        return [], []
+    if not expected or not settings.get("model_packs_aux", True):
+        return [], []   # nothing to verify: the model does not pack aux hidden states itself
     findings: list[Finding] = []
     verdicts: dict[int, tuple] = {}
     rows_out: list[dict] = []

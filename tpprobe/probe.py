@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import json
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -138,17 +139,23 @@ def _user_target(ctx: RankContext, spec: str) -> ProbeTarget:
 
 
 def replicated_param_hashes(model: torch.nn.Module) -> dict:
-    """Hashes of parameters every rank must hold identically (not TP-sharded)."""
+    """Hashes of parameters that are not known to be TP-sharded. `replicated` is True where the
+    model says so (norm layers, or a parameter marked `tp_replicated = True`), None where unknown
+    (a plain parameter of a user's module may be a shard: the checks then need a majority)."""
     out = {}
     for mname, m in model.named_modules():
         if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in SHARDED_MODULES):
             continue
+        known = True if fnmatch.fnmatchcase(type(m).__name__, "*Norm*") else None
         for pname, p in m.named_parameters(recurse=False):
-            if getattr(p, "input_dim", None) is not None or getattr(p, "output_dim", None) is not None:
+            if getattr(p, "input_dim", None) is not None or getattr(p, "output_dim", None) is not None \
+                    or getattr(p, "tp_sharded", False):
                 continue
             data = p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
             layer = next((int(x) for x in mname.split(".") if x.isdigit()), None)
-            out[f"{mname}.{pname}" if mname else pname] = {"hash": hashlib.sha1(data).hexdigest(), "layer": layer}
+            out[f"{mname}.{pname}" if mname else pname] = {
+                "hash": hashlib.sha1(data).hexdigest(), "layer": layer,
+                "replicated": True if getattr(p, "tp_replicated", False) else known}
     return out
 
 
@@ -303,7 +310,8 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
     meta_bytes = len(json.dumps(posts.get(ctx.rank, {})))
     ch.post("bytes", {"sent": moved["sent"] + meta_bytes,
                       "received": moved["received"] + sum(len(json.dumps(p)) for r, p in posts.items() if r != ctx.rank),
-                      "tensor_sent": moved["sent"], "tensor_received": moved["received"]})
+                      "tensor_sent": moved["sent"], "tensor_received": moved["received"],
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
     if ctx.rank != 0:
         return _await_final(ch, opts.timeout + grace)
@@ -317,6 +325,7 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
                 "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
                 "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
                 "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
+                "model_packs_aux": target.packed_aux is not None,
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
