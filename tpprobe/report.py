@@ -98,6 +98,13 @@ def render(report: dict, con: Console) -> None:
             s.add_row(str(row["slot"]), str(row["id"]), str(row["expected"]),
                       Text(str(row["matched"]), style="green" if row["ok"] else "bold red"))
         con.print(s)
+    if st.get("arch") in ("llama", "deepseek_v2") and st.get("layer_ids") is not None:
+        # what SGLang's own capture rules make of these ids on this architecture
+        from .layer_ids import layers_table, plan
+        try:
+            con.print(layers_table(plan(st["arch"], list(st["layer_ids"]), int(st["num_layers"]))))
+        except Exception as e:   # a table is a courtesy: never let it break the report
+            con.print(Text(f"(layer-id table unavailable: {e})", style="dim"))
     con.print(Text("verdict", style="bold"))
     for f in report["findings"]:
         style = {"failure": "bold red", "warning": "yellow", "info": "cyan"}[f["severity"]]
