@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .envinfo import env_lines
+from .report import cell_label          # the same words as the terminal table
 
 LEVEL_CLASS = {"bitwise": "ok", "exact": "ok", "reference": "ref", "noise": "noise", "material": "bad",
                "shape": "shape", "incomplete": "bad", "unchecked": "dim", "share": "dim", "missing": "dim"}
@@ -62,20 +63,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def cell_label(s: Optional[dict]) -> str:
-    """The text of one capture point × rank cell (the same words as the terminal table)."""
-    if not s:
-        return "—"
-    lv = s.get("level", "?")
-    if lv in ("reference", "bitwise", "share"):
-        label = {"reference": "ref", "bitwise": "bitwise", "share": "own share"}[lv]
-    elif lv == "shape":
-        label = f"shape {s.get('shape')}"
-    else:
-        label = f"{lv} {s.get('max_abs', 0):.2g}"
-    if s.get("nan") or s.get("inf"):
-        label += f" nan={s.get('nan')} inf={s.get('inf')}"
-    return label
 
 
 def _cell_title(s: dict) -> str:

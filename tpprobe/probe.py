@@ -94,9 +94,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
             raise UsageError(f"--layers {bad} out of range for a model of {opts.num_layers} layers: "
                              f"ids run from -1 (embedding) to {opts.num_layers - 1}")
         if opts.backend != "sglang":
-            from .model import BuiltinConfig
-            BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
-                          vocab=opts.vocab, tokens=opts.tokens).validate(world)
+            builtin_config(opts).validate(world)
     if opts.model is not None and ":" not in opts.model:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
     if opts.inject and (opts.model or opts.backend == "sglang"):
@@ -112,11 +110,8 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
         from .sglang.tiny import build_target as sglang_target
         return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
                              dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
-    from .model import BuiltinConfig, build_builtin
-    cfg = BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
-                        vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
-                        layer_ids=layer_ids)
-    return build_builtin(ctx, cfg)
+    from .model import build_builtin
+    return build_builtin(ctx, builtin_config(opts, layer_ids))
 
 
 def _user_target(ctx: RankContext, spec: str) -> ProbeTarget:
@@ -447,11 +442,16 @@ def _await_final(ch: Channel, wait: float) -> int:
     return int(v["code"]) if v else 1
 
 
+def builtin_config(opts: ProbeOptions, layer_ids: Optional[list[int]] = None):
+    from .model import BuiltinConfig
+    return BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
+                         vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
+                         **({"layer_ids": layer_ids} if layer_ids is not None else {}))
+
+
 def _references(opts, target, layer_ids):
-    from .model import BuiltinConfig, reference_streams
-    cfg = BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
-                        vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype)
-    return reference_streams(cfg)
+    from .model import reference_streams
+    return reference_streams(builtin_config(opts))
 
 
 def _on_sigterm(signum, frame):

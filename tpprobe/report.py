@@ -53,17 +53,26 @@ def verdict_lines(report: dict) -> list[str]:
     return lines or ["HEALTHY: every capture point agrees across ranks and every all-reduce is complete"]
 
 
-def _cell(s: dict) -> Text:
+def cell_label(s: Optional[dict]) -> str:
+    """The text of one capture point × rank cell (terminal, HTML and Markdown use the same words)."""
+    if not s:
+        return "—"
     lv = s.get("level", "?")
     if lv in ("reference", "bitwise", "share"):
         label = {"reference": "ref", "bitwise": "bitwise", "share": "own share"}[lv]
     elif lv == "shape":
         label = f"shape {s.get('shape')}"
+    elif s.get("max_abs") is None:      # judged on fingerprints: the norm-wise relative difference
+        label = f"{lv} ~{s.get('rel_norm', 0):.2g} rel"
     else:
-        label = f"{lv} {s.get('max_abs', 0):.2g}"
+        label = f"{lv} {s['max_abs']:.2g}"
     if s.get("nan") or s.get("inf"):
         label += f" nan={s.get('nan')} inf={s.get('inf')}"
-    return Text(label, style=LEVEL_STYLE.get(lv, ""))
+    return label
+
+
+def _cell(s: dict) -> Text:
+    return Text(cell_label(s), style=LEVEL_STYLE.get(s.get("level", "?"), ""))
 
 
 def render(report: dict, con: Console) -> None:
