@@ -34,3 +34,15 @@ def test_healthy_fingerprint_exchange_moves_no_tensor_and_little_metadata(tmp_pa
         assert b["tensor_sent"] == b["tensor_received"] == 0
         # each rank posts its metadata (fingerprints: a few KB per point) and reads the others'
         assert b["sent"] < 0.02 * captured, (r, b)
+
+
+@pytest.mark.parametrize("inject", ["capture-offset", "skip-allreduce@2"])
+def test_offline_report_of_a_fingerprint_capture_names_the_same_fault(tmp_path, inject):
+    import json
+
+    from tests.ranks import run_cli
+    rc, rep, _ = probe(tmp_path / "r", "--exchange", "fingerprint", "--inject", inject)
+    cp = run_cli(["report", str(tmp_path / "r"), "--json"])
+    assert cp.returncode == rc == 1
+    live = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert [(f["kind"], f["where"], f["ranks"]) for f in failures(json.loads(cp.stdout))] == live

@@ -154,7 +154,8 @@ class TensorEvidence:
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         rec = self.records[r]
         packed = rec.tensors.get("aux.packed")
-        if packed is None:
+        if packed is None or rec.meta.get("slot_match") is not None:
+            # matched on the rank, against every candidate (a fingerprint capture keeps few tensors)
             return rec.meta.get("slot_match")
         names = list(rec.tensors)
         cands = {n: rec.tensors[n] for n in slot_candidates(names)}

@@ -10,6 +10,25 @@ from .findings import FAILURE, Finding
 from .report import build_report, emit
 
 
+def fingerprint_evidence(records: dict, settings: dict):
+    """A capture taken with --exchange fingerprint keeps tensors for the requested slots only; every
+    other point has its fingerprint in the metadata. Judge it as the live probe did: fingerprints,
+    with exact statistics from the tensors where both sides kept one. None for full captures."""
+    if not records or not all("fingerprints" in r.meta for r in records.values()):
+        return None
+    from .compare import compare, dtype_from_str
+    from .evidence import FingerprintEvidence, judge_dtype
+    dtype = dtype_from_str(settings.get("dtype", "float32"))
+    ref = min(records)
+    detail: dict = {}
+    for name, base in records[ref].tensors.items():
+        for r, rec in records.items():
+            t = rec.tensors.get(name)
+            if r != ref and t is not None and t.shape == base.shape and not name.endswith(".local"):
+                detail.setdefault(name, {})[r] = compare(t, base, dtype=judge_dtype(t.dtype, base.dtype, dtype))
+    return FingerprintEvidence(records, dtype, detail)
+
+
 def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, markdown: Optional[str] = None,
                quiet: bool = False) -> int:
     run = load_run(path)
@@ -18,7 +37,8 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
     settings.setdefault("hidden", next((r.meta.get("hidden") for r in run.records.values() if r.meta.get("hidden")), 0))
     missing = {r: {"state": "has no readable capture in this folder"} for r in range(run.manifest["world_size"])
                if r not in run.records}
-    result = run_checks(run.records, settings, {"missing": missing} if missing else None)
+    result = run_checks(run.records, settings, {"missing": missing} if missing else None,
+                        evidence=fingerprint_evidence(run.records, settings))
     # unreadable files are findings of their own, before anything computed from what is left
     file_findings = [Finding("capture-file", p["file"], [p["rank"]] if p["rank"] is not None else [],
                              severity=FAILURE if "extra" not in p["problem"] else "warning",
