@@ -55,7 +55,16 @@ def _mix_b(x):
 def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
                nwords, nbrows, brows_per_token, iters, salt_b0, salt_b1,
                DT: tl.constexpr, BW: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr,
-               NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr):
+               NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr,
+               LANE32: tl.constexpr = False, SKIP_HASH: tl.constexpr = False,
+               SKIP_STATS: tl.constexpr = False, SKIP_DOT: tl.constexpr = False,
+               INTSTATS: tl.constexpr = False):
+    # INTSTATS (bf16): NaN/Inf counts, max |x| and the non-zero flag on the integer bits of both
+    # halves of a word (|x| bits = h & 0x7FFF, monotonic in |x|; > 0x7F80 is NaN, == is Inf),
+    # the squares from bitcasts (w << 16, w & 0xFFFF0000): bit-identical results, fewer ops.
+    # LANE32: the per-row hash-lane sums are taken as two 16-bit halves in uint32 (exact: at most
+    # 128 words per row, < 2^23) and widened to uint64 once per row, not once per word.
+    # SKIP_*: ablations for the benchmark only (wrong results): time what each stage costs.
     pid = tl.program_id(0)
     r_off = tl.arange(0, BLOCK_R)
     c_off = tl.arange(0, BW)
@@ -72,6 +81,7 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
     acc_sk = tl.zeros([KP], tl.float32)
     acc_sq = tl.zeros([BLOCK_R], tl.float32)
     acc_mx = tl.zeros([BLOCK_R], tl.float32)
+    acc_mb = tl.zeros([BLOCK_R], tl.uint32)
     acc_ha = tl.zeros([BLOCK_R], tl.uint64)
     acc_hb = tl.zeros([BLOCK_R], tl.uint64)
     acc_nan = tl.zeros([BLOCK_R], tl.int32)
@@ -82,12 +92,18 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
         m = q < nwords
         w = tl.load(w_ptr + q, mask=m, other=0).to(tl.uint32, bitcast=True)
         qq = q.to(tl.uint32)
-        ha = _mix_a(w ^ (qq * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
-        hb = _mix_b(w + ((qq * tl.cast(QB, tl.uint32)) ^ tl.cast(SB, tl.uint32)))
-        ha = tl.where(m, ha, tl.zeros_like(ha))
-        hb = tl.where(m, hb, tl.zeros_like(hb))
-        acc_ha += tl.sum(ha.to(tl.uint64), axis=1)
-        acc_hb += tl.sum(hb.to(tl.uint64), axis=1)
+        if not SKIP_HASH:
+            ha = _mix_a(w ^ (qq * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
+            hb = _mix_b(w + ((qq * tl.cast(QB, tl.uint32)) ^ tl.cast(SB, tl.uint32)))
+            ha = tl.where(m, ha, tl.zeros_like(ha))
+            hb = tl.where(m, hb, tl.zeros_like(hb))
+            if LANE32:
+                m16 = tl.cast(0xFFFF, tl.uint32)
+                acc_ha += tl.sum(ha & m16, axis=1).to(tl.uint64) + (tl.sum(ha >> 16, axis=1).to(tl.uint64) << 16)
+                acc_hb += tl.sum(hb & m16, axis=1).to(tl.uint64) + (tl.sum(hb >> 16, axis=1).to(tl.uint64) << 16)
+            else:
+                acc_ha += tl.sum(ha.to(tl.uint64), axis=1)
+                acc_hb += tl.sum(hb.to(tl.uint64), axis=1)
 
         if DT == 2:
             x = w.to(tl.float32, bitcast=True)
@@ -106,19 +122,39 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
                 hi16 = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
             xl = lo16.to(tl.float32)
             xh = hi16.to(tl.float32)
-            if F32DOT:   # the CPU interpreter mishandles 16-bit dots
+            if SKIP_DOT:
+                y = tl.zeros([BLOCK_R, KP], tl.float32)
+            elif F32DOT:   # the CPU interpreter mishandles 16-bit dots
                 y = tl.dot(xl, alo.to(tl.float32), input_precision="ieee") + \
                     tl.dot(xh, ahi.to(tl.float32), input_precision="ieee")
             else:
                 y = tl.dot(lo16, alo) + tl.dot(hi16, ahi)
-            acc_sq += tl.sum(xl * xl + xh * xh, axis=1)
-            ml = tl.where(xl != xl, 0.0, tl.abs(xl))
-            mh = tl.where(xh != xh, 0.0, tl.abs(xh))
-            acc_mx = tl.maximum(acc_mx, tl.max(tl.maximum(ml, mh), axis=1))
-            acc_nan += tl.sum((xl != xl).to(tl.int32) + (xh != xh).to(tl.int32), axis=1)
-            acc_inf += tl.sum((tl.abs(xl) == float("inf")).to(tl.int32)
-                              + (tl.abs(xh) == float("inf")).to(tl.int32), axis=1)
-            nz = tl.max(((xl != 0) | (xh != 0)).to(tl.int32), axis=1)
+            if SKIP_STATS:
+                nz = tl.zeros([BLOCK_R], tl.int32)
+            elif INTSTATS and DT == 0:
+                fl = (w << 16).to(tl.float32, bitcast=True)
+                fh = (w & tl.cast(0xFFFF0000, tl.uint32)).to(tl.float32, bitcast=True)
+                acc_sq += tl.sum(fl * fl + fh * fh, axis=1)
+                m15 = tl.cast(0x7FFF, tl.uint32)
+                inf_b = tl.cast(0x7F80, tl.uint32)
+                al = w & m15
+                ah = (w >> 16) & m15
+                nan_l = al > inf_b
+                nan_h = ah > inf_b
+                acc_nan += tl.sum(nan_l.to(tl.int32) + nan_h.to(tl.int32), axis=1)
+                acc_inf += tl.sum((al == inf_b).to(tl.int32) + (ah == inf_b).to(tl.int32), axis=1)
+                mb = tl.maximum(tl.where(nan_l, 0, al), tl.where(nan_h, 0, ah)).to(tl.uint32)
+                acc_mb = tl.maximum(acc_mb, tl.max(mb, axis=1))
+                nz = tl.max(((w & tl.cast(0x7FFF7FFF, tl.uint32)) != 0).to(tl.int32), axis=1)
+            else:
+                acc_sq += tl.sum(xl * xl + xh * xh, axis=1)
+                ml = tl.where(xl != xl, 0.0, tl.abs(xl))
+                mh = tl.where(xh != xh, 0.0, tl.abs(xh))
+                acc_mx = tl.maximum(acc_mx, tl.max(tl.maximum(ml, mh), axis=1))
+                acc_nan += tl.sum((xl != xl).to(tl.int32) + (xh != xh).to(tl.int32), axis=1)
+                acc_inf += tl.sum((tl.abs(xl) == float("inf")).to(tl.int32)
+                                  + (tl.abs(xh) == float("inf")).to(tl.int32), axis=1)
+                nz = tl.max(((xl != 0) | (xh != 0)).to(tl.int32), axis=1)
 
         r32 = rows.to(tl.uint32)
         h0 = _mix_a(r32 ^ sb0)
@@ -132,7 +168,10 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
     fbase = fpart_ptr + pid * (KP + 2)
     tl.store(fbase + j, acc_sk)
     tl.store(fbase + KP, tl.sum(acc_sq, axis=0))
-    tl.store(fbase + KP + 1, tl.max(acc_mx, axis=0))
+    if INTSTATS and DT == 0:
+        tl.store(fbase + KP + 1, (tl.max(acc_mb, axis=0) << 16).to(tl.float32, bitcast=True))
+    else:
+        tl.store(fbase + KP + 1, tl.max(acc_mx, axis=0))
     ibase = ipart_ptr + pid * 4
     tl.store(ibase, tl.sum(acc_ha, axis=0).to(tl.int64, bitcast=True))
     tl.store(ibase + 1, tl.sum(acc_hb, axis=0).to(tl.int64, bitcast=True))
@@ -171,12 +210,17 @@ def _nsm(device) -> int:
     return _NSM[d]
 
 
-def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None):
+def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None, lane32=None,
+           ablate: tuple = (), intstats=None):
     """Launch the kernels for a batch; returns (host-side finisher, device buffer).
     Nothing here synchronises; ``finish()`` does the one D2H copy."""
     block_r = block_r or int(os.environ.get("TPPROBE_FP_BLOCK_R", 64))
     num_warps = num_warps or int(os.environ.get("TPPROBE_FP_WARPS", 4))
     progs_per_sm = progs_per_sm or int(os.environ.get("TPPROBE_FP_PROGS", 4))
+    if lane32 is None:
+        lane32 = os.environ.get("TPPROBE_FP_LANE32", "0") == "1"
+    if intstats is None:
+        intstats = os.environ.get("TPPROBE_FP_INTSTATS", "0") == "1"
     kp = max(16, triton.next_power_of_2(k))
     salts = F._row_salts(seed, 2)
     plans = []
@@ -216,7 +260,8 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
             -(-p["ntiles"] // p["nprog"]), salts[0], salts[1],
             DT=_DT[t.dtype], BW=p["bw"], BLOCK_R=block_r, KP=kp, NPROG=p["nprog"],
             DO_FLAGS=p["flags"], F32DOT=bool(os.environ.get("TRITON_INTERPRET")),
-            num_warps=num_warps)
+            LANE32=bool(lane32), SKIP_HASH="hash" in ablate, SKIP_STATS="stats" in ablate,
+            SKIP_DOT="dot" in ablate, INTSTATS=bool(intstats), num_warps=num_warps)
     # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
     extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
              if p["t"].dim() == 2 and not p["flags"]}
