@@ -243,8 +243,13 @@ class Tap:
         self._record(name, t, copied=copied)
 
     def _layer_post(self, handle, args, output) -> None:
-        if self.stream_from_layer_output:
-            self._record(f"layer.{handle.index}.out", residual_stream(output), copied=True)
+        name = f"layer.{handle.index}.out"
+        if not self.stream_from_layer_output:
+            return
+        if self.summarize is None and not self.keep(name):
+            self.order.append(name)       # nothing to keep: do not even form hidden + residual
+            return
+        self._record(name, residual_stream(output), copied=True)
 
     def _module_post(self, handle, args, output) -> None:
         if handle.kind != "row":
