@@ -92,6 +92,27 @@ def compare(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = N
             "heat": heat(d.amax(-1) if d.numel() else torch.zeros(1)), "nan_mismatch": nan_mismatch}
 
 
+def within_noise(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Optional[dict]:
+    """The common case, cheaply: {"level": "bitwise"|"noise", max_abs, rel_diff} when every element
+    is within the noise bound of compare(); None when not (then call compare() for the details)."""
+    if tuple(x.shape) != tuple(ref.shape):
+        return None
+    if bitwise_equal(x, ref):
+        return {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0}
+    a, b = x.double(), ref.double()
+    d = (a - b).abs()
+    if not bool(torch.isfinite(d).all()):
+        return None
+    syy = float((b * b).sum())
+    rms = math.sqrt(syy / max(b.numel(), 1))
+    eps = eps_of(dtype) or 1.0
+    if bool((d > NOISE_ULP.get(dtype, 64.0) * eps * (torch.maximum(a.abs(), b.abs()) + rms)).any()):
+        return None
+    sxx, sxy = float((a * a).sum()), float((a * b).sum())
+    rel = 0.0 if sxx + syy == 0 else max(0.0, 1.0 - 2.0 * sxy / (sxx + syy))
+    return {"level": "noise", "max_abs": float(d.max()) if d.numel() else 0.0, "rel_diff": rel}
+
+
 def nonfinite(t: torch.Tensor) -> dict:
     if not t.dtype.is_floating_point:
         return {"nan": 0, "inf": 0, "first_token": None}
