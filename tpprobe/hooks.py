@@ -201,7 +201,8 @@ class Tap:
                 self._stack.pop()
             post(handle, args, output)
 
-        handle.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post_)]
+        # prepend: know where we are before any other pre-hook of the module runs (or hangs)
+        handle.handles += [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post_)]
         self.handles.append(handle)
 
     def _remove(self) -> None:
