@@ -190,58 +190,107 @@ def _shutdown(ctx) -> None:
         pass
 
 
+@dataclass
+class _Rank:
+    """What one rank carries through the pipeline."""
+    opts: ProbeOptions
+    ctx: RankContext
+    ch: Channel
+    progress: Progress
+    grace: float
+    t_start: float
+    out: Optional[Path] = None
+    target: Optional[ProbeTarget] = None
+    layer_ids: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def keep_all(self) -> bool:
+        return self.opts.exchange == "full"
+
+
 def _run(opts, ctx, ch, progress, grace, t_start) -> int:
-    world = ctx.world_size
-    # a usage error on any rank ends every rank with exit 2 (rank 0 says why)
+    me = _Rank(opts, ctx, ch, progress, grace, t_start)
+    code = _prepare(me)
+    if code:
+        return code
+    tap, result, status, error = _forward(me)
+    tensors, meta = _rank_record(me, tap, result, status, error)
+    if ch.get("final", 0) is not None:   # stalled past the verdict: the manifest is already written
+        return _await_final(ch, 0)
+    files = capture.write_rank(me.out, ctx.rank, tensors, meta)
+    posts = _post_and_collect(me, tensors, meta, files)
+    records, evidence = _exchange(me, tensors, meta, posts)
+    if ctx.rank != 0:
+        return _await_final(ch, opts.timeout + grace)
+    return _check_and_report(me, records, evidence, posts, tensors)
+
+
+def _prepare(me: _Rank) -> int:
+    """Validate, agree on the folder, build the model, break it if asked. A usage error on any rank
+    ends every rank with exit 2 (rank 0 says why)."""
+    opts, ctx, ch = me.opts, me.ctx, me.ch
     try:
-        validate(opts, world)
-        out = Path(_agree_out_dir(opts, ctx, ch))
-        flt = faults_mod.parse(opts.inject, world, opts.num_layers, opts.layers)
-        layer_ids = faults_mod.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
-        progress.set("build")
+        validate(opts, ctx.world_size)
+        me.out = Path(_agree_out_dir(opts, ctx, ch))
+        flt = faults_mod.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
+        me.layer_ids = faults_mod.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
+        me.progress.set("build")
         groups = faults_mod.prepare_groups(flt, ctx)
-        target = build_target(ctx, opts, layer_ids)
-        faults_mod.apply(flt, target, ctx, groups)
+        me.target = build_target(ctx, opts, me.layer_ids)
+        faults_mod.apply(flt, me.target, ctx, groups)
         if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
-            capture.check_out_dir(out, estimate_capture_bytes(target, layer_ids, opts.exchange == "full") * _local_world())
+            capture.check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * _local_world())
         ch.post("ready", {"ok": True})
     except UsageError as e:
-        ch.post("ready", {"ok": False, "error": str(e)})
-        if ctx.rank == 0:
-            from .report import error_line
-            error_line(str(e))
-        return 2
-    peers = ch.collect("ready", time.time() + opts.timeout)
-    bad = {r: v for r, v in peers.items() if not v.get("ok")}
+        ch.post("ready", {"ok": False, "error": str(e), "code": 2})
+    except Exception as e:     # a bug or a broken install on this rank: its traceback, then stop all
+        import traceback
+        traceback.print_exc()
+        ch.post("ready", {"ok": False, "error": f"rank {ctx.rank} failed to build the model: "
+                                                f"{type(e).__name__}: {e}", "code": 1})
+    peers = ch.collect("ready", time.time() + opts.timeout,
+                       stop_early=lambda found: any(not v.get("ok") for v in found.values()))
+    bad = [v for r, v in sorted(peers.items()) if not v.get("ok")]
+    if not bad and len(peers) < ctx.world_size:
+        late = [r for r in range(ctx.world_size) if r not in peers]
+        bad = [{"error": f"ranks {late} did not build the model within --timeout {opts.timeout:g}s", "code": 1}]
     if bad:
         if ctx.rank == 0:
             from .report import error_line
-            error_line(next(iter(bad.values()))["error"])
-        return 2
+            error_line(bad[0]["error"])
+        return max(v.get("code", 2) for v in bad)
+    return 0
 
-    # -- forward under the hooks --------------------------------------------------------------
-    keep_ids = {checks.id_point(i) for i in layer_ids}
-    keep_all = opts.exchange == "full"
-    keep = (lambda n: True) if keep_all else (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
+
+def _forward(me: _Rank):
+    """One forward under the hooks. A peer that dies or a collective that times out ends the
+    forward with status "error"; what was captured up to there is still reported."""
+    keep_ids = {checks.id_point(i) for i in me.layer_ids}
+    keep = (lambda n: True) if me.keep_all else \
+        (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
+    summarize = None if me.keep_all else (lambda t: fingerprint(t, seed=FP_SEED, k=FP_K))
     status, error, result = "ok", None, None
     t0 = time.time()
-    progress.set("forward")
-    summarize = None if keep_all else (lambda t: fingerprint(t, seed=FP_SEED, k=FP_K))
-    with torch.no_grad(), Tap(target.model, embed_pattern=opts.embed_pattern, layer_pattern=opts.layer_pattern,
-                              keep=keep, keep_allreduce_tensors=keep_all, progress=progress, summarize=summarize,
-                              extensions=target.tap_extensions) as tap:
+    me.progress.set("forward")
+    target = me.target
+    with torch.no_grad(), Tap(target.model, embed_pattern=me.opts.embed_pattern, layer_pattern=me.opts.layer_pattern,
+                              keep=keep, keep_allreduce_tensors=me.keep_all, progress=me.progress,
+                              summarize=summarize, extensions=target.tap_extensions) as tap:
         tap.stream_from_layer_output = target.stream_from_layer_output
         try:
             result = target.forward()
-        except Exception as e:   # a peer died or a collective timed out: report what we have
+        except Exception as e:
             status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    t_forward = time.time() - t0
-    packed = None
-    if status == "ok" and target.packed_aux is not None:
-        packed = target.packed_aux(result)
+    me.timings["forward_s"] = time.time() - t0
+    return tap, result, status, error
 
-    # -- write this rank's capture (in parallel on every rank) --------------------------------
-    progress.set("write")
+
+def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict, dict]:
+    """This rank's tensors and metadata (and, with --exchange fingerprint, its fingerprints)."""
+    me.progress.set("write")
+    target, ctx = me.target, me.ctx
+    packed = target.packed_aux(result) if status == "ok" and target.packed_aux is not None else None
     tensors = dict(tap.captures)
     for rec in tap.allreduces:
         if rec.inp is not None and rec.out is not None:
@@ -253,15 +302,15 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
                     "contiguous": packed.is_contiguous(), "stride": list(packed.stride())}
         tensors["aux.packed"] = packed
     meta = {
-        "rank": ctx.rank, "world_size": world, "status": status, "error": error,
+        "rank": ctx.rank, "world_size": ctx.world_size, "status": status, "error": error,
         "points": [_point_meta(n, tensors.get(n), tap.summaries.get(n)) for n in dict.fromkeys(tap.order)
                    if n in tensors or n in tap.summaries],
         "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
         "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices),
         "aux": aux_meta, "params": replicated_param_hashes(target.model),
-        "timings": {"forward_s": t_forward}, "device": str(ctx.device), "hidden": target.hidden_size,
+        "timings": dict(me.timings), "device": str(ctx.device), "hidden": target.hidden_size,
     }
-    if not keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
+    if not me.keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
         fps = {n: f.to_json() for n, f in tap.summaries.items()}
         if packed is not None:
             fps["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
@@ -273,49 +322,52 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
             from .evidence import match_slots, slot_candidates
             cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
                      for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
-            meta["slot_match"] = match_slots(packed, target.hidden_size, cands, opts.torch_dtype)
-    if ch.get("final", 0) is not None:   # stalled past the verdict: the manifest is already written
-        return _await_final(ch, 0)
-    files = capture.write_rank(out, ctx.rank, tensors, meta)
+            meta["slot_match"] = match_slots(packed, target.hidden_size, cands, me.opts.torch_dtype)
+    return tensors, meta
 
-    # -- exchange: metadata through the store first, so disagreement never hangs ---------------
-    progress.set("exchange")
-    ch.post("meta", {"files": files, "status": status, "error": error, "n_allreduce": len(tap.allreduces),
-                     "meta": meta, "index": {n: [list(t.shape), str(t.dtype).replace("torch.", "")]
-                                             for n, t in tensors.items()}})
-    deadline = time.time() + (grace if status == "error" else opts.timeout)
-    posts = ch.collect("meta", deadline, stop_early=lambda found: _all_missing_explained(ch, found, world))
-    missing = [r for r in range(world) if r not in posts]
-    all_ok = not missing and all(p["status"] == "ok" for p in posts.values())
+
+def _post_and_collect(me: _Rank, tensors: dict, meta: dict, files: list) -> dict:
+    """Metadata through the store first, so ranks that died, hung or disagree never hang this one."""
+    me.progress.set("exchange")
+    ch, world = me.ch, me.ctx.world_size
+    ch.post("meta", {"files": files, "status": meta["status"], "error": meta["error"],
+                     "n_allreduce": len(meta["allreduces"]), "meta": meta,
+                     "index": {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in tensors.items()}})
+    deadline = time.time() + (me.grace if meta["status"] == "error" else me.opts.timeout)
+    return ch.collect("meta", deadline, stop_early=lambda found: _all_missing_explained(ch, found, world))
+
+
+def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
+    """The tensors (or what the checks need of them) to rank 0; bytes moved are posted for the report."""
+    ctx, world = me.ctx, me.ctx.world_size
+    all_ok = len(posts) == world and all(p["status"] == "ok" for p in posts.values())
     t1 = time.time()
     evidence, moved = None, {"sent": 0, "received": 0}
-    if all_ok and not keep_all and world > 1:
+    if all_ok and not me.keep_all and world > 1:
         from .evidence import FingerprintEvidence
         from .exchange import exchange_fingerprint
-        records, detail, moved = exchange_fingerprint(ctx, ch, tensors, meta, posts, opts.torch_dtype)
+        records, detail, moved = exchange_fingerprint(ctx, me.ch, tensors, meta, posts, me.opts.torch_dtype)
         if ctx.rank == 0:
-            evidence = FingerprintEvidence(records, opts.torch_dtype, detail)
+            evidence = FingerprintEvidence(records, me.opts.torch_dtype, detail)
     else:
-        records = _gather(opts, ctx, out, tensors, meta, posts, all_ok)
+        records = _gather(me.opts, ctx, me.out, tensors, meta, posts, all_ok)
         if all_ok and world > 1:
             from .exchange import gather_plan
             sent = sum(_nbytes(shape, wire) for _, shape, wire, _ in gather_plan(posts))
             moved = {"sent": sent, "received": 0} if ctx.rank else {"sent": 0, "received": sent * (world - 1)}
-    t_exchange = time.time() - t1
-    meta_bytes = len(json.dumps(posts.get(ctx.rank, {})))
-    ch.post("bytes", {"sent": moved["sent"] + meta_bytes,
-                      "received": moved["received"] + sum(len(json.dumps(p)) for r, p in posts.items() if r != ctx.rank),
-                      "tensor_sent": moved["sent"], "tensor_received": moved["received"],
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    me.timings["exchange_s"] = time.time() - t1
+    me.ch.post("bytes", {"sent": moved["sent"] + len(json.dumps(posts.get(ctx.rank, {}))),
+                         "received": moved["received"] + sum(len(json.dumps(p)) for r, p in posts.items()
+                                                             if r != ctx.rank),
+                         "tensor_sent": moved["sent"], "tensor_received": moved["received"],
+                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    return records, evidence
 
-    if ctx.rank != 0:
-        return _await_final(ch, opts.timeout + grace)
 
-    # -- check and report (rank 0) ---------------------------------------------------------------
-    progress.set("report")
-    liveness = {"missing": {r: _missing_info(ch, r, posts) for r in missing}}
-    shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else layer_ids
-    settings = {"world_size": world, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": shown_ids,
+def _settings(me: _Rank) -> dict:
+    opts, target, ctx = me.opts, me.target, me.ctx
+    shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else me.layer_ids
+    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": shown_ids,
                 "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
                 "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
                 "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
@@ -328,19 +380,26 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
         if target.arch in ARCHES:
             settings["expected_points"], settings["expected_ids"] = expected_slots(
                 plan(target.arch, target.model_layer_ids, target.num_layers))
-    references = _references(opts, target, layer_ids) if target.arch == "builtin" else None
+    return settings
+
+
+def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: dict) -> int:
+    """Rank 0: the checks, report.json, the manifest, and the report on the terminal."""
+    me.progress.set("report")
+    ch, world = me.ch, me.ctx.world_size
+    liveness = {"missing": {r: _missing_info(ch, r, posts) for r in range(world) if r not in posts}}
+    settings = _settings(me)
+    references = _references(me.opts) if me.target.arch == "builtin" else None
     t2 = time.time()
-    result_checks = checks.run_checks(records, settings, liveness, references, evidence=evidence)
+    result = checks.run_checks(records, settings, liveness, references, evidence=evidence)
     from .report import build_report, emit
-    report = build_report(settings, result_checks, timings={
-        "forward_s": t_forward, "exchange_s": t_exchange, "check_s": time.time() - t2,
-        "total_s": time.time() - t_start}, out=str(out))
-    report["exchange"] = {"mode": opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + grace),
+    report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,
+                                                     "total_s": time.time() - me.t_start}, out=str(me.out))
+    report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
                           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
-    manifest_files = [f for p in posts.values() for f in p["files"]]
-    capture.write_manifest(out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
-                                 "tool": report["tool"]}, manifest_files)
-    emit(report, out, opts)
+    capture.write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
+                                    "tool": report["tool"]}, [f for p in posts.values() for f in p["files"]])
+    emit(report, me.out, me.opts)
     return exit_code(report["findings"])
 
 
@@ -365,7 +424,13 @@ def _agree_out_dir(opts, ctx, ch) -> str:
         capture.check_out_dir(Path(out), 0)
         ch.post("out", {"out": out}, rank=0)
         return out
-    v = ch.collect_rank("out", 0, time.time() + opts.timeout)
+    deadline = time.time() + opts.timeout
+    v = None
+    while v is None and time.time() < deadline:
+        v = ch.get("out", 0)
+        if v is None and ch.get("ready", 0) is not None:   # rank 0 failed before choosing
+            break
+        time.sleep(0.05)
     if v is None:
         raise UsageError("rank 0 did not say where to write the capture (did it fail to start?)")
     Path(v["out"]).mkdir(parents=True, exist_ok=True)
@@ -449,7 +514,7 @@ def builtin_config(opts: ProbeOptions, layer_ids: Optional[list[int]] = None):
                          **({"layer_ids": layer_ids} if layer_ids is not None else {}))
 
 
-def _references(opts, target, layer_ids):
+def _references(opts):
     from .model import reference_streams
     return reference_streams(builtin_config(opts))
 
