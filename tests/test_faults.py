@@ -65,3 +65,13 @@ def test_a_killed_rank_leaves_the_live_ranks_capture_written(tmp_path):
     rc, rep, _ = probe(tmp_path / "r", "--inject", "kill-rank@1", "--timeout", "15")
     assert rc == 1 and rep["ranks_missing"] == [1]
     assert (tmp_path / "r" / "rank-000.safetensors").exists() and (tmp_path / "r" / "manifest.json").exists()
+
+
+def test_ids_out_of_layer_order_are_named_since_the_model_packs_in_layer_order(tmp_path):
+    # SGLang (and the built-in model) append each capture as its layer runs: ids 4,-1,2 give
+    # [embed, layer 2, layer 4], not the order the ids were written in
+    rc, rep, _ = probe(tmp_path / "r", "--layers", "4,-1,2")
+    assert rc == 1
+    [f] = failures(rep)
+    assert (f["kind"], f["where"], f["ranks"]) == ("slot-mismatch", "aux slots [0, 1, 2]", [0, 1])
+    assert "not in layer order" in f["detail"]

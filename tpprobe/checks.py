@@ -443,6 +443,11 @@ def _slot_verdict(ids, expected, match, L):
         d = next(iter(deltas))
         return ("capture-offset", where, f"{text}: one layer {'early' if d < 0 else 'late'} "
                                          f"(the EAGLE-3 +1 was {'not applied' if d < 0 else 'applied twice'})")
+    if set(match) == set(expected) and None not in match and \
+            match == sorted(expected, key=lambda p: _pos(p) if _pos(p) is not None else 1e9):
+        return ("slot-mismatch", where, f"the ids {ids} are not in layer order, but the model appends each "
+                                        f"capture as its layer runs, so the slots follow layer order: {text}; "
+                                        f"give the ids in layer order (and train the draft on that order)")
     if set(match) == set(expected):
         return ("slot-mismatch", where, f"slots are permuted: {text}")
     extra = [m for m in match if m not in expected]
