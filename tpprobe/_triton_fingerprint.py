@@ -17,6 +17,7 @@ Imported lazily (triton is optional).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -58,7 +59,7 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
                NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr,
                LANE32: tl.constexpr = False, SKIP_HASH: tl.constexpr = False,
                SKIP_STATS: tl.constexpr = False, SKIP_DOT: tl.constexpr = False,
-               INTSTATS: tl.constexpr = False):
+               INTSTATS: tl.constexpr = False, OLDHASH: tl.constexpr = False):
     # INTSTATS (bf16): NaN/Inf counts, max |x| and the non-zero flag on the integer bits of both
     # halves of a word (|x| bits = h & 0x7FFF, monotonic in |x|; > 0x7F80 is NaN, == is Inf),
     # the squares from bitcasts (w << 16, w & 0xFFFF0000): bit-identical results, fewer ops.
@@ -94,7 +95,10 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
         qq = q.to(tl.uint32)
         if not SKIP_HASH:
             ha = _mix_a(w ^ (qq * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
-            hb = _mix_b(w + ((qq * tl.cast(QB, tl.uint32)) ^ tl.cast(SB, tl.uint32)))
+            if OLDHASH:   # the two-mixer hash of the first kernel (benchmark "before" row only)
+                hb = _mix_b(w + ((qq * tl.cast(QB, tl.uint32)) ^ tl.cast(SB, tl.uint32)))
+            else:
+                hb = ha * (qq * 2 + 1)
             ha = tl.where(m, ha, tl.zeros_like(ha))
             hb = tl.where(m, hb, tl.zeros_like(hb))
             if LANE32:
@@ -179,6 +183,122 @@ def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
     tl.store(ibase + 3, tl.sum(acc_inf, axis=0).to(tl.int64))
 
 
+@triton.jit
+def _tile16(w, t, m, rows, acc_a, acc_b, acc_sq, acc_mx, zacc, zrt, flag_ptr, nbrows, brows_per_token,
+            salt_b0, salt_b1,
+            DT: tl.constexpr, BW: tl.constexpr, BR: tl.constexpr, NV: tl.constexpr, KP: tl.constexpr,
+            DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr, MASKED: tl.constexpr):
+    # one tile of BR sign rows x BW words, laid out [BR, NV, 4] (4 contiguous words per thread)
+    r3 = tl.arange(0, BR)[:, None, None]
+    v3 = tl.arange(0, NV)[None, :, None]
+    e3 = tl.arange(0, 4)[None, None, :]
+    q = (t * (BR * BW)).to(tl.uint32) + (r3 * BW + v3 * 4 + e3).to(tl.uint32)
+    # hash: one mixer per word; lane b re-weighs it by the odd factor 2q+1 (mod 2^32)
+    h = _mix_a(w ^ (q * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
+    if MASKED:
+        h = tl.where(m, h, tl.zeros_like(h))
+    hb = h * (q * 2 + 1)
+    acc_a += tl.sum(h.to(tl.uint64), axis=2)
+    acc_b += tl.sum(hb.to(tl.uint64), axis=2)
+    # stats on the fp32 values (exact for bf16/fp16); NaN/Inf only through the totals
+    if DT == 0:
+        fl = (w << 16).to(tl.float32, bitcast=True)
+        fh = (w & tl.cast(0xFFFF0000, tl.uint32)).to(tl.float32, bitcast=True)
+    else:
+        fl = w.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        fh = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    acc_sq += tl.sum(fl * fl + fh * fh, axis=2)
+    acc_mx = tl.maximum(acc_mx, tl.max(tl.maximum(tl.abs(fl), tl.abs(fh)), axis=2))
+    if DO_FLAGS:
+        nzr = tl.max(tl.max(w & tl.cast(0x7FFF7FFF, tl.uint32), axis=2), axis=1)
+        fm = nzr != 0
+        if MASKED:
+            fm = fm & (rows < nbrows)
+        tl.store(flag_ptr + rows // brows_per_token, tl.full([BR], 1, tl.int32), mask=fm)
+    # sketch: Z[j, c] += sum_r b_j(r) x[r, c] on the tensor cores (+-1 row signs, exact products)
+    r32 = rows.to(tl.uint32)
+    j = tl.arange(0, KP)
+    h0 = _mix_a(r32 ^ salt_b0)
+    if KP > 32:
+        h1 = _mix_a(r32 ^ salt_b1)
+        hsel = tl.where((j < 32)[:, None], h0[None, :], h1[None, :])
+    else:
+        hsel = tl.broadcast_to(h0[None, :], (KP, BR))
+    sbit = ((hsel >> (j % 32).to(tl.uint32)[:, None]) << 15) & tl.cast(0x8000, tl.uint32)
+    if DT == 0:
+        bt = (sbit | tl.cast(0x3F80, tl.uint32)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        bt = (sbit | tl.cast(0x3C00, tl.uint32)).to(tl.uint16).to(tl.float16, bitcast=True)
+        lo = w.to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    x = tl.reshape(tl.join(lo, hi), (BR, 2 * BW))
+    if F32DOT:   # the CPU interpreter mishandles 16-bit dots
+        zacc += tl.dot(bt.to(tl.float32), x.to(tl.float32), zrt, input_precision="ieee")
+    else:
+        # fresh partial (acc = a runtime zero, so it is not fused into zacc): two-level sums
+        zacc += tl.dot(bt, x, zrt)
+    return acc_a, acc_b, acc_sq, acc_mx, zacc
+
+
+@triton.jit
+def _fp16_kernel(w_ptr, at_ptr, fpart_ptr, ipart_ptr, flag_ptr,
+                 nwords, nbrows, brows_per_token, nfull, ntiles, salt_b0, salt_b1, fzero,
+                 DT: tl.constexpr, BW: tl.constexpr, BR: tl.constexpr, KP: tl.constexpr,
+                 NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr):
+    """16-bit tensors: grid-stride over tiles of BR sign rows; full tiles unmasked with the next
+    tile prefetched into registers, the one partial tile (if any) masked.  Per-thread
+    accumulators; one reduction per program at the end."""
+    pid = tl.program_id(0)
+    NV: tl.constexpr = BW // 4
+    sb0 = tl.cast(salt_b0, tl.uint32)
+    sb1 = tl.cast(salt_b1, tl.uint32)
+    r3 = tl.arange(0, BR)[:, None, None]
+    v3 = tl.arange(0, NV)[None, :, None]
+    e3 = tl.arange(0, 4)[None, None, :]
+    loc = r3 * BW + v3 * 4 + e3
+    rl = tl.arange(0, BR)
+    acc_a = tl.zeros([BR, NV], tl.uint64)
+    acc_b = tl.zeros([BR, NV], tl.uint64)
+    acc_sq = tl.zeros([BR, NV], tl.float32)
+    acc_mx = tl.zeros([BR, NV], tl.float32)
+    zacc = tl.zeros([KP, 2 * BW], tl.float32)
+    zrt = tl.zeros([KP, 2 * BW], tl.float32) + fzero
+    tru = loc >= 0
+    t = pid
+    w = tl.load(w_ptr + (tl.minimum(t, nfull - 1).to(tl.int64) * (BR * BW) + loc),
+                mask=tru & (nfull > 0), other=0).to(tl.uint32, bitcast=True)
+    for _ in range(pid, nfull, NPROG):
+        tn = tl.minimum(t + NPROG, nfull - 1)
+        wn = tl.load(w_ptr + (tn.to(tl.int64) * (BR * BW) + loc)).to(tl.uint32, bitcast=True)
+        acc_a, acc_b, acc_sq, acc_mx, zacc = _tile16(
+            w, t, tru, t * BR + rl, acc_a, acc_b, acc_sq, acc_mx, zacc, zrt, flag_ptr, nbrows,
+            brows_per_token, sb0, sb1, DT, BW, BR, NV, KP, DO_FLAGS, F32DOT, False)
+        w = wn
+        t += NPROG
+    if (nfull < ntiles) & (pid == nfull % NPROG):
+        t = nfull
+        qm = t.to(tl.int64) * (BR * BW) + loc
+        m = qm < nwords
+        w = tl.load(w_ptr + qm, mask=m, other=0).to(tl.uint32, bitcast=True)
+        acc_a, acc_b, acc_sq, acc_mx, zacc = _tile16(
+            w, t, m, t * BR + rl, acc_a, acc_b, acc_sq, acc_mx, zacc, zrt, flag_ptr, nbrows,
+            brows_per_token, sb0, sb1, DT, BW, BR, NV, KP, DO_FLAGS, F32DOT, True)
+    j = tl.arange(0, KP)
+    c = tl.arange(0, 2 * BW)
+    at = tl.load(at_ptr + j[:, None] * (2 * BW) + c[None, :])
+    fbase = fpart_ptr + pid * (KP + 2)
+    tl.store(fbase + j, tl.sum(zacc * at, axis=1))
+    tl.store(fbase + KP, tl.sum(tl.sum(acc_sq, axis=1), axis=0))
+    tl.store(fbase + KP + 1, tl.max(tl.max(acc_mx, axis=1), axis=0))
+    ibase = ipart_ptr + pid * 4
+    tl.store(ibase, tl.sum(tl.sum(acc_a, axis=1), axis=0).to(tl.int64, bitcast=True))
+    tl.store(ibase + 1, tl.sum(tl.sum(acc_b, axis=1), axis=0).to(tl.int64, bitcast=True))
+    tl.store(ibase + 2, tl.cast(0, tl.int64))    # NaN/Inf: counted on the host when the totals
+    tl.store(ibase + 3, tl.cast(0, tl.int64))    # say so (sumsq not finite or absmax inf)
+
+
 def supported(t: torch.Tensor) -> bool:
     return (t.is_cuda and t.dtype in _DT and t.is_contiguous() and t.numel() > 0
             and (t.numel() * t.element_size()) % 4 == 0 and t.data_ptr() % 16 == 0
@@ -210,18 +330,41 @@ def _nsm(device) -> int:
     return _NSM[d]
 
 
+def _at(seed: int, k: int, kp: int, device):
+    """[kp, 128] float32 A^T (column signs, zero rows past k) for the 16-bit kernel's epilogue."""
+    key = ("T", seed, k, kp, str(device))
+    v = _A.get(key)
+    if v is None:
+        a = torch.zeros(kp, F.SKETCH_ROW, dtype=torch.float64)
+        a[:k] = F.column_signs(seed, k).T
+        v = _A[key] = a.to(device, torch.float32).contiguous()
+    return v
+
+
+def _use_v2(t, v, k=32) -> bool:
+    # k > 32 (KP = 64: M = 64 takes the wgmma path) failed to compile on the H200 with triton 3.6
+    # (TritonGPUOptimizeDotOperands): those go through the first kernel
+    return v != 1 and k <= 32 and t.dtype in (torch.bfloat16, torch.float16)
+
+
 def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None, lane32=None,
-           ablate: tuple = (), intstats=None):
+           ablate: tuple = (), intstats=None, v=None, oldhash=False, num_stages=None):
     """Launch the kernels for a batch; returns (host-side finisher, device buffer).
-    Nothing here synchronises; ``finish()`` does the one D2H copy."""
-    block_r = block_r or int(os.environ.get("TPPROBE_FP_BLOCK_R", 64))
+    Nothing here synchronises; ``finish()`` does the one D2H copy.
+    v=1: the first kernel for every dtype (benchmark "before" row, with ``oldhash`` its
+    two-mixer hash); default: bf16/fp16 through ``_fp16_kernel``, fp32 through the first one."""
+    v = v or int(os.environ.get("TPPROBE_FP_V", 2))
+    v2 = any(_use_v2(t, v, k) for t in tensors)
+    block_r = block_r or int(os.environ.get("TPPROBE_FP_BLOCK_R", 32 if v2 else 64))
     num_warps = num_warps or int(os.environ.get("TPPROBE_FP_WARPS", 4))
-    progs_per_sm = progs_per_sm or int(os.environ.get("TPPROBE_FP_PROGS", 4))
+    progs_per_sm = progs_per_sm or int(os.environ.get("TPPROBE_FP_PROGS", 2 if v2 else 4))
     if lane32 is None:
         lane32 = os.environ.get("TPPROBE_FP_LANE32", "0") == "1"
     if intstats is None:
         intstats = os.environ.get("TPPROBE_FP_INTSTATS", "0") == "1"
-    kp = max(16, triton.next_power_of_2(k))
+    # the 16-bit kernel's dot has M = kp: at least 32 (M = 16 with 8 warps failed to compile on
+    # the H200 with triton 3.6); sign columns past k are zero and dropped on the host
+    kp = max(32 if v2 else 16, triton.next_power_of_2(k))
     salts = F._row_salts(seed, 2)
     plans = []
     foff = ioff = 0
@@ -252,6 +395,18 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
         flagbuf.zero_()
     for p in plans:
         t = p["t"]
+        if _use_v2(t, v, k):
+            bw = p["bw"]
+            nfull = p["nwords"] // (block_r * bw)
+            extra_kw = {} if num_stages is None else {"num_stages": num_stages}
+            _fp16_kernel[(p["nprog"],)](
+                t.view(-1).view(torch.int32), _at(seed, k, kp, dev),
+                fpart[p["foff"]:], ipart[p["ioff"]:], flagbuf[p["toff"]:] if p["flags"] else flagbuf,
+                p["nwords"], p["nbrows"], (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1,
+                nfull, p["ntiles"], salts[0], salts[1], 0.0,
+                DT=_DT[t.dtype], BW=bw, BR=block_r, KP=kp, NPROG=p["nprog"], DO_FLAGS=p["flags"],
+                F32DOT=bool(os.environ.get("TRITON_INTERPRET")), num_warps=num_warps, **extra_kw)
+            continue
         alo, ahi = _signs(seed, k, kp, t.dtype, dev)
         _fp_kernel[(p["nprog"],)](
             t.view(-1).view(torch.int32), alo, ahi,
@@ -261,7 +416,8 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
             DT=_DT[t.dtype], BW=p["bw"], BLOCK_R=block_r, KP=kp, NPROG=p["nprog"],
             DO_FLAGS=p["flags"], F32DOT=bool(os.environ.get("TRITON_INTERPRET")),
             LANE32=bool(lane32), SKIP_HASH="hash" in ablate, SKIP_STATS="stats" in ablate,
-            SKIP_DOT="dot" in ablate, INTSTATS=bool(intstats), num_warps=num_warps)
+            SKIP_DOT="dot" in ablate, INTSTATS=bool(intstats), OLDHASH=bool(oldhash),
+            num_warps=num_warps)
     # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
     extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
              if p["t"].dim() == 2 and not p["flags"]}
@@ -284,14 +440,30 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
                 rows = F._bitmap_hex(hflag[p["toff"]:p["toff"] + t.shape[0]] > 0)
             elif i in ex:
                 rows = F._bitmap_hex(ex[i])
+            sumsq, absmax = float(fp[:, kp].sum()), float(fp[:, kp + 1].max())
+            n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
+            if _use_v2(t, v, k) and not (math.isfinite(sumsq) and math.isfinite(absmax)):
+                # the 16-bit kernel counts nothing per element: a NaN makes sumsq NaN, an Inf
+                # makes absmax inf (max ignores NaN); only then are the exact stats taken here
+                sumsq, absmax, n_nan, n_inf = _nonfinite_stats(t)
             out.append(F.Fingerprint(
                 shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""),
                 bit_hash=F.hash_hex(la, lb), sketch=fp[:, :k].sum(0).tolist(),
-                sumsq=float(fp[:, kp].sum()), absmax=float(fp[:, kp + 1].max()),
-                n_nan=int(ip[:, 2].sum()), n_inf=int(ip[:, 3].sum()), row_nonzero=rows, seed=seed))
+                sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed))
         return out
 
     return finish, buf
+
+
+def _nonfinite_stats(t: torch.Tensor):
+    """sumsq, absmax, n_nan, n_inf as ``fingerprint._fingerprint_torch`` computes them."""
+    x = t.detach().reshape(-1).float()
+    isn = torch.isnan(x)
+    n_nan = int(isn.sum())
+    n_inf = int(torch.isinf(x).sum())
+    absmax = float(torch.where(isn, torch.zeros_like(x), x.abs()).max())
+    sumsq = float("nan") if n_nan else float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
+    return sumsq, absmax, n_nan, n_inf
 
 
 def fingerprint_batch(tensors, seed: int, k: int, **kw):

@@ -4,13 +4,13 @@ A :class:`Fingerprint` holds
 
 * ``bit_hash``: an exact 128-bit hash of the tensor's bytes (32 hex chars).
   The bytes are read as little-endian uint32 words (zero-padded to a multiple
-  of 4 bytes); word ``q`` is mixed with its index through two independent
-  bijective 32-bit mixers (lanes a and b), and each lane is the plain sum of
-  its mixed words mod 2^64 (each lane then passed through the splitmix64
-  finalizer, a bijection, for display).  Because every mixer is a bijection of the word for
-  a fixed index, changing any single word always changes both lanes; any other
-  change collides with probability about 2^-64.  -0.0 and 0.0 differ (their
-  bytes differ).  The hash does not depend on ``seed``.
+  of 4 bytes).  CPU tensors: blake2b-128 of the bytes.  CUDA tensors: word ``q`` is
+  mixed with its index through ONE bijective 32-bit mixer, ``h_q = lowbias32(w_q ^ (q*QA+SA))``;
+  lane a = sum h_q, lane b = sum (h_q * (2q+1) mod 2^32), both mod 2^64 (then passed through the
+  splitmix64 finalizer, a bijection, for display).  For a fixed index both steps are bijections, so
+  changing any single word always changes both lanes; any other change collides with probability
+  about 2^-64 (see ``_hash_words``).  -0.0 and 0.0 differ (their bytes differ).  CPU and CUDA
+  hashes are never compared with each other.  The hash does not depend on ``seed``.
 * ``sketch``: a seeded LINEAR sketch, ``sketch[j] = sum_i s_j(i) * x_i`` with
   ``s_j(i) = a_j(i mod 128) * b_j(i // 128)`` in {+1, -1}.  ``a_j``/``b_j`` are
   bits of counter-based hashes of (seed, j, column) and (seed, j, row), so no
@@ -210,9 +210,17 @@ def _words(byts: torch.Tensor) -> torch.Tensor:
 
 
 def _hash_words(w: torch.Tensor, q0: int) -> tuple[int, int]:
+    """CUDA word hash (the Triton kernel computes the same): ONE mixer per word,
+    h_q = lowbias32(w_q ^ (q*QA + SA)); lane a = sum h_q, lane b = sum (h_q * (2q+1) mod 2^32),
+    both mod 2^64.  For a fixed index both maps w -> h and h -> h*(2q+1) mod 2^32 are
+    bijections of 2^32 (odd multiplier), and each summand is < 2^32, so changing any single
+    word changes both lanes (the lane difference is a non-zero integer of magnitude < 2^32).
+    Two or more changed words collide in lane a only if the mixed differences cancel exactly
+    (about 2^-32 for pseudo-random h), and lane b weighs the same differences by distinct
+    odd factors, so a joint collision is about 2^-64."""
     q = (torch.arange(w.numel(), dtype=torch.int64, device=w.device) + q0) & M32
     ha = _mix_a(w ^ ((q * QA + SA) & M32))
-    hb = _mix_b((w + ((q * QB) & M32 ^ SB)) & M32)
+    hb = (ha * ((2 * q + 1) & M32)) & M32        # int64 product wraps mod 2^64: low 32 bits exact
     # each summand < 2^32 and a chunk has < 2^31 words: the int64 sums are exact
     return int(ha.sum()), int(hb.sum())
 
