@@ -316,6 +316,41 @@ def test_triton_matches_torch(dt, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(maxnreg=120, progs_per_sm=4), dict(depth=2),
+                                 dict(depth=2, maxnreg=96, progs_per_sm=5), dict(maxnreg=0, progs_per_sm=1),
+                                 dict(split=1, block_r=8, progs_per_sm=5),
+                                 dict(split=1, block_r=8, depth=2, progs_per_sm=6),
+                                 dict(num_warps=8, block_r=32, depth=2, progs_per_sm=2)])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_triton_configs_match_torch(cfg, dt):
+    """The tuning knobs (tile rows, warps, programs per SM, register cap) change the schedule,
+    never the result: odd tile counts, the pairs loop, the masked tail."""
+    import tpprobe._triton_fingerprint as tf
+    from tpprobe.fingerprint import _fingerprint_torch
+    for shape in [(1000, 7168), (97, 384), (33, 256)]:
+        t = (torch.randn(*shape, device="cuda") * 3).to(dt)
+        t[5] = 0
+        f = tf.fingerprint_batch([t], seed=5, k=32, **cfg)[0]
+        r = _fingerprint_torch(t, 5, 32)
+        assert (f.bit_hash, f.row_nonzero, f.absmax) == (r.bit_hash, r.row_nonzero, r.absmax)
+        assert f.sumsq == pytest.approx(r.sumsq, rel=1e-5)
+        assert max(abs(a - b) for a, b in zip(f.sketch, r.sketch)) <= 2e-6 * math.sqrt(r.sumsq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_nan_inf_counts(dt):
+    from tpprobe.fingerprint import _fingerprint_torch
+    t = torch.randn(300, 1024, device="cuda").to(dt)
+    t[1, 2], t[3, 4], t[5, 6], t[7, 8] = float("nan"), float("inf"), -float("inf"), float("nan")
+    f = fingerprint(t)
+    r = _fingerprint_torch(t, 0, 32)
+    assert (f.bit_hash, f.n_nan, f.n_inf, f.absmax, f.row_nonzero) == \
+        (r.bit_hash, 2, 2, math.inf, r.row_nonzero)
+    assert math.isnan(f.sumsq) and math.isnan(r.sumsq)
+
+
+@pytest.mark.gpu
 def test_triton_nan_inf_and_dispatch():
     from tpprobe.fingerprint import _fingerprint_torch
     assert _has_triton_cuda()

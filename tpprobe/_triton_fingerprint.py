@@ -1,25 +1,23 @@
-"""Fused Triton fingerprint kernel for CUDA tensors (bf16 / fp16 / fp32).
+"""Fused Triton fingerprint kernels for CUDA tensors (bf16 / fp16 / fp32).
 
-Reads each element once: the tensor is viewed as uint32 words laid out as
-[sign rows of 128 elements, words]; one persistent program walks tiles of
-BLOCK_R sign rows and, per tile, computes
+Each element is read once from device memory and everything ``fingerprint._fingerprint_torch``
+computes comes out of one launch per tensor: the word hash's two lanes, the sketch, the sum of
+squares, max |x| and the per-token-row non-zero flags.  Each program writes one row of partials;
+the host combines them (exact integers, float64) after ONE device-to-host copy per batch.
 
-* both hash lanes of every word (same mixers as ``fingerprint._mix_a/_mix_b``),
-* sum of squares, max |x| (NaN ignored), NaN and Inf counts,
-* the sketch contribution ``sum_r b_j(r) * (X_tile @ A)[r, j]`` with the +-1
-  column-sign matrix A on the tensor cores (exact products, fp32 accumulate),
-* the per-token-row non-zero flags (atomic max into an int32 [tokens] buffer,
-  only when hidden % 128 == 0; otherwise the caller falls back to torch).
+* 16-bit tensors: ``_fp16_kernel``, everything elementwise in registers (see its docstring).
+* fp32 tensors: ``_fp32_kernel``, the sketch through a tf32-free ``ieee`` dot per tile.
 
-Each program writes one row of partials; the host combines them in float64 /
-exact int64 after ONE device->host copy for a whole batch of tensors.
-Imported lazily (triton is optional).
+NaN and Inf: the 16-bit kernel counts nothing per element; a NaN makes the sum of squares NaN and
+an Inf makes max |x| infinite, and only then does the host take the exact counts
+(``_nonfinite_stats``).  Imported lazily (triton is optional).
 """
 from __future__ import annotations
 
 import math
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -31,11 +29,11 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 QA = tl.constexpr(F.QA)
 SA = tl.constexpr(F.SA)
 QB = tl.constexpr(F.QB)
-SB = tl.constexpr(F.SB)
 
 
 @triton.jit
 def _mix_a(x):
+    # lowbias32
     x = x ^ (x >> 16)
     x = x * tl.cast(0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
@@ -44,259 +42,341 @@ def _mix_a(x):
 
 
 @triton.jit
-def _mix_b(x):
-    x = x ^ (x >> 15)
-    x = x * tl.cast(0x2C1B3C6D, tl.uint32)
-    x = x ^ (x >> 12)
-    x = x * tl.cast(0x297A2D39, tl.uint32)
-    return x ^ (x >> 15)
+def _pair(w0, w1, p):
+    # the hash of word pair p: lowbias32(((w0 ^ (p*QA + SA)) + w1*QB) mod 2^32)
+    k = p.to(tl.uint32) * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)
+    return _mix_a((w0 ^ k) + w1 * tl.cast(QB, tl.uint32))
 
 
 @triton.jit
-def _fp_kernel(w_ptr, alo_ptr, ahi_ptr, fpart_ptr, ipart_ptr, flag_ptr,
-               nwords, nbrows, brows_per_token, iters, salt_b0, salt_b1,
-               DT: tl.constexpr, BW: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr,
-               NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr,
-               LANE32: tl.constexpr = False, SKIP_HASH: tl.constexpr = False,
-               SKIP_STATS: tl.constexpr = False, SKIP_DOT: tl.constexpr = False,
-               INTSTATS: tl.constexpr = False, OLDHASH: tl.constexpr = False):
-    # INTSTATS (bf16): NaN/Inf counts, max |x| and the non-zero flag on the integer bits of both
-    # halves of a word (|x| bits = h & 0x7FFF, monotonic in |x|; > 0x7F80 is NaN, == is Inf),
-    # the squares from bitcasts (w << 16, w & 0xFFFF0000): bit-identical results, fewer ops.
-    # LANE32: the per-row hash-lane sums are taken as two 16-bit halves in uint32 (exact: at most
-    # 128 words per row, < 2^23) and widened to uint64 once per row, not once per word.
-    # SKIP_*: ablations for the benchmark only (wrong results): time what each stage costs.
-    pid = tl.program_id(0)
-    r_off = tl.arange(0, BLOCK_R)
-    c_off = tl.arange(0, BW)
-    j = tl.arange(0, KP)
-    a_idx = c_off[:, None] * KP + j[None, :]
-    alo = tl.load(alo_ptr + a_idx)
-    if DT != 2:
-        ahi = tl.load(ahi_ptr + a_idx)
-    sb0 = tl.cast(salt_b0, tl.uint32)
-    sb1 = tl.cast(salt_b1, tl.uint32)
-    shj = (j % 32).to(tl.uint32)
-    lane0 = j < 32
+def _xor_combine(a, b):
+    return a ^ b
 
-    acc_sk = tl.zeros([KP], tl.float32)
-    acc_sq = tl.zeros([BLOCK_R], tl.float32)
-    acc_mx = tl.zeros([BLOCK_R], tl.float32)
-    acc_mb = tl.zeros([BLOCK_R], tl.uint32)
-    acc_ha = tl.zeros([BLOCK_R], tl.uint64)
-    acc_hb = tl.zeros([BLOCK_R], tl.uint64)
-    acc_nan = tl.zeros([BLOCK_R], tl.int32)
-    acc_inf = tl.zeros([BLOCK_R], tl.int32)
-    for it in range(0, iters):
-        rows = (pid + it * NPROG) * BLOCK_R + r_off
-        q = rows.to(tl.int64)[:, None] * BW + c_off[None, :]
-        m = q < nwords
-        w = tl.load(w_ptr + q, mask=m, other=0).to(tl.uint32, bitcast=True)
-        qq = q.to(tl.uint32)
-        if not SKIP_HASH:
-            ha = _mix_a(w ^ (qq * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
-            if OLDHASH:   # the two-mixer hash of the first kernel (benchmark "before" row only)
-                hb = _mix_b(w + ((qq * tl.cast(QB, tl.uint32)) ^ tl.cast(SB, tl.uint32)))
-            else:
-                hb = ha * (qq * 2 + 1)
-            ha = tl.where(m, ha, tl.zeros_like(ha))
-            hb = tl.where(m, hb, tl.zeros_like(hb))
-            if LANE32:
-                m16 = tl.cast(0xFFFF, tl.uint32)
-                acc_ha += tl.sum(ha & m16, axis=1).to(tl.uint64) + (tl.sum(ha >> 16, axis=1).to(tl.uint64) << 16)
-                acc_hb += tl.sum(hb & m16, axis=1).to(tl.uint64) + (tl.sum(hb >> 16, axis=1).to(tl.uint64) << 16)
-            else:
-                acc_ha += tl.sum(ha.to(tl.uint64), axis=1)
-                acc_hb += tl.sum(hb.to(tl.uint64), axis=1)
 
-        if DT == 2:
-            x = w.to(tl.float32, bitcast=True)
-            y = tl.dot(x, alo, input_precision="ieee")
-            acc_sq += tl.sum(x * x, axis=1)
-            acc_mx = tl.maximum(acc_mx, tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1))
-            acc_nan += tl.sum((x != x).to(tl.int32), axis=1)
-            acc_inf += tl.sum((tl.abs(x) == float("inf")).to(tl.int32), axis=1)
-            nz = tl.max((x != 0).to(tl.int32), axis=1)
-        else:
-            if DT == 0:
-                lo16 = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                hi16 = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            else:
-                lo16 = w.to(tl.uint16).to(tl.float16, bitcast=True)
-                hi16 = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-            xl = lo16.to(tl.float32)
-            xh = hi16.to(tl.float32)
-            if SKIP_DOT:
-                y = tl.zeros([BLOCK_R, KP], tl.float32)
-            elif F32DOT:   # the CPU interpreter mishandles 16-bit dots
-                y = tl.dot(xl, alo.to(tl.float32), input_precision="ieee") + \
-                    tl.dot(xh, ahi.to(tl.float32), input_precision="ieee")
-            else:
-                y = tl.dot(lo16, alo) + tl.dot(hi16, ahi)
-            if SKIP_STATS:
-                nz = tl.zeros([BLOCK_R], tl.int32)
-            elif INTSTATS and DT == 0:
-                fl = (w << 16).to(tl.float32, bitcast=True)
-                fh = (w & tl.cast(0xFFFF0000, tl.uint32)).to(tl.float32, bitcast=True)
-                acc_sq += tl.sum(fl * fl + fh * fh, axis=1)
-                m15 = tl.cast(0x7FFF, tl.uint32)
-                inf_b = tl.cast(0x7F80, tl.uint32)
-                al = w & m15
-                ah = (w >> 16) & m15
-                nan_l = al > inf_b
-                nan_h = ah > inf_b
-                acc_nan += tl.sum(nan_l.to(tl.int32) + nan_h.to(tl.int32), axis=1)
-                acc_inf += tl.sum((al == inf_b).to(tl.int32) + (ah == inf_b).to(tl.int32), axis=1)
-                mb = tl.maximum(tl.where(nan_l, 0, al), tl.where(nan_h, 0, ah)).to(tl.uint32)
-                acc_mb = tl.maximum(acc_mb, tl.max(mb, axis=1))
-                nz = tl.max(((w & tl.cast(0x7FFF7FFF, tl.uint32)) != 0).to(tl.int32), axis=1)
-            else:
-                acc_sq += tl.sum(xl * xl + xh * xh, axis=1)
-                ml = tl.where(xl != xl, 0.0, tl.abs(xl))
-                mh = tl.where(xh != xh, 0.0, tl.abs(xh))
-                acc_mx = tl.maximum(acc_mx, tl.max(tl.maximum(ml, mh), axis=1))
-                acc_nan += tl.sum((xl != xl).to(tl.int32) + (xh != xh).to(tl.int32), axis=1)
-                acc_inf += tl.sum((tl.abs(xl) == float("inf")).to(tl.int32)
-                                  + (tl.abs(xh) == float("inf")).to(tl.int32), axis=1)
-                nz = tl.max(((xl != 0) | (xh != 0)).to(tl.int32), axis=1)
-
-        r32 = rows.to(tl.uint32)
-        h0 = _mix_a(r32 ^ sb0)
-        h1 = _mix_a(r32 ^ sb1)
-        hsel = tl.where(lane0[None, :], h0[:, None], h1[:, None])
-        sgn = 1.0 - 2.0 * ((hsel >> shj[None, :]) & 1).to(tl.float32)
-        acc_sk += tl.sum(y * sgn, axis=0)
-        if DO_FLAGS:
-            tl.atomic_max(flag_ptr + rows // brows_per_token, nz, mask=(rows < nbrows) & (nz > 0))
-
-    fbase = fpart_ptr + pid * (KP + 2)
-    tl.store(fbase + j, acc_sk)
-    tl.store(fbase + KP, tl.sum(acc_sq, axis=0))
-    if INTSTATS and DT == 0:
-        tl.store(fbase + KP + 1, (tl.max(acc_mb, axis=0) << 16).to(tl.float32, bitcast=True))
+@triton.jit
+def _max_u16x2(a, b, INTERP: tl.constexpr = False):
+    # unsigned max of each 16-bit half (one instruction on sm_90; the CPU interpreter has no asm)
+    if INTERP:
+        m16 = tl.cast(0xFFFF, tl.uint32)
+        r = tl.maximum(a & m16, b & m16) | (tl.maximum(a >> 16, b >> 16) << 16)
     else:
-        tl.store(fbase + KP + 1, tl.max(acc_mx, axis=0))
-    ibase = ipart_ptr + pid * 4
-    tl.store(ibase, tl.sum(acc_ha, axis=0).to(tl.int64, bitcast=True))
-    tl.store(ibase + 1, tl.sum(acc_hb, axis=0).to(tl.int64, bitcast=True))
-    tl.store(ibase + 2, tl.sum(acc_nan, axis=0).to(tl.int64))
-    tl.store(ibase + 3, tl.sum(acc_inf, axis=0).to(tl.int64))
+        r = tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
+    return r
 
 
 @triton.jit
-def _tile16(w, t, m, rows, acc_a, acc_b, acc_sq, acc_mx, zacc, zrt, flag_ptr, nbrows, brows_per_token,
-            salt_b0, salt_b1,
-            DT: tl.constexpr, BW: tl.constexpr, BR: tl.constexpr, NV: tl.constexpr, KP: tl.constexpr,
-            DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr, MASKED: tl.constexpr):
-    # one tile of BR sign rows x BW words, laid out [BR, NV, 4] (4 contiguous words per thread)
-    r3 = tl.arange(0, BR)[:, None, None]
-    v3 = tl.arange(0, NV)[None, :, None]
-    e3 = tl.arange(0, 4)[None, None, :]
-    q = (t * (BR * BW)).to(tl.uint32) + (r3 * BW + v3 * 4 + e3).to(tl.uint32)
-    # hash: one mixer per word; lane b re-weighs it by the odd factor 2q+1 (mod 2^32)
-    h = _mix_a(w ^ (q * tl.cast(QA, tl.uint32) + tl.cast(SA, tl.uint32)))
-    if MASKED:
-        h = tl.where(m, h, tl.zeros_like(h))
-    hb = h * (q * 2 + 1)
-    acc_a += tl.sum(h.to(tl.uint64), axis=2)
-    acc_b += tl.sum(hb.to(tl.uint64), axis=2)
-    # stats on the fp32 values (exact for bf16/fp16); NaN/Inf only through the totals
+def _sgn(hr, c: tl.constexpr):
+    # +-1.0 from bit c of the row hash: the bit moved to the float's sign
+    return (((hr << (31 - c)) & tl.cast(0x80000000, tl.uint32)) | tl.cast(0x3F800000, tl.uint32)
+            ).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q4(x, BR: tl.constexpr, W: tl.constexpr):
+    # [BR, W] -> 4 x [BR, W // 4]: each thread's 4 contiguous words, as 4 tensors (in registers)
+    a, b = tl.split(tl.reshape(x, (BR, W // 4, 2, 2)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _pick4(x, BR: tl.constexpr, W: tl.constexpr):
+    # [BR, W] -> [BR, W // 4]: the first of each 4 (the layout of _q4's results)
+    a, b = tl.split(tl.reshape(x, (BR, W // 4, 2, 2)))
+    a, b = tl.split(a)
+    return a
+
+
+@triton.jit
+def _side(w, q, s0, s1, s2, s3, S, acc_s, acc_x, nwords, BR: tl.constexpr, W: tl.constexpr,
+          DT: tl.constexpr, MASKED: tl.constexpr, SKIP: tl.constexpr, INTERP: tl.constexpr):
+    """W words of each of BR sign rows (each thread: 4 contiguous words of one row); q their
+    word indices in the tensor, s0..s3 the rows' sign copies ([BR, 1]), S the side's
+    per-position accumulators.  Returns S, the hash lanes and the per-thread OR of the magnitude
+    bits ([BR, W // 4])."""
+    z0l, z0h, z1l, z1h, z2l, z2h, z3l, z3h, acc_sq, acc_mx = S
     if DT == 0:
         fl = (w << 16).to(tl.float32, bitcast=True)
         fh = (w & tl.cast(0xFFFF0000, tl.uint32)).to(tl.float32, bitcast=True)
     else:
         fl = w.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         fh = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    acc_sq += tl.sum(fl * fl + fh * fh, axis=2)
-    acc_mx = tl.maximum(acc_mx, tl.max(tl.maximum(tl.abs(fl), tl.abs(fh)), axis=2))
-    if DO_FLAGS:
-        nzr = tl.max(tl.max(w & tl.cast(0x7FFF7FFF, tl.uint32), axis=2), axis=1)
-        fm = nzr != 0
-        if MASKED:
-            fm = fm & (rows < nbrows)
-        tl.store(flag_ptr + rows // brows_per_token, tl.full([BR], 1, tl.int32), mask=fm)
-    # sketch: Z[j, c] += sum_r b_j(r) x[r, c] on the tensor cores (+-1 row signs, exact products)
-    r32 = rows.to(tl.uint32)
-    j = tl.arange(0, KP)
-    h0 = _mix_a(r32 ^ salt_b0)
-    if KP > 32:
-        h1 = _mix_a(r32 ^ salt_b1)
-        hsel = tl.where((j < 32)[:, None], h0[None, :], h1[None, :])
-    else:
-        hsel = tl.broadcast_to(h0[None, :], (KP, BR))
-    sbit = ((hsel >> (j % 32).to(tl.uint32)[:, None]) << 15) & tl.cast(0x8000, tl.uint32)
-    if DT == 0:
-        bt = (sbit | tl.cast(0x3F80, tl.uint32)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        bt = (sbit | tl.cast(0x3C00, tl.uint32)).to(tl.uint16).to(tl.float16, bitcast=True)
-        lo = w.to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    x = tl.reshape(tl.join(lo, hi), (BR, 2 * BW))
-    if F32DOT:   # the CPU interpreter mishandles 16-bit dots
-        zacc += tl.dot(bt.to(tl.float32), x.to(tl.float32), zrt, input_precision="ieee")
-    else:
-        # fresh partial (acc = a runtime zero, so it is not fused into zacc): two-level sums
-        zacc += tl.dot(bt, x, zrt)
-    return acc_a, acc_b, acc_sq, acc_mx, zacc
+    if SKIP & 1 == 0:
+        # sketch: Z_c[col] += b_c(row) * x[row, col], c = 0..3 (4 row-sign copies)
+        z0l = tl.fma(fl, s0, z0l)
+        z0h = tl.fma(fh, s0, z0h)
+        z1l = tl.fma(fl, s1, z1l)
+        z1h = tl.fma(fh, s1, z1h)
+        z2l = tl.fma(fl, s2, z2l)
+        z2h = tl.fma(fh, s2, z2h)
+        z3l = tl.fma(fl, s3, z3l)
+        z3h = tl.fma(fh, s3, z3h)
+    am = w & tl.cast(0x7FFF7FFF, tl.uint32)           # magnitude bits of both halves
+    a0, a1, a2, a3 = _q4(am, BR, W)
+    if SKIP & 2 == 0:
+        # hash: one mixer per pair of words (each thread's 4 words are 2 pairs); lanes: the sum
+        # and the xor of the pair hashes
+        w0, w1, w2, w3 = _q4(w, BR, W)
+        p0 = _q4(q, BR, W)[0] // 2
+        h0 = _pair(w0, w1, p0)
+        h1 = _pair(w2, w3, p0 + 1)
+        if MASKED:   # pairs past the end are zero; their hashes are not
+            h0 = tl.where(2 * p0 < nwords, h0, tl.zeros_like(h0))
+            h1 = tl.where(2 * p0 + 2 < nwords, h1, tl.zeros_like(h1))
+        acc_s = acc_s + (h0 + h1)
+        acc_x = acc_x ^ (h0 ^ h1)
+    if SKIP & 4 == 0:
+        # per thread, not per position: the thread's 4 words fold into one accumulator
+        l0, l1, l2, l3 = _q4(fl, BR, W)
+        h0, h1, h2, h3 = _q4(fh, BR, W)
+        acc_sq = tl.fma(l0, l0, acc_sq)
+        acc_sq = tl.fma(h0, h0, acc_sq)
+        acc_sq = tl.fma(l1, l1, acc_sq)
+        acc_sq = tl.fma(h1, h1, acc_sq)
+        acc_sq = tl.fma(l2, l2, acc_sq)
+        acc_sq = tl.fma(h2, h2, acc_sq)
+        acc_sq = tl.fma(l3, l3, acc_sq)
+        acc_sq = tl.fma(h3, h3, acc_sq)
+        acc_mx = _max_u16x2(acc_mx, _max_u16x2(_max_u16x2(a0, a1, INTERP), _max_u16x2(a2, a3, INTERP),
+                                               INTERP), INTERP)
+    return (z0l, z0h, z1l, z1h, z2l, z2h, z3l, z3h, acc_sq, acc_mx), acc_s, acc_x, (a0 | a1) | (a2 | a3)
 
 
 @triton.jit
-def _fp16_kernel(w_ptr, at_ptr, fpart_ptr, ipart_ptr, flag_ptr,
-                 nwords, nbrows, brows_per_token, nfull, ntiles, salt_b0, salt_b1, fzero,
-                 DT: tl.constexpr, BW: tl.constexpr, BR: tl.constexpr, KP: tl.constexpr,
-                 NPROG: tl.constexpr, DO_FLAGS: tl.constexpr, F32DOT: tl.constexpr):
-    """16-bit tensors: grid-stride over tiles of BR sign rows; full tiles unmasked with the next
-    tile prefetched into registers, the one partial tile (if any) masked.  Per-thread
-    accumulators; one reduction per program at the end."""
+def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows,
+          BR: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
+          BPT: tl.constexpr, DO_FLAGS: tl.constexpr, MASKED: tl.constexpr, SKIP: tl.constexpr,
+          INTERP: tl.constexpr):
+    """One tile of BR sign rows: wt = the SPLIT sides' words ([BR, W] each, side i = words
+    i*W .. i*W + W - 1 of each row), SS their accumulators."""
+    rows = t * BR + rows_l                                         # [BR, 1]
+    hr = _mix_a(rows.to(tl.uint32) ^ sb0)
+    s0 = _sgn(hr, 0)
+    s1 = _sgn(hr, 1)
+    s2 = _sgn(hr, 2)
+    s3 = _sgn(hr, 3)
+    q = t.to(tl.int64) * (BR * 64) + off
+    L, acc_s, acc_x, nz = _side(wt[0], q, s0, s1, s2, s3, SS[0], acc_s, acc_x, nwords, BR, W, DT,
+                                MASKED, SKIP, INTERP)
+    if SPLIT == 2:
+        R, acc_s, acc_x, nzb = _side(wt[1], q + W, s0, s1, s2, s3, SS[1], acc_s, acc_x, nwords,
+                                     BR, W, DT, MASKED, SKIP, INTERP)
+        nz = nz | nzb
+        SS = (L, R)
+    else:
+        SS = (L,)
+    if DO_FLAGS:
+        # each thread flags the token of its row where its words are not all zero
+        m = nz != 0
+        if MASKED:
+            m = m & (_pick4(tl.broadcast_to(rows, (BR, W)), BR, W) < nbrows)
+        tok = _pick4(tl.broadcast_to(rows // BPT, (BR, W)), BR, W)
+        if not INTERP:
+            # a predicated store in the tensor's own layout (tl.store would move the mask
+            # through shared memory to a layout of its choosing)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.b32 [$1], 1; mov.b32 $0, 0; }",
+                "=r,l,r", [flag_ptr + tok, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.store(flag_ptr + tok, tl.full((BR, W // 4), 1, tl.int32), mask=m)
+    return SS, acc_s, acc_x
+
+
+@triton.jit
+def _ld(base, t, nfull, TW: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, CHECK: tl.constexpr):
+    """The SPLIT sides of full tile t (all zero, nothing read, when CHECK and t >= nfull)."""
+    p = base + t.to(tl.int64) * TW
+    if CHECK:
+        ok = t < nfull
+        a = tl.load(p, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        if SPLIT == 2:
+            r = (a, tl.load(p + W, mask=ok, other=0).to(tl.uint32, bitcast=True))
+        else:
+            r = (a,)
+    else:
+        a = tl.load(p).to(tl.uint32, bitcast=True)
+        if SPLIT == 2:
+            r = (a, tl.load(p + W).to(tl.uint32, bitcast=True))
+        else:
+            r = (a,)
+    return r
+
+
+@triton.jit
+def _zeros(BR: tl.constexpr, W: tl.constexpr):
+    z = tl.zeros([BR, W], tl.float32)
+    return (z, z, z, z, z, z, z, z, _q4(z, BR, W)[0], _q4(tl.zeros([BR, W], tl.uint32), BR, W)[0])
+
+
+@triton.jit
+def _proj(S, a_ptr, w0: tl.constexpr, W: tl.constexpr, KP: tl.constexpr):
+    """Sum over the side's W words x 2 halves of a_j(col) * Z_(j%4)[col] -> [KP]."""
+    z0l, z0h, z1l, z1h, z2l, z2h, z3l, z3h, sq, mx = S
+    c = tl.arange(0, W)[:, None]
+    j = tl.arange(0, KP)[None, :]
+    alo = tl.load(a_ptr + ((w0 + c) * 2) * KP + j)                   # [W, KP]
+    ahi = tl.load(a_ptr + ((w0 + c) * 2 + 1) * KP + j)
+    jc = j % 4
+    zl = tl.where(jc == 0, tl.sum(z0l, axis=0)[:, None],
+                  tl.where(jc == 1, tl.sum(z1l, axis=0)[:, None],
+                           tl.where(jc == 2, tl.sum(z2l, axis=0)[:, None], tl.sum(z3l, axis=0)[:, None])))
+    zh = tl.where(jc == 0, tl.sum(z0h, axis=0)[:, None],
+                  tl.where(jc == 1, tl.sum(z1h, axis=0)[:, None],
+                           tl.where(jc == 2, tl.sum(z2h, axis=0)[:, None], tl.sum(z3h, axis=0)[:, None])))
+    return tl.sum(zl * alo + zh * ahi, axis=0)
+
+
+@triton.jit
+def _fp16_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr,
+                 nwords, nbrows, nfull, ntiles, salt_b0,
+                 DT: tl.constexpr, BR: tl.constexpr, KP: tl.constexpr, NPROG: tl.constexpr,
+                 BPT: tl.constexpr, DO_FLAGS: tl.constexpr, SPLIT: tl.constexpr = 2,
+                 DEPTH: tl.constexpr = 2, SKIP: tl.constexpr = 0, INTERP: tl.constexpr = False):
+    """16-bit tensors (bf16 / fp16) read as 32-bit words, sign rows of 64 words.
+
+    A persistent grid walks tiles of BR sign rows; each thread holds 4 contiguous words of one
+    row per side (SPLIT sides of 64 / SPLIT words: 2 sides = 8 words of a row per thread).  The
+    loop is unrolled DEPTH times over a ring of tiles, so DEPTH - 1 tiles' 16-byte loads are in
+    flight while one is worked on, with no register copies.  Everything is elementwise in
+    registers and accumulated per position, reduced once at the end: no shared memory and no
+    barrier in the loop.  Per word: one mixer for the hash, 2 FMAs for the sum of squares, a 16x2
+    max of the magnitude bits and 8 FMAs for the sketch, which keeps 4 row-sign copies per column
+    Z_c[col] = sum_r b_c(r) x[r, col]; the epilogue projects them on the column signs:
+    sketch_j = sum_col a_j(col) Z_(j%4)[col]."""
     pid = tl.program_id(0)
-    NV: tl.constexpr = BW // 4
+    W: tl.constexpr = 64 // SPLIT
+    TW: tl.constexpr = BR * 64
+    rows_l = tl.arange(0, BR)[:, None]
+    off = rows_l * 64 + tl.arange(0, W)[None, :]       # [BR, W] word offsets of side 0
     sb0 = tl.cast(salt_b0, tl.uint32)
-    sb1 = tl.cast(salt_b1, tl.uint32)
-    r3 = tl.arange(0, BR)[:, None, None]
-    v3 = tl.arange(0, NV)[None, :, None]
-    e3 = tl.arange(0, 4)[None, None, :]
-    loc = r3 * BW + v3 * 4 + e3
-    rl = tl.arange(0, BR)
-    acc_a = tl.zeros([BR, NV], tl.uint64)
-    acc_b = tl.zeros([BR, NV], tl.uint64)
-    acc_sq = tl.zeros([BR, NV], tl.float32)
-    acc_mx = tl.zeros([BR, NV], tl.float32)
-    zacc = tl.zeros([KP, 2 * BW], tl.float32)
-    zrt = tl.zeros([KP, 2 * BW], tl.float32) + fzero
-    tru = loc >= 0
+    if SPLIT == 2:
+        SS = (_zeros(BR, W), _zeros(BR, W))
+    else:
+        SS = (_zeros(BR, W),)
+    acc_s = tl.zeros([BR, W // 4], tl.uint32)
+    acc_x = tl.zeros([BR, W // 4], tl.uint32)
+    base = w_ptr + off
     t = pid
-    w = tl.load(w_ptr + (tl.minimum(t, nfull - 1).to(tl.int64) * (BR * BW) + loc),
-                mask=tru & (nfull > 0), other=0).to(tl.uint32, bitcast=True)
-    for _ in range(pid, nfull, NPROG):
-        tn = tl.minimum(t + NPROG, nfull - 1)
-        wn = tl.load(w_ptr + (tn.to(tl.int64) * (BR * BW) + loc)).to(tl.uint32, bitcast=True)
-        acc_a, acc_b, acc_sq, acc_mx, zacc = _tile16(
-            w, t, tru, t * BR + rl, acc_a, acc_b, acc_sq, acc_mx, zacc, zrt, flag_ptr, nbrows,
-            brows_per_token, sb0, sb1, DT, BW, BR, NV, KP, DO_FLAGS, F32DOT, False)
-        w = wn
-        t += NPROG
-    if (nfull < ntiles) & (pid == nfull % NPROG):
-        t = nfull
-        qm = t.to(tl.int64) * (BR * BW) + loc
-        m = qm < nwords
-        w = tl.load(w_ptr + qm, mask=m, other=0).to(tl.uint32, bitcast=True)
-        acc_a, acc_b, acc_sq, acc_mx, zacc = _tile16(
-            w, t, m, t * BR + rl, acc_a, acc_b, acc_sq, acc_mx, zacc, zrt, flag_ptr, nbrows,
-            brows_per_token, sb0, sb1, DT, BW, BR, NV, KP, DO_FLAGS, F32DOT, True)
-    j = tl.arange(0, KP)
-    c = tl.arange(0, 2 * BW)
-    at = tl.load(at_ptr + j[:, None] * (2 * BW) + c[None, :])
+    if DEPTH == 2:
+        wa = _ld(base, t, nfull, TW, W, SPLIT, True)
+        for _ in range(pid, nfull - NPROG, 2 * NPROG):          # tiles t, t + NPROG: full
+            wb = _ld(base, t + NPROG, nfull, TW, W, SPLIT, False)
+            SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
+                                     nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+            wa = _ld(base, t + 2 * NPROG, nfull, TW, W, SPLIT, True)
+            SS, acc_s, acc_x = _tile(wb, t + NPROG, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr,
+                                     nwords, nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+            t += 2 * NPROG
+    else:
+        wa = _ld(base, t, nfull, TW, W, SPLIT, True)
+        wb = _ld(base, t + NPROG, nfull, TW, W, SPLIT, True)
+        for _ in range(pid, nfull - 2 * NPROG, 3 * NPROG):      # tiles t .. t + 2 NPROG: full
+            wc = _ld(base, t + 2 * NPROG, nfull, TW, W, SPLIT, False)
+            SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
+                                     nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+            wa = _ld(base, t + 3 * NPROG, nfull, TW, W, SPLIT, True)
+            SS, acc_s, acc_x = _tile(wb, t + NPROG, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr,
+                                     nwords, nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+            wb = _ld(base, t + 4 * NPROG, nfull, TW, W, SPLIT, True)
+            SS, acc_s, acc_x = _tile(wc, t + 2 * NPROG, off, rows_l, sb0, SS, acc_s, acc_x,
+                                     flag_ptr, nwords, nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS,
+                                     False, SKIP, INTERP)
+            t += 3 * NPROG
+        if t + NPROG < nfull:      # two full tiles left (already loaded): the first one here
+            SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
+                                     nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+            wa = wb
+            t += NPROG
+    if t < nfull:        # one full tile left (already loaded)
+        SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
+                                 nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+    if (nfull < ntiles) & (pid == nfull % NPROG):       # the one partial tile, masked
+        q = nfull.to(tl.int64) * TW + off
+        a = tl.load(w_ptr + q, mask=q < nwords, other=0).to(tl.uint32, bitcast=True)
+        if SPLIT == 2:
+            wt = (a, tl.load(w_ptr + q + W, mask=q + W < nwords, other=0).to(tl.uint32, bitcast=True))
+        else:
+            wt = (a,)
+        SS, acc_s, acc_x = _tile(wt, nfull, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
+                                 nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, True, SKIP, INTERP)
+    # epilogue: project Z on the column signs; one row of partials per program
+    L = SS[0]
+    sk = _proj(L, a_ptr, 0, W, KP)
+    sq = tl.sum(tl.sum(L[8], axis=1), axis=0)
+    mxw = L[9]
+    if SPLIT == 2:
+        R = SS[1]
+        sk += _proj(R, a_ptr, W, W, KP)
+        sq += tl.sum(tl.sum(R[8], axis=1), axis=0)
+        mxw = _max_u16x2(mxw, R[9], INTERP)
     fbase = fpart_ptr + pid * (KP + 2)
-    tl.store(fbase + j, tl.sum(zacc * at, axis=1))
-    tl.store(fbase + KP, tl.sum(tl.sum(acc_sq, axis=1), axis=0))
-    tl.store(fbase + KP + 1, tl.max(tl.max(acc_mx, axis=1), axis=0))
+    tl.store(fbase + tl.arange(0, KP), sk)
+    tl.store(fbase + KP, sq)
+    mx = tl.max(tl.max(tl.maximum(mxw & 0xFFFF, mxw >> 16), axis=1), axis=0)
+    if DT == 0:
+        tl.store(fbase + KP + 1, (mx << 16).to(tl.float32, bitcast=True))
+    else:
+        tl.store(fbase + KP + 1, mx.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
     ibase = ipart_ptr + pid * 4
-    tl.store(ibase, tl.sum(tl.sum(acc_a, axis=1), axis=0).to(tl.int64, bitcast=True))
-    tl.store(ibase + 1, tl.sum(tl.sum(acc_b, axis=1), axis=0).to(tl.int64, bitcast=True))
-    tl.store(ibase + 2, tl.cast(0, tl.int64))    # NaN/Inf: counted on the host when the totals
-    tl.store(ibase + 3, tl.cast(0, tl.int64))    # say so (sumsq not finite or absmax inf)
+    tl.store(ibase, tl.sum(tl.sum(acc_s, axis=1), axis=0).to(tl.int64))
+    tl.store(ibase + 1, tl.reduce(tl.reduce(acc_x, 1, _xor_combine), 0, _xor_combine).to(tl.int64))
+    tl.store(ibase + 2, tl.cast(0, tl.int64))
+    tl.store(ibase + 3, tl.cast(0, tl.int64))
+
+@triton.jit
+def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, brows_per_token,
+                 iters, salt_b0, BLOCK_R: tl.constexpr, KP: tl.constexpr, NPROG: tl.constexpr,
+                 DO_FLAGS: tl.constexpr):
+    """fp32 tensors: tiles of BLOCK_R sign rows x 128 words, grid-stride; the sketch as
+    Y = X_tile @ A (ieee fp32 dot, A = the +-1 column signs), weighed by the row signs."""
+    pid = tl.program_id(0)
+    r_off = tl.arange(0, BLOCK_R)
+    c_off = tl.arange(0, 128)
+    j = tl.arange(0, KP)
+    amat = tl.load(a_ptr + c_off[:, None] * KP + j[None, :])
+    sb0 = tl.cast(salt_b0, tl.uint32)
+    jc = (j % 4).to(tl.uint32)
+    acc_sk = tl.zeros([KP], tl.float32)
+    acc_sq = tl.zeros([BLOCK_R], tl.float32)
+    acc_mx = tl.zeros([BLOCK_R], tl.float32)
+    acc_s = tl.zeros([BLOCK_R], tl.uint32)
+    acc_x = tl.zeros([BLOCK_R], tl.uint32)
+    acc_nan = tl.zeros([BLOCK_R], tl.int32)
+    acc_inf = tl.zeros([BLOCK_R], tl.int32)
+    for it in range(0, iters):
+        rows = (pid + it * NPROG) * BLOCK_R + r_off
+        q = rows.to(tl.int64)[:, None] * 128 + c_off[None, :]
+        m = q < nwords
+        w = tl.load(w_ptr + q, mask=m, other=0).to(tl.uint32, bitcast=True)
+        w0, w1 = tl.split(tl.reshape(w, (BLOCK_R, 64, 2)))
+        p0, _ = tl.split(tl.reshape(q, (BLOCK_R, 64, 2)))
+        h = _pair(w0, w1, p0 // 2)
+        h = tl.where(p0 < nwords, h, tl.zeros_like(h))
+        acc_s += tl.sum(h, axis=1)
+        acc_x ^= tl.reduce(h, 1, _xor_combine)
+        x = w.to(tl.float32, bitcast=True)
+        y = tl.dot(x, amat, input_precision="ieee")
+        acc_sq += tl.sum(x * x, axis=1)
+        acc_mx = tl.maximum(acc_mx, tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1))
+        acc_nan += tl.sum((x != x).to(tl.int32), axis=1)
+        acc_inf += tl.sum((tl.abs(x) == float("inf")).to(tl.int32), axis=1)
+        hr = _mix_a(rows.to(tl.uint32) ^ sb0)
+        sgn = 1.0 - 2.0 * ((hr[:, None] >> jc[None, :]) & 1).to(tl.float32)
+        acc_sk += tl.sum(y * sgn, axis=0)
+        if DO_FLAGS:
+            nz = tl.max((x != 0).to(tl.int32), axis=1)
+            tl.atomic_max(flag_ptr + rows // brows_per_token, nz, mask=(rows < nbrows) & (nz > 0))
+    fbase = fpart_ptr + pid * (KP + 2)
+    tl.store(fbase + j, acc_sk)
+    tl.store(fbase + KP, tl.sum(acc_sq, axis=0))
+    tl.store(fbase + KP + 1, tl.max(acc_mx, axis=0))
+    ibase = ipart_ptr + pid * 4
+    tl.store(ibase, tl.sum(acc_s, axis=0).to(tl.int64))
+    tl.store(ibase + 1, tl.reduce(acc_x, 0, _xor_combine).to(tl.int64))
+    tl.store(ibase + 2, tl.sum(acc_nan, axis=0).to(tl.int64))
+    tl.store(ibase + 3, tl.sum(acc_inf, axis=0).to(tl.int64))
 
 
 def supported(t: torch.Tensor) -> bool:
@@ -309,77 +389,66 @@ _A: dict = {}
 _NSM: dict = {}
 
 
-def _signs(seed: int, k: int, kp: int, dtype, device):
-    key = (seed, k, kp, dtype, str(device))
+def _kp(k: int, dtype) -> int:
+    # the fp32 kernel's dot needs N >= 16; the 16-bit kernel only needs the 4 row-sign copies
+    return max(16 if dtype == torch.float32 else 4, triton.next_power_of_2(k))
+
+
+def _signs(seed: int, k: int, kp: int, device) -> torch.Tensor:
+    """[128, kp] float32 column signs a_j(c), zero columns past k."""
+    key = (seed, k, kp, str(device))
     v = _A.get(key)
     if v is None:
         a = torch.zeros(F.SKETCH_ROW, kp, dtype=torch.float64)
         a[:, :k] = F.column_signs(seed, k)
-        if dtype == torch.float32:
-            v = (a.to(device, torch.float32).contiguous(),) * 2
-        else:
-            v = (a[0::2].to(device, dtype).contiguous(), a[1::2].to(device, dtype).contiguous())
-        _A[key] = v
+        v = _A[key] = a.to(device, torch.float32).contiguous()
     return v
 
 
+_INTERP = bool(os.environ.get("TRITON_INTERPRET"))   # Triton's CPU interpreter (tests of the logic)
+
+
 def _nsm(device) -> int:
+    if torch.device(device).type != "cuda":
+        return 2
     d = torch.device(device).index or 0
     if d not in _NSM:
         _NSM[d] = torch.cuda.get_device_properties(d).multi_processor_count
     return _NSM[d]
 
 
-def _at(seed: int, k: int, kp: int, device):
-    """[kp, 128] float32 A^T (column signs, zero rows past k) for the 16-bit kernel's epilogue."""
-    key = ("T", seed, k, kp, str(device))
-    v = _A.get(key)
-    if v is None:
-        a = torch.zeros(kp, F.SKETCH_ROW, dtype=torch.float64)
-        a[:k] = F.column_signs(seed, k).T
-        v = _A[key] = a.to(device, torch.float32).contiguous()
-    return v
+def _env(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
 
 
-def _use_v2(t, v, k=32) -> bool:
-    # k > 32 (KP = 64: M = 64 takes the wgmma path) failed to compile on the H200 with triton 3.6
-    # (TritonGPUOptimizeDotOperands): those go through the first kernel
-    return v != 1 and k <= 32 and t.dtype in (torch.bfloat16, torch.float16)
-
-
-def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None, lane32=None,
-           ablate: tuple = (), intstats=None, v=None, oldhash=False, num_stages=None):
-    """Launch the kernels for a batch; returns (host-side finisher, device buffer).
-    Nothing here synchronises; ``finish()`` does the one D2H copy.
-    v=1: the first kernel for every dtype (benchmark "before" row, with ``oldhash`` its
-    two-mixer hash); default: bf16/fp16 through ``_fp16_kernel``, fp32 through the first one."""
-    v = v or int(os.environ.get("TPPROBE_FP_V", 2))
-    v2 = any(_use_v2(t, v, k) for t in tensors)
-    block_r = block_r or int(os.environ.get("TPPROBE_FP_BLOCK_R", 32 if v2 else 64))
-    num_warps = num_warps or int(os.environ.get("TPPROBE_FP_WARPS", 4))
-    progs_per_sm = progs_per_sm or int(os.environ.get("TPPROBE_FP_PROGS", 2 if v2 else 4))
-    if lane32 is None:
-        lane32 = os.environ.get("TPPROBE_FP_LANE32", "0") == "1"
-    if intstats is None:
-        intstats = os.environ.get("TPPROBE_FP_INTSTATS", "0") == "1"
-    # the 16-bit kernel's dot has M = kp: at least 32 (M = 16 with 8 warps failed to compile on
-    # the H200 with triton 3.6); sign columns past k are zero and dropped on the host
-    kp = max(32 if v2 else 16, triton.next_power_of_2(k))
-    salts = F._row_salts(seed, 2)
+def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None,
+           maxnreg=None, split=None, depth=None, skip: int = 0):
+    """Launch the kernels for a batch; returns (host-side finisher, device buffer).  Nothing here
+    synchronises; ``finish()`` does the one D2H copy.  block_r / num_warps / progs_per_sm /
+    maxnreg / split / depth tune the 16-bit kernel's schedule, never its result (defaults
+    16 / 4 / 3 / 144 / 2 / 3, the fastest on the H200 in bench/fingerprint_gpu.py --tune; or
+    TPPROBE_FP_BLOCK_R, _WARPS, _PROGS, _MAXNREG, _SPLIT, _DEPTH in the environment); ``skip``
+    leaves stages out (benchmark ablations only: wrong results)."""
+    block_r = block_r or _env("TPPROBE_FP_BLOCK_R", 16)
+    num_warps = num_warps or _env("TPPROBE_FP_WARPS", 4)
+    progs_per_sm = progs_per_sm or _env("TPPROBE_FP_PROGS", 3)
+    maxnreg = maxnreg if maxnreg is not None else _env("TPPROBE_FP_MAXNREG", 144)
+    split = split or _env("TPPROBE_FP_SPLIT", 2)
+    depth = depth or _env("TPPROBE_FP_DEPTH", 3)
+    salt = F._row_salts(seed, 1)[0]
     plans = []
-    foff = ioff = 0
-    ntok = 0
+    foff = ioff = ntok = 0
     for t in tensors:
-        isz = t.element_size()
+        kp = _kp(k, t.dtype)
         n = t.numel()
-        bw = F.SKETCH_ROW * isz // 4
-        nwords = n * isz // 4
+        nwords = n * t.element_size() // 4
         nbrows = -(-n // F.SKETCH_ROW)
-        ntiles = -(-nbrows // block_r)
+        br = block_r if t.dtype != torch.float32 else 16
+        ntiles = -(-nbrows // br)
         nprog = max(1, min(ntiles, progs_per_sm * _nsm(t.device)))
         flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
-        plans.append(dict(t=t, bw=bw, nwords=nwords, nbrows=nbrows, ntiles=ntiles, nprog=nprog,
-                          flags=flags, foff=foff, ioff=ioff, toff=ntok))
+        plans.append(dict(t=t, kp=kp, br=br, nwords=nwords, nbrows=nbrows, ntiles=ntiles,
+                          nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=ntok))
         foff += nprog * (kp + 2)
         ioff += nprog * 4
         if flags:
@@ -395,56 +464,50 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
         flagbuf.zero_()
     for p in plans:
         t = p["t"]
-        if _use_v2(t, v, k):
-            bw = p["bw"]
-            nfull = p["nwords"] // (block_r * bw)
-            extra_kw = {} if num_stages is None else {"num_stages": num_stages}
-            _fp16_kernel[(p["nprog"],)](
-                t.view(-1).view(torch.int32), _at(seed, k, kp, dev),
-                fpart[p["foff"]:], ipart[p["ioff"]:], flagbuf[p["toff"]:] if p["flags"] else flagbuf,
-                p["nwords"], p["nbrows"], (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1,
-                nfull, p["ntiles"], salts[0], salts[1], 0.0,
-                DT=_DT[t.dtype], BW=bw, BR=block_r, KP=kp, NPROG=p["nprog"], DO_FLAGS=p["flags"],
-                F32DOT=bool(os.environ.get("TRITON_INTERPRET")), num_warps=num_warps, **extra_kw)
+        words = t.view(-1).view(torch.int32)
+        flag = flagbuf[p["toff"]:] if p["flags"] else flagbuf
+        bpt = (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1
+        a = _signs(seed, k, p["kp"], dev)
+        if t.dtype == torch.float32:
+            _fp32_kernel[(p["nprog"],)](
+                words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"], bpt,
+                -(-p["ntiles"] // p["nprog"]), salt, BLOCK_R=p["br"], KP=p["kp"], NPROG=p["nprog"],
+                DO_FLAGS=p["flags"], num_warps=4)
             continue
-        alo, ahi = _signs(seed, k, kp, t.dtype, dev)
-        _fp_kernel[(p["nprog"],)](
-            t.view(-1).view(torch.int32), alo, ahi,
-            fpart[p["foff"]:], ipart[p["ioff"]:], flagbuf[p["toff"]:] if p["flags"] else flagbuf,
-            p["nwords"], p["nbrows"], (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1,
-            -(-p["ntiles"] // p["nprog"]), salts[0], salts[1],
-            DT=_DT[t.dtype], BW=p["bw"], BLOCK_R=block_r, KP=kp, NPROG=p["nprog"],
-            DO_FLAGS=p["flags"], F32DOT=bool(os.environ.get("TRITON_INTERPRET")),
-            LANE32=bool(lane32), SKIP_HASH="hash" in ablate, SKIP_STATS="stats" in ablate,
-            SKIP_DOT="dot" in ablate, INTSTATS=bool(intstats), OLDHASH=bool(oldhash),
-            num_warps=num_warps)
+        kw = {"maxnreg": maxnreg} if maxnreg and not _INTERP else {}
+        _fp16_kernel[(p["nprog"],)](
+            words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"],
+            p["nwords"] // (p["br"] * 64), p["ntiles"], salt,
+            DT=_DT[t.dtype], BR=p["br"], KP=p["kp"], NPROG=p["nprog"], BPT=bpt,
+            DO_FLAGS=p["flags"], SPLIT=split, DEPTH=depth, SKIP=skip, INTERP=_INTERP,
+            num_warps=num_warps, **kw)
     # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
     extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
              if p["t"].dim() == 2 and not p["flags"]}
 
     def finish():
-        host = buf.cpu()
-        ex = {i: v.cpu() for i, v in extra.items()}
+        # one D2H copy, then numpy on the host buffer (a few microseconds per op, where a
+        # torch op on small CPU tensors costs ten): the combine is exact integers / float64
+        host = buf.cpu().numpy()
+        ex = {i: v.cpu().numpy() for i, v in extra.items()}
         hi = host[:ioff]
-        hf = host[ioff:ioff + (foff + 1) // 2].view(torch.float32)
-        hflag = host[ioff + (foff + 1) // 2:].view(torch.int32)
+        hf = host[ioff:ioff + (foff + 1) // 2].view(np.float32)
+        hflag = host[ioff + (foff + 1) // 2:].view(np.int32)
         out = []
         for i, p in enumerate(plans):
-            t = p["t"]
-            fp = hf[p["foff"]:p["foff"] + p["nprog"] * (kp + 2)].view(p["nprog"], kp + 2).double()
-            ip = hi[p["ioff"]:p["ioff"] + p["nprog"] * 4].view(p["nprog"], 4)
-            la = int(ip[:, 0].sum()) & F.M64      # int64 sums wrap mod 2^64: exact lanes
-            lb = int(ip[:, 1].sum()) & F.M64
+            t, kp, n = p["t"], p["kp"], p["nprog"]
+            fp = hf[p["foff"]:p["foff"] + n * (kp + 2)].reshape(n, kp + 2).astype(np.float64)
+            ip = hi[p["ioff"]:p["ioff"] + n * 4].reshape(n, 4)
+            la = int(ip[:, 0].sum()) & F.M32                 # partials < 2^32: exact in int64
+            lb = int(np.bitwise_xor.reduce(ip[:, 1])) & F.M32
             rows = ""
             if p["flags"]:
-                rows = F._bitmap_hex(hflag[p["toff"]:p["toff"] + t.shape[0]] > 0)
+                rows = _bitmap_hex_np(hflag[p["toff"]:p["toff"] + t.shape[0]] > 0)
             elif i in ex:
-                rows = F._bitmap_hex(ex[i])
+                rows = _bitmap_hex_np(ex[i])
             sumsq, absmax = float(fp[:, kp].sum()), float(fp[:, kp + 1].max())
             n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
-            if _use_v2(t, v, k) and not (math.isfinite(sumsq) and math.isfinite(absmax)):
-                # the 16-bit kernel counts nothing per element: a NaN makes sumsq NaN, an Inf
-                # makes absmax inf (max ignores NaN); only then are the exact stats taken here
+            if t.dtype != torch.float32 and not (math.isfinite(sumsq) and math.isfinite(absmax)):
                 sumsq, absmax, n_nan, n_inf = _nonfinite_stats(t)
             out.append(F.Fingerprint(
                 shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""),
@@ -453,6 +516,11 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
         return out
 
     return finish, buf
+
+
+def _bitmap_hex_np(flags) -> str:
+    """``fingerprint._bitmap_hex`` on a numpy bool array: bit r of byte r // 8, little-endian."""
+    return np.packbits(flags.astype(np.uint8), bitorder="little").tobytes().hex()
 
 
 def _nonfinite_stats(t: torch.Tensor):
@@ -469,3 +537,30 @@ def _nonfinite_stats(t: torch.Tensor):
 def fingerprint_batch(tensors, seed: int, k: int, **kw):
     finish, _ = launch(tensors, seed, k, **kw)
     return finish()
+
+
+def asm_signature(kernel: str, block_r: int, extra: dict):
+    """(signature, constexprs, divisible-by-16 args) to compile a kernel offline
+    (bench/kernel_asm.py): 3 x [8192, 7168] bf16, k = 32, 132 SMs x 3 programs."""
+    if kernel == "_fp32_kernel":
+        sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
+               "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "brows_per_token": "i32",
+               "iters": "i32", "salt_b0": "u32"}
+        const = dict(BLOCK_R=block_r, KP=32, NPROG=528, DO_FLAGS=True)
+        const.update(extra)
+        for name in const:
+            sig[name] = "constexpr"
+        return sig, const, ("w_ptr", "a_ptr", "nwords")
+    if kernel != "_fp16_kernel":
+        raise ValueError(kernel)
+    sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
+           "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "nfull": "i32",
+           "ntiles": "i32", "salt_b0": "u32"}
+    const = dict(DT=0, BR=block_r, KP=32, NPROG=396, BPT=56, DO_FLAGS=True, SPLIT=2, DEPTH=3,
+                 SKIP=0, INTERP=False)
+    div = ("w_ptr", "a_ptr", "fpart_ptr", "ipart_ptr", "flag_ptr", "nwords", "nbrows", "nfull",
+           "ntiles")
+    const.update(extra)
+    for name in const:
+        sig[name] = "constexpr"
+    return sig, const, div

@@ -5,18 +5,21 @@ A :class:`Fingerprint` holds
 * ``bit_hash``: an exact 128-bit hash of the tensor's bytes (32 hex chars).
   The bytes are read as little-endian uint32 words (zero-padded to a multiple
   of 4 bytes).  CPU tensors: blake2b-128 of the bytes.  CUDA tensors: word ``q`` is
-  mixed with its index through ONE bijective 32-bit mixer, ``h_q = lowbias32(w_q ^ (q*QA+SA))``;
-  lane a = sum h_q, lane b = sum (h_q * (2q+1) mod 2^32), both mod 2^64 (then passed through the
-  splitmix64 finalizer, a bijection, for display).  For a fixed index both steps are bijections, so
-  changing any single word always changes both lanes; any other change collides with probability
-  about 2^-64 (see ``_hash_words``).  -0.0 and 0.0 differ (their bytes differ).  CPU and CUDA
-  hashes are never compared with each other.  The hash does not depend on ``seed``.
+  words are taken in pairs, each pair mixed with its index through ONE bijective 32-bit mixer,
+  ``h_p = lowbias32(((w_2p ^ (p*QA+SA)) + w_2p+1 * QB) mod 2^32)``; lane a = sum h_p mod 2^32,
+  lane b = xor of the h_p (then passed through the splitmix64 finalizer, a bijection, for
+  display).  Changing any single word always changes both lanes; a change confined to one pair
+  of words collides with probability about 2^-32, any other change about 2^-64 (see
+  ``_hash_words``).  -0.0 and 0.0 differ (their bytes differ).
+  CPU and CUDA hashes are never compared with each other.  The hash does not depend on ``seed``.
 * ``sketch``: a seeded LINEAR sketch, ``sketch[j] = sum_i s_j(i) * x_i`` with
-  ``s_j(i) = a_j(i mod 128) * b_j(i // 128)`` in {+1, -1}.  ``a_j``/``b_j`` are
-  bits of counter-based hashes of (seed, j, column) and (seed, j, row), so no
-  k x n matrix is stored and every rank derives the same signs.  Linearity
-  makes all-reduce completeness checkable on sketches:
-  ``sketch(out) ~= sum_r sketch(in_r)``.
+  ``s_j(i) = a_j(i mod 128) * b_(j mod 4)(i // 128)`` in {+1, -1}: a column sign per entry and
+  one of 4 row-sign copies.  ``a_j`` / ``b_c`` are bits of counter-based hashes of (seed, j,
+  column) and (seed, row), so no k x n matrix is stored and every rank derives the same signs.
+  Each entry of the sketch of a difference d has mean 0 and variance sum_r (a_j . d_r)^2, as
+  with independent row signs per entry; 4 copies (not k) let the CUDA kernel keep the row-signed
+  column sums in registers with 8 FMAs per 32-bit word.  Linearity makes all-reduce completeness
+  checkable on sketches: ``sketch(out) ~= sum_r sketch(in_r)``.
 * ``sumsq`` (sum of squares, float64), ``absmax`` (max |x| ignoring NaN),
   ``n_nan``, ``n_inf``, and ``row_nonzero``: for a 2-D [tokens, hidden]
   tensor a hex bitmap (bit r, little-endian bit order within each byte) of the
@@ -41,7 +44,8 @@ __all__ = ["Fingerprint", "fingerprint", "fingerprints", "sum_matches", "sketch_
 
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
-SKETCH_ROW = 128          # sign pattern row width (elements): s_j(i) = a_j(i % 128) * b_j(i // 128)
+SKETCH_ROW = 128          # sign pattern row width (elements): s_j(i) = a_j(i % 128) * b_(j%4)(i // 128)
+ROW_COPIES = 4            # row-sign copies: entry j uses copy j % 4
 _CHUNK_ROWS = 8192        # CPU path: rows of 128 elements per chunk (1 Mi elements)
 
 # lane constants (fixed: the bit hash is independent of the sketch seed)
@@ -132,8 +136,11 @@ def column_signs(seed: int, k: int, device="cpu", dtype=torch.float64) -> torch.
 
 
 def row_signs(rows: torch.Tensor, seed: int, k: int) -> torch.Tensor:
-    """[len(rows), k] +-1 matrix b_j(r) (float64)."""
-    return _sign_bits(rows.to(torch.int64), _row_salts(seed, (k + 31) // 32), k)
+    """[len(rows), k] +-1 matrix b_(j % 4)(r) (float64): bit (j % 4) of mix_a(r ^ salt)."""
+    idx = rows.to(torch.int64) & M32
+    h = _mix_a(idx ^ _row_salts(seed, 1)[0])
+    j = torch.arange(k, device=idx.device) % ROW_COPIES
+    return 1.0 - 2.0 * ((h[:, None] >> j[None, :]) & 1).to(torch.float64)
 
 
 # --------------------------------------------------------------------------- dataclass
@@ -210,19 +217,37 @@ def _words(byts: torch.Tensor) -> torch.Tensor:
 
 
 def _hash_words(w: torch.Tensor, q0: int) -> tuple[int, int]:
-    """CUDA word hash (the Triton kernel computes the same): ONE mixer per word,
-    h_q = lowbias32(w_q ^ (q*QA + SA)); lane a = sum h_q, lane b = sum (h_q * (2q+1) mod 2^32),
-    both mod 2^64.  For a fixed index both maps w -> h and h -> h*(2q+1) mod 2^32 are
-    bijections of 2^32 (odd multiplier), and each summand is < 2^32, so changing any single
-    word changes both lanes (the lane difference is a non-zero integer of magnitude < 2^32).
-    Two or more changed words collide in lane a only if the mixed differences cancel exactly
-    (about 2^-32 for pseudo-random h), and lane b weighs the same differences by distinct
-    odd factors, so a joint collision is about 2^-64."""
-    q = (torch.arange(w.numel(), dtype=torch.int64, device=w.device) + q0) & M32
-    ha = _mix_a(w ^ ((q * QA + SA) & M32))
-    hb = (ha * ((2 * q + 1) & M32)) & M32        # int64 product wraps mod 2^64: low 32 bits exact
-    # each summand < 2^32 and a chunk has < 2^31 words: the int64 sums are exact
-    return int(ha.sum()), int(hb.sum())
+    """CUDA word hash (the Triton kernels compute the same): the words are taken in pairs
+    (a zero word pads an odd count), ONE mixer per pair,
+    h_p = lowbias32(((w_2p ^ (p*QA + SA)) + w_2p+1 * QB) mod 2^32); lane a = sum h_p mod 2^32,
+    lane b = xor of the h_p.  For a fixed pair index, changing either word alone changes the
+    mixer's input (xor with a constant and multiplication by the odd QB are bijections) and so
+    h_p (lowbias32 is a bijection): any single-word change always changes both lanes.  A change
+    of both words of one pair collides only if the inputs coincide (about 2^-32); changes in
+    several pairs collide in lane a only if the mixed differences cancel mod 2^32 and in lane b
+    only if they cancel under xor, about 2^-32 each and unrelated (the mixer is nonlinear over
+    both + and xor), so about 2^-64.  q0 (the chunk's first word index) is even."""
+    if w.numel() % 2:
+        w = torch.cat([w, w.new_zeros(1)])
+    w2 = w.view(-1, 2)
+    p = (torch.arange(w2.shape[0], dtype=torch.int64, device=w.device) + q0 // 2) & M32
+    u = ((w2[:, 0] ^ ((p * QA + SA) & M32)) + w2[:, 1] * QB) & M32
+    h = _mix_a(u)
+    # each summand < 2^32 and a chunk has < 2^31 pairs: the int64 sum is exact
+    return int(h.sum()) & M32, _xor_reduce(h)
+
+
+def _xor_reduce(x: torch.Tensor) -> int:
+    """xor of all elements of an int64 tensor (pairwise folds: torch has no xor reduction)."""
+    x = x.reshape(-1)
+    acc = 0
+    while x.numel() > 1:
+        if x.numel() % 2:
+            acc ^= int(x[-1])
+            x = x[:-1]
+        n = x.numel() // 2
+        x = x[:n] ^ x[n:]
+    return acc ^ (int(x[0]) if x.numel() else 0)
 
 
 _ROW_SIGNS: dict = {}
@@ -264,8 +289,8 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
             blake.update(byts[e0 * isz:e1 * isz].numpy().tobytes())
         else:
             a, b = _hash_words(_words(byts[e0 * isz:e1 * isz]), e0 * isz // 4)
-            la += a
-            lb += b
+            la = (la + a) & M32
+            lb ^= b
         x = flat[e0:e1]
         if x.is_complex():
             x = torch.view_as_real(x).reshape(-1)  # pragma: no cover - not a capture dtype
