@@ -1,7 +1,7 @@
 """Fingerprint layer (issue 6): exact bit hash, linear sketch, completeness rule.
 
-CPU only; the Triton path is compared against this reference on the GPU
-machine (bench/fingerprint_gpu.py --check)."""
+The default suite runs on CPU; the tests marked `gpu` compare the Triton kernels with the CUDA
+torch path on a GPU machine (`pytest -m gpu tests/test_fingerprint.py`)."""
 import json
 import math
 import subprocess
