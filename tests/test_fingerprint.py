@@ -78,6 +78,31 @@ def test_hash_swap_two_and_shape_independent_of_seed():
     int(fingerprint(t).bit_hash, 16)
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), data=st.data())
+def test_cuda_word_hash_changes_both_lanes(n, data):
+    """The CUDA hash (the torch reference of the Triton kernels, computed here on CPU): changing
+    any one word changes both lanes; swapping the two words of a pair or words of different
+    pairs, or appending a zero word, changes them too (odd counts are zero-padded, so shapes,
+    compared separately, tell those apart)."""
+    from tpprobe.fingerprint import M32, _hash_words
+    g = torch.Generator().manual_seed(n)
+    w = torch.randint(0, 2 ** 32, (n,), generator=g, dtype=torch.int64)
+    base = _hash_words(w, 0)
+    i = data.draw(st.integers(0, n - 1))
+    v = data.draw(st.integers(0, M32).filter(lambda x: x != int(w[i])))
+    u = w.clone()
+    u[i] = v
+    a, b = _hash_words(u, 0)
+    assert a != base[0] and b != base[1]
+    if n >= 2:
+        j = data.draw(st.integers(0, n - 1).filter(lambda x: int(w[x]) != int(w[i])))
+        u = w.clone()
+        u[i], u[j] = w[j], w[i]
+        assert _hash_words(u, 0) != base
+    assert _hash_words(w, 2) != base                     # the position is hashed in
+
+
 def test_noncontiguous_equals_contiguous():
     t = torch.randn(300, 64).bfloat16()
     assert fingerprint(t.t()).bit_hash == fingerprint(t.t().contiguous()).bit_hash
