@@ -73,6 +73,11 @@ def _sgn(hr, c: tl.constexpr):
 
 
 @triton.jit
+def _sq2(lo, hi, acc):
+    return tl.fma(hi, hi, tl.fma(lo, lo, acc))
+
+
+@triton.jit
 def _q4(x, BR: tl.constexpr, W: tl.constexpr):
     # [BR, W] -> 4 x [BR, W // 4]: each thread's 4 contiguous words, as 4 tensors (in registers)
     a, b = tl.split(tl.reshape(x, (BR, W // 4, 2, 2)))
@@ -105,14 +110,10 @@ def _side(w, q, s0, s1, s2, s3, S, acc_s, acc_x, nwords, BR: tl.constexpr, W: tl
         fh = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     if SKIP & 1 == 0:
         # sketch: Z_c[col] += b_c(row) * x[row, col], c = 0..3 (4 row-sign copies)
-        z0l = tl.fma(fl, s0, z0l)
-        z0h = tl.fma(fh, s0, z0h)
-        z1l = tl.fma(fl, s1, z1l)
-        z1h = tl.fma(fh, s1, z1h)
-        z2l = tl.fma(fl, s2, z2l)
-        z2h = tl.fma(fh, s2, z2h)
-        z3l = tl.fma(fl, s3, z3l)
-        z3h = tl.fma(fh, s3, z3h)
+        z0l, z0h = tl.fma(fl, s0, z0l), tl.fma(fh, s0, z0h)
+        z1l, z1h = tl.fma(fl, s1, z1l), tl.fma(fh, s1, z1h)
+        z2l, z2h = tl.fma(fl, s2, z2l), tl.fma(fh, s2, z2h)
+        z3l, z3h = tl.fma(fl, s3, z3l), tl.fma(fh, s3, z3h)
     am = w & tl.cast(0x7FFF7FFF, tl.uint32)           # magnitude bits of both halves
     a0, a1, a2, a3 = _q4(am, BR, W)
     if SKIP & 2 == 0:
@@ -131,14 +132,7 @@ def _side(w, q, s0, s1, s2, s3, S, acc_s, acc_x, nwords, BR: tl.constexpr, W: tl
         # per thread, not per position: the thread's 4 words fold into one accumulator
         l0, l1, l2, l3 = _q4(fl, BR, W)
         h0, h1, h2, h3 = _q4(fh, BR, W)
-        acc_sq = tl.fma(l0, l0, acc_sq)
-        acc_sq = tl.fma(h0, h0, acc_sq)
-        acc_sq = tl.fma(l1, l1, acc_sq)
-        acc_sq = tl.fma(h1, h1, acc_sq)
-        acc_sq = tl.fma(l2, l2, acc_sq)
-        acc_sq = tl.fma(h2, h2, acc_sq)
-        acc_sq = tl.fma(l3, l3, acc_sq)
-        acc_sq = tl.fma(h3, h3, acc_sq)
+        acc_sq = _sq2(l3, h3, _sq2(l2, h2, _sq2(l1, h1, _sq2(l0, h0, acc_sq))))
         acc_mx = _max_u16x2(acc_mx, _max_u16x2(_max_u16x2(a0, a1, INTERP), _max_u16x2(a2, a3, INTERP),
                                                INTERP), INTERP)
     return (z0l, z0h, z1l, z1h, z2l, z2h, z3l, z3h, acc_sq, acc_mx), acc_s, acc_x, (a0 | a1) | (a2 | a3)
