@@ -50,36 +50,17 @@ _CHUNK_ROWS = 8192        # CPU path: rows of 128 elements per chunk (1 Mi eleme
 
 # lane constants (fixed: the bit hash is independent of the sketch seed)
 QA, SA = 0x9E3779B1, 0x6A09E667
-QB, SB = 0x85EBCA77, 0xBB67AE85
+QB = 0x85EBCA77                   # odd: w -> w * QB is a bijection of 2^32
 
 
 # --------------------------------------------------------------------------- mixing
-def _mix_a_py(x: int) -> int:
-    x &= M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & M32
-    x ^= x >> 16
-    return x
-
-
-def _mix_a(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding uint32 values (bijection of 2^32)."""
+def _mix_a(x):
+    """lowbias32 on a Python int or an int64 tensor holding uint32 values (bijection of 2^32)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & M32
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & M32
     return x ^ (x >> 16)
-
-
-def _mix_b(x: torch.Tensor) -> torch.Tensor:
-    """A second, independent 32-bit bijective mixer."""
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & M32
-    x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & M32
-    return x ^ (x >> 15)
 
 
 def _fmix64(x: int) -> int:
@@ -97,7 +78,7 @@ def hash_hex(la: int, lb: int) -> str:
 
 def _salt(seed: int, tag: int) -> int:
     s = seed & M64
-    return _mix_a_py(_mix_a_py((s & M32) ^ 0x3C6EF372) ^ (s >> 32) ^ ((tag * 0xA54FF53A) & M32))
+    return _mix_a(_mix_a((s & M32) ^ 0x3C6EF372) ^ (s >> 32) ^ ((tag * 0xA54FF53A) & M32))
 
 
 def _col_salts(seed: int, groups: int) -> list[int]:

@@ -26,6 +26,7 @@ from .errors import TPProbeError, UsageError
 from .findings import exit_code
 from .hooks import Progress, Tap
 from .fingerprint import fingerprint
+from .model import BuiltinConfig
 from .target import ProbeTarget, RankContext
 
 FP_SEED, FP_K = 0x7470, 32     # every rank sketches with the same signs
@@ -34,18 +35,21 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 SHARDED_MODULES = ("*ParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "*MoE*", "*Experts*")
 
+_BUILTIN = BuiltinConfig()
+
 
 @dataclass
 class ProbeOptions:
-    layers: list[int] = field(default_factory=lambda: [-1, 1, 3])
-    num_layers: int = 6
-    hidden: int = 64
-    heads: int = 8
-    ffn: int = 128
-    vocab: int = 131
-    tokens: int = 16
-    seed: int = 0
-    dtype: str = "float32"
+    # the built-in model's shape: BuiltinConfig's defaults, declared once there
+    layers: list[int] = field(default_factory=lambda: list(_BUILTIN.layer_ids))
+    num_layers: int = _BUILTIN.num_layers
+    hidden: int = _BUILTIN.hidden
+    heads: int = _BUILTIN.heads
+    ffn: int = _BUILTIN.ffn
+    vocab: int = _BUILTIN.vocab
+    tokens: int = _BUILTIN.tokens
+    seed: int = _BUILTIN.seed
+    dtype: str = str(_BUILTIN.dtype).removeprefix("torch.")
     backend: str = "auto"            # auto | gloo | nccl | sglang (SGLang's model on gloo/nccl)
     arch: str = "llama"              # with --backend sglang
     config: Optional[str] = None     # with --backend sglang: a real config.json, random weights
@@ -508,7 +512,6 @@ def _await_final(ch: Channel, wait: float) -> int:
 
 
 def builtin_config(opts: ProbeOptions, layer_ids: Optional[list[int]] = None):
-    from .model import BuiltinConfig
     return BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
                          vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
                          **({"layer_ids": layer_ids} if layer_ids is not None else {}))
