@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -65,15 +64,27 @@ def probe(
                         config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
                         exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
                         nproc=nproc, debug=debug)
-    if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
-        raise typer.Exit(run(opts))
+    rank = tdist.env_rank()
+    if rank is not None:          # a rank under torchrun / our own launcher
+        try:
+            code = run(opts)
+        except TPProbeError as e:
+            if rank[0] != 0:      # every rank meets the same bad setting: rank 0 says it, once
+                raise typer.Exit(e.exit_code)
+            raise
+        raise typer.Exit(code)
     validate(opts, nproc)
     if opts.out is None:
-        opts.out = time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
-    from .capture import check_out_dir
+        from .capture import default_out_dir
+        opts.out = default_out_dir()
+    from .capture import check_out_dir, remove_if_empty
+    existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
     from .launch import launch_local
-    raise typer.Exit(launch_local(nproc, ["probe", *options_argv(opts)]))
+    code = launch_local(nproc, ["probe", *options_argv(opts)])
+    if not existed:
+        remove_if_empty(Path(opts.out))
+    raise typer.Exit(code)
 
 
 def options_argv(opts) -> list[str]:
@@ -119,6 +130,22 @@ def layers(
     from .layer_ids import parse_ids, render_layers_table
     from .report import console
     render_layers_table(arch, parse_ids(ids) if ids else None, num_layers, console())
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "help_option_names": []}, add_help_option=False)
+def torchrun(ctx: typer.Context) -> None:
+    """Run a probe under torchrun (multi-node too), ending like any tpprobe command.
+
+    torchrun's options, then the command: `tpprobe torchrun --nproc-per-node 4 probe --layers -1,1,3`.
+    The same launch as `torchrun ... -m tpprobe probe`, ending like tpprobe: exit 0 healthy, 1 findings,
+    2 bad usage, without torchrun's ChildFailedError traceback after a report with findings."""
+    if not ctx.args or ctx.args[0] in ("--help", "-h"):
+        from .report import console
+        console().print(torchrun.__doc__.replace("\n    ", "\n"))
+        raise typer.Exit(0)
+    from .launch import torchrun as run_torchrun
+    raise typer.Exit(run_torchrun(list(ctx.args)))
 
 
 # -- commands in their own modules (one line each) ---------------------------------------------

@@ -321,6 +321,4 @@ def write_html(report: dict, path: Path, capture_dir: Optional[Path] = None) -> 
     callers that have one; the heatmaps come from the report's per-token stats."""
     from .capture import atomic_write_bytes
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, render_html(report).encode("utf-8"))

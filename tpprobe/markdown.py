@@ -90,6 +90,4 @@ def render_markdown(report: dict) -> str:
 def write_markdown(report: dict, path: Path) -> None:
     from .capture import atomic_write_bytes
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))

@@ -100,7 +100,9 @@ def write_sample(path, input_ids: torch.Tensor, aux_hidden_state: torch.Tensor,
                  hidden_state: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> Path:
     """One sample exactly as SpecForge's prepare_hidden_states.py saves it (batch dim on the states)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from .capture import check_parent_exists
+    check_parent_exists(path.parent, "the sample's folder")
+    path.parent.mkdir(exist_ok=True)
     ids = input_ids.reshape(-1).to(torch.long).cpu()
     data = {"input_ids": ids,
             "loss_mask": (loss_mask if loss_mask is not None else torch.ones_like(ids)).reshape(-1).cpu()}
