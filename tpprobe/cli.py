@@ -14,11 +14,25 @@ import typer
 from typer.exceptions import Abort, Exit, TyperException
 
 from .errors import TPProbeError, UsageError
+from .faults import inject_help
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tpprobe: a debugger for tensor-parallel LLM inference.")
 
 _DEBUG = {"on": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"tpprobe {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print tpprobe's version and exit")] = False) -> None:
+    """tpprobe: a debugger for tensor-parallel LLM inference (exit 0 healthy, 1 findings, 2 bad usage)."""
 
 
 def _ids(text: str) -> list[int]:
@@ -44,7 +58,7 @@ def probe(
     arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
     config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory")] = None,
-    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable)")] = None,
+    inject: Annotated[Optional[list[str]], typer.Option("--inject", help=inject_help())] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
     exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
@@ -108,11 +122,11 @@ def options_argv(opts) -> list[str]:
 @app.command()
 def report(
     capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin")],
-    json_out: Annotated[bool, typer.Option("--json")] = False,
-    html: Annotated[Optional[str], typer.Option("--html")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet")] = False,
-    debug: Annotated[bool, typer.Option("--debug")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error")] = False,
 ) -> None:
     """Re-run the checks on a capture folder, offline, and print the report."""
     _DEBUG["on"] = debug
@@ -124,7 +138,7 @@ def report(
 def layers(
     arch: Annotated[str, typer.Option("--arch", help="llama | deepseek_v2 (also deepseek_v3 / kimi)")] = "llama",
     ids: Annotated[Optional[str], typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 61,
+    num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the model")] = 61,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
     from .layer_ids import parse_ids, render_layers_table
@@ -146,6 +160,18 @@ def torchrun(ctx: typer.Context) -> None:
         raise typer.Exit(0)
     from .launch import torchrun as run_torchrun
     raise typer.Exit(run_torchrun(list(ctx.args)))
+
+
+@app.command()
+def specforge(
+    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe (with aux.packed)")],
+    out: Annotated[Path, typer.Argument(help="the sample file to write, e.g. rows_0-5000/data_0.ckpt "
+                                            "(only its last folder is created)")],
+    rank: Annotated[int, typer.Option("--rank", help="whose capture to write (every rank should hold the same)")] = 0,
+) -> None:
+    """Write a SpecForge EAGLE-3 training sample (data_N.ckpt) from a capture, for `tpprobe diff`."""
+    from .specforge import sample_from_capture
+    print(sample_from_capture(capture_dir, out, rank))
 
 
 # -- commands in their own modules (one line each) ---------------------------------------------

@@ -42,6 +42,17 @@ FAULTS = {
 }
 
 
+def inject_help() -> str:
+    """--inject's help: every fault, and which take @K (a layer) or @R (a rank)."""
+    names = []
+    for name, (_, kind, required) in FAULTS.items():
+        arg = {"layer": "@K", "rank": "@R"}.get(kind, "")
+        names.append(name + (arg if required else f"(optional {arg})" if arg else ""))
+    return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
+            "e.g. skip-allreduce@2 or nan@1. Faults: " + ", ".join(names) +
+            ". What each looks like: README 'The faults it names'")
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str

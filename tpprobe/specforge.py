@@ -130,12 +130,7 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
     return write_sample(out_path, t["input_ids"], t["aux.packed"], t[order[-1]] if order else None)
 
 
-if __name__ == "__main__":   # python -m tpprobe.specforge CAPTURE_DIR OUT.ckpt [RANK]
+if __name__ == "__main__":   # the old spelling of `tpprobe specforge CAPTURE_DIR OUT.ckpt [--rank R]`
     import sys
-    a = sys.argv[1:]
-    if len(a) not in (2, 3):
-        sys.exit("usage: python -m tpprobe.specforge CAPTURE_DIR OUT.ckpt [RANK]")
-    try:
-        print(sample_from_capture(a[0], a[1], int(a[2]) if len(a) == 3 else 0))
-    except CaptureError as e:
-        sys.exit(f"tpprobe: error: {e}")
+    from .cli import main
+    main(["specforge", *sys.argv[1:]])
