@@ -270,10 +270,10 @@ def _kv_table(d: dict, cls: str) -> str:
 def _settings_env(report: dict) -> str:
     st = dict(report.get("settings") or {})
     out = ['<section id="settings"><h2>Settings</h2>', _kv_table(st, "settings")]
-    tm = report.get("timings") or {}
+    from .report import timing_text
+    tm = timing_text(report)
     if tm:
-        out.append("<p>time: " + ", ".join(f"{_e(k.replace('_s', ''))} {v:.2f}s" for k, v in tm.items()
-                                            if isinstance(v, (int, float))) + "</p>")
+        out.append(f"<p>{_e(tm)}</p>")
     out.append("</section>")
     env = report.get("environment") or {}
     out.append('<section id="environment"><h2>Environment</h2>' + _kv_table(env, "environment"))

@@ -256,8 +256,10 @@ def _prepare(me: _Rank) -> int:
         flt = faults_mod.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
         me.layer_ids = faults_mod.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
         me.progress.set("build")
+        t0 = time.time()
         groups = faults_mod.prepare_groups(flt, ctx)
         me.target = build_target(ctx, opts, me.layer_ids)
+        me.timings["build_s"] = time.time() - t0
         faults_mod.apply(flt, me.target, ctx, groups)
         if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
             capture.check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * _local_world())
@@ -422,8 +424,10 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
                                                      "total_s": time.time() - me.t_start}, out=str(me.out))
     report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
                           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
+    # what only the live run knew (which rank died or hung, how long each phase took) stays with the files
     capture.write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
-                                    "tool": report["tool"]}, [f for p in posts.values() for f in p["files"]])
+                                    "tool": report["tool"], "liveness": {str(r): v for r, v in liveness["missing"].items()},
+                                    "timings": report["timings"]}, [f for p in posts.values() for f in p["files"]])
     emit(report, me.out, me.opts)
     return exit_code(report["findings"])
 

@@ -124,13 +124,24 @@ def render(report: dict, con: Console) -> None:
             con.print(Text(f"    follows from it: {c}", style="dim"))
     if not report["findings"]:
         con.print(Text("  " + verdict_lines(report)[0], style="bold green"))
-    tm = report.get("timings", {})
     con.print(Text(f"settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
                    f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
-                   f"time: forward {tm.get('forward_s', 0):.2f}s exchange {tm.get('exchange_s', 0):.2f}s "
-                   f"checks {tm.get('check_s', 0):.2f}s", style="dim"))
+                   + timing_text(report), style="dim"))
     if report.get("out"):
         con.print(Text(f"captures and report.json: {report['out']}", style="dim"))
+
+
+PHASES = (("build_s", "model build"), ("forward_s", "forward"), ("exchange_s", "exchange"),
+          ("check_s", "checks"), ("total_s", "total"))
+
+
+def timing_text(report: dict) -> str:
+    """The phases the run timed (rank 0's clock); an offline report shows the live run's, so labelled."""
+    tm = report.get("timings") or {}
+    parts = [f"{label} {tm[k]:.2f}s" for k, label in PHASES if k in tm]
+    if not parts:
+        return ""
+    return ("time when captured: " if report.get("offline") else "time: ") + " · ".join(parts)
 
 
 def write_json(report: dict, path: Path) -> None:
