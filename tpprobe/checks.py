@@ -215,7 +215,10 @@ def _extra_collective_place(audit, ref_audit):
 
 def _allreduce_audit(ev, records, live, world) -> dict:
     n = min(len(records[r].meta.get("allreduces", [])) for r in live)
-    res = {"checked": 0, "complete": 0, "noise": 0, "incomplete": 0, "records": []}
+    # tensors: each output against the sum of the inputs, element by element (exact or within rounding);
+    # sketch: fingerprints only, which prove a sum complete within rounding, never bit-exact
+    res = {"checked": 0, "complete": 0, "noise": 0, "incomplete": 0, "records": [],
+           "method": getattr(ev, "audit_method", "tensors")}
     for i in range(n):
         metas = [records[r].meta["allreduces"][i] for r in live]
         m = metas[0]
@@ -256,7 +259,8 @@ def _diagnose_stream(ev, records, live, world, point_stats, ar, dtype, reference
         if not any(a["where"] == "embed" for r in live for a in records[r].meta.get("allreduces", [])):
             rows = torch.stack([ev.rows_nonzero("embed.out", r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
-            evid = {"rows_nonzero_on_one_rank": single, **all_r}
+            evid = {"rows_nonzero_on_one_rank": single, **all_r,
+                    "missing_allreduce": {"where": "embed", "module": _embed_module(records, live)}}
             if references and "embed.out" in references:
                 evid["sum_over_ranks_vs_reference"] = ev.sum_vs("embed.out", live, references["embed.out"])
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
@@ -286,7 +290,8 @@ def _diagnose_stream(ev, records, live, world, point_stats, ar, dtype, reference
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
                         detail=f"{mod} output was never all-reduced: {n_here.get(f'layer.{layer}', 0)} all-reduce(s) "
                                f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
-                        evidence={"unreduced": unreduced, **({"all_ranks": True} if len(ranks) == world else {})})]
+                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": f"layer.{layer}", "module": mod},
+                                  **({"all_ranks": True} if len(ranks) == world else {})})]
     if pf:
         return pf
     groups = _classes(ev, first, [r for r in live if r in point_stats[first]])

@@ -53,6 +53,57 @@ def verdict_lines(report: dict) -> list[str]:
     return lines or ["HEALTHY: every capture point agrees across ranks and every all-reduce is complete"]
 
 
+def missing_allreduces(report: dict) -> list[dict]:
+    """The all-reduces the diagnosis says never ran (they have no record: nothing was issued)."""
+    out = []
+    for f in report.get("findings", []):
+        m = (f.get("evidence") or {}).get("missing_allreduce")
+        if m and m not in out:
+            out.append({**m, "ranks": f.get("ranks", [])})
+    return out
+
+
+def audit_text(ar: dict, missing: Optional[list] = None) -> str:
+    """The all-reduce audit in one sentence, saying what the exchange mode can prove: full tensors
+    show whether each output is exactly the sum of its inputs or within rounding of it; sketches
+    (--exchange fingerprint) prove complete within rounding only, never bit-exact."""
+    checked, complete, incomplete = ar.get("checked", 0), ar.get("complete", 0), ar.get("incomplete", 0)
+    if ar.get("method") == "sketch":
+        how = ("each output's sketch against the sum of its inputs' sketches (--exchange fingerprint: proves "
+               "complete within rounding, not bit-exact)")
+        done = f"{complete} complete within rounding"
+    else:
+        noise = ar.get("noise", 0)
+        how = "each output against the sum of its inputs over the ranks, element by element"
+        done = f"{complete} complete ({complete - noise} exactly the sum, {noise} within rounding)"
+    counts = ar.get("count_per_rank") or {}
+    issued = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
+    text = f"{checked} all-reduces checked, {how}: {done}, {incomplete} incomplete"
+    if issued:
+        text += f"; issued per rank: {issued}"
+    for m in missing or []:
+        text += f"; never issued: the all-reduce of {m['module']} ({m['where']})"
+    return text
+
+
+def slot_values_differ(report: dict, row: dict) -> list[int]:
+    """Ranks on which what a slot holds differs materially from the reference rank: a slot can hold the
+    right layer and still carry wrong values (a partial sum, a stale weight)."""
+    points = {p["name"]: p for p in report.get("points", [])}
+    bad: set[int] = set()
+    for name in (row.get("matched"), row.get("expected")):
+        for r, s in ((points.get(name) or {}).get("per_rank") or {}).items():
+            if s and s.get("level") in ("material", "shape"):
+                bad.add(int(r))
+    return sorted(bad)
+
+
+def slot_fault_first(report: dict) -> bool:
+    """Is the first failure about the aux slots? Then the slot table is the decisive one."""
+    first = next((f for f in report.get("findings", []) if f["severity"] == "failure"), None)
+    return bool(first) and (str(first["where"]).startswith("aux slot") or first["kind"] == "tp-sliced")
+
+
 def cell_label(s: Optional[dict]) -> str:
     """The text of one capture point × rank cell (terminal, HTML and Markdown use the same words)."""
     if not s:
@@ -95,17 +146,18 @@ def render(report: dict, con: Console) -> None:
     con.print(t)
     ar = report["allreduce"]
     if ar:
-        counts = ar.get("count_per_rank", {})
-        con.print(f"all-reduce audit: {ar.get('checked', 0)} checked against Σ ranks of their inputs — "
-                  f"{ar.get('complete', 0)} complete ({ar.get('noise', 0)} within rounding), "
-                  f"{ar.get('incomplete', 0)} incomplete; issued per rank: {counts}")
+        con.print(Text("all-reduce audit: " + audit_text(ar, missing_allreduces(report)),
+                       style="bold red" if ar.get("incomplete") or missing_allreduces(report) else ""))
     if report.get("slots"):
         s = Table(title="aux slots (what the draft model receives)", header_style="bold")
-        for c in ("slot", "id", "expected", "holds"):
+        for c in ("slot", "id", "expected", "holds", "values across ranks"):
             s.add_column(c)
         for row in report["slots"]:
+            differ = slot_values_differ(report, row)
             s.add_row(str(row["slot"]), str(row["id"]), str(row["expected"]),
-                      Text(str(row["matched"]), style="green" if row["ok"] else "bold red"))
+                      Text(str(row["matched"]), style="green" if row["ok"] else "bold red"),
+                      Text(f"differ on ranks {differ}" if differ else "agree",
+                           style="bold red" if differ else "green"))
         con.print(s)
     if st.get("arch") in ("llama", "deepseek_v2") and st.get("layer_ids") is not None:
         # what SGLang's own capture rules make of these ids on this architecture
