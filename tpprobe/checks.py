@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .capture import RankRecord
-from .compare import compare, dtype_from_str
+from .compare import compare, dtype_from_str, rel_l2
 from .evidence import LEVELS, TensorEvidence
 from .findings import FAILURE, INFO, WARNING, Finding
 
@@ -299,8 +299,8 @@ def _diagnose_stream(ev, records, live, world, point_stats, ar, dtype, reference
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
     return [Finding("rank-divergence", first, odd,
                     detail=f"{point_label(first)} differs materially on rank{'s' if len(odd) > 1 else ''} "
-                           f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, rel diff "
-                           f"{s.get('rel_diff', 0):.3g}, first token {s.get('first_token')})",
+                           f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, relative L2 diff "
+                           f"{rel_l2(s.get('rel_diff', 0)):.3g}, first token {s.get('first_token')})",
                     evidence={"groups": groups})]
 
 
@@ -338,7 +338,7 @@ def _reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
             if c["level"] in ("material", "shape"):
                 return [Finding("reference-mismatch", name, [rec.rank], severity=WARNING,
                                 detail=f"{point_label(name)} differs from the unsharded tp=1 reference "
-                                       f"(rel diff {c.get('rel_diff', 0):.3g}) while ranks agree",
+                                       f"(relative L2 diff {rel_l2(c.get('rel_diff', 0)):.3g}) while ranks agree",
                                 evidence={"all_ranks": True})]
     return []
 

@@ -4,7 +4,8 @@ Noise is judged element by element against the dtype's spacing: an element may d
 `NOISE_ULP[dtype]` units in the last place of the larger magnitude, plus the same number of ULP of
 the tensor's RMS (so elements near zero, where one ULP is tiny, are judged on the tensor's scale).
 Reduction-order differences of a few ULP pass; a partial sum, a wrong shard or one corrupted
-element does not. rel diff is 1 - 2Σxy/(Σx²+Σy²), computed in float64.
+element does not. rel diff is 1 - 2Σxy/(Σx²+Σy²) = ‖x−y‖²/(‖x‖²+‖y‖²), in float64: quadratic (a 1 %
+difference is 5e-5); messages show its linear reading rel_l2 (0.01 = 1 %).
 """
 from __future__ import annotations
 
@@ -128,3 +129,11 @@ def nonfinite(t: torch.Tensor) -> dict:
 
 def nonzero_rows(t: torch.Tensor) -> torch.Tensor:
     return _rows(t).ne(0).any(-1)
+
+
+def rel_l2(rel_diff: float) -> float:
+    """The linear reading of rel_diff: ‖a−b‖ / sqrt((‖a‖²+‖b‖²)/2), the norm-wise relative difference
+    (0.01 = 1 %). rel_diff itself is quadratic (1e-4 for a 1 % difference), which reads as if it
+    contradicted a large max abs diff; messages show this one."""
+    import math
+    return math.sqrt(max(0.0, 2.0 * float(rel_diff)))
