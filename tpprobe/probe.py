@@ -200,6 +200,9 @@ def run(opts: ProbeOptions) -> int:
 
 
 def _shutdown(ctx) -> None:
+    import sys
+    if "tpprobe.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
+        sys.modules["tpprobe.sglang.dist"].release_shared_memory()
     try:
         if ctx.world_size > 1:
             # let every rank read the verdict before the store's host (rank 0's agent) may go
