@@ -211,7 +211,7 @@ def _allreduce(report: dict, world: int) -> str:
             lv = rec.get("level", "?")
             if lv == "missing":
                 out.append(f'<tr class="missing"><td>—</td><td>{_e(rec["where"])}</td><td>{_e(rec["module"])}</td>'
-                           f'<td colspan="2">—</td><td class="bad">never issued</td>'
+                           '<td>—</td><td>—</td><td class="bad">never issued</td>'
                            + "".join('<td class="bad">not issued</td>' if r in rec["missing_ranks"] else "<td>—</td>"
                                      for r in range(world)) + "</tr>")
                 continue
