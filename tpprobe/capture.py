@@ -116,6 +116,19 @@ def check_parent_exists(path: Path, flag: str) -> None:
                          f"folder of a path); create it first or fix the path")
 
 
+def check_file_path(path: Path, flag: str) -> None:
+    """A file tpprobe writes may go into a new folder, but only one: that folder's parent must exist."""
+    folder = Path(path).absolute().parent
+    if not folder.parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder.parent} does not exist (tpprobe creates only the last "
+                         f"folder of a path); create it first or fix the path")
+
+
+def make_file_folder(path: Path, flag: str) -> None:
+    check_file_path(path, flag)
+    Path(path).absolute().parent.mkdir(exist_ok=True)
+
+
 HEADROOM = 16 << 20   # bytes kept free beyond the estimate (manifest, report, the filesystem's own)
 
 

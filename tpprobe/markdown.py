@@ -91,5 +91,7 @@ def render_markdown(report: dict) -> str:
 
 def write_markdown(report: dict, path: Path) -> None:
     from .capture import atomic_write_bytes
+    from .capture import make_file_folder
     path = Path(path)
+    make_file_folder(path, "--markdown")
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))

@@ -31,6 +31,10 @@ def fingerprint_evidence(records: dict, settings: dict):
 
 def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, markdown: Optional[str] = None,
                quiet: bool = False) -> int:
+    from .capture import check_file_path
+    for flag, out in (("--html", html), ("--markdown", markdown)):
+        if out:
+            check_file_path(Path(out), flag)
     run = load_run(path)
     settings = dict(run.manifest.get("settings") or {})
     settings.setdefault("world_size", run.manifest["world_size"])

@@ -100,9 +100,8 @@ def write_sample(path, input_ids: torch.Tensor, aux_hidden_state: torch.Tensor,
                  hidden_state: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> Path:
     """One sample exactly as SpecForge's prepare_hidden_states.py saves it (batch dim on the states)."""
     path = Path(path)
-    from .capture import check_parent_exists
-    check_parent_exists(path.parent, "the sample's folder")
-    path.parent.mkdir(exist_ok=True)
+    from .capture import make_file_folder
+    make_file_folder(path, "sample")
     ids = input_ids.reshape(-1).to(torch.long).cpu()
     data = {"input_ids": ids,
             "loss_mask": (loss_mask if loss_mask is not None else torch.ones_like(ids)).reshape(-1).cpu()}
@@ -118,8 +117,9 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
 
     hidden_state is the last captured layer's residual stream: the capture holds no final-norm
     output, so it is a stand-in (tpprobe diff compares aux_hidden_state only)."""
-    from .capture import load_run
+    from .capture import check_file_path, load_run
     from .checks import stream_order
+    check_file_path(Path(out_path), "sample")   # before any work
     run = load_run(capture_dir)
     if rank not in run.records:
         raise CaptureError(f"{capture_dir}: rank {rank} not readable (have {sorted(run.records)})")
