@@ -14,7 +14,7 @@ import typer
 from typer.exceptions import Abort, Exit, TyperException
 
 from .errors import TPProbeError, UsageError
-from .faults import inject_help
+from .fault_names import inject_help
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tpprobe: a debugger for tensor-parallel LLM inference.")
@@ -69,7 +69,7 @@ def probe(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
-    from . import dist as tdist
+    from .exchange import dist as tdist
     from .probe import ProbeOptions, run, validate
 
     _DEBUG["on"] = debug
@@ -89,9 +89,9 @@ def probe(
         raise typer.Exit(code)
     validate(opts, nproc)
     if opts.out is None:
-        from .capture import default_out_dir
+        from .capture.files import default_out_dir
         opts.out = default_out_dir()
-    from .capture import check_out_dir, remove_if_empty
+    from .capture.files import check_out_dir, remove_if_empty
     existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
     from .launch import launch_local
@@ -130,7 +130,7 @@ def report(
 ) -> None:
     """Re-run the checks on a capture folder, offline, and print the report."""
     _DEBUG["on"] = debug
-    from .offline import report_dir
+    from .tools.offline import report_dir
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
 
 
@@ -141,8 +141,8 @@ def layers(
     num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the model")] = 61,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
-    from .layer_ids import parse_ids, render_layers_table
-    from .report import console
+    from .tools.layers import parse_ids, render_layers_table
+    from .report.terminal import console
     render_layers_table(arch, parse_ids(ids) if ids else None, num_layers, console())
 
 
@@ -155,7 +155,7 @@ def torchrun(ctx: typer.Context) -> None:
     The same launch as `torchrun ... -m tpprobe probe`, ending like tpprobe: exit 0 healthy, 1 findings,
     2 bad usage, without torchrun's ChildFailedError traceback after a report with findings."""
     if not ctx.args or ctx.args[0] in ("--help", "-h"):
-        from .report import console
+        from .report.terminal import console
         console().print(torchrun.__doc__.replace("\n    ", "\n"))
         raise typer.Exit(0)
     from .launch import torchrun as run_torchrun
@@ -170,13 +170,29 @@ def specforge(
     rank: Annotated[int, typer.Option("--rank", help="whose capture to write (every rank should hold the same)")] = 0,
 ) -> None:
     """Write a SpecForge EAGLE-3 training sample (data_N.ckpt) from a capture, for `tpprobe diff`."""
-    from .specforge import sample_from_capture
+    from .tools.specforge import sample_from_capture
     print(sample_from_capture(capture_dir, out, rank))
 
 
-# -- commands in their own modules (one line each) ---------------------------------------------
-from .diff import diff_command  # noqa: E402
-app.command("diff")(diff_command)
+@app.command("diff")
+def diff(
+    baseline: Annotated[Path, typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
+    target: Annotated[Path, typer.Argument(help="the run to check against the baseline (same kinds of input)")],
+    rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
+    all_ranks: Annotated[bool, typer.Option("--all-ranks", help="every rank of the capture folder(s)")] = False,
+    slots: Annotated[Optional[int], typer.Option("--slots", help="K: split a bare packed tensor into K slots")] = None,
+    hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
+    offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
+    threshold: Annotated[Optional[str], typer.Option(
+        "--threshold", help="rel diff² (‖t−b‖²/(‖t‖²+‖b‖²): quadratic: a 1 % difference is 5e-5) a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
+                            "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+) -> None:
+    """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
+    from .tools.diff import diff_command    # torch is imported only when a command needs it
+    diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
+                 threshold=threshold, json_out=json_out, debug=debug)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .envinfo import env_lines
-from .html import cell_label, verdict_items
+from .labels import cell_label, verdict_items
 
 MAX_LINES = 59
 ICON = {"failure": "🔴", "warning": "🟡", "info": "🔵", "ok": "🟢"}
@@ -37,7 +37,7 @@ def render_markdown(report: dict) -> str:
     if len(items) > 8:
         verdict.append(f"- … {len(items) - 8} more findings in report.json")
     verdict.append("")
-    from .report import audit_text, missing_allreduces, slot_values_differ
+    from .labels import audit_text, missing_allreduces, slot_values_differ
     ar = report.get("allreduce") or {}
     tail = []
     if ar:
@@ -90,8 +90,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    from .capture import atomic_write_bytes
-    from .capture import make_file_folder
+    from ..capture.files import atomic_write_bytes
+    from ..capture.files import make_file_folder
     path = Path(path)
     make_file_folder(path, "--markdown")
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .envinfo import env_lines
-from .report import cell_label          # the same words as the terminal table
+from .labels import cell_label, verdict_items   # the same words as the terminal table
 
 LEVEL_CLASS = {"bitwise": "ok", "exact": "ok", "reference": "ref", "noise": "noise", "material": "bad",
                "shape": "shape", "incomplete": "bad", "unchecked": "dim", "share": "dim", "missing": "dim"}
@@ -68,13 +68,6 @@ def _fmt(v) -> str:
 def _cell_title(s: dict) -> str:
     keys = ("max_abs", "mean_abs", "rel_diff", "ulp_max", "first_token", "bad_fraction", "nan_mismatch", "dtype", "shape")
     return "; ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s and s[k] is not None)
-
-
-def verdict_items(report: dict) -> list[dict]:
-    fs = report.get("findings") or []
-    if fs:
-        return fs
-    return [{"severity": "ok", "line": "HEALTHY: every capture point agrees across ranks and every all-reduce is complete"}]
 
 
 # ---- heatmaps ----------------------------------------------------------------------------------
@@ -195,7 +188,7 @@ def _allreduce(report: dict, world: int) -> str:
     out = ['<section id="allreduce"><h2>All-reduce audit</h2>']
     if not ar:
         return "".join(out) + "<p>no all-reduce recorded</p></section>"
-    from .report import audit_text, missing_allreduces
+    from .labels import audit_text, missing_allreduces
     missing = missing_allreduces(report)
     out.append(f"<p>{_e(audit_text(ar, missing))}</p>")
     recs = list(ar.get("records") or [])
@@ -271,7 +264,7 @@ def _slots(report: dict) -> str:
     slots = report.get("slots") or []
     if not slots:
         return ""
-    from .report import slot_values_differ
+    from .labels import slot_values_differ
     out = ['<section id="slots"><h2>Aux slots (what the draft model receives)</h2><table class="slots"><thead><tr>'
            '<th>slot</th><th>id</th><th>expected</th><th>holds</th><th>values across ranks</th></tr></thead><tbody>']
     for s in slots:
@@ -291,7 +284,7 @@ def _kv_table(d: dict, cls: str) -> str:
 def _settings_env(report: dict) -> str:
     st = dict(report.get("settings") or {})
     out = ['<section id="settings"><h2>Settings</h2>', _kv_table(st, "settings")]
-    from .report import timing_text
+    from .labels import timing_text
     tm = timing_text(report)
     if tm:
         out.append(f"<p>{_e(tm)}</p>")
@@ -321,7 +314,7 @@ def _settings_env(report: dict) -> str:
 
 def _body(report: dict, world: int) -> list[str]:
     """The tables in the order that explains the verdict: a slot fault's slot table first."""
-    from .report import slot_fault_first
+    from .labels import slot_fault_first
     tables = [_points_table(report, world), _allreduce(report, world), _heatmaps(report, world)]
     slots = _slots(report)
     return [slots, *tables] if slot_fault_first(report) else [*tables, slots]
@@ -347,8 +340,8 @@ def render_html(report: dict) -> str:
 def write_html(report: dict, path: Path, capture_dir: Optional[Path] = None) -> None:
     """Write the report as one self-contained HTML file (atomically). capture_dir is accepted for
     callers that have one; the heatmaps come from the report's per-token stats."""
-    from .capture import atomic_write_bytes
-    from .capture import make_file_folder
+    from ..capture.files import atomic_write_bytes
+    from ..capture.files import make_file_folder
     path = Path(path)
     make_file_folder(path, "--html")
     atomic_write_bytes(path, render_html(report).encode("utf-8"))

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 EXPECTED = ("a SpecForge EAGLE-3 sample (a dict with input_ids, loss_mask, hidden_state, aux_hidden_state) "
@@ -100,7 +100,7 @@ def write_sample(path, input_ids: torch.Tensor, aux_hidden_state: torch.Tensor,
                  hidden_state: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> Path:
     """One sample exactly as SpecForge's prepare_hidden_states.py saves it (batch dim on the states)."""
     path = Path(path)
-    from .capture import make_file_folder
+    from ..capture.files import make_file_folder
     make_file_folder(path, "sample")
     ids = input_ids.reshape(-1).to(torch.long).cpu()
     data = {"input_ids": ids,
@@ -117,8 +117,8 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
 
     hidden_state is the last captured layer's residual stream: the capture holds no final-norm
     output, so it is a stand-in (tpprobe diff compares aux_hidden_state only)."""
-    from .capture import check_file_path, load_run
-    from .checks import stream_order
+    from ..capture.files import check_file_path, load_run
+    from ..capture.points import stream_order
     check_file_path(Path(out_path), "sample")   # before any work
     run = load_run(capture_dir)
     if rank not in run.records:
@@ -132,5 +132,5 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
 
 if __name__ == "__main__":   # the old spelling of `tpprobe specforge CAPTURE_DIR OUT.ckpt [--rank R]`
     import sys
-    from .cli import main
+    from ..cli import main
     main(["specforge", *sys.argv[1:]])
