@@ -138,7 +138,7 @@ def test_quiet_prints_the_verdict_and_says_where_files_went(ranks_env, capfd):
     assert f"{rep['allreduce']['complete']} complete within rounding" in flat and "not bit-exact" in flat
     assert "exactly the sum" not in flat
     # the HTML: the slot table comes after the points table here, first on a slot fault
-    from tpprobe.html import render_html
+    from tpprobe.report.html import render_html
     html = render_html(rep)
     assert html.index('id="verdict"') < html.index('id="points"') < html.index('id="slots"')
     slot_fault = {"kind": "capture-offset", "where": "aux slots [1, 2]", "ranks": [0, 1], "severity": "failure",
@@ -148,7 +148,7 @@ def test_quiet_prints_the_verdict_and_says_where_files_went(ranks_env, capfd):
 
 
 def test_audit_text_says_what_each_mode_proves():
-    from tpprobe.report import audit_text
+    from tpprobe.report.labels import audit_text
     full = audit_text({"checked": 13, "complete": 13, "noise": 0, "incomplete": 0, "method": "tensors",
                        "count_per_rank": {"0": 13, "1": 13}})
     assert "13 complete (13 exactly the sum, 0 within rounding), 0 incomplete" in full
@@ -184,3 +184,21 @@ def test_tpprobe_torchrun_ends_a_finding_without_childfailederror(ranks_env, cap
     code, out, err = cli(["torchrun", "--nproc-per-node", "2", "probe", "--backend", "nccl"], capfd)
     assert code == 2 and "ChildFailedError" not in err
     assert one_error_line(err).endswith("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
+
+
+def test_config_sets_the_dtype_unless_dtype_is_given(tmp_path, monkeypatch, capsys):
+    """--config's torch_dtype is the probe's dtype (the ranks are started with it); --dtype wins."""
+    import tpprobe.launch
+    started = []
+    monkeypatch.setattr(tpprobe.launch, "launch_local", lambda n, argv: started.append(argv) or 0)
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+    base = ["probe", "--backend", "sglang", "--config", str(cfg), "--out", "r"]
+    for extra, want in (([], "bfloat16"), (["--dtype", "float16"], "float16")):
+        assert cli(base + extra, capsys)[0] == 0
+        argv = started[-1]
+        assert argv[argv.index("--dtype") + 1] == want
+    cfg.write_text(json.dumps({"model_type": "llama", "dtype": "float16"}))      # newer transformers' key
+    assert cli(base, capsys)[0] == 0 and started[-1][started[-1].index("--dtype") + 1] == "float16"
+    assert cli(["probe", "--out", "r2"], capsys)[0] == 0 and started[-1][started[-1].index("--dtype") + 1] == "float32"

@@ -46,14 +46,15 @@ def _ids(text: str) -> list[int]:
 def probe(
     nproc: Annotated[int, typer.Option("--nproc", help="local ranks to start (ignored under torchrun)")] = 2,
     layers: Annotated[str, typer.Option("--layers", help="EAGLE-3 layer ids to capture; -1 = the embedding")] = "-1,1,3",
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 6,
-    hidden: Annotated[int, typer.Option("--hidden")] = 64,
-    heads: Annotated[int, typer.Option("--heads")] = 8,
-    ffn: Annotated[int, typer.Option("--ffn")] = 128,
-    vocab: Annotated[int, typer.Option("--vocab")] = 131,
-    tokens: Annotated[int, typer.Option("--tokens")] = 16,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
+    num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the built-in (or SGLang) model")] = 6,
+    hidden: Annotated[int, typer.Option("--hidden", help="built-in model: hidden size (a multiple of --heads)")] = 64,
+    heads: Annotated[int, typer.Option("--heads", help="built-in model: attention heads (divisible by the ranks)")] = 8,
+    ffn: Annotated[int, typer.Option("--ffn", help="built-in model: MLP width (divisible by the ranks)")] = 128,
+    vocab: Annotated[int, typer.Option("--vocab", help="built-in model: vocabulary (131 is not divisible by tp: shards are padded)")] = 131,
+    tokens: Annotated[int, typer.Option("--tokens", help="tokens in the one forward")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the weights and token ids")] = 0,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: float32, or "
+                                                          "the torch_dtype of --config)")] = None,
     backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
     arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
     config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
@@ -63,21 +64,22 @@ def probe(
     timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
     exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
-    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error, also one raised on a rank")] = False,
 ) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
     from .exchange import dist as tdist
-    from .probe import ProbeOptions, run, validate
+    from .probe import ProbeOptions, config_dtype, run, validate
 
     _DEBUG["on"] = debug
     opts = ProbeOptions(layers=_ids(layers), num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
-                        vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
+                        vocab=vocab, tokens=tokens, seed=seed, backend=backend, arch=arch,
                         config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
                         exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
-                        nproc=nproc, debug=debug)
+                        nproc=nproc, debug=debug,
+                        dtype=dtype or (config_dtype(config) if config and backend == "sglang" else "float32"))
     rank = tdist.env_rank()
     if rank is not None:          # a rank under torchrun / our own launcher
         try:

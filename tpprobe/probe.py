@@ -118,6 +118,20 @@ def validate(opts: ProbeOptions, world: int) -> None:
     faults_mod.parse(opts.inject, world, opts.num_layers, ids)
 
 
+def config_dtype(path: str) -> str:
+    """The dtype a --config asks for (its torch_dtype, or dtype in newer configs): the probe's dtype
+    unless --dtype says otherwise. float32 when it names none (or "auto"), or cannot be read here
+    (building the model then says what is wrong with the file)."""
+    import json
+    p = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return "float32"
+    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") if isinstance(d, dict) else ""
+    return want if want in DTYPES else "float32"
+
+
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
