@@ -15,15 +15,12 @@ from typing import Optional
 
 import torch
 
-from .noise import NOISE_ULP, bitwise_equal, coarser, compare, eps_of, nonfinite, nonzero_rows, within_noise
+from .noise import (NOISE_ULP, bitwise_equal, compare, eps_of, judge_dtype, nonfinite, nonzero_rows,
+                    within_noise)
 from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
-
-
-def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
 
 
 def layer_points(names) -> list[str]:

@@ -77,8 +77,7 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
     """The reference rank broadcasts its tensor for each disagreeing point, one at a time; every
     rank computes its own statistics against it and posts only those. Returns (records on rank 0,
     detail {name: {rank: stats}}, bytes moved by this rank)."""
-    from ..checks.noise import compare
-    from ..checks.evidence import judge_dtype
+    from ..checks.noise import compare, judge_dtype
 
     group = probe_group()
     ref = min(posts)

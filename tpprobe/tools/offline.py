@@ -18,7 +18,8 @@ def fingerprint_evidence(records: dict, settings: dict):
     if not records or not all("fingerprints" in r.meta for r in records.values()):
         return None
     from ..checks.noise import compare, dtype_from_str
-    from ..checks.evidence import FingerprintEvidence, judge_dtype
+    from ..checks.evidence import FingerprintEvidence
+    from ..checks.noise import judge_dtype
     dtype = dtype_from_str(settings.get("dtype", "float32"))
     ref = min(records)
     detail: dict = {}
