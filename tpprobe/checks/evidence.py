@@ -17,6 +17,7 @@ import torch
 
 from .noise import (NOISE_ULP, bitwise_equal, compare, eps_of, judge_dtype, nonfinite, nonzero_rows,
                     within_noise)
+from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
 from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
@@ -24,9 +25,7 @@ SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
 
 
 def layer_points(names) -> list[str]:
-    def key(n):
-        return int(n.split(".")[1])
-    return sorted((n for n in names if n.startswith("layer.") and n.endswith(".out")), key=key)
+    return layer_streams(names)
 
 
 def slot_candidates(names) -> list[str]:
@@ -112,7 +111,7 @@ class TensorEvidence:
         base = have.get(ref, next(iter(have.values())))
         per = {}
         for r, t in have.items():
-            if name.endswith(".local"):       # each rank's own share: expected to differ
+            if parse(name).kind == SHARE:       # each rank's own share: expected to differ
                 s = {"level": "reference" if t is base else "share"}
             elif t is base:
                 s = {"level": "reference"}
@@ -136,8 +135,8 @@ class TensorEvidence:
         return compare(s, reference.double(), dtype=self.dtype)["level"]
 
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
-        ins = {r: self.tensor(f"allreduce.{i}.in", r) for r in live}
-        outs = {r: self.tensor(f"allreduce.{i}.out", r) for r in live}
+        ins = {r: self.tensor(allreduce_in(i), r) for r in live}
+        outs = {r: self.tensor(allreduce_out(i), r) for r in live}
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or len({tuple(v.shape) for v in ins.values()}) > 1:
             return None
@@ -189,7 +188,7 @@ class FingerprintEvidence(TensorEvidence):
         base = have[base_rank]
         per = {}
         for r, f in have.items():
-            if name.endswith(".local"):
+            if parse(name).kind == SHARE:
                 s = {"level": "reference" if r == base_rank else "share"}
             elif r == base_rank:
                 s = {"level": "reference"}

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture.files import RankRecord
+from ..capture.points import AR_IN, AR_OUT, SHARE, TOKENS, parse
 from ..checks.noise import dtype_from_str
 
 _GROUP = None
@@ -65,7 +66,7 @@ def detail_plan(posts: dict) -> list[tuple[str, list[int], str, bool]]:
     ranks = sorted(posts)
     plan = []
     for name, shape, wire, cast in gather_plan(posts):
-        if name.startswith("allreduce.") or name == "input_ids" or name.endswith(".local"):
+        if parse(name).kind in (AR_IN, AR_OUT, TOKENS, SHARE):   # audits, tokens, own shares: never compared
             continue
         hashes = {posts[r]["meta"].get("fingerprints", {}).get(name, {}).get("bit_hash") for r in ranks}
         if len(hashes) > 1:

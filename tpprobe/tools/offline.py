@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..capture.files import load_run, point_set_mismatches
+from ..capture.points import SHARE, parse
 from ..checks.run import run_checks
 from ..checks.findings import FAILURE, Finding
 from ..report.model import build_report
@@ -26,7 +27,7 @@ def fingerprint_evidence(records: dict, settings: dict):
     for name, base in records[ref].tensors.items():
         for r, rec in records.items():
             t = rec.tensors.get(name)
-            if r != ref and t is not None and t.shape == base.shape and not name.endswith(".local"):
+            if r != ref and t is not None and t.shape == base.shape and parse(name).kind != SHARE:
                 detail.setdefault(name, {})[r] = compare(t, base, dtype=judge_dtype(t.dtype, base.dtype, dtype))
     return FingerprintEvidence(records, dtype, detail)
 
