@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .capture.points import layer_out
 from .errors import UsageError
 from .target import ProbeTarget, RankContext
 
@@ -260,7 +261,7 @@ def reference_streams(cfg: BuiltinConfig, weights: dict | None = None, dtype=Non
         r = None
         for k, layer in enumerate(model.layers):
             h, r = layer(h, r)
-            out[f"layer.{k}.out"] = h + r
+            out[layer_out(k)] = h + r
     return out
 
 

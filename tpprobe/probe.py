@@ -22,7 +22,7 @@ from . import faults as faults_mod
 from .capture import files as capture
 from .capture.hooks import Tap
 from .capture.params import replicated_param_hashes
-from .capture.points import id_point
+from .capture.points import IN_NORM, allreduce_in, allreduce_out, id_point, parse
 from .capture.progress import Progress
 from .checks.findings import exit_code
 from .checks.run import run_checks
@@ -293,7 +293,7 @@ def _forward(me: _Rank):
     forward with status "error"; what was captured up to there is still reported."""
     keep_ids = {id_point(i) for i in me.layer_ids}
     keep = (lambda n: True) if me.keep_all else \
-        (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
+        (lambda n: n in keep_ids or parse(n).layer == -1 or parse(n).kind == IN_NORM)
     summarize = None if me.keep_all else (lambda t: fingerprint(t, seed=FP_SEED, k=FP_K))
     status, error, result = "ok", None, None
     t0 = time.time()
@@ -319,7 +319,7 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
     tensors = dict(tap.captures)
     for rec in tap.allreduces:
         if rec.inp is not None and rec.out is not None:
-            tensors[f"allreduce.{rec.seq}.in"], tensors[f"allreduce.{rec.seq}.out"] = rec.inp, rec.out
+            tensors[allreduce_in(rec.seq)], tensors[allreduce_out(rec.seq)] = rec.inp, rec.out
     tensors["input_ids"] = target.input_ids
     aux_meta = {}
     if packed is not None:

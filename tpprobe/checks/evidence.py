@@ -15,21 +15,17 @@ from typing import Optional
 
 import torch
 
-from .noise import NOISE_ULP, bitwise_equal, coarser, compare, eps_of, nonfinite, nonzero_rows, within_noise
+from .noise import (NOISE_ULP, bitwise_equal, compare, eps_of, judge_dtype, nonfinite, nonzero_rows,
+                    within_noise)
+from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
 from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
 
 
-def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
-
-
 def layer_points(names) -> list[str]:
-    def key(n):
-        return int(n.split(".")[1])
-    return sorted((n for n in names if n.startswith("layer.") and n.endswith(".out")), key=key)
+    return layer_streams(names)
 
 
 def slot_candidates(names) -> list[str]:
@@ -117,7 +113,7 @@ class TensorEvidence:
         base = have.get(ref, next(iter(have.values())))
         per = {}
         for r, t in have.items():
-            if name.endswith(".local"):       # each rank's own share: expected to differ
+            if parse(name).kind == SHARE:       # each rank's own share: expected to differ
                 s = {"level": "reference" if t is base else "share"}
             elif t is base:
                 s = {"level": "reference"}
@@ -141,8 +137,8 @@ class TensorEvidence:
         return compare(s, reference.double(), dtype=self.dtype)["level"]
 
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
-        ins = {r: self.tensor(f"allreduce.{i}.in", r) for r in live}
-        outs = {r: self.tensor(f"allreduce.{i}.out", r) for r in live}
+        ins = {r: self.tensor(allreduce_in(i), r) for r in live}
+        outs = {r: self.tensor(allreduce_out(i), r) for r in live}
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or len({tuple(v.shape) for v in ins.values()}) > 1:
             return None
@@ -196,7 +192,7 @@ class FingerprintEvidence(TensorEvidence):
         base = have[base_rank]
         per = {}
         for r, f in have.items():
-            if name.endswith(".local"):
+            if parse(name).kind == SHARE:
                 s = {"level": "reference" if r == base_rank else "share"}
             elif r == base_rank:
                 s = {"level": "reference"}

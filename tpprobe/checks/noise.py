@@ -34,6 +34,11 @@ def coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if eps_of(a) >= eps_of(b) else b
 
 
+def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The precision two tensors are judged in: the coarser of theirs and the run's."""
+    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
+
+
 def bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.shape != y.shape or x.dtype != y.dtype:
         return False

@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from ..capture.points import point_label, point_layer, stream_order
+from ..capture.points import AUX, layer_place, parse, point_label, point_layer, stream_order
 from .crossrank import classes
 from .findings import Finding
 from .noise import rel_l2
@@ -18,7 +18,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     order = stream_order(point_stats)
     bad = lambda n: [r for r, s in point_stats[n].items() if s["level"] in ("material", "shape")]  # noqa: E731
     # non-finite first: NaN spreads through every later reduce
-    for n in order + [x for x in point_stats if x not in order and not x.startswith("aux")]:
+    for n in order + [x for x in point_stats if x not in order and parse(x).kind != AUX]:
         nf = [r for r, s in point_stats[n].items() if s.get("nan") or s.get("inf")]
         if nf:
             s = point_stats[n][nf[0]]
@@ -47,7 +47,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                             evidence=evid)]
     # an all-reduce over a sub-group in this layer
     sub = [a for a in ar.get("records", []) if a.get("group_size", world) < world
-           and (a["where"] == f"layer.{layer}" or layer == -1 and a["where"] == "embed")]
+           and a["where"] == layer_place(layer)]
     if sub:
         groups = classes(ev, first, [r for r in live if r in point_stats[first]])
         a = sub[0]

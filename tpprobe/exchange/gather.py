@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture.files import RankRecord
+from ..capture.points import AR_IN, AR_OUT, SHARE, TOKENS, parse
 from ..checks.noise import dtype_from_str
 
 _GROUP = None
@@ -65,7 +66,7 @@ def detail_plan(posts: dict) -> list[tuple[str, list[int], str, bool]]:
     ranks = sorted(posts)
     plan = []
     for name, shape, wire, cast in gather_plan(posts):
-        if name.startswith("allreduce.") or name == "input_ids" or name.endswith(".local"):
+        if parse(name).kind in (AR_IN, AR_OUT, TOKENS, SHARE):   # audits, tokens, own shares: never compared
             continue
         hashes = {posts[r]["meta"].get("fingerprints", {}).get(name, {}).get("bit_hash") for r in ranks}
         if len(hashes) > 1:
@@ -77,8 +78,7 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
     """The reference rank broadcasts its tensor for each disagreeing point, one at a time; every
     rank computes its own statistics against it and posts only those. Returns (records on rank 0,
     detail {name: {rank: stats}}, bytes moved by this rank)."""
-    from ..checks.noise import compare
-    from ..checks.evidence import judge_dtype
+    from ..checks.noise import compare, judge_dtype
 
     group = probe_group()
     ref = min(posts)

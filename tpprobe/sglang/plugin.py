@@ -158,11 +158,12 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
     """This rank's tensors, metadata (the keys `tpprobe probe` writes) and run settings."""
     from tpprobe.tools.layers import slots_from_layers_to_capture
     from tpprobe.capture.params import replicated_param_hashes
+    from tpprobe.capture.points import allreduce_in, allreduce_out
 
     tensors: dict[str, torch.Tensor] = {k: v for k, v in tap.captures.items() if isinstance(v, torch.Tensor)}
     for a in tap.allreduces:
         if a.inp is not None and a.out is not None:
-            tensors[f"allreduce.{a.seq}.in"], tensors[f"allreduce.{a.seq}.out"] = a.inp, a.out
+            tensors[allreduce_in(a.seq)], tensors[allreduce_out(a.seq)] = a.inp, a.out
     tensors["input_ids"] = input_ids
     aux, aux_note = _aux(result, int(input_ids.shape[0]))
     aux_meta = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tpprobe.capture.points import EMBED_OUT, layer_out
 from tpprobe.errors import UsageError
 
 SGLANG_VERSION = "0.5.23"
@@ -219,7 +220,7 @@ def render_layers_table(arch: str, ids: Optional[list[int]], num_layers: int, co
 def layer_point(layer: int) -> str:
     """tpprobe's capture point equal to the stream SGLang captures at `layers_to_capture` entry
     `layer` (the stream entering that layer): embed.out for 0, else layer.{layer-1}.out."""
-    return "embed.out" if layer == 0 else f"layer.{layer - 1}.out"
+    return EMBED_OUT if layer == 0 else layer_out(layer - 1)
 
 
 def expected_slots(p: LayerPlan) -> tuple[list[Optional[str]], list[Optional[int]]]:

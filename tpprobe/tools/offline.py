@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..capture.files import load_run, point_set_mismatches
+from ..capture.points import SHARE, parse
 from ..checks.run import run_checks
 from ..checks.findings import FAILURE, Finding
 from ..report.model import build_report
@@ -18,14 +19,15 @@ def fingerprint_evidence(records: dict, settings: dict):
     if not records or not all("fingerprints" in r.meta for r in records.values()):
         return None
     from ..checks.noise import compare, dtype_from_str
-    from ..checks.evidence import FingerprintEvidence, judge_dtype
+    from ..checks.evidence import FingerprintEvidence
+    from ..checks.noise import judge_dtype
     dtype = dtype_from_str(settings.get("dtype", "float32"))
     ref = min(records)
     detail: dict = {}
     for name, base in records[ref].tensors.items():
         for r, rec in records.items():
             t = rec.tensors.get(name)
-            if r != ref and t is not None and t.shape == base.shape and not name.endswith(".local"):
+            if r != ref and t is not None and t.shape == base.shape and parse(name).kind != SHARE:
                 detail.setdefault(name, {})[r] = compare(t, base, dtype=judge_dtype(t.dtype, base.dtype, dtype))
     return FingerprintEvidence(records, dtype, detail)
 
