@@ -62,7 +62,10 @@ def probe(
     inject: Annotated[Optional[list[str]], typer.Option("--inject", help=inject_help())] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
-    exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
+    exchange: Annotated[str, typer.Option("--exchange", help="full (every tensor to rank 0) | fingerprint "
+                                                               "(a few KB per capture; tensors only where ranks differ)")] = "full",
+    max_bytes: Annotated[float, typer.Option("--max-bytes", help="refuse to start when one rank would write more "
+                                                                  "than this many bytes (estimated from the model)")] = 2e9,
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
     html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
@@ -77,7 +80,7 @@ def probe(
     opts = ProbeOptions(layers=_ids(layers), num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
                         vocab=vocab, tokens=tokens, seed=seed, backend=backend, arch=arch,
                         config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
-                        exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
+                        exchange=exchange, max_bytes=max_bytes, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
                         nproc=nproc, debug=debug,
                         dtype=dtype or (config_dtype(config) if config and backend == "sglang" else "float32"))
     rank = tdist.env_rank()
@@ -108,7 +111,8 @@ def options_argv(opts) -> list[str]:
     a = ["--layers", ",".join(map(str, opts.layers)), "--num-layers", str(opts.num_layers), "--hidden", str(opts.hidden),
          "--heads", str(opts.heads), "--ffn", str(opts.ffn), "--vocab", str(opts.vocab), "--tokens", str(opts.tokens),
          "--seed", str(opts.seed), "--dtype", opts.dtype, "--backend", opts.backend, "--arch", opts.arch,
-         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out)]
+         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out),
+         "--max-bytes", repr(float(opts.max_bytes))]
     for flag, v in (("--config", opts.config), ("--model", opts.model), ("--html", opts.html),
                     ("--markdown", opts.markdown)):
         if v:

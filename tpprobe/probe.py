@@ -59,6 +59,7 @@ class ProbeOptions:
     inject: list[str] = field(default_factory=list)
     out: Optional[str] = None
     timeout: float = 60.0
+    max_bytes: float = 2e9           # refuse a capture bigger than this per rank (estimated before the forward)
     exchange: str = "full"           # full | fingerprint
     embed_pattern: str = "VocabParallelEmbedding"
     layer_pattern: str = "*DecoderLayer"
@@ -81,6 +82,8 @@ def validate(opts: ProbeOptions, world: int) -> None:
     _ = opts.torch_dtype
     if world < 1:
         raise UsageError(f"--nproc must be >= 1 (got {world})")
+    if opts.max_bytes <= 0:
+        raise UsageError(f"--max-bytes must be > 0 (got {opts.max_bytes:g})")
     if opts.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds (got {opts.timeout})")
     if opts.exchange not in ("full", "fingerprint"):
@@ -259,8 +262,13 @@ def _prepare(me: _Rank) -> int:
         me.target = build_target(ctx, opts, me.layer_ids)
         me.timings["build_s"] = time.time() - t0
         faults_mod.apply(flt, me.target, ctx, groups)
+        est = estimate_capture_bytes(me.target, me.layer_ids, me.keep_all)
+        if est > opts.max_bytes:    # a size cap, as the SGLang plugin's TPPROBE_MAX_BYTES
+            raise UsageError(f"this probe would write about {est / 1e6:.1f} MB per rank, over --max-bytes "
+                             f"{opts.max_bytes:.3g}: use --exchange fingerprint (keeps the requested slots only), "
+                             f"fewer --tokens or --layers, or raise --max-bytes")
         if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
-            capture.check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * _local_world())
+            capture.check_out_dir(me.out, est * _local_world())
         ch.post("ready", {"ok": True})
     except UsageError as e:
         if opts.debug:    # the message says "run with --debug": show where it came from (the cause too)
