@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tpprobe.noise import measure   # the one noise model
+from tpprobe.checks.noise import measure   # the one noise model
 
 
 def main(dirs):
