@@ -251,7 +251,8 @@ def sum_matches(out_fp: Fingerprint, in_fps: list, dtype: torch.dtype) -> tuple[
     if S == 0.0:
         return err == 0.0, 0.0 if err == 0.0 else float("inf")
     rel = err / (math.sqrt(k) * S)
-    return rel <= NOISE_FACTOR * _eps(dtype) * math.sqrt(len(in_fps)), rel
+    from ..checks.noise import reduce_bound     # the one noise model's reduce rule
+    return rel <= reduce_bound(dtype if not isinstance(dtype, str) else getattr(torch, dtype), len(in_fps)), rel
 
 
 def sketch_close(a: Fingerprint, b: Fingerprint, dtype) -> bool:

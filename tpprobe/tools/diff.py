@@ -27,7 +27,7 @@ import typer
 
 from ..checks.slots import slot_verdict
 from ..capture.points import point_label, point_layer, stream_order
-from ..checks.noise import coarser, compare
+from ..checks.noise import RESHARDED, coarser, compare
 from ..errors import CaptureError, TPProbeError, UsageError
 from .specforge import EXPECTED, parse_sample, safe_torch_load
 
@@ -263,7 +263,7 @@ def rel_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor, judge: Optional[torch.dtype] = None) -> dict:
-    c = compare(x, y, dtype=judge)
+    c = compare(x, y, dtype=judge, context=RESHARDED)   # training vs serving: another run, maybe another TP
     if c["level"] == "shape":
         return {"level": "shape", "shape": c["shape"], "ref_shape": c["ref_shape"], "rel_diff": math.inf}
     a, b = x.double().reshape(x.shape[0], -1), y.double().reshape(y.shape[0], -1)
