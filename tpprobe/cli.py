@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,11 +14,25 @@ import typer
 from typer.exceptions import Abort, Exit, TyperException
 
 from .errors import TPProbeError, UsageError
+from .fault_names import inject_help
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tpprobe: a debugger for tensor-parallel LLM inference.")
 
 _DEBUG = {"on": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"tpprobe {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print tpprobe's version and exit")] = False) -> None:
+    """tpprobe: a debugger for tensor-parallel LLM inference (exit 0 healthy, 1 findings, 2 bad usage)."""
 
 
 def _ids(text: str) -> list[int]:
@@ -33,47 +46,61 @@ def _ids(text: str) -> list[int]:
 def probe(
     nproc: Annotated[int, typer.Option("--nproc", help="local ranks to start (ignored under torchrun)")] = 2,
     layers: Annotated[str, typer.Option("--layers", help="EAGLE-3 layer ids to capture; -1 = the embedding")] = "-1,1,3",
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 6,
-    hidden: Annotated[int, typer.Option("--hidden")] = 64,
-    heads: Annotated[int, typer.Option("--heads")] = 8,
-    ffn: Annotated[int, typer.Option("--ffn")] = 128,
-    vocab: Annotated[int, typer.Option("--vocab")] = 131,
-    tokens: Annotated[int, typer.Option("--tokens")] = 16,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
+    num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the built-in (or SGLang) model")] = 6,
+    hidden: Annotated[int, typer.Option("--hidden", help="built-in model: hidden size (a multiple of --heads)")] = 64,
+    heads: Annotated[int, typer.Option("--heads", help="built-in model: attention heads (divisible by the ranks)")] = 8,
+    ffn: Annotated[int, typer.Option("--ffn", help="built-in model: MLP width (divisible by the ranks)")] = 128,
+    vocab: Annotated[int, typer.Option("--vocab", help="built-in model: vocabulary (131 is not divisible by tp: shards are padded)")] = 131,
+    tokens: Annotated[int, typer.Option("--tokens", help="tokens in the one forward")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the weights and token ids")] = 0,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: float32, or "
+                                                          "the torch_dtype of --config)")] = None,
     backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
     arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
     config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory")] = None,
-    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable)")] = None,
+    inject: Annotated[Optional[list[str]], typer.Option("--inject", help=inject_help())] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
     exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
-    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error, also one raised on a rank")] = False,
 ) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
     from .exchange import dist as tdist
-    from .probe import ProbeOptions, run, validate
+    from .probe import ProbeOptions, config_dtype, run, validate
 
     _DEBUG["on"] = debug
     opts = ProbeOptions(layers=_ids(layers), num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
-                        vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
+                        vocab=vocab, tokens=tokens, seed=seed, backend=backend, arch=arch,
                         config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
                         exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
-                        nproc=nproc, debug=debug)
-    if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
-        raise typer.Exit(run(opts))
+                        nproc=nproc, debug=debug,
+                        dtype=dtype or (config_dtype(config) if config and backend == "sglang" else "float32"))
+    rank = tdist.env_rank()
+    if rank is not None:          # a rank under torchrun / our own launcher
+        try:
+            code = run(opts)
+        except TPProbeError as e:
+            if rank[0] != 0:      # every rank meets the same bad setting: rank 0 says it, once
+                raise typer.Exit(e.exit_code)
+            raise
+        raise typer.Exit(code)
     validate(opts, nproc)
     if opts.out is None:
-        opts.out = time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
-    from .capture.files import check_out_dir
+        from .capture.files import default_out_dir
+        opts.out = default_out_dir()
+    from .capture.files import check_out_dir, remove_if_empty
+    existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
     from .launch import launch_local
-    raise typer.Exit(launch_local(nproc, ["probe", *options_argv(opts)]))
+    code = launch_local(nproc, ["probe", *options_argv(opts)])
+    if not existed:
+        remove_if_empty(Path(opts.out))
+    raise typer.Exit(code)
 
 
 def options_argv(opts) -> list[str]:
@@ -97,11 +124,11 @@ def options_argv(opts) -> list[str]:
 @app.command()
 def report(
     capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin")],
-    json_out: Annotated[bool, typer.Option("--json")] = False,
-    html: Annotated[Optional[str], typer.Option("--html")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet")] = False,
-    debug: Annotated[bool, typer.Option("--debug")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error")] = False,
 ) -> None:
     """Re-run the checks on a capture folder, offline, and print the report."""
     _DEBUG["on"] = debug
@@ -113,12 +140,40 @@ def report(
 def layers(
     arch: Annotated[str, typer.Option("--arch", help="llama | deepseek_v2 (also deepseek_v3 / kimi)")] = "llama",
     ids: Annotated[Optional[str], typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 61,
+    num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the model")] = 61,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
     from .tools.layers import parse_ids, render_layers_table
     from .report.terminal import console
     render_layers_table(arch, parse_ids(ids) if ids else None, num_layers, console())
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "help_option_names": []}, add_help_option=False)
+def torchrun(ctx: typer.Context) -> None:
+    """Run a probe under torchrun (multi-node too), ending like any tpprobe command.
+
+    torchrun's options, then the command: `tpprobe torchrun --nproc-per-node 4 probe --layers -1,1,3`.
+    The same launch as `torchrun ... -m tpprobe probe`, ending like tpprobe: exit 0 healthy, 1 findings,
+    2 bad usage, without torchrun's ChildFailedError traceback after a report with findings."""
+    if not ctx.args or ctx.args[0] in ("--help", "-h"):
+        from .report.terminal import console
+        console().print(torchrun.__doc__.replace("\n    ", "\n"))
+        raise typer.Exit(0)
+    from .launch import torchrun as run_torchrun
+    raise typer.Exit(run_torchrun(list(ctx.args)))
+
+
+@app.command()
+def specforge(
+    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe (with aux.packed)")],
+    out: Annotated[Path, typer.Argument(help="the sample file to write, e.g. rows_0-5000/data_0.ckpt "
+                                            "(only its last folder is created)")],
+    rank: Annotated[int, typer.Option("--rank", help="whose capture to write (every rank should hold the same)")] = 0,
+) -> None:
+    """Write a SpecForge EAGLE-3 training sample (data_N.ckpt) from a capture, for `tpprobe diff`."""
+    from .tools.specforge import sample_from_capture
+    print(sample_from_capture(capture_dir, out, rank))
 
 
 @app.command("diff")
@@ -131,7 +186,7 @@ def diff(
     hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
     offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
     threshold: Annotated[Optional[str], typer.Option(
-        "--threshold", help="rel diff a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
+        "--threshold", help="rel diff² (‖t−b‖²/(‖t‖²+‖b‖²): quadratic: a 1 % difference is 5e-5) a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
                             "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,

@@ -89,6 +89,16 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
     if opts.arch not in ("llama", "deepseek_v2"):   # the tiny SGLang models tpprobe builds
         raise UsageError(f"unknown --arch {opts.arch!r}: use llama or deepseek_v2 (with --backend sglang)")
+    if opts.config is not None and opts.backend != "sglang":
+        raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
+                         f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
+    if opts.backend == "nccl" and not _cuda_available():
+        raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
+    if opts.num_layers < 1:
+        raise UsageError(f"--num-layers must be >= 1 (got {opts.num_layers})")
+    for flag, path in (("--html", opts.html), ("--markdown", opts.markdown)):
+        if path:
+            capture.check_file_path(Path(path), flag)
     ids = opts.layers
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")
@@ -106,6 +116,24 @@ def validate(opts: ProbeOptions, world: int) -> None:
     if opts.inject and (opts.model or opts.backend == "sglang"):
         raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
     faults_mod.parse(opts.inject, world, opts.num_layers, ids)
+
+
+def config_dtype(path: str) -> str:
+    """The dtype a --config asks for (its torch_dtype, or dtype in newer configs): the probe's dtype
+    unless --dtype says otherwise. float32 when it names none (or "auto"), or cannot be read here
+    (building the model then says what is wrong with the file)."""
+    import json
+    p = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return "float32"
+    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") if isinstance(d, dict) else ""
+    return want if want in DTYPES else "float32"
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
 
 
 # ---- building the target -----------------------------------------------------------------------
@@ -167,6 +195,9 @@ def run(opts: ProbeOptions) -> int:
 
 
 def _shutdown(ctx) -> None:
+    import sys
+    if "tpprobe.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
+        sys.modules["tpprobe.sglang.dist"].release_shared_memory()
     try:
         if ctx.world_size > 1:
             # let every rank read the verdict before the store's host (rank 0's agent) may go
@@ -185,6 +216,7 @@ class _Rank:
     grace: float
     t_start: float
     out: Optional[Path] = None
+    created_out: bool = False
     target: Optional[ProbeTarget] = None
     layer_ids: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
@@ -217,17 +249,23 @@ def _prepare(me: _Rank) -> int:
     opts, ctx, ch = me.opts, me.ctx, me.ch
     try:
         validate(opts, ctx.world_size)
-        me.out = Path(_agree_out_dir(opts, ctx, ch))
+        out, me.created_out = _agree_out_dir(opts, ctx, ch)
+        me.out = Path(out)
         flt = faults_mod.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
         me.layer_ids = faults_mod.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
         me.progress.set("build")
+        t0 = time.time()
         groups = faults_mod.prepare_groups(flt, ctx)
         me.target = build_target(ctx, opts, me.layer_ids)
+        me.timings["build_s"] = time.time() - t0
         faults_mod.apply(flt, me.target, ctx, groups)
         if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
             capture.check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * _local_world())
         ch.post("ready", {"ok": True})
     except UsageError as e:
+        if opts.debug:    # the message says "run with --debug": show where it came from (the cause too)
+            import traceback
+            traceback.print_exc()
         ch.post("ready", {"ok": False, "error": str(e), "code": 2})
     except Exception as e:     # a bug or a broken install on this rank: its traceback, then stop all
         import traceback
@@ -244,6 +282,8 @@ def _prepare(me: _Rank) -> int:
         if ctx.rank == 0:
             from .report.terminal import error_line
             error_line(bad[0]["error"])
+            if me.out is not None and me.created_out:
+                capture.remove_if_empty(me.out)
         return max(v.get("code", 2) for v in bad)
     return 0
 
@@ -383,8 +423,10 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
                                                      "total_s": time.time() - me.t_start}, out=str(me.out))
     report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
                           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
+    # what only the live run knew (which rank died or hung, how long each phase took) stays with the files
     capture.write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
-                                    "tool": report["tool"]}, [f for p in posts.values() for f in p["files"]])
+                                    "tool": report["tool"], "liveness": {str(r): v for r, v in liveness["missing"].items()},
+                                    "timings": report["timings"]}, [f for p in posts.values() for f in p["files"]])
     emit(report, me.out, me.opts)
     return exit_code(report["findings"])
 
@@ -403,13 +445,15 @@ def _local_world() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def _agree_out_dir(opts, ctx, ch) -> str:
-    """Rank 0 picks the folder (the launcher passes it down); every rank uses the same one."""
+def _agree_out_dir(opts, ctx, ch) -> tuple[str, bool]:
+    """Rank 0 picks the folder (the launcher passes it down); every rank uses the same one.
+    Also returns whether this rank created it (then a run that fails early removes it again)."""
     if ctx.rank == 0:
-        out = opts.out or time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+        out = opts.out or capture.default_out_dir()
+        created = not Path(out).is_dir()
         capture.check_out_dir(Path(out), 0)
         ch.post("out", {"out": out}, rank=0)
-        return out
+        return out, created
     deadline = time.time() + opts.timeout
     v = None
     while v is None and time.time() < deadline:
@@ -419,8 +463,8 @@ def _agree_out_dir(opts, ctx, ch) -> str:
         time.sleep(0.05)
     if v is None:
         raise UsageError("rank 0 did not say where to write the capture (did it fail to start?)")
-    Path(v["out"]).mkdir(parents=True, exist_ok=True)
-    return v["out"]
+    Path(v["out"]).mkdir(parents=True, exist_ok=True)   # another node: rank 0 checked the path on its own
+    return v["out"], False
 
 
 def _all_missing_explained(ch: Channel, found: dict, world: int) -> bool:

@@ -106,6 +106,8 @@ def match_slots(packed: torch.Tensor, hidden: int, candidates: dict, dtype: torc
 class TensorEvidence:
     """Every rank's tensors are here (rank 0 after a full gather, or read from a capture folder)."""
 
+    audit_method = "tensors"      # all-reduces checked element by element
+
     def __init__(self, records, dtype: torch.dtype):
         self.records, self.dtype = records, dtype
 
@@ -182,6 +184,8 @@ class TensorEvidence:
 class FingerprintEvidence(TensorEvidence):
     """Each rank's fingerprints (its posted metadata) plus the statistics ranks computed locally
     against the reference rank's broadcast tensor where fingerprints disagreed (`detail`)."""
+
+    audit_method = "sketch"       # all-reduces checked on linear sketches: within rounding, never exact
 
     def __init__(self, records, dtype: torch.dtype, detail: dict[str, dict[int, dict]]):
         super().__init__(records, dtype)

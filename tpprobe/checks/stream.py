@@ -10,6 +10,7 @@ import torch
 from ..capture.points import AUX, layer_place, parse, point_label, point_layer, stream_order
 from .crossrank import classes
 from .findings import Finding
+from .noise import rel_l2
 from .params import param_divergence
 
 
@@ -34,7 +35,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         if not any(a["where"] == "embed" for r in live for a in records[r].meta.get("allreduces", [])):
             rows = torch.stack([ev.rows_nonzero("embed.out", r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
-            evid = {"rows_nonzero_on_one_rank": single, **all_r}
+            evid = {"rows_nonzero_on_one_rank": single, **all_r,
+                    "missing_allreduce": {"where": "embed", "module": _embed_module(records, live)}}
             if references and "embed.out" in references:
                 evid["sum_over_ranks_vs_reference"] = ev.sum_vs("embed.out", live, references["embed.out"])
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
@@ -64,7 +66,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
                         detail=f"{mod} output was never all-reduced: {n_here.get(f'layer.{layer}', 0)} all-reduce(s) "
                                f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
-                        evidence={"unreduced": unreduced, **({"all_ranks": True} if len(ranks) == world else {})})]
+                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": f"layer.{layer}", "module": mod},
+                                  **({"all_ranks": True} if len(ranks) == world else {})})]
     if pf:
         return pf
     groups = classes(ev, first, [r for r in live if r in point_stats[first]])
@@ -72,8 +75,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
     return [Finding("rank-divergence", first, odd,
                     detail=f"{point_label(first)} differs materially on rank{'s' if len(odd) > 1 else ''} "
-                           f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, rel diff "
-                           f"{s.get('rel_diff', 0):.3g}, first token {s.get('first_token')})",
+                           f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, relative L2 diff "
+                           f"{rel_l2(s.get('rel_diff', 0)):.3g}, first token {s.get('first_token')})",
                     evidence={"groups": groups})]
 
 

@@ -91,7 +91,15 @@ class LayerPlan:
 def _what(layer: int, num_layers: int) -> str:
     if layer == 0:
         return "embedding output (= HF hidden_states[0])"
-    return f"residual stream entering layer {layer} = HF hidden_states[{layer}]"
+    return f"residual stream entering layer {layer} = layer {layer - 1}'s output = HF hidden_states[{layer}]"
+
+
+def point_of(layer: int, num_layers: int) -> str:
+    """tpprobe's capture point for what SGLang captures at the entry of `layer` (one vocabulary: the
+    report's rows are named so)."""
+    if not 0 <= layer < num_layers:
+        return "-"
+    return "embed.out" if layer == 0 else f"layer.{layer - 1}.out"
 
 
 def plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
@@ -175,14 +183,15 @@ def layers_table(p: LayerPlan):
                       f"{p.num_slots} slot(s) of hidden_size, same full tensor on every TP rank"
                       + (f". CRASH: {p.crash}" if p.crash else ""))
     t.add_column("id", justify="right")
-    t.add_column("captures layer", justify="right")
+    t.add_column("layers_to_capture", justify="right")
+    t.add_column("capture point", justify="right")
     t.add_column("aux slot", justify="right")
     t.add_column("what it physically is")
     t.add_column("status")
     t.add_column("note")
     style = {"ok": "green", "dropped": "yellow", "crash": "bold red"}
     for r in p.rows:
-        t.add_row("-" if r.requested is None else str(r.requested), str(r.layer),
+        t.add_row("-" if r.requested is None else str(r.requested), str(r.layer), point_of(r.layer, p.num_layers),
                   "-" if r.slot is None else str(r.slot), r.what,
                   f"[{style.get(r.status, '')}]{r.status or '-'}[/]", r.note)
     return t
