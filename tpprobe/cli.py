@@ -49,6 +49,8 @@ def probe(
     out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
     exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
+    embed: Annotated[Optional[str], typer.Option("--embed", help="the embedding module of --model: a module path (model.embed_tokens) or a class-name glob; default: the module that consumes the input ids and emits [tokens, hidden]")] = None,
+    layer_list: Annotated[Optional[str], typer.Option("--layer-list", help="the decoder layers of --model: a ModuleList path (model.layers) or a class-name glob (*DecoderLayer); default: the longest nn.ModuleList")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
     html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
@@ -63,7 +65,8 @@ def probe(
     opts = ProbeOptions(layers=_ids(layers), num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
                         vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
                         config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
-                        exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
+                        exchange=exchange, embed=embed, layer_list=layer_list, json_out=json_out, html=html,
+                        markdown=markdown, quiet=quiet,
                         nproc=nproc, debug=debug)
     if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
         raise typer.Exit(run(opts))
@@ -83,7 +86,7 @@ def options_argv(opts) -> list[str]:
          "--seed", str(opts.seed), "--dtype", opts.dtype, "--backend", opts.backend, "--arch", opts.arch,
          "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out)]
     for flag, v in (("--config", opts.config), ("--model", opts.model), ("--html", opts.html),
-                    ("--markdown", opts.markdown)):
+                    ("--markdown", opts.markdown), ("--embed", opts.embed), ("--layer-list", opts.layer_list)):
         if v:
             a += [flag, str(v)]
     for f in opts.inject:
