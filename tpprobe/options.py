@@ -107,14 +107,17 @@ class ProbeOptions:
     timeout: float = opt("--timeout", 60.0, "seconds any rank waits on another")
     exchange: str = opt("--exchange", "full", "full: tensors to rank 0; fingerprint: a few KB per capture point",
                         cli_type=Exchange)
+    embed: Optional[str] = opt("--embed", None, "the embedding module of --model: a module path (model.embed_tokens) "
+                               "or a class-name glob; default: the module that consumes the input ids and emits "
+                               "[tokens, hidden]")
+    layer_list: Optional[str] = opt("--layer-list", None, "the decoder layers of --model: a ModuleList path "
+                                    "(model.layers) or a class-name glob (*DecoderLayer); default: the longest "
+                                    "nn.ModuleList")
     json_out: bool = opt("--json", False, "print report.json instead of the table")
     html: Optional[str] = opt("--html", None, "also write a self-contained HTML report to this file")
     markdown: Optional[str] = opt("--markdown", None, "also write a Markdown summary (for an issue) to this file")
     quiet: bool = opt("--quiet", False, "print the verdict lines only")
     debug: bool = opt("--debug", False, "show the traceback of an error, also one raised on a rank")
-    # not on the command line: how the Tap finds the embedding and the decoder layers
-    embed_pattern: str = "VocabParallelEmbedding"
-    layer_pattern: str = "*DecoderLayer"
 
     @property
     def torch_dtype(self):

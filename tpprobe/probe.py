@@ -60,8 +60,8 @@ class ProbeOptions:
     out: Optional[str] = None
     timeout: float = 60.0
     exchange: str = "full"           # full | fingerprint
-    embed_pattern: str = "VocabParallelEmbedding"
-    layer_pattern: str = "*DecoderLayer"
+    embed: Optional[str] = None      # the embedding: module path or class glob (default: from structure)
+    layer_list: Optional[str] = None # the decoder layers: ModuleList path or class glob (default: longest list)
     quiet: bool = False
     json_out: bool = False
     html: Optional[str] = None
@@ -299,7 +299,8 @@ def _forward(me: _Rank):
     t0 = time.time()
     me.progress.set("forward")
     target = me.target
-    with torch.no_grad(), Tap(target.model, embed_pattern=me.opts.embed_pattern, layer_pattern=me.opts.layer_pattern,
+    with torch.no_grad(), Tap(target.model, embed=me.opts.embed or target.embed, layers=me.opts.layer_list or target.layer_list,
+                              input_ids=target.input_ids,
                               keep=keep, keep_allreduce_tensors=me.keep_all, progress=me.progress,
                               summarize=summarize, extensions=target.tap_extensions) as tap:
         tap.stream_from_layer_output = target.stream_from_layer_output
@@ -331,7 +332,7 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
         "points": [_point_meta(n, tensors.get(n), tap.summaries.get(n)) for n in dict.fromkeys(tap.order)
                    if n in tensors or n in tap.summaries],
         "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
-        "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices),
+        "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices), "coverage": tap.coverage(),
         "aux": aux_meta, "params": replicated_param_hashes(target.model),
         "timings": dict(me.timings), "device": str(ctx.device), "hidden": target.hidden_size,
     }
@@ -342,7 +343,7 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
         meta["fingerprints"] = fps
         for m, rec in zip(meta["allreduces"], tap.allreduces):
             if rec.inp_summary is not None and rec.out_summary is not None:
-                m["in_fp"], m["out_fp"] = rec.inp_summary.to_json(), rec.out_summary.to_json()
+                m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)
         if packed is not None:
             from .checks.evidence import match_slots, slot_candidates
             cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
@@ -517,6 +518,11 @@ def _gather(opts, ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok
         except TPProbeError:
             pass   # checks report this rank from its posted metadata alone
     return records
+
+
+def _fp_json(fp):
+    """A fingerprint, or a list of them (a reduce-scatter's input / all-gather's output, per chunk)."""
+    return [f.to_json() for f in fp] if isinstance(fp, list) else fp.to_json()
 
 
 def _point_meta(name, t, fp) -> dict:
