@@ -128,9 +128,3 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
         raise CaptureError(f"{capture_dir}: rank {rank} has no aux.packed / input_ids to write a sample from")
     order = stream_order(t)
     return write_sample(out_path, t["input_ids"], t["aux.packed"], t[order[-1]] if order else None)
-
-
-if __name__ == "__main__":   # the old spelling of `tpprobe specforge CAPTURE_DIR OUT.ckpt [--rank R]`
-    import sys
-    from ..cli import main
-    main(["specforge", *sys.argv[1:]])
