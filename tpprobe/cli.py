@@ -52,7 +52,8 @@ def _with_options(fn, cls):
 def probe(**kw) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
     from .exchange import dist as tdist
-    from .probe import run, validate
+    from .build import validate
+    from .probe import run
 
     _DEBUG["on"] = bool(kw.get("debug"))
     opts = ProbeOptions.from_cli(**kw)

@@ -5,10 +5,6 @@ launch). It returns the exit code every rank agrees on: 0 healthy, 1 findings, 2
 """
 from __future__ import annotations
 
-import importlib
-import json
-import os
-import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -16,155 +12,26 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import faults as faults_mod
-from .capture import files as capture
+from .capture.files import check_out_dir, estimate_capture_bytes, remove_if_empty, write_manifest, write_rank
 from .capture.hooks import Tap
-from .capture.params import replicated_param_hashes
-from .capture.points import IN_NORM, allreduce_in, allreduce_out, id_point, parse
+from .capture.points import IN_NORM, id_point, parse
 from .capture.progress import Progress
+from .capture.record import rank_record
+from .checks.evidence import FingerprintEvidence, add_fingerprints
 from .checks.findings import exit_code
 from .checks.run import run_checks
-from .errors import TPProbeError, UsageError
-from .exchange.dist import Channel, Watchdog, init, open_store, run_prefix
-from .exchange.fingerprint import fingerprint
-from .model import BuiltinConfig
+from .errors import UsageError
+from .exchange.dist import (Channel, Watchdog, agree_out_dir, await_final, init, local_world, open_store, run_prefix,
+                            shutdown)
+from .exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
+from .exchange.gather import bytes_post, exchange_fingerprint, full_gather_bytes, gather_records
+from .exchange.liveness import all_missing_explained, missing_info
+from .model import BuiltinConfig, reference_streams
+from .build import build_target, validate
+from .options import ProbeOptions
 from .target import ProbeTarget, RankContext
-
-FP_SEED, FP_K = 0x7470, 32     # every rank sketches with the same signs
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-_BUILTIN = BuiltinConfig()
-
-
-@dataclass
-class ProbeOptions:
-    # the built-in model's shape: BuiltinConfig's defaults, declared once there
-    layers: list[int] = field(default_factory=lambda: list(_BUILTIN.layer_ids))
-    num_layers: int = _BUILTIN.num_layers
-    hidden: int = _BUILTIN.hidden
-    heads: int = _BUILTIN.heads
-    ffn: int = _BUILTIN.ffn
-    vocab: int = _BUILTIN.vocab
-    tokens: int = _BUILTIN.tokens
-    seed: int = _BUILTIN.seed
-    dtype: str = str(_BUILTIN.dtype).removeprefix("torch.")
-    backend: str = "auto"            # auto | gloo | nccl | sglang (SGLang's model on gloo/nccl)
-    arch: str = "llama"              # with --backend sglang
-    config: Optional[str] = None     # with --backend sglang: a real config.json, random weights
-    model: Optional[str] = None      # package.module:factory
-    inject: list[str] = field(default_factory=list)
-    out: Optional[str] = None
-    timeout: float = 60.0
-    exchange: str = "full"           # full | fingerprint
-    embed: Optional[str] = None      # the embedding: module path or class glob (default: from structure)
-    layer_list: Optional[str] = None # the decoder layers: ModuleList path or class glob (default: longest list)
-    quiet: bool = False
-    json_out: bool = False
-    html: Optional[str] = None
-    markdown: Optional[str] = None
-    nproc: int = 2
-    debug: bool = False
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in DTYPES:
-            raise UsageError(f"unknown --dtype {self.dtype!r}: use float32, bfloat16 or float16")
-        return DTYPES[self.dtype]
-
-
-def validate(opts: ProbeOptions, world: int) -> None:
-    """Everything that can be checked before any process starts; raises UsageError."""
-    _ = opts.torch_dtype
-    if world < 1:
-        raise UsageError(f"--nproc must be >= 1 (got {world})")
-    if opts.timeout <= 0:
-        raise UsageError(f"--timeout must be > 0 seconds (got {opts.timeout})")
-    if opts.exchange not in ("full", "fingerprint"):
-        raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
-    if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
-        raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
-    if opts.arch not in ("llama", "deepseek_v2"):   # the tiny SGLang models tpprobe builds
-        raise UsageError(f"unknown --arch {opts.arch!r}: use llama or deepseek_v2 (with --backend sglang)")
-    if opts.config is not None and opts.backend != "sglang":
-        raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
-                         f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
-    if opts.backend == "nccl" and not _cuda_available():
-        raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
-    if opts.num_layers < 1:
-        raise UsageError(f"--num-layers must be >= 1 (got {opts.num_layers})")
-    for flag, path in (("--html", opts.html), ("--markdown", opts.markdown)):
-        if path:
-            capture.check_file_path(Path(path), flag)
-    ids = opts.layers
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")
-    if not ids:
-        raise UsageError("--layers is empty: give ids like -1,1,3 (-1 = the embedding)")
-    if opts.model is None:
-        bad = [i for i in ids if i < -1 or i >= opts.num_layers]
-        if bad:
-            raise UsageError(f"--layers {bad} out of range for a model of {opts.num_layers} layers: "
-                             f"ids run from -1 (embedding) to {opts.num_layers - 1}")
-        if opts.backend != "sglang":
-            builtin_config(opts).validate(world)
-    if opts.model is not None and ":" not in opts.model:
-        raise UsageError(f"--model {opts.model!r} must be package.module:factory")
-    if opts.inject and (opts.model or opts.backend == "sglang"):
-        raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
-    faults_mod.parse(opts.inject, world, opts.num_layers, ids)
-
-
-def config_dtype(path: str) -> str:
-    """The dtype a --config asks for (its torch_dtype, or dtype in newer configs): the probe's dtype
-    unless --dtype says otherwise. float32 when it names none (or "auto"), or cannot be read here
-    (building the model then says what is wrong with the file)."""
-    import json
-    p = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return "float32"
-    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") if isinstance(d, dict) else ""
-    return want if want in DTYPES else "float32"
-
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
-# ---- building the target -----------------------------------------------------------------------
-def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> ProbeTarget:
-    if opts.model:
-        return _user_target(ctx, opts.model)
-    if opts.backend == "sglang":
-        from .sglang.tiny import build_target as sglang_target
-        return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
-    from .model import build_builtin
-    return build_builtin(ctx, builtin_config(opts, layer_ids))
-
-
-def _user_target(ctx: RankContext, spec: str) -> ProbeTarget:
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"--model {spec}: cannot import {fn_name!r} from {mod_name!r} ({e}); "
-                         f"check the module is on PYTHONPATH")
-    try:
-        target = fn(ctx)
-    except TPProbeError:
-        raise
-    except Exception as e:
-        raise UsageError(f"--model {spec}: the factory raised {type(e).__name__}: {e}; run with --debug for the traceback") from e
-    if not isinstance(target, ProbeTarget):
-        raise UsageError(f"--model {spec}: the factory returned {type(target).__name__}, expected "
-                         f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")
-    return target
 
 
 # ---- the pipeline --------------------------------------------------------------------------------
@@ -190,20 +57,8 @@ def run(opts: ProbeOptions) -> int:
         watchdog.join(timeout=2)
         if ctx.rank == 0:
             ch.post("final", {"code": code}, rank=0)
-    _shutdown(ctx)
+    shutdown(ctx)
     return code
-
-
-def _shutdown(ctx) -> None:
-    import sys
-    if "tpprobe.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
-        sys.modules["tpprobe.sglang.dist"].release_shared_memory()
-    try:
-        if ctx.world_size > 1:
-            # let every rank read the verdict before the store's host (rank 0's agent) may go
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 @dataclass
@@ -234,12 +89,12 @@ def _run(opts, ctx, ch, progress, grace, t_start) -> int:
     tap, result, status, error = _forward(me)
     tensors, meta = _rank_record(me, tap, result, status, error)
     if ch.get("final", 0) is not None:   # stalled past the verdict: the manifest is already written
-        return _await_final(ch, 0)
-    files = capture.write_rank(me.out, ctx.rank, tensors, meta)
+        return await_final(ch, 0)
+    files = write_rank(me.out, ctx.rank, tensors, meta)
     posts = _post_and_collect(me, tensors, meta, files)
     records, evidence = _exchange(me, tensors, meta, posts)
     if ctx.rank != 0:
-        return _await_final(ch, opts.timeout + grace)
+        return await_final(ch, opts.timeout + grace)
     return _check_and_report(me, records, evidence, posts, tensors)
 
 
@@ -249,7 +104,7 @@ def _prepare(me: _Rank) -> int:
     opts, ctx, ch = me.opts, me.ctx, me.ch
     try:
         validate(opts, ctx.world_size)
-        out, me.created_out = _agree_out_dir(opts, ctx, ch)
+        out, me.created_out = agree_out_dir(opts, ctx, ch)
         me.out = Path(out)
         flt = faults_mod.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
         me.layer_ids = faults_mod.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
@@ -260,7 +115,7 @@ def _prepare(me: _Rank) -> int:
         me.timings["build_s"] = time.time() - t0
         faults_mod.apply(flt, me.target, ctx, groups)
         if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
-            capture.check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * _local_world())
+            check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * local_world())
         ch.post("ready", {"ok": True})
     except UsageError as e:
         if opts.debug:    # the message says "run with --debug": show where it came from (the cause too)
@@ -283,7 +138,7 @@ def _prepare(me: _Rank) -> int:
             from .report.terminal import error_line
             error_line(bad[0]["error"])
             if me.out is not None and me.created_out:
-                capture.remove_if_empty(me.out)
+                remove_if_empty(me.out)
         return max(v.get("code", 2) for v in bad)
     return 0
 
@@ -294,7 +149,7 @@ def _forward(me: _Rank):
     keep_ids = {id_point(i) for i in me.layer_ids}
     keep = (lambda n: True) if me.keep_all else \
         (lambda n: n in keep_ids or parse(n).layer == -1 or parse(n).kind == IN_NORM)
-    summarize = None if me.keep_all else (lambda t: fingerprint(t, seed=FP_SEED, k=FP_K))
+    summarize = None if me.keep_all else (lambda t: fingerprint(t, seed=PROBE_SEED, k=PROBE_K))
     status, error, result = "ok", None, None
     t0 = time.time()
     me.progress.set("forward")
@@ -317,38 +172,11 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
     me.progress.set("write")
     target, ctx = me.target, me.ctx
     packed = target.packed_aux(result) if status == "ok" and target.packed_aux is not None else None
-    tensors = dict(tap.captures)
-    for rec in tap.allreduces:
-        if rec.inp is not None and rec.out is not None:
-            tensors[allreduce_in(rec.seq)], tensors[allreduce_out(rec.seq)] = rec.inp, rec.out
-    tensors["input_ids"] = target.input_ids
-    aux_meta = {}
-    if packed is not None:
-        aux_meta = {"shape": list(packed.shape), "dtype": str(packed.dtype).replace("torch.", ""),
-                    "contiguous": packed.is_contiguous(), "stride": list(packed.stride())}
-        tensors["aux.packed"] = packed
-    meta = {
-        "rank": ctx.rank, "world_size": ctx.world_size, "status": status, "error": error,
-        "points": [_point_meta(n, tensors.get(n), tap.summaries.get(n)) for n in dict.fromkeys(tap.order)
-                   if n in tensors or n in tap.summaries],
-        "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
-        "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices), "coverage": tap.coverage(),
-        "aux": aux_meta, "params": replicated_param_hashes(target.model),
-        "timings": dict(me.timings), "device": str(ctx.device), "hidden": target.hidden_size,
-    }
+    tensors, meta = rank_record(tap, rank=ctx.rank, world=ctx.world_size, input_ids=target.input_ids,
+                                model=target.model, packed=packed, status=status, error=error,
+                                timings=me.timings, device=ctx.device, extra={"hidden": target.hidden_size})
     if not me.keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
-        fps = {n: f.to_json() for n, f in tap.summaries.items()}
-        if packed is not None:
-            fps["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
-        meta["fingerprints"] = fps
-        for m, rec in zip(meta["allreduces"], tap.allreduces):
-            if rec.inp_summary is not None and rec.out_summary is not None:
-                m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)
-        if packed is not None:
-            from .checks.evidence import match_slots, slot_candidates
-            cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
-                     for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
-            meta["slot_match"] = match_slots(packed, target.hidden_size, cands, me.opts.torch_dtype)
+        add_fingerprints(meta, tap, packed, target.hidden_size, me.opts.torch_dtype)
     return tensors, meta
 
 
@@ -360,7 +188,7 @@ def _post_and_collect(me: _Rank, tensors: dict, meta: dict, files: list) -> dict
                      "n_allreduce": len(meta["allreduces"]), "meta": meta,
                      "index": {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in tensors.items()}})
     deadline = time.time() + (me.grace if meta["status"] == "error" else me.opts.timeout)
-    return ch.collect("meta", deadline, stop_early=lambda found: _all_missing_explained(ch, found, world))
+    return ch.collect("meta", deadline, stop_early=lambda found: all_missing_explained(ch, found, world))
 
 
 def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
@@ -370,23 +198,15 @@ def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
     t1 = time.time()
     evidence, moved = None, {"sent": 0, "received": 0}
     if all_ok and not me.keep_all and world > 1:
-        from .checks.evidence import FingerprintEvidence
-        from .exchange.gather import exchange_fingerprint
         records, detail, moved = exchange_fingerprint(ctx, me.ch, tensors, meta, posts, me.opts.torch_dtype)
         if ctx.rank == 0:
             evidence = FingerprintEvidence(records, me.opts.torch_dtype, detail)
     else:
-        records = _gather(me.opts, ctx, me.out, tensors, meta, posts, all_ok)
+        records = gather_records(ctx, me.out, tensors, meta, posts, all_ok)
         if all_ok and world > 1:
-            from .exchange.gather import gather_plan
-            sent = sum(_nbytes(shape, wire) for _, shape, wire, _ in gather_plan(posts))
-            moved = {"sent": sent, "received": 0} if ctx.rank else {"sent": 0, "received": sent * (world - 1)}
+            moved = full_gather_bytes(ctx.rank, world, posts)
     me.timings["exchange_s"] = time.time() - t1
-    me.ch.post("bytes", {"sent": moved["sent"] + len(json.dumps(posts.get(ctx.rank, {}))),
-                         "received": moved["received"] + sum(len(json.dumps(p)) for r, p in posts.items()
-                                                             if r != ctx.rank),
-                         "tensor_sent": moved["sent"], "tensor_received": moved["received"],
-                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    me.ch.post("bytes", bytes_post(ctx.rank, posts, moved))
     return records, evidence
 
 
@@ -413,9 +233,9 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     """Rank 0: the checks, report.json, the manifest, and the report on the terminal."""
     me.progress.set("report")
     ch, world = me.ch, me.ctx.world_size
-    liveness = {"missing": {r: _missing_info(ch, r, posts) for r in range(world) if r not in posts}}
+    liveness = {"missing": {r: missing_info(ch, r, posts) for r in range(world) if r not in posts}}
     settings = _settings(me)
-    references = _references(me.opts) if me.target.arch == "builtin" else None
+    references = reference_streams(BuiltinConfig.from_options(me.opts)) if me.target.arch == "builtin" else None
     t2 = time.time()
     result = run_checks(records, settings, liveness, references, evidence=evidence)
     from .report.model import build_report
@@ -425,133 +245,11 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
                           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
     # what only the live run knew (which rank died or hung, how long each phase took) stays with the files
-    capture.write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
+    write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
                                     "tool": report["tool"], "liveness": {str(r): v for r, v in liveness["missing"].items()},
                                     "timings": report["timings"]}, [f for p in posts.values() for f in p["files"]])
     emit(report, me.out, me.opts)
     return exit_code(report["findings"])
-
-
-def estimate_capture_bytes(target: ProbeTarget, layer_ids: list[int], keep_all: bool) -> int:
-    """What one rank writes: embedding (local + out), the kept layers, the packed aux, and with
-    --exchange full every layer plus two tensors per audited all-reduce (about 2 per layer)."""
-    per = int(target.input_ids.numel()) * target.hidden_size * torch.empty((), dtype=target.dtype).element_size()
-    n = 3 + len(layer_ids) + len(layer_ids)
-    if keep_all:
-        n += target.num_layers + 2 * (2 * target.num_layers + 1)
-    return n * per
-
-
-def _local_world() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def _agree_out_dir(opts, ctx, ch) -> tuple[str, bool]:
-    """Rank 0 picks the folder (the launcher passes it down); every rank uses the same one.
-    Also returns whether this rank created it (then a run that fails early removes it again)."""
-    if ctx.rank == 0:
-        out = opts.out or capture.default_out_dir()
-        created = not Path(out).is_dir()
-        capture.check_out_dir(Path(out), 0)
-        ch.post("out", {"out": out}, rank=0)
-        return out, created
-    deadline = time.time() + opts.timeout
-    v = None
-    while v is None and time.time() < deadline:
-        v = ch.get("out", 0)
-        if v is None and ch.get("ready", 0) is not None:   # rank 0 failed before choosing
-            break
-        time.sleep(0.05)
-    if v is None:
-        raise UsageError("rank 0 did not say where to write the capture (did it fail to start?)")
-    Path(v["out"]).mkdir(parents=True, exist_ok=True)   # another node: rank 0 checked the path on its own
-    return v["out"], False
-
-
-def _all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
-    """Stop waiting early when every missing rank is known dead (silent) or stalled in a collective
-    none of the others will issue."""
-    now = time.time()
-    for r in range(world):
-        if r in found:
-            continue
-        stall = ch.get("stall", r)
-        if stall and all(p["n_allreduce"] <= stall["collective"]["seq"] for p in found.values()):
-            continue
-        hb = ch.get("hb", r)
-        if hb is not None and now - hb["t"] > 3.0:
-            continue
-        return False
-    return bool(found)
-
-
-def _missing_info(ch: Channel, r: int, posts: dict) -> dict:
-    hb, stall = ch.get("hb", r), ch.get("stall", r)
-    info = {"heartbeat": hb, "stall": stall}
-    if hb is None and ch.get("ready", r) is not None:
-        info["heartbeat"] = {"phase": "forward"}
-        info["state"] = "died (it built its model, then went silent)"
-    elif hb is None:
-        info["state"] = "never started the probe (no heartbeat)"
-    else:
-        info["silent_s"] = time.time() - hb["t"]
-        info["state"] = "hung (alive, no progress)" if info["silent_s"] < 2.0 else "died (heartbeat stopped)"
-    return info
-
-
-def _gather(opts, ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok: bool) -> dict:
-    """Rank 0 gets every rank's record: collectives when every rank is healthy, else the files."""
-    if ctx.world_size == 1:
-        return {0: capture.RankRecord(0, meta, tensors)}
-    if all_ok:
-        from .exchange.gather import gather_full
-        return gather_full(ctx, tensors, meta, posts)
-    if ctx.rank != 0:
-        return {}
-    # some rank is missing or failed: no collective is safe; read what the others wrote
-    records = {0: capture.RankRecord(0, meta, tensors)}
-    for r in posts:
-        if r == 0:
-            continue
-        try:
-            records[r] = capture.load_rank_files(out, r, posts[r]["files"])
-        except TPProbeError:
-            pass   # checks report this rank from its posted metadata alone
-    return records
-
-
-def _fp_json(fp):
-    """A fingerprint, or a list of them (a reduce-scatter's input / all-gather's output, per chunk)."""
-    return [f.to_json() for f in fp] if isinstance(fp, list) else fp.to_json()
-
-
-def _point_meta(name, t, fp) -> dict:
-    if t is not None:
-        return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True}
-    return {"name": name, "shape": list(fp.shape), "dtype": fp.dtype, "kept": False}
-
-
-def _nbytes(shape, dtype: str) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _await_final(ch: Channel, wait: float) -> int:
-    v = ch.collect_rank("final", 0, time.time() + wait)
-    return int(v["code"]) if v else 1
-
-
-def builtin_config(opts: ProbeOptions, layer_ids: Optional[list[int]] = None):
-    return BuiltinConfig(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
-                         vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
-                         **({"layer_ids": layer_ids} if layer_ids is not None else {}))
-
-
-def _references(opts):
-    from .model import reference_streams
-    return reference_streams(builtin_config(opts))
 
 
 def _on_sigterm(signum, frame):

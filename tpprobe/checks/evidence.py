@@ -18,7 +18,7 @@ import torch
 from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
                     within_noise)
 from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
-from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
+from ..exchange.fingerprint import PROBE_K, PROBE_SEED, Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
@@ -256,3 +256,25 @@ class FingerprintEvidence(TensorEvidence):
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         return self.records[r].meta.get("slot_match")
+
+
+# ---- what a rank sends instead of its tensors (--exchange fingerprint) ---------------------------
+def _fp_json(fp):
+    """A fingerprint, or a list of them (a reduce-scatter's input / all-gather's output, per chunk)."""
+    return [f.to_json() for f in fp] if isinstance(fp, list) else fp.to_json()
+
+
+def add_fingerprints(meta: dict, tap, packed: Optional[torch.Tensor], hidden: int, dtype: torch.dtype) -> None:
+    """Into this rank's metadata: every capture point's fingerprint, each audited collective's, and
+    which candidate each aux slot equals (measured here, where the tensors are)."""
+    fps = {n: f.to_json() for n, f in tap.summaries.items()}
+    if packed is not None:
+        fps["aux.packed"] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
+    meta["fingerprints"] = fps
+    for m, rec in zip(meta["allreduces"], tap.allreduces):
+        if rec.inp_summary is not None and rec.out_summary is not None:
+            m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)
+    if packed is not None:
+        cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
+                 for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
+        meta["slot_match"] = match_slots(packed, hidden, cands, dtype)
