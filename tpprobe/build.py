@@ -70,6 +70,18 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
     return build_builtin(ctx, BuiltinConfig.from_options(opts, layer_ids))
 
 
+def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget, list[int]]:
+    """The target, broken as --inject asks (faults act on the model, never on the probe), and the
+    layer ids it captures (a fault may move them)."""
+    from . import faults
+    flt = faults.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
+    layer_ids = faults.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
+    groups = faults.prepare_groups(flt, ctx)
+    target = build_target(ctx, opts, layer_ids)
+    faults.apply(flt, target, ctx, groups)
+    return target, layer_ids
+
+
 def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
     mod_name, _, fn_name = spec.partition(":")
     try:
@@ -87,3 +99,22 @@ def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
         raise UsageError(f"--model {spec}: the factory returned {type(target).__name__}, expected "
                          f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")
     return target
+
+
+def run_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, layer_ids: list[int]) -> dict:
+    """The run's settings as the report and the manifest show them."""
+    shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else layer_ids
+    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": shown_ids,
+                "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
+                "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
+                "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
+                "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
+                "model_packs_aux": target.packed_aux is not None,
+                "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
+    if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
+        # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
+        from .tools.layers import ARCHES, expected_slots, plan
+        if target.arch in ARCHES:
+            settings["expected_points"], settings["expected_ids"] = expected_slots(
+                plan(target.arch, target.model_layer_ids, target.num_layers))
+    return settings

@@ -206,3 +206,41 @@ def shutdown(ctx) -> None:
 
 def local_world() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def agree_ready(ch: Channel, world: int, timeout: float) -> list[dict]:
+    """Wait for every rank's "ready" post; the failures ({"error", "code"}), late ranks included."""
+    peers = ch.collect("ready", time.time() + timeout,
+                       stop_early=lambda found: any(not v.get("ok") for v in found.values()))
+    bad = [v for r, v in sorted(peers.items()) if not v.get("ok")]
+    if not bad and len(peers) < world:
+        late = [r for r in range(world) if r not in peers]
+        bad = [{"error": f"ranks {late} did not build the model within --timeout {timeout:g}s", "code": 1}]
+    return bad
+
+
+def post_ready(ch: Channel, rank: int, debug: bool, prepare) -> None:
+    """Run `prepare()` and post "ready": ok, or its error with the exit code every rank will end with
+    (a UsageError: 2; anything else, a bug or a broken install, 1 after its traceback)."""
+    import traceback
+    try:
+        prepare()
+        ch.post("ready", {"ok": True})
+    except UsageError as e:
+        if debug:    # the message says "run with --debug": show where it came from (the cause too)
+            traceback.print_exc()
+        ch.post("ready", {"ok": False, "error": str(e), "code": 2})
+    except Exception as e:
+        traceback.print_exc()
+        ch.post("ready", {"ok": False, "error": f"rank {rank} failed to build the model: "
+                                                f"{type(e).__name__}: {e}", "code": 1})
+
+
+def start_channels(ctx: RankContext, timeout: float, progress) -> tuple[Channel, "Watchdog"]:
+    """The store channel the pipeline posts on, and the watchdog thread (started) that posts this
+    rank's heartbeats and stalls on a channel of its own."""
+    ch = Channel(open_store(timeout, run_prefix()), ctx.rank, ctx.world_size)
+    watchdog = Watchdog(Channel(open_store(timeout, run_prefix()), ctx.rank, ctx.world_size), progress,
+                        stall=min(5.0, max(1.0, timeout / 4)))
+    watchdog.start()
+    return ch, watchdog

@@ -30,6 +30,14 @@ def probe_group():
     return _GROUP
 
 
+def post_meta(ch, tensors: dict, meta: dict, files: list) -> None:
+    """This rank's metadata, its files and the index of its tensors, through the store (never a
+    collective: a rank that died, hung or disagrees cannot hang this step)."""
+    ch.post("meta", {"files": files, "status": meta["status"], "error": meta["error"],
+                     "n_allreduce": len(meta["allreduces"]), "meta": meta,
+                     "index": {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in tensors.items()}})
+
+
 def gather_plan(posts: dict) -> list[tuple[str, list[int], str, bool]]:
     """[(name, shape, wire dtype, cast)] for tensors every rank holds with the same shape."""
     ranks = sorted(posts)
@@ -153,3 +161,15 @@ def full_gather_bytes(rank: int, world: int, posts: dict) -> dict:
     """Bytes the full gather moves: every rank but 0 sends its tensors, rank 0 receives them all."""
     sent = sum(nbytes(shape, wire) for _, shape, wire, _ in gather_plan(posts))
     return {"sent": sent, "received": 0} if rank else {"sent": 0, "received": sent * (world - 1)}
+
+
+def exchange_records(ctx, ch, out: Path, tensors: dict, meta: dict, posts: dict, all_ok: bool,
+                     fingerprints: bool, dtype) -> tuple[dict, dict, dict]:
+    """(records on rank 0, fingerprint detail, bytes this rank moved): the fingerprint exchange when
+    asked and every rank is healthy, else the full gather (or, with a rank missing, the files)."""
+    if fingerprints:
+        return exchange_fingerprint(ctx, ch, tensors, meta, posts, dtype)
+    records = gather_records(ctx, out, tensors, meta, posts, all_ok)
+    moved = full_gather_bytes(ctx.rank, ctx.world_size, posts) if all_ok and ctx.world_size > 1 \
+        else {"sent": 0, "received": 0}
+    return records, {}, moved

@@ -43,3 +43,8 @@ def missing_info(ch: Channel, r: int, posts: dict) -> dict:
         info["silent_s"] = time.time() - hb["t"]
         info["state"] = "hung (alive, no progress)" if info["silent_s"] < HUNG_UNDER_S else "died (heartbeat stopped)"
     return info
+
+
+def collect_meta(ch: Channel, world: int, deadline: float) -> dict:
+    """Every rank's metadata post, until the deadline or until every missing rank is explained."""
+    return ch.collect("meta", deadline, stop_early=lambda found: all_missing_explained(ch, found, world))
