@@ -187,7 +187,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 def _choice_message(e, argv: list[str]) -> Optional[str]:
     """`unknown --backend 'mpi': use auto, gloo, nccl or sglang` for a value outside an enum option."""
     param = getattr(e, "param", None)
-    choices = list(getattr(getattr(param, "type", None), "choices", None) or [])
+    enum = getattr(getattr(param, "type_descriptor", None), "annotation", None)   # typer's own option types
+    choices = list(enum) if isinstance(enum, type) and issubclass(enum, Enum) else \
+        list(getattr(getattr(param, "type", None), "choices", None) or [])
     if not choices:
         return None
     flags = list(getattr(param, "opts", []))
