@@ -223,6 +223,12 @@ def _prepare(me: _Rank) -> int:
         me.progress.set("build")
         groups = faults_mod.prepare_groups(flt, ctx)
         me.target = build_target(ctx, opts, me.layer_ids)
+        if opts.model:
+            L = me.target.num_layers
+            bad = [i for i in opts.layers if i < -1 or i >= L]
+            if bad:
+                raise UsageError(f"--layers {bad} out of range for {opts.model} ({L} layers): ids run from -1 "
+                                 f"(embedding) to {L - 1}")
         faults_mod.apply(flt, me.target, ctx, groups)
         if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
             capture.check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * _local_world())
@@ -353,7 +359,8 @@ def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
 def _settings(me: _Rank) -> dict:
     opts, target, ctx = me.opts, me.target, me.ctx
     shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else me.layer_ids
-    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": shown_ids,
+    dtype = str(target.dtype).removeprefix("torch.") if opts.model else opts.dtype   # judge in the model's dtype
+    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": dtype, "layer_ids": shown_ids,
                 "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
                 "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
                 "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
