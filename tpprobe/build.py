@@ -78,6 +78,12 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     layer_ids = faults.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
     groups = faults.prepare_groups(flt, ctx)
     target = build_target(ctx, opts, layer_ids)
+    if opts.model:   # a user's model: its own depth bounds the ids
+        L = target.num_layers
+        bad = [i for i in opts.layers if i < -1 or i >= L]
+        if bad:
+            raise UsageError(f"--layers {bad} out of range for {opts.model} ({L} layers): ids run from -1 "
+                             f"(embedding) to {L - 1}")
     faults.apply(flt, target, ctx, groups)
     return target, layer_ids
 
@@ -104,7 +110,8 @@ def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
 def run_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, layer_ids: list[int]) -> dict:
     """The run's settings as the report and the manifest show them."""
     shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else layer_ids
-    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": opts.dtype, "layer_ids": shown_ids,
+    dtype = str(target.dtype).removeprefix("torch.") if opts.model else opts.dtype   # judge in the model's dtype
+    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": dtype, "layer_ids": shown_ids,
                 "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
                 "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
                 "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),

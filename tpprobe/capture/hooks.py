@@ -300,6 +300,7 @@ class Tap:
                 unread[r.meta()["path"]] += 1
         return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
                 "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
+                "layer_names": list(self._layer_names),
                 "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
                 "reduces_per_place": per_layer, "paths": dict(paths), "unreadable_paths": dict(unread),
                 "audit": self.audit}
