@@ -55,6 +55,8 @@ def run(inject: str, extra, out: Path) -> tuple[int, dict]:
 
 def stable_line(report: dict) -> str:
     """The report's first line, without what depends on timing (a missing rank's last heartbeat)."""
+    if not report:
+        return "(no report.json: the run failed before its report)"
     if not report.get("findings"):
         return "HEALTHY"
     f = report["findings"][0]

@@ -202,3 +202,12 @@ def test_config_sets_the_dtype_unless_dtype_is_given(tmp_path, monkeypatch, caps
     cfg.write_text(json.dumps({"model_type": "llama", "dtype": "float16"}))      # newer transformers' key
     assert cli(base, capsys)[0] == 0 and started[-1][started[-1].index("--dtype") + 1] == "float16"
     assert cli(["probe", "--out", "r2"], capsys)[0] == 0 and started[-1][started[-1].index("--dtype") + 1] == "float32"
+
+
+def test_a_capture_over_max_bytes_is_refused_before_the_forward(ranks_env, capfd):
+    code, out, err = cli(["probe", "--nproc", "1", "--max-bytes", "1000", "--out", "big"], capfd)
+    assert code == 2
+    line = one_error_line(err)
+    assert re.search(r"this probe would write about [\d.]+ MB per rank, over --max-bytes 1e\+03: use --exchange "
+                     r"fingerprint", line), line
+    assert not (ranks_env / "big").exists(), "nothing was written: the folder it made is gone"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .capture.files import check_file_path
+from .capture.files import check_file_path, estimate_capture_bytes
 from .errors import TPProbeError, UsageError
 from .faults import parse as parse_faults
 from .model import BuiltinConfig
@@ -21,6 +21,8 @@ def validate(opts: ProbeOptions, world: int) -> None:
     _ = opts.torch_dtype
     if world < 1:
         raise UsageError(f"--nproc must be >= 1 (got {world})")
+    if opts.max_bytes <= 0:
+        raise UsageError(f"--max-bytes must be > 0 (got {opts.max_bytes:g})")
     if opts.timeout <= 0:
         raise UsageError(f"--timeout must be > 0 seconds (got {opts.timeout})")
     if opts.exchange not in ("full", "fingerprint"):
@@ -86,6 +88,16 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
                              f"(embedding) to {L - 1}")
     faults.apply(flt, target, ctx, groups)
     return target, layer_ids
+
+
+def capture_size(target: ProbeTarget, layer_ids: list[int], opts: ProbeOptions) -> int:
+    """The bytes one rank will write, refused over --max-bytes (as the SGLang plugin's TPPROBE_MAX_BYTES)."""
+    est = estimate_capture_bytes(target, layer_ids, opts.exchange == "full")
+    if est > opts.max_bytes:
+        raise UsageError(f"this probe would write about {est / 1e6:.1f} MB per rank, over --max-bytes "
+                         f"{opts.max_bytes:.3g}: use --exchange fingerprint (keeps the requested slots only), "
+                         f"fewer --tokens or --layers, or raise --max-bytes")
+    return est
 
 
 def user_target(ctx: RankContext, spec: str) -> ProbeTarget:

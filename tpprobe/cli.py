@@ -20,7 +20,7 @@ from .options import ProbeOptions, typer_parameters
 from .tools.layers import ARCHES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="tpprobe: a debugger for tensor-parallel LLM inference.")
+                  help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage.")
 
 _DEBUG = {"on": False}
 LayersArch = Enum("LayersArch", {a: a for a in ARCHES}, type=str)   # `tpprobe layers --arch` choices
@@ -134,8 +134,11 @@ def specforge(
     rank: Annotated[int, typer.Option("--rank", help="whose capture to write (every rank should hold the same)")] = 0,
 ) -> None:
     """Write a SpecForge EAGLE-3 training sample (data_N.ckpt) from a capture, for `tpprobe diff`."""
-    from .tools.specforge import sample_from_capture
-    print(sample_from_capture(capture_dir, out, rank))
+    from .tools.specforge import read_sample, sample_from_capture
+    path = sample_from_capture(capture_dir, out, rank)
+    aux = read_sample(path)["aux_hidden_state"]
+    print(f"wrote {path}: a SpecForge EAGLE-3 sample from rank {rank} of {capture_dir} "
+          f"(aux_hidden_state {aux.shape[0]} tokens × {aux.shape[1]})")
 
 
 @app.command("diff")

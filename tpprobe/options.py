@@ -105,7 +105,10 @@ class ProbeOptions:
     inject: list[str] = opt("--inject", [], inject_help())
     out: Optional[str] = opt("--out", None, "capture folder (default: a fresh folder under ./tpprobe-runs)")
     timeout: float = opt("--timeout", 60.0, "seconds any rank waits on another")
-    exchange: str = opt("--exchange", "full", "full: tensors to rank 0; fingerprint: a few KB per capture point",
+    max_bytes: float = opt("--max-bytes", 2e9, "refuse to start when one rank would write more than this many "
+                           "bytes (estimated from the model)")
+    exchange: str = opt("--exchange", "full", "full: every tensor to rank 0; fingerprint: a few KB per capture, "
+                        "tensors only where ranks differ",
                         cli_type=Exchange)
     embed: Optional[str] = opt("--embed", None, "the embedding module of --model: a module path (model.embed_tokens) "
                                "or a class-name glob; default: the module that consumes the input ids and emits "

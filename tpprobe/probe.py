@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from .build import build_with_faults, run_settings, validate
-from .capture.files import check_out_dir, estimate_capture_bytes, remove_if_empty, write_manifest, write_rank
+from .build import build_with_faults, capture_size, run_settings, validate
+from .capture.files import check_out_dir, remove_if_empty, write_manifest, write_rank
 from .capture.hooks import Tap
 from .capture.points import kept_beside_fingerprints
 from .capture.progress import Progress
@@ -121,8 +121,9 @@ def _build(me: _Rank) -> None:
     t0 = time.time()
     me.target, me.layer_ids = build_with_faults(ctx, opts)
     me.timings["build_s"] = time.time() - t0
+    est = capture_size(me.target, me.layer_ids, opts)
     if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
-        check_out_dir(me.out, estimate_capture_bytes(me.target, me.layer_ids, me.keep_all) * local_world())
+        check_out_dir(me.out, est * local_world())
 
 
 def _forward(me: _Rank):

@@ -86,5 +86,7 @@ def render(report: dict, con: Console) -> None:
                    f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
                    + timing_text(report), style="dim"))
     if report.get("out"):
-        con.print(Text(f"captures and report.json: {report['out']}", style="dim"))
+        wrote = (report.get("exchange") or {}).get("captured_bytes_per_rank")
+        con.print(Text(f"captures and report.json: {report['out']}"
+                       + (f" ({wrote / 1e6:.2f} MB per rank)" if wrote else ""), style="dim"))
 
