@@ -111,4 +111,6 @@ def test_fault_table_row_is_what_tpprobe_prints(row, shell):
     p = shell(" ".join(["tpprobe", "probe", *row["args"], "--quiet"]), d)
     assert p.returncode == row["exit"], p.stderr[-1500:]
     first = " ".join(p.stdout.split())
-    assert first.startswith(" ".join(row["verdict"].split())), (row["verdict"], p.stdout)
+    # the table shows what depends on timing (a dead rank's last heartbeat) as "…": compare up to it
+    want = " ".join(row["verdict"].split()).split("…")[0]
+    assert first.startswith(want), (row["verdict"], p.stdout)

@@ -358,3 +358,15 @@ def test_chromium_renders_faulty_report(chromium, faulty, tmp_path):   # chromiu
     for f in faulty["report"]["findings"]:
         assert re.sub(r"\s+", " ", f["line"]) in text
     assert "Capture points × ranks" in text
+
+
+def test_html_without_matplotlib_says_how_to_get_the_heatmaps(faulty, monkeypatch):
+    """matplotlib is an extra (`tpprobe[html]`): without it the page is still whole and says how."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib now raises ImportError
+    page = render_html(faulty["report"])
+    doc = Doc()
+    doc.feed(page)
+    text = " ".join(doc.text)
+    assert doc.imgs == []
+    assert "pip install 'tpprobe[html]'" in text and "tpprobe report DIR --html FILE" in text
+    assert faulty["report"]["findings"][0]["line"][:40] in text, "the verdict is still there"

@@ -233,7 +233,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_meta(meta) -> None:
+def check_meta(meta) -> None:
     """The shape of a rank's metadata the checks rely on (ValueError says what is off)."""
     if not isinstance(meta, dict):
         raise ValueError("not a JSON object")
@@ -323,7 +323,7 @@ def load_run(path, verify: bool = True) -> LoadedRun:
             continue
         try:
             meta = _read_json(root / js, "rank metadata file")
-            _check_meta(meta)
+            check_meta(meta)
         except CaptureError as e:
             problems.append({"file": js, "rank": rank, "problem": f"unreadable JSON ({str(e).split(': ', 1)[-1]})"})
             continue
@@ -356,7 +356,7 @@ def load_rank_files(root: Path, rank: int, entries: list[dict]) -> RankRecord:
     stem = rank_stem(rank)
     meta = _read_json(root / f"{stem}.json", "rank metadata file")
     try:
-        _check_meta(meta)
+        check_meta(meta)
     except ValueError as e:
         raise CaptureError(f"{root / stem}.json: malformed rank metadata ({e})")
     return RankRecord(rank, meta, _load_tensors(root / f"{stem}.safetensors"))
@@ -396,3 +396,14 @@ def point_set_mismatches(metas: dict[int, dict]) -> list[dict]:
                     "detail": f"ranks disagree on capture point {n}: {'; '.join(parts)}; the others "
                               f"({', '.join(map(str, variants[ref_key]))}): {text(ref)}"})
     return out
+
+
+def estimate_capture_bytes(target, layer_ids: list[int], keep_all: bool) -> int:
+    """What one rank writes: embedding (local + out), the kept layers, the packed aux, and with
+    --exchange full every layer plus two tensors per audited all-reduce (about 2 per layer)."""
+    per = int(target.input_ids.numel()) * target.hidden_size * torch.empty((), dtype=target.dtype).element_size()
+    n = 3 + len(layer_ids) + len(layer_ids)
+    if keep_all:
+        n += target.num_layers + 2 * (2 * target.num_layers + 1)
+    return n * per
+

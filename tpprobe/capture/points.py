@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 EMBED_OUT = "embed.out"
 EMBED_LOCAL = "embed.local"
@@ -136,3 +136,10 @@ def stream_order(names) -> list[str]:
 def layer_streams(names) -> list[str]:
     """layer.K.out in K order (no embedding)."""
     return [n for n in stream_order(names) if n != EMBED_OUT]
+
+
+def kept_beside_fingerprints(layer_ids) -> Callable[[str], bool]:
+    """With --exchange fingerprint, the points a rank still keeps as tensors: the ids' points, the
+    embedding and the input norms (the slot candidates), so slots can be matched on the rank."""
+    keep_ids = {id_point(i) for i in layer_ids}
+    return lambda n: n in keep_ids or parse(n).layer == -1 or parse(n).kind == IN_NORM

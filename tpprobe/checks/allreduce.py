@@ -13,7 +13,9 @@ def allreduce_audit(ev, records, live, world) -> dict:
         metas = [records[r].meta["allreduces"][i] for r in live]
         m = metas[0]
         entry = {k: m[k] for k in ("seq", "where", "module", "source", "shape", "dtype", "group_size", "op")}
-        per = ev.allreduce(i, live, m) if m["op"] == "SUM" and len(live) == world else None
+        entry.update(kind=m.get("kind", "all_reduce"), path=m.get("path", "torch.distributed.all_reduce"))
+        per = ev.allreduce(i, live, m) if m["op"] in ("SUM", "CAT") and len(live) == world \
+            and m.get("checked", True) else None
         if per is None:
             entry["level"] = "unchecked"
             res["records"].append(entry)

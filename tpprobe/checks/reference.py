@@ -4,13 +4,13 @@ from __future__ import annotations
 from ..capture.files import RankRecord
 from ..capture.points import point_label, stream_order
 from .findings import WARNING, Finding
-from .noise import compare, rel_l2
+from .noise import RESHARDED, compare, rel_l2
 
 
 def reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
     for name in stream_order(references):
         if name in rec.tensors:
-            c = compare(rec.tensors[name], references[name].to(rec.tensors[name]), dtype=dtype)
+            c = compare(rec.tensors[name], references[name].to(rec.tensors[name]), dtype=dtype, context=RESHARDED)
             if c["level"] in ("material", "shape"):
                 return [Finding("reference-mismatch", name, [rec.rank], severity=WARNING,
                                 detail=f"{point_label(name)} differs from the unsharded tp=1 reference "

@@ -68,6 +68,11 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
                         evidence={"unreduced": unreduced, "missing_allreduce": {"where": f"layer.{layer}", "module": mod},
                                   **({"all_ranks": True} if len(ranks) == world else {})})]
+    # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
+    # row-parallel module, the block itself, a hook, a reduce-scatter)
+    missing = missing_reduce(records, live, world, layer)
+    if missing is not None:
+        return [missing]
     if pf:
         return pf
     groups = classes(ev, first, [r for r in live if r in point_stats[first]])
@@ -78,6 +83,80 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                            f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, relative L2 diff "
                            f"{rel_l2(s.get('rel_diff', 0)):.3g}, first token {s.get('first_token')})",
                     evidence={"groups": groups})]
+
+
+REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
+
+
+def _reduces(meta) -> list[dict]:
+    return [a for a in meta.get("allreduces", []) if a.get("kind", "all_reduce") in REDUCE_KINDS]
+
+
+def _relative(module: str, prefix: str) -> str:
+    return module[len(prefix):] if module == prefix or module.startswith(prefix + ".") else module
+
+
+def silent_missing_reduce(records, live, world) -> list[Finding]:
+    """A layer that lacks a reduce every other layer issues, while the ranks still agree (a
+    reduce-scatter skipped before an all-gather makes every rank hold the same wrong stream): the
+    audit's count is the evidence. Only when a strict majority of layers share the typical count
+    (models whose layers differ, dense + MoE, are judged on data alone)."""
+    cov = records[live[0]].meta.get("coverage") or {}
+    n = cov.get("layers_found") or 0
+    counts = Counter(a["layer"] for a in _reduces(records[live[0]].meta) if a.get("layer") is not None)
+    per_layer = [counts.get(k, 0) for k in range(n)]
+    if not per_layer:
+        return []
+    typical, held = Counter(per_layer).most_common(1)[0]
+    if held * 2 <= n:
+        return []
+    for k in range(n):
+        if per_layer[k] < typical:
+            f = missing_reduce(records, live, world, k)
+            if f is not None:
+                f.detail += " (the ranks agree with each other, so only the audit's count shows it)"
+                return [f]
+    return []
+
+
+def missing_reduce(records, live, world, layer) -> Finding | None:
+    """Positive evidence of a skipped reduce at `layer`: the audit counted fewer reduces there than
+    in the typical layer, on these ranks. Names the reduce the layer lacks (by its issuing module in
+    a layer that has it) and the path it goes through."""
+    if layer is None or layer < 0:
+        return None
+    cov = records[live[0]].meta.get("coverage") or {}
+    names = cov.get("layer_names") or []
+    n_layers = cov.get("layers_found") or (max((a["layer"] for a in _reduces(records[live[0]].meta)
+                                                if a.get("layer") is not None), default=-1) + 1)
+    counts = {r: Counter(a["layer"] for a in _reduces(records[r].meta) if a.get("layer") is not None) for r in live}
+    per_layer = [counts[live[0]].get(k, 0) for k in range(n_layers)]
+    typical = Counter(per_layer).most_common(1)[0][0] if per_layer else 0
+    short = [r for r in live if counts[r].get(layer, 0) < typical]
+    if not typical or not short:
+        return None
+    like = [k for k in range(n_layers) if per_layer[k] == typical and k != layer]
+    j = min(like, key=lambda k: abs(k - layer)) if like else None
+    prefix = (lambda k: names[k] if k < len(names) else f"layer {k}")
+    what = "a reduce"
+    module = prefix(layer)
+    if j is not None:
+        have = Counter((_relative(a["module"], prefix(j)), a.get("kind", "all_reduce"), a.get("path", ""))
+                       for a in _reduces(records[short[0]].meta) if a.get("layer") == j)
+        mine = Counter((_relative(a["module"], prefix(layer)), a.get("kind", "all_reduce"), a.get("path", ""))
+                       for a in _reduces(records[short[0]].meta) if a.get("layer") == layer)
+        lost = list((have - mine).elements())
+        if lost:
+            rel, kind, path = lost[0]
+            module = prefix(layer) + rel if rel.startswith(".") or not rel else rel
+            what = f"the {kind.replace('_', '-')} ({path})"
+    n_here = counts[short[0]].get(layer, 0)
+    return Finding("partial-allreduce", f"layer {layer} ({module})", short,
+                   detail=(f"{what} issued by {module} never ran: the audit counted {n_here} reduce(s) in layer "
+                           f"{layer} where the other layers issue {typical}; from here on the stream holds each "
+                           f"rank's partial sum"),
+                   evidence={"reduces_in_layer": n_here, "typical": typical,
+                             **({"all_ranks": True} if len(short) == world else {})})
 
 
 def _embed_module(records, live) -> str:

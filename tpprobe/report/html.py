@@ -223,12 +223,22 @@ def _allreduce(report: dict, world: int) -> str:
     return "".join(out) + "</section>"
 
 
+HEATMAPS_MISSING = ("per-token heatmaps need matplotlib, which is not installed: pip install 'tpprobe[html]' "
+                    "(or pip install matplotlib), then re-render with tpprobe report DIR --html FILE")
+
+
 def _heatmaps(report: dict, world: int) -> str:
     out = ['<section id="heatmaps"><h2>Where ranks differ: per-token heatmaps</h2>',
            '<p class="sub">Max |difference| to the reference rank per token (columns) and rank (rows), on one log colour '
            'scale for all points. Green: bitwise equal; grey: not compared (reference-free shares, missing ranks). '
            'A divergence confined to some tokens (say, those of one vocab shard) shows as columns.</p>',
            '<div class="heatgrid">']
+    try:
+        import matplotlib  # noqa: F401
+        import numpy  # noqa: F401
+    except ImportError:   # an extra: a serving environment need not carry matplotlib
+        out += [f'<p class="missing-heatmaps">{_e(HEATMAPS_MISSING)}</p>', "</div></section>"]
+        return "".join(out)
     mats = []
     for p in report.get("points", []):
         m = heat_matrix(p, world)

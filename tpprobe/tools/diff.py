@@ -21,14 +21,14 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Optional
 
 import torch
 import typer
 
 from ..checks.slots import slot_verdict
 from ..capture.points import point_label, point_layer, stream_order
-from ..checks.noise import coarser, compare
+from ..checks.noise import RESHARDED, coarser, compare
 from ..errors import CaptureError, TPProbeError, UsageError
 from .specforge import EXPECTED, parse_sample, safe_torch_load
 
@@ -267,7 +267,7 @@ def rel_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor, judge: Optional[torch.dtype] = None) -> dict:
-    c = compare(x, y, dtype=judge)
+    c = compare(x, y, dtype=judge, context=RESHARDED)   # training vs serving: another run, maybe another TP
     if c["level"] == "shape":
         return {"level": "shape", "shape": c["shape"], "ref_shape": c["ref_shape"], "rel_diff": math.inf}
     a, b = x.double().reshape(x.shape[0], -1), y.double().reshape(y.shape[0], -1)
@@ -601,20 +601,9 @@ def render(rep: dict, console) -> None:
             console.print(Text(f"cause ({c['kind']}, {c['where']}): {c['detail']}", style="red"), soft_wrap=True)
 
 
-def diff_command(
-    baseline: Annotated[Path, typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
-    target: Annotated[Path, typer.Argument(help="the run to check against the baseline (same kinds of input)")],
-    rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
-    all_ranks: Annotated[bool, typer.Option("--all-ranks", help="every rank of the capture folder(s)")] = False,
-    slots: Annotated[Optional[int], typer.Option("--slots", help="K: split a bare packed tensor into K slots")] = None,
-    hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
-    offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
-    threshold: Annotated[Optional[str], typer.Option(
-        "--threshold", help="rel diff² (‖t−b‖²/(‖t‖²+‖b‖²): quadratic: a 1 % difference is 5e-5) a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
-                            "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-) -> None:
+def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = False, slots: Optional[int] = None,
+                 hidden: Optional[int] = None, offset: Optional[int] = None, threshold: Optional[str] = None,
+                 json_out: bool = False, debug: bool = False) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
     try:
         rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,
