@@ -140,7 +140,7 @@ def _user_target(ctx: RankContext, spec: str) -> ProbeTarget:
 
 
 # ---- the pipeline --------------------------------------------------------------------------------
-def run(opts: ProbeOptions) -> int:
+def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     t_start = time.time()
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
     ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
@@ -162,7 +162,8 @@ def run(opts: ProbeOptions) -> int:
         watchdog.join(timeout=2)
         if ctx.rank == 0:
             ch.post("final", {"code": code}, rank=0)
-    _shutdown(ctx)
+    if not keep_group:      # keep_group: a caller that probes again on the same group (tests/test_zoo.py)
+        _shutdown(ctx)
     return code
 
 
