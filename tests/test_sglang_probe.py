@@ -30,6 +30,10 @@ def probe(out, *args, nproc=2, pythonpath=None, timeout=240):
                         "--timeout", "120", *args], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=timeout)
     assert p.returncode in (0, 1), f"exit {p.returncode}\n{p.stderr[-4000:]}"
+    # SGLang's own noise stays out of the user's terminal: no shared memory leaked at exit (the TP
+    # group's MessageQueue ring buffer is released), no CPU-only warnings
+    for noise in ("leaked shared_memory", "resource_tracker", "Cannot detect CUDA architecture", "is deprecated"):
+        assert noise not in p.stderr, (noise, p.stderr[-2000:])
     start = p.stdout.index("{")
     return p.returncode, json.loads(p.stdout[start:]), p
 

@@ -19,27 +19,7 @@ import torch.distributed as dist
 from .errors import UsageError
 from .target import ProbeTarget, RankContext
 
-# name -> (catalogue id, argument: "layer" | "rank" | None, argument required)
-FAULTS = {
-    "skip-embed-allreduce": ("F1", None, False),
-    "skip-allreduce": ("F2", "layer", True),
-    "subgroup-allreduce": ("F3", "layer", True),
-    "rank-noise": ("F4", "rank", True),
-    "rank-weight": ("F5", "rank", True),
-    "slice-capture": ("F6", None, False),
-    "capture-offset": ("F7", None, False),
-    "drop-embed-slot": ("F8", None, False),
-    "slot-order": ("F8", None, False),
-    "alias-capture": ("F9", None, False),
-    "nan": ("F10", "rank", True),
-    "capture-dtype": ("F11", "rank", False),
-    "capture-noncontig": ("F11", None, False),
-    "extra-collective": ("F12", "rank", True),
-    "embed-after-norm": ("F13", None, False),
-    "kill-rank": ("F14", "rank", True),
-    "hang-rank": ("F14", "rank", True),
-    "drop-last-id": ("F15", None, False),
-}
+from .fault_names import FAULTS, inject_help  # noqa: F401  (the names, torch-free for --help)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 
 
+
 @dataclass
 class RankContext:
     rank: int

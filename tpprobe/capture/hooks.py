@@ -30,6 +30,7 @@ import torch
 
 from . import discover
 from .audit import Audit, CollectiveRecord
+from .points import in_norm, layer_out, layer_place
 from .progress import Progress
 
 
@@ -240,7 +241,7 @@ class Tap:
         self._record(name, t, copied=copied)
 
     def _layer_post(self, handle, args, output) -> None:
-        name = f"layer.{handle.index}.out"
+        name = layer_out(handle.index)
         self.layers_ran.add(handle.index)
         if not self.stream_from_layer_output:
             return
@@ -253,7 +254,7 @@ class Tap:
         if handle.kind != "row":
             if handle.name.endswith(".input_layernorm") and self.layer_indices and handle.index == self.layer_indices[0]:
                 # a candidate for "the embedding slot was taken after a transform"
-                self._record(f"layer.{handle.index}.in_norm", _first_tensor(output), copied=False)
+                self._record(in_norm(handle.index), _first_tensor(output), copied=False)
             return
         out = _first_tensor(output)
         reduced_inside = any(r.source == handle.name for r in self.allreduces)
@@ -270,7 +271,7 @@ class Tap:
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"
         layer = next((idx for _, kind, idx in reversed(self._stack) if kind == "layer"), None)
         in_embed = any(kind == "embed" for _, kind, _ in self._stack)
-        where = "embed" if in_embed else (f"layer.{layer}" if layer is not None else "other")
+        where = layer_place(-1 if in_embed else layer)
         source = next((name for name, kind, _ in reversed(self._stack) if kind == "row"), None)
         if source is None and isinstance(tensor, torch.Tensor):
             # reduced after the row-parallel module returned (reduce_results=False)
@@ -279,7 +280,7 @@ class Tap:
                 if row["ptr"] == ptr and not row["reduced"]:
                     row["reduced"], source = True, row["module"]
                     if not in_embed and row["layer"] is not None:
-                        layer, where = row["layer"], f"layer.{row['layer']}"
+                        layer, where = row["layer"], layer_place(row["layer"])
                     break
         return module, layer, where, source
 

@@ -15,21 +15,17 @@ from typing import Optional
 
 import torch
 
-from .noise import bitwise_equal, coarser, compare, is_noise, nonfinite, nonzero_rows, reduce_check, ulp_of, within_noise
-from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
+from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
+                    within_noise)
+from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
+from ..exchange.fingerprint import PROBE_K, PROBE_SEED, Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
 
 
-def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
-
-
 def layer_points(names) -> list[str]:
-    def key(n):
-        return int(n.split(".")[1])
-    return sorted((n for n in names if n.startswith("layer.") and n.endswith(".out")), key=key)
+    return layer_streams(names)
 
 
 def slot_candidates(names) -> list[str]:
@@ -110,6 +106,8 @@ def match_slots(packed: torch.Tensor, hidden: int, candidates: dict, dtype: torc
 class TensorEvidence:
     """Every rank's tensors are here (rank 0 after a full gather, or read from a capture folder)."""
 
+    audit_method = "tensors"      # all-reduces checked element by element
+
     def __init__(self, records, dtype: torch.dtype):
         self.records, self.dtype = records, dtype
 
@@ -123,7 +121,7 @@ class TensorEvidence:
         base = have.get(ref, next(iter(have.values())))
         per = {}
         for r, t in have.items():
-            if name.endswith(".local"):       # each rank's own share: expected to differ
+            if parse(name).kind == SHARE:       # each rank's own share: expected to differ
                 s = {"level": "reference" if t is base else "share"}
             elif t is base:
                 s = {"level": "reference"}
@@ -150,8 +148,8 @@ class TensorEvidence:
         """Each rank's output of collective i against what a complete one returns (the sum of every
         rank's input; for a reduce-scatter, this rank's chunk of it; for an all-gather, the concatenation)."""
         from ..capture.audit import expected_output
-        ins = {r: self.tensor(f"allreduce.{i}.in", r) for r in live}
-        outs = {r: self.tensor(f"allreduce.{i}.out", r) for r in live}
+        ins = {r: self.tensor(allreduce_in(i), r) for r in live}
+        outs = {r: self.tensor(allreduce_out(i), r) for r in live}
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or len({tuple(v.shape) for v in ins.values()}) > 1:
             return None
@@ -187,6 +185,8 @@ class FingerprintEvidence(TensorEvidence):
     """Each rank's fingerprints (its posted metadata) plus the statistics ranks computed locally
     against the reference rank's broadcast tensor where fingerprints disagreed (`detail`)."""
 
+    audit_method = "sketch"       # all-reduces checked on linear sketches: within rounding, never exact
+
     def __init__(self, records, dtype: torch.dtype, detail: dict[str, dict[int, dict]]):
         super().__init__(records, dtype)
         self.detail = detail
@@ -204,7 +204,7 @@ class FingerprintEvidence(TensorEvidence):
         base = have[base_rank]
         per = {}
         for r, f in have.items():
-            if name.endswith(".local"):
+            if parse(name).kind == SHARE:
                 s = {"level": "reference" if r == base_rank else "share"}
             elif r == base_rank:
                 s = {"level": "reference"}
@@ -256,3 +256,25 @@ class FingerprintEvidence(TensorEvidence):
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         return self.records[r].meta.get("slot_match")
+
+
+# ---- what a rank sends instead of its tensors (--exchange fingerprint) ---------------------------
+def _fp_json(fp):
+    """A fingerprint, or a list of them (a reduce-scatter's input / all-gather's output, per chunk)."""
+    return [f.to_json() for f in fp] if isinstance(fp, list) else fp.to_json()
+
+
+def add_fingerprints(meta: dict, tap, packed: Optional[torch.Tensor], hidden: int, dtype: torch.dtype) -> None:
+    """Into this rank's metadata: every capture point's fingerprint, each audited collective's, and
+    which candidate each aux slot equals (measured here, where the tensors are)."""
+    fps = {n: f.to_json() for n, f in tap.summaries.items()}
+    if packed is not None:
+        fps["aux.packed"] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
+    meta["fingerprints"] = fps
+    for m, rec in zip(meta["allreduces"], tap.allreduces):
+        if rec.inp_summary is not None and rec.out_summary is not None:
+            m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)
+    if packed is not None:
+        cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
+                 for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
+        meta["slot_match"] = match_slots(packed, hidden, cands, dtype)

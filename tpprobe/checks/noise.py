@@ -28,6 +28,9 @@ issue requires be found (1 % in bf16 / fp16, 0.1 % in fp32).
 Fingerprint mode only knows rel_norm (from the linear sketch, an estimate with ~1/sqrt(k) relative
 spread) unless the tensor was kept; `SKETCH_SLACK` widens the bound for that estimate so that
 what full mode calls noise is never material in fingerprint mode.
+
+rel diff is 1 - 2Σxy/(Σx²+Σy²) = ‖x−y‖²/(‖x‖²+‖y‖²), in float64: quadratic (a 1 %
+difference is 5e-5); messages show its linear reading rel_l2 (0.01 = 1 %).
 """
 from __future__ import annotations
 
@@ -169,6 +172,11 @@ def coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if eps_of(a) >= eps_of(b) else b
 
 
+def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The precision two tensors are judged in: the coarser of theirs and the run's."""
+    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
+
+
 def bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.shape != y.shape or x.dtype != y.dtype:
         return False
@@ -257,3 +265,11 @@ def reduce_check(out: torch.Tensor, ins: list, expected: torch.Tensor, dtype: to
     S = math.sqrt(sum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in ins))
     ok, rel = reduce_is_noise(float(torch.linalg.vector_norm(d)), S, dtype, len(ins))
     return {"level": "noise" if ok else "material", "rel_norm": rel, "max_abs": float(d.abs().max())}
+
+
+def rel_l2(rel_diff: float) -> float:
+    """The linear reading of rel_diff: ‖a−b‖ / sqrt((‖a‖²+‖b‖²)/2), the norm-wise relative difference
+    (0.01 = 1 %). rel_diff itself is quadratic (1e-4 for a 1 % difference), which reads as if it
+    contradicted a large max abs diff; messages show this one."""
+    import math
+    return math.sqrt(max(0.0, 2.0 * float(rel_diff)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..capture.files import RankRecord
 from ..capture.points import point_label, stream_order
 from .findings import WARNING, Finding
-from .noise import RESHARDED, compare
+from .noise import RESHARDED, compare, rel_l2
 
 
 def reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
@@ -14,6 +14,6 @@ def reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
             if c["level"] in ("material", "shape"):
                 return [Finding("reference-mismatch", name, [rec.rank], severity=WARNING,
                                 detail=f"{point_label(name)} differs from the unsharded tp=1 reference "
-                                       f"(rel diff {c.get('rel_diff', 0):.3g}) while ranks agree",
+                                       f"(relative L2 diff {rel_l2(c.get('rel_diff', 0)):.3g}) while ranks agree",
                                 evidence={"all_ranks": True})]
     return []

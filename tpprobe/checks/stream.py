@@ -7,9 +7,10 @@ from collections import Counter
 
 import torch
 
-from ..capture.points import point_label, point_layer, stream_order
+from ..capture.points import AUX, layer_place, parse, point_label, point_layer, stream_order
 from .crossrank import classes
 from .findings import Finding
+from .noise import rel_l2
 from .params import param_divergence
 
 
@@ -17,7 +18,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     order = stream_order(point_stats)
     bad = lambda n: [r for r, s in point_stats[n].items() if s["level"] in ("material", "shape")]  # noqa: E731
     # non-finite first: NaN spreads through every later reduce
-    for n in order + [x for x in point_stats if x not in order and not x.startswith("aux")]:
+    for n in order + [x for x in point_stats if x not in order and parse(x).kind != AUX]:
         nf = [r for r, s in point_stats[n].items() if s.get("nan") or s.get("inf")]
         if nf:
             s = point_stats[n][nf[0]]
@@ -34,7 +35,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         if not any(a["where"] == "embed" for r in live for a in records[r].meta.get("allreduces", [])):
             rows = torch.stack([ev.rows_nonzero("embed.out", r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
-            evid = {"rows_nonzero_on_one_rank": single, **all_r}
+            evid = {"rows_nonzero_on_one_rank": single, **all_r,
+                    "missing_allreduce": {"where": "embed", "module": _embed_module(records, live)}}
             if references and "embed.out" in references:
                 evid["sum_over_ranks_vs_reference"] = ev.sum_vs("embed.out", live, references["embed.out"])
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
@@ -45,7 +47,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                             evidence=evid)]
     # an all-reduce over a sub-group in this layer
     sub = [a for a in ar.get("records", []) if a.get("group_size", world) < world
-           and (a["where"] == f"layer.{layer}" or layer == -1 and a["where"] == "embed")]
+           and a["where"] == layer_place(layer)]
     if sub:
         groups = classes(ev, first, [r for r in live if r in point_stats[first]])
         a = sub[0]
@@ -64,7 +66,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
                         detail=f"{mod} output was never all-reduced: {n_here.get(f'layer.{layer}', 0)} all-reduce(s) "
                                f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
-                        evidence={"unreduced": unreduced, **({"all_ranks": True} if len(ranks) == world else {})})]
+                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": f"layer.{layer}", "module": mod},
+                                  **({"all_ranks": True} if len(ranks) == world else {})})]
     # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
     # row-parallel module, the block itself, a hook, a reduce-scatter)
     missing = missing_reduce(records, live, world, layer)

@@ -44,6 +44,7 @@ from ._hashdef import (M32, QA, QB, SA, SKETCH_ROW, Fingerprint, column_signs, h
 __all__ = ["Fingerprint", "fingerprint", "fingerprints", "sum_matches", "sketch_close",
            "SKETCH_ROW"]
 
+PROBE_SEED, PROBE_K = 0x7470, 32   # `tpprobe probe --exchange fingerprint`: every rank sketches with the same signs
 _CHUNK_ROWS = 8192        # CPU path: rows of 128 elements per chunk (1 Mi elements)
 
 
