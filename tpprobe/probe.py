@@ -34,7 +34,7 @@ from .report.model import build_report
 from .target import ProbeTarget, RankContext
 
 
-def run(opts: ProbeOptions) -> int:
+def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     t_start = time.time()
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
     ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
@@ -55,7 +55,8 @@ def run(opts: ProbeOptions) -> int:
         watchdog.join(timeout=2)
         if ctx.rank == 0:
             ch.post("final", {"code": code}, rank=0)
-    shutdown(ctx)
+    if not keep_group:      # keep_group: a caller that probes again on the same group (tests/test_zoo.py)
+        shutdown(ctx)
     return code
 
 

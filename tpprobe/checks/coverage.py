@@ -62,12 +62,16 @@ def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
         out.append(Finding("coverage", f"decoder layers ({cov.get('layer_list')})", list(live),
                            detail=f"only {cov.get('layers_ran')} of {found} hooked layers ran in the forward",
                            evidence=all_r))
-    n_reduce = sum(sum(v.values()) for v in cov.get("reduces_per_place", {}).values())
-    if world > 1 and cov.get("audit", True) and n_reduce == 0:
+    places = cov.get("reduces_per_place", {})
+    n_reduce = sum(sum(v.values()) for v in places.values())
+    n_layer = sum(sum(v.values()) for w, v in places.items() if w.startswith("layer."))
+    if world > 1 and cov.get("audit", True) and found and n_layer == 0:
+        seen = f"{n_reduce} outside them" if n_reduce else "none anywhere"
         out.append(Finding("coverage", "collective audit", list(live), detail=(
-            f"tp={world} but no reduce was audited: the model reduces through a path the audit cannot see "
-            f"(pynccl, a custom all-reduce, symmetric memory: record it with Tap.collective), or it never "
-            f"reduces; no all-reduce can be called complete"), evidence=all_r))
+            f"tp={world} but no reduce was audited in any decoder layer ({seen}): the model reduces through "
+            f"a path the audit cannot see (point-to-point sends, pynccl, a custom all-reduce, symmetric "
+            f"memory: record it with Tap.collective), or its layers are not tensor-parallel; no layer's "
+            f"reduce can be called complete"), evidence=all_r))
     unread = cov.get("unreadable_paths") or {}
     if unread:
         text = ", ".join(f"{n} × {p}" for p, n in unread.items())

@@ -41,9 +41,14 @@ def fp_rel(a: Fingerprint, b: Fingerprint) -> float:
 
 
 def fp_measure(a: Fingerprint, b: Fingerprint, dtype: torch.dtype) -> dict:
-    """What the noise model can judge from two fingerprints: the norm-wise relative error (sketch
-    estimate) and a lower bound of the worst element's difference (|absmax(a) - absmax(b)|)."""
+    """What the noise model can judge from two fingerprints: the norm-wise relative error (the
+    sketch's estimate, or the exact lower bound | ||a|| - ||b|| | / max(||a||, ||b||) from the sums of
+    squares when larger: a drift that scales the stream is measured exactly, not estimated) and a
+    lower bound of the worst element's difference (|absmax(a) - absmax(b)|)."""
     rel = fp_rel(a, b)
+    na, nb = math.sqrt(max(a.sumsq, 0.0)), math.sqrt(max(b.sumsq, 0.0))
+    if math.isfinite(na) and math.isfinite(nb) and max(na, nb) > 0:
+        rel = max(rel, abs(na - nb) / max(na, nb))
     m = {"from": "fingerprint", "rel_norm": rel, "nan_mismatch": int((a.n_nan, a.n_inf) != (b.n_nan, b.n_inf))}
     if dtype.is_floating_point and math.isfinite(a.absmax) and math.isfinite(b.absmax):
         spacing = float(ulp_of(torch.tensor(max(abs(a.absmax), abs(b.absmax)), dtype=torch.float64), dtype))
@@ -66,7 +71,7 @@ def fp_stats(fp: Fingerprint, base: Fingerprint, dtype: torch.dtype) -> dict:
     lv = fp_level(fp, base, dtype)
     s = {"level": lv, "from": "fingerprint"}
     if lv not in ("bitwise", "shape"):
-        rel = fp_rel(fp, base)
+        rel = fp_measure(fp, base, dtype)["rel_norm"]
         s.update(rel_norm=rel, rel_diff=rel * rel / 2, max_abs=None, first_token=None)
     elif lv == "bitwise":
         s.update(max_abs=0.0, rel_diff=0.0, rel_norm=0.0)

@@ -80,8 +80,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
     return [Finding("rank-divergence", first, odd,
                     detail=f"{point_label(first)} differs materially on rank{'s' if len(odd) > 1 else ''} "
-                           f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, relative L2 diff "
-                           f"{rel_l2(s.get('rel_diff', 0)):.3g}, first token {s.get('first_token')})",
+                           f"{', '.join(map(str, odd))} ({_size_text(s)})",
                     evidence={"groups": groups})]
 
 
@@ -157,6 +156,20 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
                            f"rank's partial sum"),
                    evidence={"reduces_in_layer": n_here, "typical": typical,
                              **({"all_ranks": True} if len(short) == world else {})})
+
+
+def _size_text(s: dict) -> str:
+    """How large a difference is, from full stats or from a fingerprint (no max_abs there)."""
+    parts = []
+    if s.get("rel_norm") is not None:
+        parts.append(f"relative error {s['rel_norm']:.3g}" + (" (fingerprint estimate)" if s.get("from") == "fingerprint" else ""))
+    if s.get("max_abs") is not None:
+        parts.append(f"max abs diff {s['max_abs']:.3g}")
+    if s.get("ulp_max") is not None and s.get("from") != "fingerprint":
+        parts.append(f"worst element {s['ulp_max']:.3g} ULP")
+    if s.get("first_token") is not None:
+        parts.append(f"first token {s['first_token']}")
+    return ", ".join(parts) or "sizes not measured"
 
 
 def _embed_module(records, live) -> str:

@@ -9,6 +9,9 @@ Settings (environment):
   TPPROBE_MAX_STEPS      forward steps to capture per rank (default 1); step s goes to DIR/step-SSS
   TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend")
   TPPROBE_MAX_BYTES      stop capturing once this many bytes were written by a rank (default 2e9)
+  TPPROBE_EMBED          the embedding's module path or class glob (default: found from structure,
+                         the module that takes the input ids and returns [tokens, hidden])
+  TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
 
@@ -113,7 +116,9 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     _state.busy = True
     t0 = time.time()
     try:
-        with torch.no_grad(), Tap(self, extensions=sglang_extensions()) as tap:
+        with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
+                                  embed=os.environ.get("TPPROBE_EMBED") or None,
+                                  layers=os.environ.get("TPPROBE_LAYER_LIST") or None) as tap:
             tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
             result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     finally:
