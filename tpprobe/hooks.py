@@ -274,7 +274,7 @@ class Tap:
         rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
                               shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
                               group_size=dist.get_world_size(group), op=str(op).split(".")[-1])
-        keep = self.keep_ar or where == "embed"
+        keep = self.keep_ar or (where == "embed" and self.keep("embed.local"))
         if keep:
             rec.inp = tensor.detach().clone()
         if self.summarize is not None:
