@@ -132,8 +132,13 @@ class Tap:
                  layer_pattern: str = "*DecoderLayer", keep: Callable[[str], bool] = lambda n: True,
                  summarize: Optional[Callable[[torch.Tensor], Any]] = None,
                  keep_allreduce_tensors: bool = True, audit: bool = True,
-                 progress: Optional[Progress] = None, extensions: tuple = ()):
+                 progress: Optional[Progress] = None, extensions: tuple = (),
+                 admit: Optional[Callable[[str, torch.Tensor], bool]] = None,
+                 sample_rows: Optional[int] = None):
         self.model = model
+        # admit(name, tensor): asked BEFORE a kept point is copied (a byte budget); sample_rows:
+        # keep only the first rows of each kept tensor (both: the SGLang plugin's bounded memory)
+        self.admit, self.sample_rows = admit, sample_rows
         self.embed_pattern, self.layer_pattern = embed_pattern, layer_pattern
         self.keep, self.summarize = keep, summarize
         self.keep_ar = keep_allreduce_tensors
@@ -221,8 +226,11 @@ class Tap:
         if t is None:
             return
         self.order.append(name)
-        if self.keep(name):
-            self.captures[name] = t if copied else t.detach().clone()
+        if self.keep(name) and (self.admit is None or self.admit(name, t)):
+            if self.sample_rows is not None and t.dim() and t.shape[0] > self.sample_rows:
+                self.captures[name] = t.detach()[:self.sample_rows].clone()
+            else:
+                self.captures[name] = t if copied else t.detach().clone()
         if self.summarize is not None:
             self.summaries[name] = self.summarize(t)
 
