@@ -5,10 +5,12 @@
 
 The built-in model (bf16, Kimi width: hidden 7168, 56 heads, ffn 18432) at tp 1, or tp 2 over
 NCCL with the all-reduces inside the graph (two processes, one GPU each). Per batch size, two
-graphs of the same model are captured: `plain` (the forward) and `taps` (the forward with the
+graphs of the same model are captured: `plain` (the forward), `taps` (the forward with the
 GraphTap: one fused fingerprint per capture point and per all-reduce input and output, into the
-static buffer), and each `taps` replay is followed by its one D2H copy of the static buffer
-(pinned, non-blocking), as the plugin does per step. Rounds alternate the two variants; each round
+static buffer, on a side stream after one staging copy per point) and `taps_same_stream` (the
+fingerprints on the forward's own stream, no staging); each taps replay is followed by its one D2H
+copy of the static buffer (pinned, non-blocking), as the plugin does per step. Rounds rotate the
+three variants; each round
 times `--iters` back-to-back replays with CUDA events (one sync per round); the table gives the
 median per replay and the ratio. Also measured: the host combine of one step's fingerprints
 (`read()` after a sync), the static buffer and scratch bytes, and the graph pool's extra memory.
@@ -60,19 +62,22 @@ def bench_rank(ctx, a) -> dict:
         mem0 = torch.cuda.memory_allocated(ctx.device)
         plain = GraphedForward(model, tokens, ctx.device, taps=False, vocab=cfg.vocab)
         mem1 = torch.cuda.memory_allocated(ctx.device)
-        taps = GraphedForward(model, tokens, ctx.device, taps=True, vocab=cfg.vocab)
+        same = GraphedForward(model, tokens, ctx.device, taps=True, vocab=cfg.vocab, side_stream=False)
         mem2 = torch.cuda.memory_allocated(ctx.device)
+        taps = GraphedForward(model, tokens, ctx.device, taps=True, vocab=cfg.vocab, side_stream=True)
+        mem3 = torch.cuda.memory_allocated(ctx.device)
         ids = torch.randint(0, cfg.vocab, (tokens,), device=ctx.device)
+        variants = {"plain": plain, "taps_same_stream": same, "taps": taps}
         for _ in range(3):
-            _time(plain, ids, a.iters, False)
-            _time(taps, ids, a.iters, True)
-        rows = {"plain": [], "taps": []}
+            for name, gf in variants.items():
+                _time(gf, ids, a.iters, name != "plain")
+        rows = {n: [] for n in variants}
+        names = list(variants)
         for r in range(a.rounds):
             if ctx.world_size > 1:
                 dist.barrier()
-            order = (("plain", plain), ("taps", taps)) if r % 2 == 0 else (("taps", taps), ("plain", plain))
-            for name, gf in order:
-                rows[name].append(_time(gf, ids, a.iters, name == "taps"))
+            for name in names[r % 3:] + names[:r % 3]:       # rotate the order every round
+                rows[name].append(_time(variants[name], ids, a.iters, name != "plain"))
         # the host side of one step: sync, one D2H copy, combine every slot
         host = []
         for _ in range(20):
@@ -84,13 +89,15 @@ def bench_rank(ctx, a) -> dict:
         med = {k: statistics.median(v) for k, v in rows.items()}
         out[str(tokens)] = {
             "plain_ms": med["plain"], "taps_ms": med["taps"], "ratio": med["taps"] / med["plain"],
+            "taps_same_stream_ms": med["taps_same_stream"],
+            "ratio_same_stream": med["taps_same_stream"] / med["plain"],
             "plain_min_ms": min(rows["plain"]), "taps_min_ms": min(rows["taps"]),
             "rounds": rows, "slots": len(fps), "host_read_combine_ms": statistics.median(host),
-            "static_buffer_bytes": taps.slots.nbytes,
-            "scratch_bytes": sum(t.numel() * t.element_size() for t in taps.slots.scratch.values()),
-            "graph_extra_bytes_plain": mem1 - mem0, "graph_extra_bytes_taps": mem2 - mem1,
+            "static_bytes": taps.slots.nbytes, "static_bytes_same_stream": same.slots.nbytes,
+            "graph_extra_bytes_plain": mem1 - mem0, "graph_extra_bytes_taps_same_stream": mem2 - mem1,
+            "graph_extra_bytes_taps": mem3 - mem2,
             "allreduces_in_graph": len(taps.tap.allreduces)}
-        del plain, taps
+        del plain, same, taps, variants
         torch.cuda.empty_cache()
     return out
 
@@ -151,12 +158,15 @@ def main():
     print(f"CUDA-graph decode, built-in model bf16, hidden {a.hidden}, {a.num_layers} layers, ffn {a.ffn}, "
           f"tp {a.tp} ({torch.cuda.get_device_name(0)}, torch {torch.__version__}); median of {a.rounds} "
           f"rounds x {a.iters} replays")
-    print(f"{'tokens':>6} {'rank':>4} {'plain ms':>9} {'taps ms':>9} {'x plain':>8} {'slots':>5} "
-          f"{'host read ms':>12} {'static B':>9}")
+    print("taps = fingerprints on a side stream (points staged by one copy each); same = on the "
+          "forward's stream")
+    print(f"{'tokens':>6} {'rank':>4} {'plain ms':>9} {'taps ms':>9} {'x plain':>8} {'same ms':>9} "
+          f"{'x plain':>8} {'slots':>5} {'host read ms':>12} {'static B':>9}")
     for r, per in sorted(res.items()):
         for t, v in per.items():
-            print(f"{t:>6} {r:>4} {v['plain_ms']:9.4f} {v['taps_ms']:9.4f} {v['ratio']:8.3f} {v['slots']:5d} "
-                  f"{v['host_read_combine_ms']:12.3f} {v['static_buffer_bytes']:9d}")
+            print(f"{t:>6} {r:>4} {v['plain_ms']:9.4f} {v['taps_ms']:9.4f} {v['ratio']:8.3f} "
+                  f"{v['taps_same_stream_ms']:9.4f} {v['ratio_same_stream']:8.3f} {v['slots']:5d} "
+                  f"{v['host_read_combine_ms']:12.3f} {v['static_bytes']:9d}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -55,15 +55,18 @@ def _failures(findings):
 
 
 def _cases(tp):
-    healthy = [("", t, None, None, None) for t in (TOKENS if tp == 1 else HEALTHY_TP2_TOKENS)]
-    return healthy + (TP1_FAULTS if tp == 1 else TP2_FAULTS)
+    """(inject, tokens, kind, where, ranks, side_stream): healthy at every decode shape with the
+    fingerprints on the forward's stream and on a side stream; faults on the side stream."""
+    healthy = [("", t, None, None, None, side) for t in (TOKENS if tp == 1 else HEALTHY_TP2_TOKENS)
+               for side in (False, True)]
+    return healthy + [(*c, True) for c in (TP1_FAULTS if tp == 1 else TP2_FAULTS)]
 
 
 def _run_cases(ctx, tp):
     from tpprobe.graph_probe import graph_probe_rank
     out = []
-    for inject, tokens, *_ in _cases(tp):
-        r = graph_probe_rank(ctx, _cfg(), [inject] if inject else [], tokens)
+    for inject, tokens, *_, side in _cases(tp):
+        r = graph_probe_rank(ctx, _cfg(), [inject] if inject else [], tokens, side_stream=side)
         out.append(r)
         torch.cuda.synchronize()
     return out
@@ -136,7 +139,8 @@ def test_graph_replay_fingerprints_equal_eager_at_every_point(tp):
         assert bad == {}, bad
     # every layer's stream, the embedding and (tp 2) every all-reduce in and out were tapped
     healthy = [(m, s) for m, s in zip(metas, settings) if not s["inject"]]
-    assert sorted(s["tokens"] for _, s in healthy) == sorted(TOKENS)
+    assert sorted((s["tokens"], s["side_stream"]) for _, s in healthy) == sorted(
+        (t, side) for t in TOKENS for side in (False, True))
     for m, s in healthy:
         names = set(m[0]["fingerprints"])
         assert {"embed.out", "embed.local", *(f"layer.{k}.out" for k in range(6))} <= names
@@ -161,7 +165,7 @@ def test_healthy_graph_replay_has_no_findings(tp):
 def test_faults_in_the_graphed_model_are_named_exactly(tp):
     from tpprobe.graph_probe import graph_findings
     metas, _, settings = _results(tp)
-    expect = {(c[0], c[1]): c[2:] for c in _cases(tp) if c[0]}
+    expect = {(c[0], c[1]): c[2:5] for c in _cases(tp) if c[0]}
     seen = 0
     for m, s in zip(metas, settings):
         if not s["inject"]:
@@ -173,8 +177,9 @@ def test_faults_in_the_graphed_model_are_named_exactly(tp):
     assert seen == len(expect)
 
 
+@pytest.mark.parametrize("side", [False, True])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
-def test_static_slots_equal_the_torch_path(dt):
+def test_static_slots_equal_the_torch_path(dt, side):
     """The static-buffer launches and their host combine against the independent torch path
     (same word hash, same bitmap, sketch within float tolerance), filled twice: the second fill
     (new values, same buffer) must not keep anything of the first."""
@@ -184,7 +189,7 @@ def test_static_slots_equal_the_torch_path(dt):
     from tpprobe.graph_tap import StaticFingerprints
     ts = [torch.randn(n, 7168, device="cuda").to(dt) for n in (1, 8, 64)] + \
         [torch.randn(8, 3 * 7168, device="cuda").to(dt)]
-    slots = StaticFingerprints("cuda", seed=3, k=32)
+    slots = StaticFingerprints("cuda", seed=3, k=32, side_stream=side)
     for t in ts:
         slots.add(t)
     slots.freeze()

@@ -23,10 +23,11 @@ FP_SEED, FP_K = 0, 32
 
 class GraphedForward:
     def __init__(self, model: torch.nn.Module, tokens: int, device, *, taps: bool, warmup: int = 2,
-                 vocab: int = 2):
+                 vocab: int = 2, side_stream: bool = True):
         self.model = model
         self.ids = torch.randint(0, vocab, (tokens,), device=device, generator=None)
-        self.slots: Optional[StaticFingerprints] = StaticFingerprints(device, FP_SEED, FP_K) if taps else None
+        self.slots: Optional[StaticFingerprints] = \
+            StaticFingerprints(device, FP_SEED, FP_K, side_stream=side_stream) if taps else None
         self.tap: Optional[GraphTap] = None
         with torch.no_grad():
             if self.slots is not None:
@@ -132,7 +133,8 @@ def build_on_device(ctx, cfg):
                        packed_aux=lambda result: result[1], model_layer_ids=list(cfg.layer_ids))
 
 
-def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int = 123) -> dict:
+def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int = 123,
+                     side_stream: bool = True) -> dict:
     """One rank: build (+ faults), capture with taps, replay new ids, read, compare with eager."""
     from . import faults as faults_mod
     from .evidence import match_slots, slot_candidates
@@ -146,7 +148,7 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
     target = build_on_device(ctx, c)
     faults_mod.apply(flt, target, ctx, groups)
     model = target.model
-    gf = GraphedForward(model, tokens, ctx.device, taps=True, vocab=c.vocab)
+    gf = GraphedForward(model, tokens, ctx.device, taps=True, vocab=c.vocab, side_stream=side_stream)
     g = torch.Generator().manual_seed(input_seed + tokens)
     ids = torch.randint(0, c.vocab, (tokens,), generator=g).to(ctx.device)
     with torch.no_grad():
@@ -169,7 +171,7 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
     settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": str(c.dtype).replace("torch.", ""),
                 "layer_ids": layer_ids, "num_layers": c.num_layers, "hidden": c.hidden, "tokens": tokens,
                 "arch": "builtin", "model": "builtin", "inject": list(faults), "model_packs_aux": True,
-                "exchange": "fingerprint (CUDA graph)"}
+                "exchange": "fingerprint (CUDA graph)", "side_stream": side_stream}
     return {"meta": meta, "compare": cmp, "settings": settings, "slots": len(gf.slots.plans),
             "static_bytes": gf.slots.nbytes}
 

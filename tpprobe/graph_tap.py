@@ -52,7 +52,7 @@ class StaticFingerprints:
     """Fingerprint slots in one static device buffer: planned in one eager forward, then filled by
     every forward (eager or replayed) at the same offsets."""
 
-    def __init__(self, device, seed: int = 0, k: int = 32):
+    def __init__(self, device, seed: int = 0, k: int = 32, side_stream: bool = False):
         from . import _triton_fingerprint as tf
 
         if not 1 <= k <= 64:
@@ -68,6 +68,13 @@ class StaticFingerprints:
         self.scratch: dict = {}
         self.buf = self.host = None
         self._foff = self._ioff = self._ntok = 0
+        # side_stream: each point is copied into its own static staging slice on the forward's
+        # stream (one copy kernel) and fingerprinted on a side stream that forks there and joins
+        # at end(): the fused kernels leave the forward's critical path
+        self.side_stream = side_stream
+        self.side = None
+        self.staging_numel: dict = {}       # dtype -> elements planned
+        self.staging: dict = {}
 
     # -- plan ---------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int:
@@ -81,6 +88,11 @@ class StaticFingerprints:
             p = self.tf.plan(tuple(t.shape), t.dtype, t.device, self.k, self._foff, self._ioff,
                              self._ntok, self.knobs)
             self._foff, self._ioff, self._ntok = self._foff + p["nf"], self._ioff + p["ni"], self._ntok + p["nt"]
+            if self.side_stream:      # a 16-byte aligned slice of the dtype's staging buffer
+                align = max(1, 16 // t.element_size())
+                off = -(-self.staging_numel.get(t.dtype, 0) // align) * align
+                p["stage"] = (off, t.numel())
+                self.staging_numel[t.dtype] = off + t.numel()
             self.plans.append(p)
             return i
         if i >= len(self.plans):
@@ -89,8 +101,34 @@ class StaticFingerprints:
         if p["shape"] != list(t.shape) or p["dtype"] != t.dtype or not self.tf.supported(t):
             raise GraphTapMismatch(f"slot {i}: planned {p['shape']} {p['dtype']}, got {list(t.shape)} "
                                    f"{t.dtype} (contiguous {t.is_contiguous()})")
-        self.tf.launch_one(p, t, self._ipart, self._fpart, self._flags, self.seed, self.k, self.knobs)
+        if not self.side_stream:
+            self.tf.launch_one(p, t, self._ipart, self._fpart, self._flags, self.seed, self.k, self.knobs)
+            return i
+        st = self._stage(i, t)
+        if st.data_ptr() != t.data_ptr():
+            st.copy_(t)
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            self.tf.launch_one(p, st, self._ipart, self._fpart, self._flags, self.seed, self.k, self.knobs)
         return i
+
+    def _stage(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        off, n = self.plans[i]["stage"]
+        return self.staging[like.dtype][off:off + n].view(like.shape)
+
+    def out_for(self, like: torch.Tensor) -> torch.Tensor:
+        """Where to form a value the next add() will fingerprint (the layer stream): its own
+        staging slice with a side stream (no copy then), else the shared scratch."""
+        if self.side_stream and not self.frozen:
+            return torch.empty_like(like)
+        if self.side_stream:
+            i = self.cursor
+            p = self.plans[i] if i < len(self.plans) else None
+            if p is None or p["shape"] != list(like.shape) or p["dtype"] != like.dtype:
+                raise GraphTapMismatch(f"slot {i}: no planned slot for a {list(like.shape)} {like.dtype} value")
+            return self._stage(i, like)
+        return self.scratch_for(like)
 
     def freeze(self) -> None:
         """Allocate everything the captured region uses: the slot buffer, the stream scratch, the
@@ -101,6 +139,9 @@ class StaticFingerprints:
         self._ipart, self._fpart, self._flags = tf.split_buffer(self.buf, self._ioff, self._foff)
         self.host = torch.empty(words, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.scratch = {dt: torch.empty(n, dtype=dt, device=self.device) for dt, n in self.scratch_numel.items()}
+        self.staging = {dt: torch.empty(n, dtype=dt, device=self.device) for dt, n in self.staging_numel.items()}
+        if self.side_stream:
+            self.side = torch.cuda.Stream(self.device)
         for p in self.plans:
             tf._signs(self.seed, self.k, p["kp"], self.device)
         self.frozen = True
@@ -118,10 +159,6 @@ class StaticFingerprints:
             raise GraphTapMismatch(f"no static scratch for a {like.dtype} value of {like.numel()} elements")
         return s[:like.numel()].view(like.shape)
 
-    @staticmethod
-    def _capturing() -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
     # -- fill -----------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start a forward: the next add() fills slot 0; the token-flag words are zeroed (one
@@ -131,12 +168,16 @@ class StaticFingerprints:
             self._flags.zero_()
 
     def end(self) -> None:
+        if self.side is not None:          # join: the forward's stream waits for the fingerprints
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
         if self.frozen and self.cursor != len(self.plans):
             raise GraphTapMismatch(f"the forward filled {self.cursor} of {len(self.plans)} planned slots")
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.numel() * 8
+        """Device bytes the taps hold: slot buffer, scratch and staging."""
+        extra = sum(t.numel() * t.element_size() for d in (self.scratch, self.staging) for t in d.values())
+        return (0 if self.buf is None else self.buf.numel() * 8) + extra
 
     def copy_to_host(self) -> None:
         """Queue the one D2H copy on the current stream (no sync)."""
@@ -176,7 +217,7 @@ class GraphTap(Tap):
         elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             h = output[0]
             r = output[1] if len(output) > 1 and isinstance(output[1], torch.Tensor) else None
-            s = h if r is None else torch.add(h, r, out=self.slots.scratch_for(h))
+            s = h if r is None else torch.add(h, r, out=self.slots.out_for(h))
         else:
             return
         self._record(name, s, copied=True)
