@@ -226,13 +226,18 @@ class Tap:
         if t is None:
             return
         self.order.append(name)
-        if self.keep(name) and (self.admit is None or self.admit(name, t)):
-            if self.sample_rows is not None and t.dim() and t.shape[0] > self.sample_rows:
-                self.captures[name] = t.detach()[:self.sample_rows].clone()
-            else:
-                self.captures[name] = t if copied else t.detach().clone()
+        if self.keep(name) and self._admitted(name, t):
+            self.captures[name] = self._copy(t, copied)
         if self.summarize is not None:
             self.summaries[name] = self.summarize(t)
+
+    def _admitted(self, name: str, t: torch.Tensor) -> bool:
+        return self.admit is None or self.admit(name, t)
+
+    def _copy(self, t: torch.Tensor, copied: bool = False) -> torch.Tensor:
+        if self.sample_rows is not None and t.dim() and t.shape[0] > self.sample_rows:
+            return t.detach()[:self.sample_rows].clone()
+        return t if copied else t.detach().clone()
 
     def _embed_post(self, handle, args, output) -> None:
         out = _first_tensor(output)
@@ -282,9 +287,10 @@ class Tap:
         rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
                               shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
                               group_size=dist.get_world_size(group), op=str(op).split(".")[-1])
-        keep = self.keep_ar or (where == "embed" and self.keep("embed.local"))
+        keep = (self.keep_ar or (where == "embed" and self.keep("embed.local"))) and \
+            self._admitted("embed.local" if where == "embed" and not self.keep_ar else f"allreduce.{seq}.in", tensor)
         if keep:
-            rec.inp = tensor.detach().clone()
+            rec.inp = self._copy(tensor)
         if self.summarize is not None:
             rec.inp_summary = self.summarize(tensor)
         self.allreduces.append(rec)
@@ -296,8 +302,10 @@ class Tap:
             work.wait()
         rec.seconds = time.perf_counter() - t0
         self.progress.collective = None
+        if keep and (self.keep_ar and not self._admitted(f"allreduce.{seq}.out", tensor)):
+            keep, rec.inp = False, None         # both or neither: the budget refused the output
         if keep:
-            rec.out = tensor.detach().clone()
+            rec.out = self._copy(tensor)
         if self.summarize is not None:
             rec.out_summary = self.summarize(tensor)
         return work
