@@ -65,7 +65,7 @@ BUDGET = 2 * (2 * HIDDEN * 4) + 100    # two 2-row fp32 tensors of hidden 64 fit
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
-    from tpprobe.capture import load_run
+    from tpprobe.capture.files import load_run
 
     broken = arch == "llama"    # one process set per arch: llama also captures a broken step
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe",

@@ -170,8 +170,8 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     if _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     _STEPS["captured"] += 1
-    from tpprobe.fingerprint import fingerprint
-    from tpprobe.hooks import Tap
+    from tpprobe.capture.hooks import Tap
+    from tpprobe.exchange.fingerprint import fingerprint
     from tpprobe.sglang.stream import decoder_layers, sglang_extensions
 
     rank, world, tp_group = _tp()
@@ -219,10 +219,10 @@ def _aux(result, tokens: int):
 def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
     """This rank's kept tensors, metadata (the keys `tpprobe probe --exchange fingerprint` writes:
     every point's fingerprint, the all-reduce audit with in_fp / out_fp) and run settings."""
-    from tpprobe.evidence import match_slots, slot_candidates
-    from tpprobe.fingerprint import fingerprint
-    from tpprobe.layer_ids import slots_from_layers_to_capture
-    from tpprobe.probe import replicated_param_hashes
+    from tpprobe.capture.params import replicated_param_hashes
+    from tpprobe.checks.evidence import match_slots, slot_candidates
+    from tpprobe.exchange.fingerprint import fingerprint
+    from tpprobe.tools.layers import slots_from_layers_to_capture
 
     tensors: dict[str, torch.Tensor] = {k: v for k, v in tap.captures.items() if isinstance(v, torch.Tensor)}
     if budget.admit("input_ids", input_ids):
@@ -294,7 +294,7 @@ def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, mo
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
     (also when its own write failed), so one rank's error never hangs the others."""
     from tpprobe import __version__
-    from tpprobe.capture import write_manifest, write_rank
+    from tpprobe.capture.files import write_manifest, write_rank
 
     out = step_dir(s["dir"], parallel_ranks(), step)
     entries: list = []

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .errors import UsageError
-from .report import emit
+from ..errors import UsageError
+from ..report.emit import emit
 
 _STEP = re.compile(r"^step-(\d+)$")
 

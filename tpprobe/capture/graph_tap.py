@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 import torch
 
-from .fingerprint import Fingerprint
+from ..exchange.fingerprint import Fingerprint
 from .hooks import Tap
 
 __all__ = ["StaticFingerprints", "GraphTap", "GraphTapMismatch", "graph_meta"]
@@ -53,7 +53,7 @@ class StaticFingerprints:
     every forward (eager or replayed) at the same offsets."""
 
     def __init__(self, device, seed: int = 0, k: int = 32, side_stream: bool = False):
-        from . import _triton_fingerprint as tf
+        from ..exchange import _triton_fingerprint as tf
 
         if not 1 <= k <= 64:
             raise ValueError("k must be in 1..64")

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fingerprint as F
+from . import _hashdef as F
 
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -449,7 +449,7 @@ def launch_one(p: dict, t: torch.Tensor, ipart, fpart, flagbuf, seed: int, k: in
     flag = flagbuf[p["toff"]:] if p["flags"] else flagbuf
     bpt = (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1
     a = _signs(seed, k, p["kp"], t.device)
-    salt = F._row_salts(seed, 1)[0]
+    salt = F.row_salts(seed, 1)[0]
     if t.dtype == torch.float32:
         _fp32_kernel[(p["nprog"],)](
             words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"], bpt,
