@@ -26,10 +26,13 @@ IDS = {"llama": [0, 1], "deepseek_v2": [0, 2]}
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def worker(ctx, arch, broken_step):
+def worker(ctx, arch, broken_step, rank1_budget=None):
     import os
 
     from tpprobe.sglang import cpu_mode
+
+    if rank1_budget is not None and ctx.rank == 1:    # rank-local state that must not decide a collective
+        os.environ["TPPROBE_MAX_BYTES"] = str(rank1_budget)
 
     cpu_mode.enable()
     from sglang.srt.plugins import load_plugins
@@ -74,7 +77,10 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
         env["TPPROBE_KEEP"] = "*"          # full tensors, to compare with HF
     else:                                  # fingerprints, plus a sample of rows under a budget
         env.update(TPPROBE_KEEP="layer.*.out,aux.packed", TPPROBE_KEEP_TOKENS="2", TPPROBE_MAX_BYTES=str(BUDGET))
-    res = run_ranks("test_sglang_plugin:worker", 2, dict(arch=arch, broken_step=broken), env=env, timeout=240)
+    # deepseek: rank 1 has no byte budget at all (rank-local state): it must still capture the step
+    # and join the manifest's gather, with nothing kept (the old plugin skipped the step there: hang)
+    res = run_ranks("test_sglang_plugin:worker", 2,
+                    dict(arch=arch, broken_step=broken, rank1_budget=None if broken else 0), env=env, timeout=240)
     group = tmp_path / "dp0-pp0"
     assert [p.name for p in tmp_path.iterdir()] == ["dp0-pp0"]
     # steps are numbered per forward: the 3rd forward (beyond TPPROBE_MAX_STEPS) is not captured
@@ -126,10 +132,13 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
 def _assert_bounded(run):
     """Kept tensors: only the sampled rows of the patterns, within the byte budget; every point
     still has its fingerprint; what did not fit is named."""
+    assert sorted(run.records) == [0, 1]
+    assert run.records[1].tensors == {} and run.records[1].meta["kept_bytes"] == 0
+    assert run.records[1].meta["budget_refused"]
     for rec in run.records.values():
         kept = {n: t for n, t in rec.tensors.items()}
         assert rec.meta["hidden"] == HIDDEN
-        assert kept and set(kept) <= {"aux.packed", *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
+        assert (rec.rank == 1 or kept) and set(kept) <= {"aux.packed", *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
         assert all(t.shape[0] == 2 for t in kept.values())
         assert sum(t.numel() * t.element_size() for t in kept.values()) == rec.meta["kept_bytes"] <= BUDGET
         assert rec.meta["budget_refused"], "the budget must have refused the third tensor"
