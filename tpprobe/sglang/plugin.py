@@ -9,7 +9,9 @@ Settings (environment):
   TPPROBE_MAX_STEPS      forwards to capture per rank (default 1), counted over the selected modes
   TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend"; "all")
   TPPROBE_KEEP           comma list of point-name patterns kept as FULL tensors (default: none,
-                         every point is a fingerprint of a few KB; "*" keeps every point)
+                         every point is a fingerprint of a few KB; "*" keeps every point; names:
+                         embed.local, embed.out, layer.K.out, layer.0.in_norm, aux.packed,
+                         input_ids; all-reduce inputs / outputs are fingerprinted only)
   TPPROBE_KEEP_TOKENS    keep at most this many token rows of each kept tensor (default: all)
   TPPROBE_MAX_BYTES      byte budget for kept tensors per rank over the run (default 2e9), checked
                          BEFORE each copy: a tensor that does not fit is fingerprinted, not copied
@@ -27,14 +29,18 @@ step (the manifest's gather over the TP group's CPU group) is joined by every ra
 
 Per captured forward, inside the model's own forward, each TP rank runs tpprobe's `Tap`
 (embedding, decoder layers, every torch.distributed.all_reduce) with the SGLang extensions of
-`tpprobe.sglang.stream`, and writes `rank-NNN.safetensors` + `rank-NNN.json` with
-`tpprobe.capture.write_rank`, using the point names and metadata keys `tpprobe probe` writes
-(`embed.local`, `embed.out`, `layer.K.out` = the residual stream leaving layer K = HF
-hidden_states[K+1], `aux.packed`, `allreduce.N.in/.out`, `input_ids`). TP rank 0 gathers the file
+`tpprobe.sglang.stream`, fingerprints every point as it passes (nothing is cloned unless kept), and
+writes `rank-NNN.json` (the fingerprints, with the metadata keys `tpprobe probe --exchange
+fingerprint` writes: `embed.local`, `embed.out`, `layer.K.out` = the residual stream leaving layer K
+= HF hidden_states[K+1], `aux.packed`, each all-reduce's `in_fp` / `out_fp`) and
+`rank-NNN.safetensors` (the kept tensors only) with `write_rank`. TP rank 0 gathers the file
 entries over the TP group's CPU (gloo) group and writes `manifest.json` whose `settings` carry
 world_size, dtype, hidden, num_layers and the slot expectations derived from the live model's
-`layers_to_capture` (layer_ids / expected_points / expected_ids), so `tpprobe report
-DIR/step-000` runs the same cross-rank checks offline.
+`layers_to_capture` (layer_ids / expected_points / expected_ids), so `tpprobe report` runs the
+same cross-rank checks offline.
+
+Not covered: forwards SGLang replays from a CUDA graph run no Python, so the plugin neither captures
+nor counts them (the graph taps, `tpprobe.capture.graph_tap`, are not wired into CudaGraphRunner).
 
 SGLang 0.5.23 decoder layers return an opaque `OwedOutput` (the MLP's partial sum, reduced at the
 next layer's input), so a forward hook on a layer cannot see the residual stream: the extension
