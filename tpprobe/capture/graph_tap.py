@@ -22,7 +22,12 @@ the forward and their results read after each `replay()`:
 Inside the captured region each point costs one kernel launch (the 16-bit / fp32 fused kernel)
 writing its partials at fixed offsets, plus one memset of the token-flag words per forward
 (`begin`). The layer stream (hidden + residual) is formed in a static scratch tensor with
-`torch.add(out=)`; the embedding's all-reduce input is fingerprinted, never cloned. The Python of
+`torch.add(out=)`; the embedding's all-reduce input is fingerprinted, never cloned. With
+`side_stream=True` each point is instead copied into its own static staging slice (the layer
+stream is formed there directly) and the kernel runs on a side stream forked at that point and
+joined in `end()`: the forward's stream carries one copy per point instead of one fingerprint
+(on the H200 at decode sizes about 3 µs instead of 7; bench/graph_decode.py), for staging memory
+equal to the points' total size. The Python of
 the hooks runs once, at capture time, and only checks that the forward calls the points it
 planned, in the planned order with the planned shapes (`GraphTapMismatch` otherwise): there is
 no branch on data. A graph is captured per batch shape, so a `StaticFingerprints` is too.
@@ -36,6 +41,7 @@ hidden a multiple of 128 (others have none). Tensors the kernel cannot read in p
 from __future__ import annotations
 
 import time
+
 import torch
 
 from ..exchange.fingerprint import Fingerprint
