@@ -127,6 +127,10 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
         "group": "dp0-pp0", "step": 1, "forward_mode": "extend", "kind": "partial-allreduce",
         "where": "embedding (model.embed_tokens)", "ranks": [0, 1]}
     assert [(r["step"], r["failures"]) for r in rep["steps"]] == [(0, 0), (1, 1)]
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and "first divergence: step 1 (extend) in dp0-pp0: partial-allreduce at embedding" \
+        in " ".join(p.stdout.split()), p.stdout[-2000:]
 
 
 def _assert_bounded(run):

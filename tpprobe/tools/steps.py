@@ -61,5 +61,14 @@ def report_steps(root: Path, json_out: bool = False, html: Optional[str] = None,
         rep["first_divergence"] = {"group": group, "step": n, "forward_mode": rep["settings"].get("forward_mode"),
                                    "kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"]}
     rep["out"] = str(root)
+    if not json_out and not quiet:
+        from ..report.terminal import console
+        d = rep.get("first_divergence")
+        console().print(f"tpprobe report over {len(rows)} step(s) in {len({r['group'] for r in rows})} TP group(s) "
+                        f"of {root}: " + (f"first divergence: step {d['step']} ({d['forward_mode']}) in {d['group']}: "
+                                          f"{d['kind']} at {d['where']} on ranks {d['ranks']}; "
+                                          f"{len(fails)} step(s) with failures; that step's report follows"
+                                          if d else f"no step diverges; the last step's report follows"),
+                        highlight=False, soft_wrap=True)
     emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
     return rep["exit_code"]
