@@ -33,17 +33,8 @@ FP_SEED, FP_K = 0, 32
 
 
 def weights_on(cfg: BuiltinConfig, device) -> dict:
-    g = torch.Generator(device=device).manual_seed(cfg.seed)
-    h, f = cfg.hidden, cfg.ffn
-
-    def rnd(*shape, scale):
-        return (torch.randn(*shape, generator=g, device=device) * scale).to(cfg.dtype)
-
-    layers = [{"ln1": 1 + rnd(h, scale=0.1), "ln2": 1 + rnd(h, scale=0.1),
-               "qkv": rnd(3 * h, h, scale=h ** -0.5), "o": rnd(h, h, scale=h ** -0.5),
-               "gate_up": rnd(2 * f, h, scale=h ** -0.5), "down": rnd(h, f, scale=f ** -0.5)}
-              for _ in range(cfg.num_layers)]
-    return {"embed": rnd(cfg.vocab, h, scale=1.0), "layers": layers, "norm": 1 + rnd(h, scale=0.1)}
+    from tpprobe.capture.graph_probe import device_weights
+    return device_weights(cfg, device)
 
 
 def main():

@@ -5,12 +5,13 @@
 #   MODEL=meta-llama/Llama-3.1-8B-Instruct DRAFT=yuhuili/EAGLE3-LLaMA3.1-Instruct-8B TP=2 \
 #     bash launch/sglang_server.sh [extra launch_server args...]
 #   # send one request, then:
-#   tpprobe report "$TPPROBE_CAPTURE_DIR/step-000"
+#   tpprobe report "$TPPROBE_CAPTURE_DIR"      (every step; names the first where ranks diverge)
 #
 # Needs: pip install -e '.[sglang]' from the tpprobe checkout, in the server's environment (the entry point
 # `sglang.srt.plugins: tpprobe` must be installed; SGLANG_PLUGINS=tpprobe whitelists it).
 # Settings (see tpprobe/sglang/plugin.py): TPPROBE_MAX_STEPS (default 1), TPPROBE_FORWARD_MODES
-# (default extend), TPPROBE_MAX_BYTES (default 2e9 per rank). Each TP rank prints one
+# (default extend), TPPROBE_KEEP (default none: fingerprints only), TPPROBE_KEEP_TOKENS,
+# TPPROBE_MAX_BYTES (default 2e9 per rank, for kept tensors, checked before each copy). Each TP rank prints one
 # "[tpprobe pid=...] tp_rank r/N: hooking ..." line; no such line = the plugin did not load.
 set -euo pipefail
 : "${MODEL:?set MODEL (HF id or path of the target model)}"

@@ -56,3 +56,41 @@ def test_hooks_and_the_collective_audit_are_removed_when_the_forward_raises():
     for r in res.values():
         assert r["restored"]
         assert r["hooks_left"] == 1          # only the test's own pre-hook remains
+
+
+def _budgeted(rank, world):
+    """admit(name, t) is asked before each copy; refused points are never copied (their tensors
+    stay the model's); sample_rows keeps the first rows only."""
+    ctx = RankContext(rank, world, rank, torch.device("cpu"), "gloo")
+    t = build_builtin(ctx, BuiltinConfig(num_layers=3, tokens=5, layer_ids=[1]))   # the model clones nothing
+    asked, copied = [], []
+    orig_clone = torch.Tensor.clone
+
+    def admit(name, x):
+        asked.append((name, tuple(x.shape), len(copied)))
+        return name in ("embed.out", "layer.1.out")
+
+    def counting_clone(x, *a, **k):
+        copied.append(tuple(x.shape))
+        return orig_clone(x, *a, **k)
+
+    torch.Tensor.clone = counting_clone
+    try:
+        with torch.no_grad(), Tap(t.model, keep=lambda n: n != "layer.2.out", admit=admit, sample_rows=2,
+                                  keep_allreduce_tensors=False) as tap:
+            t.forward()
+    finally:
+        torch.Tensor.clone = orig_clone
+    return {"asked": [a[0] for a in asked], "kept": {n: tuple(v.shape) for n, v in tap.captures.items()},
+            "copies_before_each_ask": [a[2] for a in asked], "copies": copied}
+
+
+def test_a_budget_is_asked_before_any_copy_and_refused_points_are_not_copied():
+    res = spawn(_budgeted, 2)[0]
+    # layer.2.out is not a kept point: never asked; the embedding's local share is refused
+    assert res["asked"] == ["embed.local", "embed.out", "layer.0.in_norm", "layer.0.out", "layer.1.out"]
+    assert res["kept"] == {"embed.out": (2, 64), "layer.1.out": (2, 64)}
+    # each ask happens before its copy: copies so far = admitted points before it (the layer stream
+    # h + r the Tap forms is not a clone); the only clones are the two admitted 2-row samples
+    assert res["copies"] == [(2, 64), (2, 64)]
+    assert res["copies_before_each_ask"] == [0, 0, 1, 1, 1]

@@ -1,7 +1,10 @@
 """The tpprobe SGLang plugin, loaded through SGLang's own load_plugins() in real gloo ranks
-running the tiny models: writes per-rank capture files + a manifest that `tpprobe report` checks offline (exit 0 on a
-healthy step, 1 naming partial-allreduce at the embedding when its reduce was skipped), with
-layer.K.out equal to HF's hidden_states[K+1]; does nothing when TPPROBE_CAPTURE_DIR is unset.
+running the tiny models: writes per-rank capture files + a manifest per (dp, pp) TP group and
+forward (DIR/dp0-pp0/step-NNNNNN) that `tpprobe report` checks offline (exit 0 on a healthy step,
+1 naming partial-allreduce at the embedding when its reduce was skipped; over the whole run it names
+the first step where ranks diverge), with layer.K.out equal to HF's hidden_states[K+1] where full
+tensors are kept (TPPROBE_KEEP=*); by default only fingerprints, and kept tensors stay under
+TPPROBE_MAX_BYTES, checked before each copy; does nothing when TPPROBE_CAPTURE_DIR is unset.
 """
 import json
 import os
@@ -23,10 +26,13 @@ IDS = {"llama": [0, 1], "deepseek_v2": [0, 2]}
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def worker(ctx, arch, broken_step):
+def worker(ctx, arch, broken_step, rank1_budget=None):
     import os
 
     from tpprobe.sglang import cpu_mode
+
+    if rank1_budget is not None and ctx.rank == 1:    # rank-local state that must not decide a collective
+        os.environ["TPPROBE_MAX_BYTES"] = str(rank1_budget)
 
     cpu_mode.enable()
     from sglang.srt.plugins import load_plugins
@@ -56,6 +62,10 @@ def _report(path):
     return p.returncode, [f for f in rep["findings"] if f["severity"] == "failure"], rep
 
 
+HIDDEN = 64
+BUDGET = 2 * (2 * HIDDEN * 4) + 100    # two 2-row fp32 tensors of hidden 64 fit, a third does not
+
+
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
     from tpprobe.capture.files import load_run
@@ -63,10 +73,32 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
     broken = arch == "llama"    # one process set per arch: llama also captures a broken step
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe",
            "TPPROBE_MAX_STEPS": "2" if broken else "1"}
-    res = run_ranks("test_sglang_plugin:worker", 2, dict(arch=arch, broken_step=broken), env=env, timeout=150)
-    steps = ["step-000", "step-001"] if broken else ["step-000"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == steps
-    run = load_run(tmp_path / "step-000")
+    if broken:
+        env["TPPROBE_KEEP"] = "*"          # full tensors, to compare with HF
+    else:                                  # fingerprints, plus a sample of rows under a budget
+        env.update(TPPROBE_KEEP="layer.*.out,aux.packed", TPPROBE_KEEP_TOKENS="2", TPPROBE_MAX_BYTES=str(BUDGET))
+    # deepseek: rank 1 has no byte budget at all (rank-local state): it must still capture the step
+    # and join the manifest's gather, with nothing kept (the old plugin skipped the step there: hang)
+    res = run_ranks("test_sglang_plugin:worker", 2,
+                    dict(arch=arch, broken_step=broken, rank1_budget=None if broken else 0), env=env, timeout=240)
+    group = tmp_path / "dp0-pp0"
+    assert [p.name for p in tmp_path.iterdir()] == ["dp0-pp0"]
+    # steps are numbered per forward: the 3rd forward (beyond TPPROBE_MAX_STEPS) is not captured
+    steps = ["step-000000", "step-000001"] if broken else ["step-000000"]
+    assert sorted(p.name for p in group.iterdir()) == steps
+    run = load_run(group / "step-000000")
+    for rec in run.records.values():
+        assert rec.meta["parallel"]["tp_rank"] == rec.rank and rec.meta["parallel"]["tp_size"] == 2
+        assert (rec.meta["parallel"]["dp_rank"], rec.meta["parallel"]["pp_rank"]) == (0, 0)
+        assert set(rec.meta["fingerprints"]) >= {"embed.out", *(f"layer.{k}.out" for k in range(L))}
+    if not broken:
+        _assert_bounded(run)
+        code, failures, rep = _report(group / "step-000000")
+        assert (code, failures, rep["findings"]) == (0, [], [])
+        assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
+        # every point judged (from fingerprints), plus the packed aux tensor
+        assert len(rep["points"]) == len(run.records[0].meta["points"]) + 1 >= L + 3
+        return
     assert run.problems == [] and sorted(run.records) == [0, 1]
     st = run.manifest["settings"]
     for key in ("world_size", "dtype", "hidden", "num_layers", "layer_ids", "expected_points"):
@@ -82,14 +114,39 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
         assert rec.tensors["aux.packed"].shape == (TOKENS, 2 * hs[0].shape[-1])
     assert torch.equal(run.records[0].tensors["aux.packed"], run.records[1].tensors["aux.packed"])
 
-    code, failures, rep = _report(tmp_path / "step-000")
+    code, failures, rep = _report(group / "step-000000")
     assert (code, failures) == (0, []), rep["findings"]
     assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
-    if broken:
-        code, failures, _ = _report(tmp_path / "step-001")
-        assert code == 1
-        assert [f["kind"] for f in failures] == ["partial-allreduce"], failures
-        assert "embedding" in failures[0]["where"]
+    code, failures, _ = _report(group / "step-000001")
+    assert code == 1
+    assert [(f["kind"], f["where"], f["ranks"]) for f in failures] == \
+        [("partial-allreduce", "embedding (model.embed_tokens)", [0, 1])], failures
+    # the whole run: the first step and point where the ranks diverge
+    code, failures, rep = _report(tmp_path)
+    assert code == 1 and rep["first_divergence"] == {
+        "group": "dp0-pp0", "step": 1, "forward_mode": "extend", "kind": "partial-allreduce",
+        "where": "embedding (model.embed_tokens)", "ranks": [0, 1]}
+    assert [(r["step"], r["failures"]) for r in rep["steps"]] == [(0, 0), (1, 1)]
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and "first divergence: step 1 (extend) in dp0-pp0: partial-allreduce at embedding" \
+        in " ".join(p.stdout.split()), p.stdout[-2000:]
+
+
+def _assert_bounded(run):
+    """Kept tensors: only the sampled rows of the patterns, within the byte budget; every point
+    still has its fingerprint; what did not fit is named."""
+    assert sorted(run.records) == [0, 1]
+    assert run.records[1].tensors == {} and run.records[1].meta["kept_bytes"] == 0
+    assert run.records[1].meta["budget_refused"]
+    for rec in run.records.values():
+        kept = {n: t for n, t in rec.tensors.items()}
+        assert rec.meta["hidden"] == HIDDEN
+        assert (rec.rank == 1 or kept) and set(kept) <= {"aux.packed", *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
+        assert all(t.shape[0] == 2 for t in kept.values())
+        assert sum(t.numel() * t.element_size() for t in kept.values()) == rec.meta["kept_bytes"] <= BUDGET
+        assert rec.meta["budget_refused"], "the budget must have refused the third tensor"
+        assert not set(rec.meta["budget_refused"]) & set(kept)
 
 
 def test_plugin_inert_without_capture_dir(monkeypatch):

@@ -169,7 +169,7 @@ def _nudge_ulp(module, args, out):
 
 def _poison(module, args, out):
     h = out[0] if isinstance(out, tuple) else out
-    h.view(-1)[0] = float("nan")
+    h.view(-1)[:1].fill_(float("nan"))     # a fill kernel: no host tensor, so it can be graph-captured
     return out
 
 

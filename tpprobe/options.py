@@ -217,11 +217,17 @@ def _csv(text: str) -> list[str]:
 class PluginOptions:
     dir: Optional[Path] = opt("--out", None, "folder to write to (required to enable anything)",
                               env="TPPROBE_CAPTURE_DIR", parse=Path)
-    max_steps: int = opt("--max-steps", 1, "forward steps to capture per rank; step s goes to DIR/step-SSS",
-                         env="TPPROBE_MAX_STEPS", parse=int)
-    modes: set = opt("--modes", "extend", "comma list of ForwardMode names to capture", env="TPPROBE_FORWARD_MODES",
-                     parse=lambda s: {m.lower() for m in _csv(s)})
-    max_bytes: int = opt("--max-bytes", 2e9, "stop capturing once this many bytes were written by a rank",
+    max_steps: int = opt("--max-steps", 1, "forwards to capture per rank, counted over the selected modes; "
+                         "step N goes to DIR/dp{D}-pp{P}/step-{N:06d}", env="TPPROBE_MAX_STEPS", parse=int)
+    modes: set = opt("--modes", "extend", "comma list of ForwardMode names to capture (\"all\": every mode)",
+                     env="TPPROBE_FORWARD_MODES", parse=lambda s: {m.lower() for m in _csv(s)})
+    keep: list = opt("--keep", "", "comma list of point-name patterns kept as FULL tensors (default: none, every "
+                     "point is a fingerprint of a few KB; \"*\" keeps every point)", env="TPPROBE_KEEP", parse=_csv)
+    keep_tokens: Optional[int] = opt("--keep-tokens", "", "keep at most this many token rows of each kept tensor "
+                                     "(default: all)", env="TPPROBE_KEEP_TOKENS",
+                                     parse=lambda s: int(s) if s else None)
+    max_bytes: int = opt("--max-bytes", 2e9, "byte budget for kept tensors per rank over the run, checked BEFORE "
+                         "each copy (a tensor that does not fit is fingerprinted, not copied)",
                          env="TPPROBE_MAX_BYTES", parse=lambda s: int(float(s)))
     embed: Optional[str] = opt("--embed", "", "the embedding's module path or class glob (default: found from "
                                "structure, the module that takes the input ids and returns [tokens, hidden])",

@@ -88,9 +88,14 @@ class Tap:
                  input_ids: Optional[torch.Tensor] = None, keep: Callable[[str], bool] = lambda n: True,
                  summarize: Optional[Callable[[torch.Tensor], Any]] = None,
                  keep_allreduce_tensors: bool = True, audit: bool = True,
-                 progress: Optional[Progress] = None, extensions: tuple = ()):
+                 progress: Optional[Progress] = None, extensions: tuple = (),
+                 admit: Optional[Callable[[str, torch.Tensor], bool]] = None,
+                 sample_rows: Optional[int] = None):
         self.model = model
         self.embed_spec, self.layer_spec, self.input_ids = embed, layers, input_ids
+        # admit(name, tensor): asked BEFORE a kept point is copied (a byte budget); sample_rows:
+        # keep only the first rows of each kept tensor (both: the SGLang plugin's bounded memory)
+        self.admit, self.sample_rows = admit, sample_rows
         self.keep, self.summarize = keep, summarize
         self.keep_ar = keep_allreduce_tensors
         self.audit = audit
@@ -98,8 +103,9 @@ class Tap:
         self.captures: dict[str, torch.Tensor] = {}
         self.summaries: dict[str, Any] = {}
         self.order: list[str] = []                 # capture points in the order they fired
-        self.auditor = Audit(self._attribution, keep=lambda where: self.keep_ar or where == "embed",
-                             summarize=summarize, progress=self.progress)
+        self.auditor = Audit(self._attribution,
+                             keep=lambda where: self.keep_ar or (where == "embed" and self.keep("embed.local")),
+                             summarize=summarize, progress=self.progress, copy=self._audit_copy)
         self.allreduces: list[CollectiveRecord] = self.auditor.records
         self.progress.audit = self.allreduces
         self.layer_how, self.layer_list, self.embed_how = "", "", ""
@@ -218,10 +224,18 @@ class Tap:
         if t is None:
             return
         self.order.append(name)
-        if self.keep(name):
-            self.captures[name] = t if copied else t.detach().clone()
+        if self.keep(name) and self._admitted(name, t):
+            self.captures[name] = self._copy(t, copied)
         if self.summarize is not None:
             self.summaries[name] = self.summarize(t)
+
+    def _admitted(self, name: str, t: torch.Tensor) -> bool:
+        return self.admit is None or self.admit(name, t)
+
+    def _copy(self, t: torch.Tensor, copied: bool = False) -> torch.Tensor:
+        if self.sample_rows is not None and t.dim() and t.shape[0] > self.sample_rows:
+            return t.detach()[:self.sample_rows].clone()
+        return t if copied else t.detach().clone()
 
     def _embed_post(self, handle, args, output) -> None:
         out = _first_tensor(output)
@@ -266,6 +280,9 @@ class Tap:
     def collective(self, kind: str, path: str, inp, group_size: int, op: str = "SUM"):
         """Record one collective issued by a wrapper above c10d (see capture/audit.py)."""
         return self.auditor.collective(kind, path, inp, group_size, op)
+
+    def _audit_copy(self, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._copy(t) if self._admitted(name, t) else None
 
     def _attribution(self, tensor):
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"

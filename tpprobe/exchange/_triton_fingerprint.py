@@ -415,6 +415,98 @@ def _env(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def _knobs(block_r=None, num_warps=None, progs_per_sm=None, maxnreg=None, split=None, depth=None) -> dict:
+    return dict(block_r=block_r or _env("TPPROBE_FP_BLOCK_R", 16),
+                num_warps=num_warps or _env("TPPROBE_FP_WARPS", 4),
+                progs_per_sm=progs_per_sm or _env("TPPROBE_FP_PROGS", 3),
+                maxnreg=maxnreg if maxnreg is not None else _env("TPPROBE_FP_MAXNREG", 144),
+                split=split or _env("TPPROBE_FP_SPLIT", 2), depth=depth or _env("TPPROBE_FP_DEPTH", 3))
+
+
+def plan(shape, dtype, device, k: int, foff: int, ioff: int, toff: int, knobs: dict) -> dict:
+    """Where one tensor's partials go in a batch buffer (offsets in float32 / int64 / int32 token
+    flags), and its launch geometry; depends on (shape, dtype, device) only, so a CUDA-graph tap
+    can lay out its static buffer before the forward it captures."""
+    kp = _kp(k, dtype)
+    n = math.prod(shape)
+    esize = torch.empty(0, dtype=dtype).element_size()
+    nwords = n * esize // 4
+    nbrows = -(-n // F.SKETCH_ROW)
+    br = knobs["block_r"] if dtype != torch.float32 else 16
+    ntiles = -(-nbrows // br)
+    nprog = max(1, min(ntiles, knobs["progs_per_sm"] * _nsm(device)))
+    flags = len(shape) == 2 and shape[1] % F.SKETCH_ROW == 0 and shape[1] > 0
+    return dict(shape=list(shape), dtype=dtype, kp=kp, br=br, nwords=nwords, nbrows=nbrows,
+                ntiles=ntiles, nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=toff,
+                nf=nprog * (kp + 2), ni=nprog * 4, nt=shape[0] if flags else 0)
+
+
+def launch_one(p: dict, t: torch.Tensor, ipart, fpart, flagbuf, seed: int, k: int, knobs: dict,
+               skip: int = 0) -> None:
+    """One kernel launch writing tensor t's partials at plan p's offsets (no allocation, no sync:
+    the token-flag words must be zero before, which the caller does once per batch)."""
+    words = t.view(-1).view(torch.int32)
+    flag = flagbuf[p["toff"]:] if p["flags"] else flagbuf
+    bpt = (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1
+    a = _signs(seed, k, p["kp"], t.device)
+    salt = F.row_salts(seed, 1)[0]
+    if t.dtype == torch.float32:
+        _fp32_kernel[(p["nprog"],)](
+            words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"], bpt,
+            -(-p["ntiles"] // p["nprog"]), salt, BLOCK_R=p["br"], KP=p["kp"], NPROG=p["nprog"],
+            DO_FLAGS=p["flags"], num_warps=4)
+        return
+    maxnreg = knobs["maxnreg"]
+    kw = {"maxnreg": maxnreg} if maxnreg and not _INTERP else {}
+    _fp16_kernel[(p["nprog"],)](
+        words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"],
+        p["nwords"] // (p["br"] * 64), p["ntiles"], salt,
+        DT=_DT[t.dtype], BR=p["br"], KP=p["kp"], NPROG=p["nprog"], BPT=bpt,
+        DO_FLAGS=p["flags"], SPLIT=knobs["split"], DEPTH=knobs["depth"], SKIP=skip, INTERP=_INTERP,
+        num_warps=knobs["num_warps"], **kw)
+
+
+def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tensor=None) -> F.Fingerprint:
+    """The host combine of one tensor's partials (exact integers, float64) from the copied batch
+    buffer (numpy views: int64 partials hi, float32 partials hf, int32 token flags hflag).  A
+    16-bit tensor with NaN / Inf gets its exact counts from `tensor` when it is still there;
+    without it (a CUDA-graph tap reads after replay) the counts say at least one."""
+    kp, n = p["kp"], p["nprog"]
+    fp = hf[p["foff"]:p["foff"] + n * (kp + 2)].reshape(n, kp + 2).astype(np.float64)
+    ip = hi[p["ioff"]:p["ioff"] + n * 4].reshape(n, 4)
+    la = int(ip[:, 0].sum()) & F.M32                 # partials < 2^32: exact in int64
+    lb = int(np.bitwise_xor.reduce(ip[:, 1])) & F.M32
+    rows = ""
+    if p["flags"]:
+        rows = _bitmap_hex_np(hflag[p["toff"]:p["toff"] + p["shape"][0]] > 0)
+    elif rows_extra is not None:
+        rows = _bitmap_hex_np(rows_extra)
+    sumsq, absmax = float(fp[:, kp].sum()), float(fp[:, kp + 1].max())
+    n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
+    if p["dtype"] != torch.float32 and not (math.isfinite(sumsq) and math.isfinite(absmax)):
+        if tensor is not None:
+            sumsq, absmax, n_nan, n_inf = _nonfinite_stats(tensor)
+        else:      # lower bounds: a NaN makes the sum of squares NaN, an Inf max |x| infinite
+            n_nan, n_inf = int(math.isnan(sumsq)), int(math.isinf(absmax))
+    return F.Fingerprint(
+        shape=list(p["shape"]), dtype=str(p["dtype"]).replace("torch.", ""),
+        bit_hash=F.hash_hex(la, lb), sketch=fp[:, :k].sum(0).tolist(),
+        sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
+
+
+def split_buffer(buf, ioff: int, foff: int):
+    """(int64 partials, float32 partials, int32 token flags) views of one batch buffer, device
+    tensor or host numpy array alike: [int64 partials | float32 partials | int32 token flags]."""
+    nf64 = (foff + 1) // 2
+    if isinstance(buf, np.ndarray):
+        return buf[:ioff], buf[ioff:ioff + nf64].view(np.float32), buf[ioff + nf64:].view(np.int32)
+    return buf[:ioff], buf[ioff:ioff + nf64].view(torch.float32), buf[ioff + nf64:].view(torch.int32)
+
+
+def buffer_words(ioff: int, foff: int, ntok: int) -> int:
+    return max(ioff + (foff + 1) // 2 + (ntok + 1) // 2, 1)
+
+
 def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None,
            maxnreg=None, split=None, depth=None, skip: int = 0):
     """Launch the kernels for a batch; returns (host-side finisher, device buffer).  Nothing here
@@ -423,91 +515,31 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
     16 / 4 / 3 / 144 / 2 / 3, the fastest on the H200 in bench/fingerprint_gpu.py --tune; or
     TPPROBE_FP_BLOCK_R, _WARPS, _PROGS, _MAXNREG, _SPLIT, _DEPTH in the environment); ``skip``
     leaves stages out (benchmark ablations only: wrong results)."""
-    block_r = block_r or _env("TPPROBE_FP_BLOCK_R", 16)
-    num_warps = num_warps or _env("TPPROBE_FP_WARPS", 4)
-    progs_per_sm = progs_per_sm or _env("TPPROBE_FP_PROGS", 3)
-    maxnreg = maxnreg if maxnreg is not None else _env("TPPROBE_FP_MAXNREG", 144)
-    split = split or _env("TPPROBE_FP_SPLIT", 2)
-    depth = depth or _env("TPPROBE_FP_DEPTH", 3)
-    salt = F.row_salts(seed, 1)[0]
+    knobs = _knobs(block_r, num_warps, progs_per_sm, maxnreg, split, depth)
     plans = []
     foff = ioff = ntok = 0
     for t in tensors:
-        kp = _kp(k, t.dtype)
-        n = t.numel()
-        nwords = n * t.element_size() // 4
-        nbrows = -(-n // F.SKETCH_ROW)
-        br = block_r if t.dtype != torch.float32 else 16
-        ntiles = -(-nbrows // br)
-        nprog = max(1, min(ntiles, progs_per_sm * _nsm(t.device)))
-        flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
-        plans.append(dict(t=t, kp=kp, br=br, nwords=nwords, nbrows=nbrows, ntiles=ntiles,
-                          nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=ntok))
-        foff += nprog * (kp + 2)
-        ioff += nprog * 4
-        if flags:
-            ntok += t.shape[0]
-    dev = tensors[0].device
-    # one buffer: [int64 partials | float32 partials | int32 token flags]
-    n64 = ioff + (foff + 1) // 2 + (ntok + 1) // 2
-    buf = torch.empty(max(n64, 1), dtype=torch.int64, device=dev)
-    ipart = buf[:ioff]
-    fpart = buf[ioff:ioff + (foff + 1) // 2].view(torch.float32)
-    flagbuf = buf[ioff + (foff + 1) // 2:].view(torch.int32)
+        p = plan(tuple(t.shape), t.dtype, t.device, k, foff, ioff, ntok, knobs)
+        plans.append(p)
+        foff, ioff, ntok = foff + p["nf"], ioff + p["ni"], ntok + p["nt"]
+    buf = torch.empty(buffer_words(ioff, foff, ntok), dtype=torch.int64, device=tensors[0].device)
+    ipart, fpart, flagbuf = split_buffer(buf, ioff, foff)
     if ntok:
         flagbuf.zero_()
-    for p in plans:
-        t = p["t"]
-        words = t.view(-1).view(torch.int32)
-        flag = flagbuf[p["toff"]:] if p["flags"] else flagbuf
-        bpt = (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1
-        a = _signs(seed, k, p["kp"], dev)
-        if t.dtype == torch.float32:
-            _fp32_kernel[(p["nprog"],)](
-                words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"], bpt,
-                -(-p["ntiles"] // p["nprog"]), salt, BLOCK_R=p["br"], KP=p["kp"], NPROG=p["nprog"],
-                DO_FLAGS=p["flags"], num_warps=4)
-            continue
-        kw = {"maxnreg": maxnreg} if maxnreg and not _INTERP else {}
-        _fp16_kernel[(p["nprog"],)](
-            words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"],
-            p["nwords"] // (p["br"] * 64), p["ntiles"], salt,
-            DT=_DT[t.dtype], BR=p["br"], KP=p["kp"], NPROG=p["nprog"], BPT=bpt,
-            DO_FLAGS=p["flags"], SPLIT=split, DEPTH=depth, SKIP=skip, INTERP=_INTERP,
-            num_warps=num_warps, **kw)
+    for p, t in zip(plans, tensors):
+        launch_one(p, t, ipart, fpart, flagbuf, seed, k, knobs, skip)
     # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
-    extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
-             if p["t"].dim() == 2 and not p["flags"]}
+    extra = {i: (t != 0).any(dim=1) for i, (p, t) in enumerate(zip(plans, tensors))
+             if t.dim() == 2 and not p["flags"]}
 
     def finish():
         # one D2H copy, then numpy on the host buffer (a few microseconds per op, where a
         # torch op on small CPU tensors costs ten): the combine is exact integers / float64
         host = buf.cpu().numpy()
-        ex = {i: v.cpu().numpy() for i, v in extra.items()}
-        hi = host[:ioff]
-        hf = host[ioff:ioff + (foff + 1) // 2].view(np.float32)
-        hflag = host[ioff + (foff + 1) // 2:].view(np.int32)
-        out = []
-        for i, p in enumerate(plans):
-            t, kp, n = p["t"], p["kp"], p["nprog"]
-            fp = hf[p["foff"]:p["foff"] + n * (kp + 2)].reshape(n, kp + 2).astype(np.float64)
-            ip = hi[p["ioff"]:p["ioff"] + n * 4].reshape(n, 4)
-            la = int(ip[:, 0].sum()) & F.M32                 # partials < 2^32: exact in int64
-            lb = int(np.bitwise_xor.reduce(ip[:, 1])) & F.M32
-            rows = ""
-            if p["flags"]:
-                rows = _bitmap_hex_np(hflag[p["toff"]:p["toff"] + t.shape[0]] > 0)
-            elif i in ex:
-                rows = _bitmap_hex_np(ex[i])
-            sumsq, absmax = float(fp[:, kp].sum()), float(fp[:, kp + 1].max())
-            n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
-            if t.dtype != torch.float32 and not (math.isfinite(sumsq) and math.isfinite(absmax)):
-                sumsq, absmax, n_nan, n_inf = _nonfinite_stats(t)
-            out.append(F.Fingerprint(
-                shape=list(t.shape), dtype=str(t.dtype).replace("torch.", ""),
-                bit_hash=F.hash_hex(la, lb), sketch=fp[:, :k].sum(0).tolist(),
-                sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed))
-        return out
+        hi, hf, hflag = split_buffer(host, ioff, foff)
+        return [combine_one(p, hi, hf, hflag, seed, k,
+                            rows_extra=extra[i].cpu().numpy() if i in extra else None, tensor=t)
+                for i, (p, t) in enumerate(zip(plans, tensors))]
 
     return finish, buf
 

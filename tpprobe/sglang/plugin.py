@@ -6,25 +6,44 @@ worker, DP controller, detokenizer). Nothing happens unless TPPROBE_CAPTURE_DIR 
 
 Settings (environment; declared once in tpprobe/options.py PluginOptions, which reads them):
   TPPROBE_CAPTURE_DIR    folder to write to (required to enable anything)
-  TPPROBE_MAX_STEPS      forward steps to capture per rank (default 1); step s goes to DIR/step-SSS
-  TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend")
-  TPPROBE_MAX_BYTES      stop capturing once this many bytes were written by a rank (default 2e9)
+  TPPROBE_MAX_STEPS      forwards to capture per rank (default 1), counted over the selected modes
+  TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend"; "all")
+  TPPROBE_KEEP           comma list of point-name patterns kept as FULL tensors (default: none,
+                         every point is a fingerprint of a few KB; "*" keeps every point; names:
+                         embed.local, embed.out, layer.K.out, layer.0.in_norm, aux.packed,
+                         input_ids; all-reduce inputs / outputs are fingerprinted only)
+  TPPROBE_KEEP_TOKENS    keep at most this many token rows of each kept tensor (default: all)
+  TPPROBE_MAX_BYTES      byte budget for kept tensors per rank over the run (default 2e9), checked
+                         BEFORE each copy: a tensor that does not fit is fingerprinted, not copied
   TPPROBE_EMBED          the embedding's module path or class glob (default: found from structure,
                          the module that takes the input ids and returns [tokens, hidden])
   TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
 
+Layout: DIR/dp{D}-pp{P}/step-{N:06d}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP group,
+N the forward index of this process (every forward counts, captured or not, so steps line up across
+ranks), D / P SGLang's data-parallel and pipeline ranks; each file's metadata carries
+`parallel` = {dp, pp, attn_tp, attn_dp, tp} ranks and sizes and the `forward_mode` (extend, decode,
+...). `tpprobe report DIR` over such a folder checks every step and names the first step and point
+where the ranks diverge. Whether a step is captured depends on the forward index and mode only (the
+same on every rank of a TP group), never on rank-local state, so the one collective per captured
+step (the manifest's gather over the TP group's CPU group) is joined by every rank.
+
 Per captured forward, inside the model's own forward, each TP rank runs tpprobe's `Tap`
 (embedding, decoder layers, every torch.distributed.all_reduce) with the SGLang extensions of
-`tpprobe.sglang.stream`, and writes `rank-NNN.safetensors` + `rank-NNN.json` with
-`tpprobe.capture.write_rank`, using the point names and metadata keys `tpprobe probe` writes
-(`embed.local`, `embed.out`, `layer.K.out` = the residual stream leaving layer K = HF
-hidden_states[K+1], `aux.packed`, `allreduce.N.in/.out`, `input_ids`). TP rank 0 gathers the file
+`tpprobe.sglang.stream`, fingerprints every point as it passes (nothing is cloned unless kept), and
+writes `rank-NNN.json` (the fingerprints, with the metadata keys `tpprobe probe --exchange
+fingerprint` writes: `embed.local`, `embed.out`, `layer.K.out` = the residual stream leaving layer K
+= HF hidden_states[K+1], `aux.packed`, each all-reduce's `in_fp` / `out_fp`) and
+`rank-NNN.safetensors` (the kept tensors only) with `write_rank`. TP rank 0 gathers the file
 entries over the TP group's CPU (gloo) group and writes `manifest.json` whose `settings` carry
 world_size, dtype, hidden, num_layers and the slot expectations derived from the live model's
-`layers_to_capture` (layer_ids / expected_points / expected_ids), so `tpprobe report
-DIR/step-000` runs the same cross-rank checks offline.
+`layers_to_capture` (layer_ids / expected_points / expected_ids), so `tpprobe report` runs the
+same cross-rank checks offline.
+
+Not covered: forwards SGLang replays from a CUDA graph run no Python, so the plugin neither captures
+nor counts them (the graph taps, `tpprobe.capture.graph_tap`, are not wired into CudaGraphRunner).
 
 SGLang 0.5.23 decoder layers return an opaque `OwedOutput` (the MLP's partial sum, reduced at the
 next layer's input), so a forward hook on a layer cannot see the residual stream: the extension
@@ -51,7 +70,7 @@ import torch
 ENV_DIR = "TPPROBE_CAPTURE_DIR"
 
 _state = threading.local()
-_STEPS = {"n": 0, "bytes": 0, "announced": False}
+_STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False}
 
 
 def _say(msg: str) -> None:
@@ -95,18 +114,62 @@ def _tp():
     return p.tp_rank, p.tp_size, p.tp_group
 
 
+def parallel_ranks() -> dict:
+    """This process's ranks and sizes as SGLang defines them (dp None = no DP controller: 0)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    out = {}
+    for name in ("dp", "pp", "attn_tp", "attn_dp", "tp"):
+        for suffix, default in (("rank", 0), ("size", 1)):
+            try:
+                v = getattr(p, f"{name}_{suffix}")
+            except Exception:  # noqa: BLE001 - not published in this process: the default
+                v = None
+            out[f"{name}_{suffix}"] = int(v) if isinstance(v, int) and not isinstance(v, bool) else default
+    return out
+
+
+class Budget:
+    """Bytes of full tensors this rank may still copy; asked BEFORE each copy."""
+
+    def __init__(self, s: dict):
+        import fnmatch
+
+        self.patterns, self.rows = s["keep"], s["keep_tokens"]
+        self.max_bytes = s["max_bytes"]
+        self.match = lambda n: any(fnmatch.fnmatchcase(n, p) for p in self.patterns)
+        self.refused: list[str] = []
+
+    def admit(self, name: str, t: torch.Tensor) -> bool:
+        if not self.match(name):
+            return False
+        rows = t.shape[0] if (self.rows is None or t.dim() == 0) else min(self.rows, t.shape[0])
+        nbytes = (t.numel() // max(t.shape[0], 1) if t.dim() else 1) * rows * t.element_size()
+        if _STEPS["bytes"] + nbytes > self.max_bytes:
+            self.refused.append(name)
+            return False
+        _STEPS["bytes"] += nbytes
+        return True
+
+
 def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
     s = settings()
     if s is None or getattr(_state, "busy", False):
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     mode = _mode_name(forward_batch)
     step = _STEPS["n"]
-    if step >= s["max_steps"] or mode not in s["modes"] or _STEPS["bytes"] >= s["max_bytes"]:
+    _STEPS["n"] += 1
+    # the same on every rank of the TP group (forward index and mode), never rank-local state
+    if _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    _STEPS["captured"] += 1
     from tpprobe.capture.hooks import Tap
+    from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
     from tpprobe.sglang.stream import decoder_layers, sglang_extensions
 
     rank, world, tp_group = _tp()
+    budget = Budget(s)
     layers = decoder_layers(self)
     if not _STEPS["announced"]:
         _STEPS["announced"] = True
@@ -117,14 +180,16 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     t0 = time.time()
     try:
         with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
-                                  embed=s["embed"], layers=s["layer_list"]) as tap:
+                                  embed=s["embed"], layers=s["layer_list"],
+                                  keep=lambda n: budget.match(n), admit=budget.admit,
+                                  sample_rows=s["keep_tokens"], keep_allreduce_tensors=False,
+                                  summarize=lambda t: fingerprint(t, seed=PROBE_SEED, k=PROBE_K)) as tap:
             tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
             result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     finally:
         _state.busy = False
     t_forward = time.time() - t0
-    _STEPS["n"] += 1
-    _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward)
+    _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
     return result
 
 
@@ -146,62 +211,89 @@ def _aux(result, tokens: int):
     return aux, None
 
 
-def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward):
-    """This rank's tensors, metadata (the one rank record `tpprobe probe` writes too) and run settings."""
-    from tpprobe.capture.record import rank_record
+def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
+    """This rank's kept tensors (under the byte budget), metadata (the one rank record `tpprobe probe`
+    writes too, with every point's fingerprint and each all-reduce's in_fp / out_fp) and run settings."""
+    from tpprobe.capture.points import AUX_PACKED, INPUT_IDS
+    from tpprobe.capture.record import aux_meta, rank_record
+    from tpprobe.checks.evidence import add_fingerprints, match_slots, slot_candidates
+    from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
     from tpprobe.tools.layers import slots_from_layers_to_capture
 
-    aux, aux_note = _aux(result, int(input_ids.shape[0]))
+    tokens = int(input_ids.shape[0])
+    aux, aux_note = _aux(result, tokens)
+    kept_aux = None
+    if aux is not None and budget.admit(AUX_PACKED, aux):
+        kept_aux = (aux if tap.sample_rows is None else aux[:tap.sample_rows]).detach().clone()
     ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
-    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=input_ids, model=model, packed=aux,
-                                timings={"forward_s": t_forward}, extra={
+    par = parallel_ranks()
+    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=input_ids.detach().clone(), model=model,
+                                packed=kept_aux, timings={"forward_s": t_forward}, extra={
                                     # plugin-only facts
                                     "source": "sglang-plugin", "step": step, "forward_mode": mode,
-                                    "model": type(model).__name__, "layers_to_capture": ltc, "aux_note": aux_note})
+                                    "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
+                                    "aux_note": aux_note, "kept_rows": tap.sample_rows,
+                                    "budget_refused": budget.refused})
+    if not budget.admit(INPUT_IDS, input_ids):
+        tensors.pop(INPUT_IDS, None)
+    meta["aux"] = aux_meta(aux)            # the whole tensor's shape, also when only rows (or nothing) were kept
     seen = set()
     for k, t in list(tensors.items()):   # safetensors refuses shared storage: copy repeats
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         tensors[k] = t.clone() if key in seen else t
         seen.add(key)
     config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    meta["hidden"] = hidden
+    add_fingerprints(meta, tap, None, hidden, aux.dtype if aux is not None else torch.float32)
+    if aux is not None:
+        meta["fingerprints"][AUX_PACKED] = fingerprint(aux, seed=PROBE_SEED, k=PROBE_K).to_json()
+        if hidden and aux.shape[-1] % hidden == 0:
+            names = [n for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries]
+            if tap.sample_rows is None:
+                cands = {n: tap.captures.get(n, tap.summaries.get(n)) for n in names}
+            else:     # sampled rows cannot stand for whole tensors: fingerprints only
+                cands = {n: tap.summaries[n] for n in names if n in tap.summaries}
+            meta["slot_match"] = match_slots(aux, hidden, cands, aux.dtype)
     L = len(tap.layer_indices)
     points, ids = slots_from_layers_to_capture(ltc, L) if aux is not None else ([], [])
-    dtype = next((t.dtype for n, t in tensors.items() if n == "embed.out"), None) or \
-        next(iter(model.parameters())).dtype
+    fps = meta["fingerprints"]
+    dtype = getattr(torch, fps["embed.out"]["dtype"]) if "embed.out" in fps else next(iter(model.parameters())).dtype
     run_settings = {
         "world_size": world, "backend": "sglang (live server, plugin)",
-        "dtype": str(dtype).replace("torch.", ""),
-        "hidden": int(getattr(config, "hidden_size", 0) or tensors.get("embed.out", torch.empty(0, 0)).shape[-1]),
-        "num_layers": L, "tokens": int(input_ids.numel()),
+        "dtype": str(dtype).replace("torch.", ""), "hidden": hidden, "num_layers": L, "tokens": tokens,
         "arch": str(getattr(config, "model_type", type(model).__name__)),
         "model": type(model).__name__, "layer_ids": ids, "expected_points": points, "expected_ids": ids,
         "sglang layers_to_capture": str(ltc), "forward_mode": mode, "step": step,
+        "dp_rank": par["dp_rank"], "pp_rank": par["pp_rank"], "exchange": "fingerprint (plugin)",
     }
     return tensors, meta, run_settings
 
 
-def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward) -> None:
+def step_dir(root: Path, par: dict, step: int) -> Path:
+    """DIR/dp{D}-pp{P}/step-{N:06d}: one folder per TP group and forward."""
+    return root / f"dp{par['dp_rank']}-pp{par['pp_rank']}" / f"step-{step:06d}"
+
+
+def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget) -> None:
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
     (also when its own write failed), so one rank's error never hangs the others."""
     from tpprobe import __version__
     from tpprobe.capture.files import write_manifest, write_rank
 
-    out = s["dir"] / f"step-{step:03d}"
+    out = step_dir(s["dir"], parallel_ranks(), step)
     entries: list = []
     run_settings: dict = {}
     nbytes = 0
+    t0 = time.time()
     try:
         out.mkdir(parents=True, exist_ok=True)
         tensors, meta, run_settings = _step_record(s, step, mode, rank, world, tap, input_ids, result,
-                                                   model, t_forward)
+                                                   model, t_forward, budget)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if _STEPS["bytes"] + nbytes > s["max_bytes"]:
-            _STEPS["bytes"] = s["max_bytes"]
-            _say(f"tp_rank {rank}: step {step} skipped: {nbytes} bytes would pass TPPROBE_MAX_BYTES; "
-                 f"capture stopped")
-        else:
-            _STEPS["bytes"] += nbytes
-            entries = write_rank(out, rank, tensors, meta)
+        meta["timings"]["record_s"] = time.time() - t0
+        meta["kept_bytes"] = nbytes
+        entries = write_rank(out, rank, tensors, meta)
     except Exception as e:  # noqa: BLE001 - SGLang would swallow it; still join the gather below
         _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
     gathered = [None] * world if rank == 0 else None
@@ -222,7 +314,8 @@ def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, mo
             _say(f"tp_rank 0: step {step} manifest NOT written: {type(e).__name__}: {e}")
             return
     if entries:
-        _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes -> {out}"
+        _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes of kept tensors + fingerprints "
+             f"-> {out}" + (f"; refused by TPPROBE_MAX_BYTES: {', '.join(budget.refused)}" if budget.refused else "")
              + (f"; check it with `tpprobe report {out}`" if rank == 0 else ""))
 
 

@@ -38,6 +38,18 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
     for flag, out in (("--html", html), ("--markdown", markdown)):
         if out:
             check_file_path(Path(out), flag)
+    path = Path(path)
+    if path.is_dir() and not (path / "manifest.json").exists():
+        from .steps import find_steps, report_steps
+        if find_steps(path):      # the SGLang plugin's run: many steps, maybe many TP groups
+            return report_steps(path, json_out=json_out, html=html, markdown=markdown, quiet=quiet)
+    rep = check_dir(path)
+    emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
+    return rep["exit_code"]
+
+
+def check_dir(path: Path) -> dict:
+    """The report of one capture folder (one forward of one TP group), not printed."""
     run = load_run(path)
     settings = dict(run.manifest.get("settings") or {})
     settings.setdefault("world_size", run.manifest["world_size"])
@@ -68,5 +80,4 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
     result["findings"] = file_findings + result["findings"]
     rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True
-    emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
-    return rep["exit_code"]
+    return rep
