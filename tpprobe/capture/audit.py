@@ -140,8 +140,8 @@ class Audit:
                  summarize: Optional[Callable] = None, progress=None,
                  copy: Optional[Callable[[str, torch.Tensor], Optional[torch.Tensor]]] = None):
         self.attribute, self.keep, self.summarize, self.progress = attribute, keep, summarize, progress
-        # copy(name, t) -> a copy, or None when a byte budget refuses it (asked before copying)
-        self.copy = copy or (lambda name, t: t.detach().clone())
+        # copy(name, t, where) -> a copy, or None when a byte budget refuses it (asked before copying)
+        self.copy = copy or (lambda name, t, where: t.detach().clone())
         self.records: list[CollectiveRecord] = []
         self._active: Optional[CollectiveRecord] = None     # the re-entrancy guard
         self._mode: Optional[_Mode] = None
@@ -168,7 +168,7 @@ class Audit:
                                group_size=group_size, op=op, kind=kind, path=path, checked=checked and t is not None)
         if rec.checked:
             if self.keep(where):
-                rec.inp = self.copy(f"allreduce.{rec.seq}.in", t)
+                rec.inp = self.copy(f"allreduce.{rec.seq}.in", t, where)
             if self.summarize is not None:
                 rec.inp_summary = self._summ(t, kind, group_size, is_input=True)
         self.records.append(rec)
@@ -186,7 +186,7 @@ class Audit:
             rec.checked = rec.checked and isinstance(out, torch.Tensor)
             return
         if self.keep(rec.where) and rec.inp is not None:
-            rec.out = self.copy(f"allreduce.{rec.seq}.out", out)
+            rec.out = self.copy(f"allreduce.{rec.seq}.out", out, rec.where)
             if rec.out is None:
                 rec.inp = None            # both or neither: the budget refused the output
         if self.summarize is not None:

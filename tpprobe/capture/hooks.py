@@ -281,7 +281,11 @@ class Tap:
         """Record one collective issued by a wrapper above c10d (see capture/audit.py)."""
         return self.auditor.collective(kind, path, inp, group_size, op)
 
-    def _audit_copy(self, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+    def _audit_copy(self, name: str, t: torch.Tensor, where: str) -> Optional[torch.Tensor]:
+        if where == "embed" and not self.keep_ar:
+            if name.endswith(".out"):        # admitted with its input (embed.local): both or neither
+                return self._copy(t)
+            name = "embed.local"
         return self._copy(t) if self._admitted(name, t) else None
 
     def _attribution(self, tensor):

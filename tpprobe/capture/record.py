@@ -27,7 +27,10 @@ def aux_meta(packed: Optional[torch.Tensor]) -> dict:
 
 
 def point_meta(name: str, t: Optional[torch.Tensor], fp=None) -> dict:
-    """One capture point: its shape and dtype, and whether the tensor was kept (else a fingerprint)."""
+    """One capture point: its shape and dtype (the whole tensor's: a kept tensor may be a sample of
+    its rows), and whether the tensor was kept (else only a fingerprint)."""
+    if fp is not None:
+        return {"name": name, "shape": list(fp.shape), "dtype": fp.dtype, "kept": t is not None}
     if t is not None:
         return {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "kept": True}
     return {"name": name, "shape": list(fp.shape), "dtype": fp.dtype, "kept": False}
