@@ -1,0 +1,1 @@
+"""Commands built on the probe: one module each (tpprobe invariance, ...)."""
