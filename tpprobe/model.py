@@ -106,7 +106,8 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def ordered_all_reduce(x: torch.Tensor, ctx: RankContext) -> torch.Tensor:
     """All-gather every rank's partial, then sum them by a binary tree in rank order (in place)."""
     parts = torch.empty((ctx.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(parts, x.contiguous(), group=ctx.group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+    gather(parts, x.contiguous(), group=ctx.group)
     return x.copy_(tree_sum(list(parts.view(ctx.world_size, *x.shape).unbind(0))))
 
 

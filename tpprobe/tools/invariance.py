@@ -47,7 +47,7 @@ from ..errors import RankFailure, UsageError
 SCHEMA = "tpprobe.invariance/1"
 FP_SEED, FP_K = 0x7470, 32          # the probe's sketch seed and size (every run signs alike)
 RANK = {"bitwise": 0, "noise": 1, "material": 2, "shape": 3, "missing": 3}
-_WRAPPED = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter")
+_WRAPPED = ("all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter")
 
 
 # ---- options ----------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def _first_tensor(x):
 
 def _collective_input(op: str, args, kw) -> Optional[torch.Tensor]:
     """The tensor this rank sends (all_gather(_into_tensor): the input; reduce_scatter: the input)."""
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    if op in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_tensor"):
         t = args[1] if len(args) > 1 else kw.get("input") or kw.get("input_tensor")
     elif op == "all_gather":
         t = args[1] if len(args) > 1 else kw.get("tensor")
@@ -565,7 +565,12 @@ def compare(runs: dict[int, list[dict]], opts: InvarianceOptions) -> dict:
             entry["cells"][cname(c)] = _out_cell(c, R, key, rows)
             if is_coll:
                 entry["in_cells"][cname(c)] = _in_cell(c, R, key, rows)
+        ref_row = rows[R][0].get(key) or any_row
+        entry["dtype"] = ((ref_row.get("out") or {}).get("fp") or {}).get("dtype")
         table.append(entry)
+    for c in opts.configs:
+        if c != R:
+            _propagated(table, cname(c), cname(R))
     configs = []
     for c in opts.configs:
         cells = [e["cells"][cname(c)] for e in table]
@@ -609,6 +614,33 @@ def _out_cell(c, R, key, rows) -> dict:
     if bad and len(mine) > 1:
         cell["ranks"] = bad
     return cell
+
+
+def _propagated(table: list[dict], n: str, rname: str) -> None:
+    """Downstream of the first break, rounding differences propagate and add up: a cell whose sketch
+    difference exceeds the probe's noise bound for one operation (NOISE_ULP[dtype] * eps / 8, as in
+    evidence.fp_level) but stays within that bound * sqrt(layers since the first break + 1) -- one
+    independent rounding error per layer, added in quadrature -- is rounding noise that propagated,
+    not a new break. A jump beyond it (a missing shard: ~0.5; a 1 % error) stays material."""
+    from ..compare import NOISE_ULP, dtype_from_str, eps_of
+    first_layer, last_layer = None, 0
+    for e in table:
+        if e.get("layer") is not None:
+            last_layer = max(last_layer, e["layer"])
+    for e in table:
+        cells = [e["cells"][n]] + ([e["in_cells"][n]] if e["in_cells"] and e["in_cells"][n].get("vs") == rname else [])
+        layer = e["layer"] if e.get("layer") is not None else (0 if first_layer is None else last_layer)
+        for cell in cells:
+            if first_layer is None:
+                if cell["level"] not in ("bitwise", "n/a", "reference"):
+                    first_layer = layer
+                continue
+            if cell["level"] != "material" or cell.get("rel") is None or not e.get("dtype"):
+                continue
+            dt = dtype_from_str(e["dtype"])
+            bound = NOISE_ULP.get(dt, 64.0) * eps_of(dt) / 8 * math.sqrt(max(layer - first_layer, 0) + 1)
+            if cell["rel"] <= bound:
+                cell.update(level="noise", propagated=True, bound=bound)
 
 
 def _in_cell(c, R, key, rows) -> dict:
@@ -712,7 +744,7 @@ def _blame_collective(c, R, e, cell, prev, rows, opts) -> dict:
         line = (f"{cname(c)}: bitwise equality breaks at the collective of {e['site']} ({where}): {lvl}. "
                 f"The TP-split reduction — {c[0]} partial sums over the rank shards, then "
                 f"{_coll_text(col)} — adds in another order than {cname(R)} "
-                + (f"({_coll_text(rc)})." if rc and rc.get("op") else "(one unsplit matmul, no collective)."))
+                + (f"({_coll_text(rc)})." if rc and rc.get("op") else "(no collective there: the contraction is not split)."))
         return _brk(c, e, cell, "tp-split", line, col, rc, cname(R))
     line = (f"{cname(c)}: bitwise equality breaks at the output of {e['site']} ({where}): {lvl}. "
             f"Its collective's inputs already differ, so the computation before it does: "
