@@ -830,12 +830,13 @@ def _keep_tensors(root: Path, runs, report, opts) -> dict:
                         continue
                     needed.setdefault((c[0], r), set()).add(f"b{c[1]}|{k}")
                     needed.setdefault((vs[0], r), set()).add(f"b{vs[1]}|{k}")
-                    if r == (cell.get("ranks") or [0])[0]:
+                    if r == (cell.get("ranks") or [0])[0] or side == "out":
                         st = tcompare(a, b)
                         cell.update({x: st[x] for x in ("max_abs", "ulp_max", "first_token") if x in st})
                 n_cells += 1
     files = []
     tdir = root / "tensors"
+    tdir.mkdir(parents=True, exist_ok=True)
     for (tp, r), ts in raw.items():
         keep = {k: v for k, v in ts.items() if k in needed.get((tp, r), set())}
         if keep:
@@ -930,7 +931,7 @@ def render_markdown(report: dict) -> str:
     out += ["", "| point / collective | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
 
     def md(c, n, key):
-        txt = cell_text(c).replace("|", "\\|") + (" ◀" if firsts[n] == key else "")
+        txt = cell_text(c).replace("|", "\\|") + (" ◀" if key is not None and firsts[n] == key else "")
         return f"**{txt}**" if c["level"] in ("material", "shape", "missing") else txt
     for e in report["rows"]:
         out.append(f"| `{row_label(e)}` | " + " | ".join(md(e["cells"][n], n, e["key"]) for n in names) + " |")
