@@ -711,19 +711,27 @@ def _label(e: Optional[dict]) -> str:
     return f"{e['key']} ({'collective output' if e['kind'] == 'collective' else 'capture point'})"
 
 
-def _brk(c, e, cell, cause, line, col=None, ref_col=None, vs=None) -> dict:
+def _brk(c, e, cell, cause, summary, col=None, ref_col=None, vs=None) -> dict:
+    """summary: what breaks, in words that hold for every configuration it breaks the same way;
+    line: the same for this configuration, with its level and message size."""
+    lvl = cell["level"] + (f" (rel {cell['rel']:.1e})" if cell.get("rel") is not None else "")
+    size = f"; {_coll_text(col)}" + (f", {_coll_text(ref_col)} in {vs}" if ref_col and ref_col.get("op") else "") \
+        if col else ""
     return {"row": e["key"], "kind": e["kind"], "layer": e.get("layer"), "level": cell["level"],
             "rel": cell.get("rel"), "ranks": cell.get("ranks"), "cause": cause, "collective": col,
-            "compared_collective": ref_col, "vs": vs, "line": line}
+            "compared_collective": ref_col, "vs": vs, "summary": summary,
+            "line": f"{cname(c)}: {summary}: {lvl}{size}."}
+
+
+def _where(e) -> str:
+    return f"layer {e['layer']}" if e.get("layer") is not None else "outside the decoder layers"
 
 
 def _blame_collective(c, R, e, cell, prev, rows, opts) -> dict:
     key = e["key"]
     mine, ref = rows[c][0].get(key), rows[R][0].get(key)
     col = _coll(mine)
-    lvl = f"{cell['level']}" + (f" (rel {cell['rel']:.1e})" if cell.get("rel") is not None else "")
-    where = f"layer {e['layer']}" if e.get("layer") is not None else "outside the decoder layers"
-    # same TP size as a configuration it is bitwise equal to in its input: the collective itself
+    # the same TP size at the reference's batch: equal inputs on every rank, unequal output = the collective
     sib = R if c[0] == R[0] else (c[0], R[1])
     if sib != c and sib in rows and key in rows[sib][0]:
         inputs_equal = all(
@@ -732,35 +740,29 @@ def _blame_collective(c, R, e, cell, prev, rows, opts) -> dict:
         out_differs = _level(mine["out"], rows[sib][0][key]["out"])["level"] != "bitwise"
         if inputs_equal and out_differs:
             sc = _coll(rows[sib][0][key])
-            switched = sc and col and sc.get("op") != col.get("op")
-            line = (f"{cname(c)}: bitwise equality breaks at the collective of {e['site']} ({where}): "
-                    f"{lvl}. Its inputs are bitwise equal to {cname(sib)}'s on every rank, its output is not: "
-                    f"the collective depends on its message size — {_coll_text(col)} here, "
-                    f"{_coll_text(sc)} in {cname(sib)}"
-                    + ("; it took another algorithm" if switched else "") + ".")
-            return _brk(c, e, cell, "collective-size", line, col, sc, cname(sib))
+            switched = bool(sc and col and sc.get("op") != col.get("op"))
+            summary = (f"bitwise equality breaks at the collective of {e['site']} ({_where(e)}): its inputs are "
+                       f"bitwise equal on every rank to the same TP size at batch {sib[1]}, its output is not, so the "
+                       f"collective's result depends on its message size"
+                       + (" (it switched algorithm)" if switched else ""))
+            return _brk(c, e, cell, "collective-size", summary, col, sc, cname(sib))
     if c[0] != R[0]:
         rc = _coll(ref)
-        line = (f"{cname(c)}: bitwise equality breaks at the collective of {e['site']} ({where}): {lvl}. "
-                f"The TP-split reduction — {c[0]} partial sums over the rank shards, then "
-                f"{_coll_text(col)} — adds in another order than {cname(R)} "
-                + (f"({_coll_text(rc)})." if rc and rc.get("op") else "(no collective there: the contraction is not split)."))
-        return _brk(c, e, cell, "tp-split", line, col, rc, cname(R))
-    line = (f"{cname(c)}: bitwise equality breaks at the output of {e['site']} ({where}): {lvl}. "
-            f"Its collective's inputs already differ, so the computation before it does: "
-            f"between {_label(prev)} and this {_coll_text(col)}.")
-    return _brk(c, e, cell, "compute", line, col, _coll(ref), cname(R))
+        summary = (f"bitwise equality breaks at the collective of {e['site']} ({_where(e)}): the TP-split reduction "
+                   f"(a partial sum per rank shard, then the collective) adds in another order than {cname(R)}"
+                   + ("" if rc and rc.get("op") else " (no collective there: the contraction is not split)"))
+        return _brk(c, e, cell, "tp-split", summary, col, rc, cname(R))
+    summary = (f"bitwise equality breaks at the output of {e['site']} ({_where(e)}): its collective's inputs "
+               f"already differ, so the computation between {_label(prev)} and it does")
+    return _brk(c, e, cell, "compute", summary, col, _coll(ref), cname(R))
 
 
 def _blame_compute(c, R, e, cell, prev, rows, where) -> dict:
-    lvl = f"{cell['level']}" + (f" (rel {cell['rel']:.1e})" if cell.get("rel") is not None else "")
-    layer = f"layer {e['layer']}" if e.get("layer") is not None else "outside the decoder layers"
     what = f"the input of the collective of {e['site']}" if where == "input" else e["key"]
-    line = (f"{cname(c)}: bitwise equality breaks at {what} ({layer}): {lvl}; "
-            f"{_label(prev)} is still bitwise, so the computation in between ({layer}, no collective) "
-            f"depends on the batch or the TP size.")
+    summary = (f"bitwise equality breaks at {what} ({_where(e)}) while {_label(prev)} is still bitwise: the "
+               f"computation in between (no collective) depends on the batch or the TP size")
     col = _coll(rows[c][0].get(e["key"])) if e["kind"] == "collective" else None
-    return _brk(c, e, cell, "compute", line, col, None, cname(R))
+    return _brk(c, e, cell, "compute", summary, col, None, cname(R))
 
 
 def _verdict(configs, R, n_rows, opts, failing) -> dict:
@@ -770,10 +772,7 @@ def _verdict(configs, R, n_rows, opts, failing) -> dict:
     levels = {x["level"] for x in others}
     n_bit = sum(x["level"] == "bitwise" for x in others)
     grid = f"tp {','.join(map(str, opts.tp))} × batch {','.join(map(str, opts.batch))}"
-    if not others:
-        head = f"ONE CONFIGURATION: only the reference {cname(R)} ran; nothing to compare ({n_rows} rows recorded)"
-        status = "single"
-    elif levels == {"bitwise"}:
+    if levels == {"bitwise"}:
         head = (f"BITWISE: all {len(others)} configurations ({grid}) are bitwise equal to {cname(R)} "
                 f"at every one of the {n_rows} capture points and collectives")
         status = "bitwise"
@@ -784,7 +783,23 @@ def _verdict(configs, R, n_rows, opts, failing) -> dict:
         head = (f"NOT BITWISE: {len(others) - n_bit} of {len(others)} configurations ({grid}) differ from "
                 f"{cname(R)}, worst {word}")
         status = worst
-    lines = [x["first_break"]["line"] for x in others if x["first_break"]]
+    groups: dict[str, list] = {}          # configurations that break the same way: one line
+    for x in others:
+        if x["first_break"]:
+            groups.setdefault(x["first_break"]["summary"], []).append(x)
+    lines = []
+    for summary, xs in groups.items():
+        per = []
+        for x in xs:
+            fb = x["first_break"]
+            lv = fb["level"] + (f" {fb['rel']:.1e}" if fb.get("rel") is not None else "")
+            col = fb.get("collective")
+            per.append(f"{x['name']} {lv}" + (f", {col['op']} {human_bytes(col.get('bytes'))}"
+                                              if col and col.get("op") else ""))
+            cc = fb.get("compared_collective")
+            if fb["cause"] == "collective-size" and cc and cc.get("op"):
+                per[-1] += f" (vs {cc['op']} {human_bytes(cc.get('bytes'))} in {fb['vs']})"
+        lines.append(f"{', '.join(x['name'] for x in xs)}: {summary} [{'; '.join(per)}]")
     exp = (f"--expect {opts.expect}: " + ("met" if not failing else
                                           f"NOT met by {', '.join(x['name'] for x in failing)}"))
     return {"status": status, "line": head, "lines": lines, "expect": exp}
@@ -859,22 +874,23 @@ LEVEL_STYLE = {"bitwise": "green", "reference": "cyan", "noise": "yellow", "mate
                "shape": "bold red", "missing": "bold red", "n/a": "dim"}
 
 
-def cell_text(cell: dict) -> str:
+def cell_text(cell: dict, short: bool = False) -> str:
+    """short (the terminal): noise without its number (the verdict gives the first break's)."""
     lv = cell.get("level", "?")
     if lv == "reference":
         return "ref"
     if lv == "n/a":
         return "·"
+    if lv == "noise" and short:
+        return "noise"
     if lv in ("noise", "material") and cell.get("rel") is not None:
-        return f"{lv} {cell['rel']:.0e}"
+        m, ex = f"{cell['rel']:.0e}".split("e")
+        return f"{lv} {m}e{int(ex)}"
     return lv
 
 
 def row_label(e: dict) -> str:
-    if e["kind"] != "collective":
-        return e["key"]
-    ops = {o for o in e["ops"].values() if o}
-    return f"⇄ {e['key']}" + (f" [{'/'.join(sorted(ops))}]" if ops else "")
+    return f"⇄ {e['key']}" if e["kind"] == "collective" else e["key"]
 
 
 def render(report: dict, con) -> None:
@@ -885,7 +901,7 @@ def render(report: dict, con) -> None:
              f"reference {st['reference']} · expect {st['expect']}")
     t = Table(title="capture points and collectives (model order) × configurations", title_justify="left",
               show_lines=False, pad_edge=False)
-    t.add_column("point / collective")
+    t.add_column("point / collective", no_wrap=True)
     names = [x["name"] for x in report["configs"]]
     for n in names:
         t.add_column(n)
@@ -894,17 +910,19 @@ def render(report: dict, con) -> None:
         cells = []
         for n in names:
             c = e["cells"][n]
-            txt = cell_text(c) + (" ◀" if firsts[n] == e["key"] else "")
+            txt = cell_text(c, short=True) + (" ◀" if firsts[n] == e["key"] else "")
             cells.append(Text(txt, style=LEVEL_STYLE.get(c["level"], "")))
         t.add_row(Text(row_label(e)), *cells)
         if e["in_cells"] and any(c["level"] not in ("n/a",) for c in e["in_cells"].values()):
-            t.add_row(Text("   └ input, per rank", style="dim"),
-                      *[Text(cell_text(e["in_cells"][n]), style=LEVEL_STYLE.get(e["in_cells"][n]["level"], ""))
+            t.add_row(Text("  └ its input", style="dim"),
+                      *[Text(cell_text(e["in_cells"][n], short=True), style=LEVEL_STYLE.get(e["in_cells"][n]["level"], ""))
                         for n in names])
     con.print(t)
-    con.print(Text("◀ first row where bitwise equality breaks · inputs are rank shards: compared with the same "
-                   "TP size only (at the reference's batch) · noise/material: the sketch's relative difference",
-                   style="dim"))
+    ops = sorted({o for e in report["rows"] for o in e["ops"].values() if o})
+    con.print(Text("◀ first row where bitwise equality breaks · ⇄ a collective (" + ", ".join(ops or ["none ran"])
+                   + "; at tp 1 the output of the module that issues it) · its input: each rank's shard, compared "
+                   "at the same TP size only (with the reference's batch) · noise/material: the sketch's relative "
+                   "difference", style="dim"))
     v = report["verdict"]
     style = {"bitwise": "bold green", "single": "bold"}.get(v["status"], "bold yellow" if v["status"] == "noise"
                                                             else "bold red")
@@ -936,7 +954,7 @@ def render_markdown(report: dict) -> str:
     for e in report["rows"]:
         out.append(f"| `{row_label(e)}` | " + " | ".join(md(e["cells"][n], n, e["key"]) for n in names) + " |")
         if e["in_cells"] and any(c["level"] != "n/a" for c in e["in_cells"].values()):
-            out.append("| └ input, per rank | " + " | ".join(md(e["in_cells"][n], n, None) for n in names) + " |")
+            out.append("| └ its input | " + " | ".join(md(e["in_cells"][n], n, None) for n in names) + " |")
     from ..envinfo import env_lines
     out += ["", "<details><summary>environment</summary>", "", *[f"    {x}" for x in env_lines(report)], "",
             "</details>", ""]
@@ -978,7 +996,7 @@ def render_html(report: dict) -> str:
         parts.append(f"<tr><td>{e_(row_label(e))}</td>"
                      + "".join(td(e["cells"][n], n, e["key"], (e.get("bytes") or {}).get(n)) for n in names) + "</tr>")
         if e["in_cells"] and any(c["level"] != "n/a" for c in e["in_cells"].values()):
-            parts.append('<tr><td class="dim">&nbsp;&nbsp;└ input, per rank</td>'
+            parts.append('<tr><td class="dim">&nbsp;&nbsp;└ its input (per rank)</td>'
                          + "".join(td(e["in_cells"][n], n, None) for n in names) + "</tr>")
     parts.append("</table><p class=\"sub\">◀ first row where bitwise equality breaks. Inputs are rank shards: "
                  "compared with the same TP size only (at the reference's batch). Hover a cell for its numbers.</p>")
