@@ -132,6 +132,14 @@ USAGE = {
 }
 
 
+def test_a_factory_that_cannot_be_imported_is_one_line_from_the_ranks(tmp_path):
+    cp = run_cli(["invariance", "--out", str(tmp_path / "m"), "--tp", "1", "--batch", "1,3", "--timeout", "20",
+                  "--model", "tests.no_such_module:build"], timeout=120)
+    lines = cp.stderr.strip("\n").splitlines()
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("tpprobe: error: --model tests.no_such_module:build: cannot import")
+
+
 @pytest.mark.parametrize("name", list(USAGE))
 def test_bad_usage_is_one_line_exit_2(tmp_path, name):
     from tests.test_cli_usage import _fork_cli

@@ -466,7 +466,7 @@ def run(opts: InvarianceOptions) -> int:
     runs: dict[int, list[dict]] = {}
     t_all = time.time()
     for tp in sorted(opts.tp, reverse=True):
-        if not p.quiet and not p.json_out:
+        if not p.quiet and not p.json_out and sys.stderr.isatty():   # scripts get one line per error only
             print(f"tpprobe invariance: tp {tp} ({tp} rank{'s' if tp > 1 else ''}), batch "
                   f"{','.join(map(str, opts.batch))} ...", file=sys.stderr, flush=True)
         d = root / f"tp{tp}"
