@@ -585,11 +585,12 @@ def compare(runs: dict[int, list[dict]], opts: InvarianceOptions) -> dict:
     failing = [x for x in configs if x["level"] not in ok_levels and x["level"] != "reference"]
     n_rows = len(table)
     first = runs[max(runs)][0]
-    settings = {"model": _model_name(opts), "backend": first["backend"], "device": first["device"],
+    settings = {**{f"model {k}" if k in ("model", "backend") else k: v for k, v in first["info"].items()},
+                "model": _model_name(opts), "backend": first["backend"], "device": first["device"],
                 "dtype": first["dtype"], "arch": first["arch"], "tokens": first["tokens"], "hidden": first["hidden"],
                 "layout": first["layout"], "tp": opts.tp, "batch": opts.batch, "reference": cname(R),
                 "expect": opts.expect, "reduce": opts.reduce, "switch_above": opts.switch_above,
-                "seed": opts.probe.seed, "fingerprint": {"seed": FP_SEED, "k": FP_K}, **first["info"]}
+                "seed": opts.probe.seed, "fingerprint": {"seed": FP_SEED, "k": FP_K}}
     verdict = _verdict(configs, R, n_rows, opts, failing)
     from ..envinfo import environment
     return {"schema": SCHEMA, "tool": f"tpprobe {__version__}", "settings": settings,
