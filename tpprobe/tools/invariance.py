@@ -620,26 +620,35 @@ def _out_cell(c, R, key, rows) -> dict:
 def _propagated(table: list[dict], n: str, rname: str) -> None:
     """Downstream of the first break, rounding differences propagate and add up: a cell whose sketch
     difference exceeds the probe's noise bound for one operation (NOISE_ULP[dtype] * eps / 8, as in
-    evidence.fp_level) but stays within that bound * sqrt(layers since the first break + 1) -- one
-    independent rounding error per layer, added in quadrature -- is rounding noise that propagated,
-    not a new break. A jump beyond it (a missing shard: ~0.5; a 1 % error) stays material."""
+    evidence.fp_level) but stays within that bound * (layers since the first break + 1) -- each layer
+    re-rounds and passes on what it got (measured: fp32, 6 layers, tp 4: 2.4x the one-operation bound
+    five layers on) -- is rounding noise that propagated, not a new break. A jump beyond it (a missing
+    shard: ~0.5; a 1 % error in float32) stays material. The first break itself is always judged by
+    the one-operation bound.
+    Cells against the reference count from the first break against the reference; collective inputs
+    compared with the same TP size at the reference's batch count from the first difference either way."""
     from ..compare import NOISE_ULP, dtype_from_str, eps_of
-    first_layer, last_layer = None, 0
+    last_layer = max((e["layer"] for e in table if e.get("layer") is not None), default=0)
+
+    def cells_of(e):
+        out = [("ref", e["cells"][n])]
+        if e["in_cells"]:
+            ic = e["in_cells"][n]
+            out.append(("ref" if ic.get("vs") == rname else "sib", ic))
+        return out
+    first: dict[str, Optional[int]] = {"ref": None, "sib": None}
     for e in table:
-        if e.get("layer") is not None:
-            last_layer = max(last_layer, e["layer"])
-    for e in table:
-        cells = [e["cells"][n]] + ([e["in_cells"][n]] if e["in_cells"] and e["in_cells"][n].get("vs") == rname else [])
-        layer = e["layer"] if e.get("layer") is not None else (0 if first_layer is None else last_layer)
-        for cell in cells:
-            if first_layer is None:
+        layer = e["layer"] if e.get("layer") is not None else (0 if first["ref"] is None else last_layer)
+        for side, cell in cells_of(e):
+            start = first["ref"] if side == "ref" else min((x for x in first.values() if x is not None), default=None)
+            if start is None:
                 if cell["level"] not in ("bitwise", "n/a", "reference"):
-                    first_layer = layer
+                    first[side] = layer
                 continue
             if cell["level"] != "material" or cell.get("rel") is None or not e.get("dtype"):
                 continue
             dt = dtype_from_str(e["dtype"])
-            bound = NOISE_ULP.get(dt, 64.0) * eps_of(dt) / 8 * math.sqrt(max(layer - first_layer, 0) + 1)
+            bound = NOISE_ULP.get(dt, 64.0) * eps_of(dt) / 8 * (max(layer - start, 0) + 1)
             if cell["rel"] <= bound:
                 cell.update(level="noise", propagated=True, bound=bound)
 
@@ -871,6 +880,7 @@ def _cfg_of(name: Optional[str], default):
 
 
 # ---- output --------------------------------------------------------------------------------------
+COMPACT = {"bitwise": "=", "noise": "≈", "material": "✗", "shape": "✗ shape", "missing": "✗ missing"}
 LEVEL_STYLE = {"bitwise": "green", "reference": "cyan", "noise": "yellow", "material": "bold red",
                "shape": "bold red", "missing": "bold red", "n/a": "dim"}
 
@@ -907,20 +917,30 @@ def render(report: dict, con) -> None:
     for n in names:
         t.add_column(n)
     firsts = {x["name"]: (x["first_break"] or {}).get("row") for x in report["configs"]}
+    # too wide for the terminal: one symbol per level (the legend says which)
+    def col_width(n):       # its widest cell (the first break's carries " ◀") + padding and border
+        w = [len(n)] + [len(cell_text(e["cells"][n], short=True)) + (2 if firsts[n] == e["key"] else 0)
+                        for e in report["rows"]]
+        w += [len(cell_text(e["in_cells"][n], short=True)) for e in report["rows"] if e["in_cells"]]
+        return max(w) + 3
+    width = max((len(row_label(e)) for e in report["rows"]), default=20) + sum(col_width(n) for n in names)
+    compact = width > (con.width or 120)
+
+    def text(c, key=None):
+        lv = c["level"]
+        txt = COMPACT.get(lv, lv) if compact and lv in COMPACT else cell_text(c, short=True)
+        return Text(txt + (" ◀" if key is not None and firsts[n] == key else ""), style=LEVEL_STYLE.get(lv, ""))
     for e in report["rows"]:
         cells = []
         for n in names:
-            c = e["cells"][n]
-            txt = cell_text(c, short=True) + (" ◀" if firsts[n] == e["key"] else "")
-            cells.append(Text(txt, style=LEVEL_STYLE.get(c["level"], "")))
+            cells.append(text(e["cells"][n], e["key"]))
         t.add_row(Text(row_label(e)), *cells)
         if e["in_cells"] and any(c["level"] not in ("n/a",) for c in e["in_cells"].values()):
-            t.add_row(Text("  └ its input", style="dim"),
-                      *[Text(cell_text(e["in_cells"][n], short=True), style=LEVEL_STYLE.get(e["in_cells"][n]["level"], ""))
-                        for n in names])
+            t.add_row(Text("  └ its input", style="dim"), *[text(e["in_cells"][n]) for n in names])
     con.print(t)
     ops = sorted({o for e in report["rows"] for o in e["ops"].values() if o})
-    con.print(Text("◀ first row where bitwise equality breaks · ⇄ a collective (" + ", ".join(ops or ["none ran"])
+    con.print(Text(("= bitwise · ≈ rounding noise · ✗ material · " if compact else "")
+                   + "◀ first row where bitwise equality breaks · ⇄ a collective (" + ", ".join(ops or ["none ran"])
                    + "; at tp 1 the output of the module that issues it) · its input: each rank's shard, compared "
                    "at the same TP size only (with the reference's batch) · noise/material: the sketch's relative "
                    "difference", style="dim"))
