@@ -486,6 +486,10 @@ def run(opts: InvarianceOptions) -> int:
                                             if r["kind"] == "collective"))
     report = compare(runs, opts)
     report["out"] = str(root)
+    n_fp = sum(len(doc["configs"][i]["rows"]) for docs in runs.values() for doc in docs for i in range(len(opts.batch)))
+    size = sum((root / f"tp{tp}" / f"rank{r}.json").stat().st_size for tp in runs for r in range(tp))
+    report["fingerprints"] = {"rank_files_bytes": size, "rows_fingerprinted": n_fp,
+                              "bytes_per_row": round(size / max(n_fp, 1))}
     report["timings"] = {"total_s": time.time() - t_all}
     if opts.keep:
         report["kept"] = _keep_tensors(root, runs, report, opts)
@@ -955,7 +959,9 @@ def render(report: dict, con) -> None:
         con.print(Text("  " + v["expect"], style="bold green" if report["exit_code"] == 0 else "bold red"))
     kept = report.get("kept")
     extra = f"; --keep: {len(kept['files'])} tensor files for {kept['cells']} cells" if kept else ""
-    con.print(Text(f"fingerprints and report.json: {report.get('out')}{extra}", style="dim"))
+    fp = report.get("fingerprints") or {}
+    per = f" ({human_bytes(fp['bytes_per_row'])} per row per rank and batch, in and out)" if fp else ""
+    con.print(Text(f"fingerprints{per} and report.json: {report.get('out')}{extra}", style="dim"))
 
 
 def render_markdown(report: dict) -> str:
