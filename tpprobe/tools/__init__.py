@@ -1,1 +1,3 @@
-"""Commands built on the probe: one module each (tpprobe invariance, ...)."""
+"""Tools: commands beside the probe. diff (two captures or dumps), layers (what EAGLE-3 layer ids
+capture), specforge (SpecForge samples), offline (`tpprobe report DIR`), invariance (TP- and
+batch-invariance audit)."""

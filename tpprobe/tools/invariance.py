@@ -191,7 +191,7 @@ class _Recorder:
         self.tap = None
 
     def summarize(self, t: torch.Tensor) -> _Cap:
-        from ..fingerprint import fingerprint
+        from ..exchange.fingerprint import fingerprint
         rows, per_token = self.select(t.detach())
         cap = _Cap(fingerprint(rows.contiguous(), seed=FP_SEED, k=FP_K), per_token)
         if self.keep:
@@ -264,7 +264,7 @@ class _Undo:
 
 
 def _first_tensor(x):
-    from ..hooks import _first_tensor as ft
+    from ..capture.hooks import _first_tensor as ft
     return ft(x)
 
 
@@ -351,7 +351,7 @@ def _cap_json(cap: Optional[_Cap], keep_ids: dict, key: str) -> Optional[dict]:
 def run_config(target, batch: int, opts: InvarianceOptions, world: int) -> tuple[dict, dict]:
     """One forward of the prompt inside `batch` prompts under the Tap; its rows (JSON) and, with
     --keep, the prompt rows of every fingerprinted tensor."""
-    from ..hooks import Tap
+    from ..capture.hooks import Tap
     p = opts.probe
     vocab = int(target.info.get("vocab") or (int(target.input_ids.max()) + 1))
     seqs, idx = make_batch(target.input_ids, batch, vocab, p.seed)
@@ -392,7 +392,7 @@ def build(ctx, opts: InvarianceOptions):
 
 def rank_main(opts: InvarianceOptions) -> int:
     """One rank of one TP size: every batch size in turn; writes tp<N>/rank<r>.json."""
-    from ..dist import init
+    from ..exchange.dist import init
     p = opts.probe
     out = Path(p.out)
     ctx = init(None if p.backend in ("auto", "sglang") else p.backend, p.timeout, p.seed)
@@ -416,7 +416,7 @@ def rank_main(opts: InvarianceOptions) -> int:
                "info": {k: v for k, v in target.info.items() if isinstance(v, (int, float, str))},
                "configs": configs}
         if kept:
-            from ..capture import atomic_save_tensors
+            from ..capture.files import atomic_save_tensors
             atomic_save_tensors(out / f"rank{ctx.rank}.safetensors", {k: v.contiguous() for k, v in kept.items()}, {})
     except UsageError as e:
         doc, code = {"tp": ctx.world_size, "rank": ctx.rank, "error": str(e), "code": 2}, 2
@@ -425,7 +425,7 @@ def rank_main(opts: InvarianceOptions) -> int:
         traceback.print_exc()
         doc, code = {"tp": ctx.world_size, "rank": ctx.rank, "code": 1,
                      "error": f"rank {ctx.rank} of tp {ctx.world_size} failed: {type(e).__name__}: {e}"}, 1
-    from ..capture import atomic_write_bytes
+    from ..capture.files import atomic_write_bytes
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / f"rank{ctx.rank}.json", json.dumps(doc).encode())
     try:
@@ -458,7 +458,7 @@ def rank_argv(opts: InvarianceOptions, tp: int, out: Path) -> list[str]:
 
 def run(opts: InvarianceOptions) -> int:
     validate(opts)
-    from ..capture import check_out_dir
+    from ..capture.files import check_out_dir
     from ..launch import launch_local
     p = opts.probe
     root = Path(p.out or time.strftime("tpprobe-runs/invariance-%Y%m%d-%H%M%S-") + os.urandom(2).hex())
@@ -508,13 +508,13 @@ def _read_rank(d: Path, r: int) -> Optional[dict]:
 
 # ---- comparison --------------------------------------------------------------------------------
 def _fp(cell: Optional[dict]):
-    from ..fingerprint import Fingerprint
+    from ..exchange.fingerprint import Fingerprint
     return None if cell is None else Fingerprint.from_json(cell["fp"])
 
 
 def _level(a: Optional[dict], b: Optional[dict]) -> dict:
     """a against b (cells of two configurations): level and the sketch's relative difference."""
-    from ..evidence import fp_dtype, fp_level, fp_rel, judge_dtype
+    from ..checks.evidence import fp_dtype, fp_level, fp_rel, judge_dtype
     if a is None or b is None:
         return {"level": "missing"}
     fa, fb = _fp(a), _fp(b)
@@ -596,7 +596,7 @@ def compare(runs: dict[int, list[dict]], opts: InvarianceOptions) -> dict:
                 "expect": opts.expect, "reduce": opts.reduce, "switch_above": opts.switch_above,
                 "seed": opts.probe.seed, "fingerprint": {"seed": FP_SEED, "k": FP_K}}
     verdict = _verdict(configs, R, n_rows, opts, failing)
-    from ..envinfo import environment
+    from ..report.envinfo import environment
     return {"schema": SCHEMA, "tool": f"tpprobe {__version__}", "settings": settings,
             "environment": environment(), "configs": configs, "rows": table, "verdict": verdict,
             "exit_code": 1 if failing or n_rows == 0 else 0}
@@ -624,14 +624,14 @@ def _out_cell(c, R, key, rows) -> dict:
 def _propagated(table: list[dict], n: str, rname: str) -> None:
     """Downstream of the first break, rounding differences propagate and add up: a cell whose sketch
     difference exceeds the probe's noise bound for one operation (NOISE_ULP[dtype] * eps / 8, as in
-    evidence.fp_level) but stays within that bound * (layers since the first break + 1) -- each layer
+    checks.evidence.fp_level) but stays within that bound * (layers since the first break + 1) -- each layer
     re-rounds and passes on what it got (measured: fp32, 6 layers, tp 4: 2.4x the one-operation bound
     five layers on) -- is rounding noise that propagated, not a new break. A jump beyond it (a missing
     shard: ~0.5; a 1 % error in float32) stays material. The first break itself is always judged by
     the one-operation bound.
     Cells against the reference count from the first break against the reference; collective inputs
     compared with the same TP size at the reference's batch count from the first difference either way."""
-    from ..compare import NOISE_ULP, dtype_from_str, eps_of
+    from ..checks.noise import NOISE_ULP, dtype_from_str, eps_of
     last_layer = max((e["layer"] for e in table if e.get("layer") is not None), default=0)
 
     def cells_of(e):
@@ -834,8 +834,8 @@ def _keep_tensors(root: Path, runs, report, opts) -> dict:
     """Rewrite each rank's tensors to the cells that are not bitwise (plus the reference's
     counterparts), with exact statistics from the tensors; delete the rest."""
     from safetensors.torch import load_file
-    from ..capture import atomic_save_tensors
-    from ..compare import compare as tcompare
+    from ..capture.files import atomic_save_tensors
+    from ..checks.noise import compare as tcompare
     R = opts.ref
     raw = {}
     for tp in runs:
@@ -982,7 +982,7 @@ def render_markdown(report: dict) -> str:
         out.append(f"| `{row_label(e)}` | " + " | ".join(md(e["cells"][n], n, e["key"]) for n in names) + " |")
         if e["in_cells"] and any(c["level"] != "n/a" for c in e["in_cells"].values()):
             out.append("| └ its input | " + " | ".join(md(e["in_cells"][n], n, None) for n in names) + " |")
-    from ..envinfo import env_lines
+    from ..report.envinfo import env_lines
     out += ["", "<details><summary>environment</summary>", "", *[f"    {x}" for x in env_lines(report)], "",
             "</details>", ""]
     return "\n".join(out)
@@ -990,7 +990,7 @@ def render_markdown(report: dict) -> str:
 
 def render_html(report: dict) -> str:
     from html import escape
-    from ..html import CSS
+    from ..report.html import CSS
     st = report["settings"]
     names = [x["name"] for x in report["configs"]]
     firsts = {x["name"]: (x["first_break"] or {}).get("row") for x in report["configs"]}
@@ -1040,13 +1040,13 @@ def render_html(report: dict) -> str:
 
 
 def emit(report: dict, root: Path, opts: InvarianceOptions) -> None:
-    from ..capture import atomic_write_bytes
+    from ..capture.files import atomic_write_bytes
     p = opts.probe
     atomic_write_bytes(root / "report.json", json.dumps(report, indent=1, default=str).encode())
     if p.json_out:
         sys.stdout.write(json.dumps(report, indent=1, default=str) + "\n")
     elif not p.quiet:
-        from ..report import console
+        from ..report.terminal import console
         render(report, console())
     if p.html:
         atomic_write_bytes(Path(p.html), render_html(report).encode("utf-8"))
