@@ -66,5 +66,8 @@ class TinyTPModel(nn.Module):
 def build(ctx: RankContext) -> ProbeTarget:
     model = TinyTPModel(ctx, seed=ctx.seed).to(ctx.device)
     ids = torch.randint(0, VOCAB, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(ctx.device)
+    # several prompts at once (`tpprobe invariance`): right-padded to [batch, longest] with id 0
+    batch = lambda seqs: model(torch.nn.utils.rnn.pad_sequence([s.to(ctx.device) for s in seqs], batch_first=True))
     return ProbeTarget(model=model, forward=lambda: model(ids), input_ids=ids, num_layers=LAYERS,
-                       hidden_size=HIDDEN, dtype=torch.float32, arch="my-mlp")
+                       hidden_size=HIDDEN, dtype=torch.float32, arch="my-mlp", info={"vocab": VOCAB},
+                       forward_batch=batch, batch_layout="padded")

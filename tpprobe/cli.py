@@ -1,4 +1,4 @@
-"""The command line: `tpprobe probe | report | diff | layers`.
+"""The command line: `tpprobe probe | report | diff | layers | invariance`.
 
 Exit codes: 0 healthy (rounding noise allowed), 1 findings, 2 bad usage or unreadable input.
 Bad usage is one line on stderr (what is wrong, what to do); --debug shows the traceback.
@@ -139,6 +139,60 @@ def specforge(
     aux = read_sample(path)["aux_hidden_state"]
     print(f"wrote {path}: a SpecForge EAGLE-3 sample from rank {rank} of {capture_dir} "
           f"(aux_hidden_state {aux.shape[0]} tokens × {aux.shape[1]})")
+
+
+@app.command()
+def invariance(
+    tp: Annotated[str, typer.Option("--tp", help="TP sizes to compare, e.g. 1,2,4 (each its own group of ranks)")] = "1,2",
+    batch: Annotated[str, typer.Option("--batch", help="batch sizes: the prompt alone (1) and among other prompts")] = "1,3,8",
+    reference: Annotated[Optional[str], typer.Option("--reference", help="the configuration compared against, e.g. tp1,b1 (default: smallest tp and batch)")] = None,
+    expect: Annotated[str, typer.Option("--expect", help="bitwise | noise: what every configuration must be for exit 0")] = "bitwise",
+    model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory (its ProbeTarget.forward_batch batches)")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
+    arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
+    config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
+    reduce: Annotated[str, typer.Option("--reduce", help="built-in model: default (the backend's all-reduce) | ordered (TP- and batch-invariant: fixed-order all-gather + tree sum, per-row matmuls)")] = "default",
+    switch_above: Annotated[Optional[int], typer.Option("--switch-above", help="with --reduce ordered: messages over this many bytes take the backend's all-reduce instead (a size-dependent path, injected)")] = None,
+    num_layers: Annotated[int, typer.Option("--num-layers")] = 6,
+    hidden: Annotated[int, typer.Option("--hidden")] = 64,
+    heads: Annotated[int, typer.Option("--heads")] = 8,
+    ffn: Annotated[int, typer.Option("--ffn")] = 128,
+    vocab: Annotated[int, typer.Option("--vocab")] = 131,
+    tokens: Annotated[int, typer.Option("--tokens", help="the prompt's length; the other prompts are half to twice as long")] = 16,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
+    keep: Annotated[bool, typer.Option("--keep", help="also keep the prompt rows of every cell that is not bitwise (and the reference's), with exact stats")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="output folder (default: a fresh folder under ./tpprobe-runs)")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
+    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    part: Annotated[bool, typer.Option("--part", hidden=True, help="rank side of one TP size (internal)")] = False,
+    sites: Annotated[Optional[str], typer.Option("--sites", hidden=True, help="modules standing for collectives (internal)")] = None,
+) -> None:
+    """Where bitwise equality across TP sizes and batch sizes breaks, and which collective breaks it."""
+    from .exchange import dist as tdist
+    from .probe import ProbeOptions
+    from .tools.invariance import InvarianceOptions, parse_reference, parse_sizes, rank_main, run as run_inv
+
+    _DEBUG["on"] = debug
+    popts = ProbeOptions(layers=[-1], num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn, vocab=vocab,
+                         tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch, config=config,
+                         model=model, out=out, timeout=timeout, exchange="fingerprint", json_out=json_out,
+                         html=html, markdown=markdown, quiet=quiet, debug=debug)
+    opts = InvarianceOptions(tp=parse_sizes(tp, "--tp"), batch=parse_sizes(batch, "--batch"),
+                             reference=parse_reference(reference), expect=expect, reduce=reduce,
+                             switch_above=switch_above, keep=keep, part=part,
+                             sites=[x for x in (sites or "").split(",") if x], probe=popts)
+    if part:
+        if tdist.env_rank() is None:
+            raise UsageError("--part is the rank side of tpprobe invariance: run tpprobe invariance without it")
+        raise typer.Exit(rank_main(opts))
+    if tdist.env_rank() is not None:
+        raise UsageError("tpprobe invariance starts one group of ranks per TP size itself: run it without torchrun")
+    raise typer.Exit(run_inv(opts))
 
 
 @app.command("diff")

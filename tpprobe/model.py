@@ -39,6 +39,11 @@ class BuiltinConfig:
     seed: int = BUILTIN["seed"]
     dtype: torch.dtype = torch.float32
     layer_ids: list[int] = field(default_factory=lambda: list(BUILTIN["layer_ids"]))
+    # how row-parallel outputs are reduced: "default" (the backend's all-reduce) or "ordered" (TP-
+    # and batch-invariant: see ordered_all_reduce); switch_bytes (ordered only) sends messages
+    # larger than it through the backend's all-reduce instead: a size-dependent path, to be found
+    reduce: str = "default"
+    switch_bytes: Optional[int] = None
 
     @classmethod
     def from_options(cls, opts, layer_ids: Optional[list[int]] = None) -> "BuiltinConfig":
@@ -63,13 +68,57 @@ class BuiltinConfig:
         if self.vocab < world_size:
             raise UsageError(f"--vocab ({self.vocab}) is smaller than the {world_size} ranks: "
                              f"every rank needs at least one vocab row")
+        if self.reduce not in ("default", "ordered"):
+            raise UsageError(f"unknown --reduce {self.reduce!r}: use default or ordered")
+        if self.reduce == "ordered" and (LEAVES % world_size or self.hidden % LEAVES or self.ffn % LEAVES):
+            raise UsageError(f"--reduce ordered sums {LEAVES} fixed slices of every row-parallel contraction: "
+                             f"tp ({world_size}) must divide {LEAVES}, and --hidden ({self.hidden}) and --ffn "
+                             f"({self.ffn}) must be multiples of {LEAVES}")
+        if self.switch_bytes is not None and (self.reduce != "ordered" or self.switch_bytes < 0):
+            raise UsageError("a switch size needs --reduce ordered and a byte count >= 0")
 
 
-def all_reduce(x: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, ctx: RankContext, mode: str = "default",
+               switch_bytes: Optional[int] = None) -> torch.Tensor:
     """The TP all-reduce every row-parallel output goes through (in place, like SGLang's)."""
-    if ctx.world_size > 1:   # tp=1 (the reference forward): nothing to reduce
-        dist.all_reduce(x, group=ctx.group)
+    if ctx.world_size == 1:   # tp=1 (the reference forward): nothing to reduce
+        return x
+    if mode == "ordered" and (switch_bytes is None or x.numel() * x.element_size() <= switch_bytes):
+        return ordered_all_reduce(x, ctx)
+    dist.all_reduce(x, group=ctx.group)
     return x
+
+
+# ---- the ordered (TP- and batch-invariant) reduction ------------------------------------------
+# Every row-parallel contraction (o_proj, down_proj) is cut into LEAVES fixed slices of its input
+# dimension; each slice's product is computed one token row at a time, and the slices are summed
+# by ONE binary tree. A rank at tp holds LEAVES/tp consecutive slices, a whole subtree: it sums its
+# subtree, and the all-reduce (all-gather + the tree's top levels in rank order) finishes the same
+# tree. So tp 1, 2, 4 and 8 add the same numbers in the same order, whatever the batch.
+LEAVES = 8
+
+
+def tree_sum(parts: list) -> torch.Tensor:
+    """((p0 + p1) + (p2 + p3)) + ...: pairwise, left to right (len(parts) a power of two)."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear one token row at a time: a row's result never depends on the rows batched with it."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        return F.linear(x, w)
+    return torch.cat([F.linear(rows[i:i + 1], w) for i in range(rows.shape[0])]).view(*x.shape[:-1], w.shape[0])
+
+
+def ordered_all_reduce(x: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+    """All-gather every rank's partial, then sum them by a binary tree in rank order (in place)."""
+    parts = torch.empty((ctx.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+    gather(parts, x.contiguous(), group=ctx.group)
+    return x.copy_(tree_sum(list(parts.view(ctx.world_size, *x.shape).unbind(0))))
 
 
 def _shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -89,6 +138,7 @@ class VocabParallelEmbedding(nn.Module):
         shard[:n] = full_weight[self.org_vocab_start_index:self.org_vocab_end_index]
         self.weight = nn.Parameter(shard.to(dtype), requires_grad=False)
         self.skip_reduce = False  # fault hook (F1): the all-reduce is skipped, as SGLang does under DP attention
+        self.reduce_mode, self.switch_bytes = "default", None     # TPModel sets them from the config
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mask = (ids >= self.org_vocab_start_index) & (ids < self.org_vocab_end_index)
@@ -97,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(~mask.unsqueeze(-1), 0)
         if self.skip_reduce:
             return out
-        return all_reduce(out, self.ctx)
+        return all_reduce(out, self.ctx, self.reduce_mode, self.switch_bytes)
 
 
 class RMSNorm(nn.Module):
@@ -126,9 +176,10 @@ class ColumnParallelLinear(nn.Module):
         # full_weight [out, in]; each of `chunks` stacked blocks (q|k|v, gate|up) is split by rank
         parts = [p.chunk(ctx.world_size, 0)[ctx.rank] for p in full_weight.chunk(chunks, 0)]
         self.weight = nn.Parameter(torch.cat(parts, 0).to(dtype).contiguous(), requires_grad=False)
+        self.reduce_mode = "default"
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return rowwise_linear(x, self.weight) if self.reduce_mode == "ordered" else F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -140,11 +191,16 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(full_weight.chunk(ctx.world_size, 1)[ctx.rank].to(dtype).contiguous(),
                                    requires_grad=False)
         self.reduce_results = True
+        self.reduce_mode, self.switch_bytes = "default", None
 
     def forward(self, x):
-        out = F.linear(x, self.weight)
+        if self.reduce_mode == "ordered":   # this rank's subtree of the LEAVES slices
+            n = LEAVES // self.ctx.world_size
+            out = tree_sum([rowwise_linear(xs, ws) for xs, ws in zip(x.chunk(n, -1), self.weight.chunk(n, 1))])
+        else:
+            out = F.linear(x, self.weight)
         if self.reduce_results:
-            out = all_reduce(out, self.ctx)
+            out = all_reduce(out, self.ctx, self.reduce_mode, self.switch_bytes)
         return out
 
 
@@ -156,11 +212,16 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(w["qkv"], ctx, cfg.dtype, chunks=3)
         self.o_proj = RowParallelLinear(w["o"], ctx, cfg.dtype)
 
-    def forward(self, x):
+    def forward(self, x, seq_lens=None):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).chunk(3, -1)
         q, k, v = (y.view(t, self.local_heads, self.head_dim).transpose(0, 1) for y in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if seq_lens is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:   # a packed batch: each sequence attends to itself only
+            ends = torch.tensor(seq_lens).cumsum(0).tolist()
+            o = torch.cat([F.scaled_dot_product_attention(q[:, e - n:e], k[:, e - n:e], v[:, e - n:e], is_causal=True)
+                           for n, e in zip(seq_lens, ends)], dim=1)
         return self.o_proj(o.transpose(0, 1).reshape(t, -1))
 
 
@@ -183,13 +244,13 @@ class TPDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(w["ln2"], cfg.dtype)
         self.mlp = MLP(w, ctx, cfg)
 
-    def forward(self, hidden_states, residual):
+    def forward(self, hidden_states, residual, seq_lens=None):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states)
+        hidden_states = self.self_attn(hidden_states, seq_lens)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -207,19 +268,26 @@ class TPModel(nn.Module):
         # Fault switches (tpprobe.faults sets them; all off in a healthy model).
         self.capture_fn = None          # how one aux capture is taken (default: clone of h + r)
         self.pack_fn = None             # how the captures are packed (default: cat(dim=-1))
+        for m in self.modules():        # the reduction every sharded module uses (cfg.reduce)
+            if hasattr(m, "reduce_mode"):
+                m.reduce_mode = cfg.reduce
+                if hasattr(m, "switch_bytes"):
+                    m.switch_bytes = cfg.switch_bytes
 
     def set_eagle3_layers_to_capture(self, layer_ids: list[int]) -> None:
         # SGLang llama.py: layer id k captures the stream entering layer k+1 (so -1 = embedding)
         self.layers_to_capture = [i + 1 for i in layer_ids]
 
-    def forward(self, ids: torch.Tensor):
+    def forward(self, ids: torch.Tensor, seq_lens: Optional[list[int]] = None):
+        """ids: one sequence [tokens], or several packed [sum(seq_lens)] with their lengths."""
         hidden_states = self.embed_tokens(ids)
         residual = None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in self.layers_to_capture:
                 aux.append(self._capture(i, hidden_states, residual))
-            hidden_states, residual = layer(hidden_states, residual)
+            hidden_states, residual = (layer(hidden_states, residual) if seq_lens is None else
+                                       layer(hidden_states, residual, seq_lens=seq_lens))
         # An id of L-1 maps to L, which this loop never reaches: silently dropped (as in SGLang).
         out, _ = self.norm(hidden_states, residual)
         packed = (self.pack_fn or _pack)(aux) if aux else None
@@ -284,6 +352,10 @@ def build_builtin(ctx: RankContext, cfg: BuiltinConfig) -> ProbeTarget:
         model=model, forward=lambda: model(ids), input_ids=ids, num_layers=cfg.num_layers,
         hidden_size=cfg.hidden, dtype=cfg.dtype, arch="builtin",
         packed_aux=lambda result: result[1], model_layer_ids=list(cfg.layer_ids),
-        info={"vocab": cfg.vocab, "heads": cfg.heads, "ffn": cfg.ffn, "seed": cfg.seed},
+        info={"vocab": cfg.vocab, "heads": cfg.heads, "ffn": cfg.ffn, "seed": cfg.seed,
+              **({"reduce": cfg.reduce} if cfg.reduce != "default" else {}),
+              **({"switch_bytes": cfg.switch_bytes} if cfg.switch_bytes is not None else {})},
+        forward_batch=lambda seqs: model(torch.cat([s.to(ctx.device) for s in seqs]),
+                                         seq_lens=[int(s.numel()) for s in seqs]),
     )
 

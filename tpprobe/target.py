@@ -59,3 +59,10 @@ class ProbeTarget:
     # False when decoder layers do not return (hidden_states, residual) (SGLang 0.5.23's owed
     # output): the extension records layer.K.out instead.
     stream_from_layer_output: bool = True
+    # Several prompts in one forward, as the model batches them (`tpprobe invariance`): called with
+    # a list of id tensors (input_ids among them), returns what forward() returns. batch_layout says
+    # where a prompt's token rows are in the captured activations: "packed" = the prompts' rows one
+    # after the other along dim 0 (SGLang's EXTEND batch), "padded" = [batch, longest, ...] with
+    # each prompt's rows first in its row of dim 0. None: the model runs one prompt at a time.
+    forward_batch: Optional[Callable[[list], Any]] = None
+    batch_layout: str = "packed"

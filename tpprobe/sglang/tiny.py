@@ -203,17 +203,23 @@ class _Runtime:
     capture: bool
 
 
-def _forward_batch(rt: _Runtime):
+def _forward_batch(rt: _Runtime, seqs: Optional[list] = None):
+    """An EXTEND ForwardBatch of `seqs` (default: the probe's one prompt), packed one after the
+    other as SGLang's scheduler packs a prefill batch: request i owns row i+1 of the req->token
+    table and KV slots after request i-1's (row 0 / slot 0 are the padding row and slot)."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import (MHATokenToKVPool, MLATokenToKVPool,
                                                   ReqToTokenPool)
     from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, ForwardBatch,
                                                               ForwardMode)
 
-    n = rt.ids.numel()
+    seqs = [rt.ids] if seqs is None else list(seqs)
+    lens = [int(x.numel()) for x in seqs]
+    ids = torch.cat(seqs)
+    n, b = int(ids.numel()), len(seqs)
     L = rt.config.num_hidden_layers
     size = n + 8
-    req_pool = ReqToTokenPool(size=1, max_context_len=size, device="cpu",
+    req_pool = ReqToTokenPool(size=b, max_context_len=max(lens) + 8, device="cpu",
                               enable_memory_saver=False)
     if rt.mla:
         attn = rt.model.model.layers[0].self_attn
@@ -228,34 +234,38 @@ def _forward_batch(rt: _Runtime):
                                    layer_num=L, device="cpu", enable_memory_saver=False,
                                    enable_alt_stream=False)
     locs = torch.arange(1, n + 1, dtype=torch.int64)  # slot 0 is the padding slot
-    req_idx = 1                                         # row 0 is the padding row
-    req_pool.req_to_token[req_idx, :n] = locs.to(req_pool.req_to_token.dtype)
+    req_idx = torch.arange(1, b + 1)                   # row 0 is the padding row
+    start = 0
+    for i, m in enumerate(lens):
+        req_pool.req_to_token[i + 1, :m] = locs[start:start + m].to(req_pool.req_to_token.dtype)
+        start += m
     runner = SimpleNamespace(device="cpu", req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
     backend = TorchNativeAttnBackend(runner)
     if rt.mla:
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = "torch_native"
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
     fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=rt.ids,
-        req_pool_indices=torch.tensor([req_idx]), seq_lens=torch.tensor([n], dtype=torch.int32),
-        seq_lens_cpu=torch.tensor([n], dtype=torch.int32), out_cache_loc=locs, seq_lens_sum=n,
-        positions=torch.arange(n, dtype=torch.int64))
-    fb.extend_prefix_lens = torch.tensor([0], dtype=torch.int32)
-    fb.extend_prefix_lens_cpu = [0]
-    fb.extend_seq_lens = torch.tensor([n], dtype=torch.int32)
-    fb.extend_seq_lens_cpu = [n]
+        forward_mode=ForwardMode.EXTEND, batch_size=b, input_ids=ids,
+        req_pool_indices=req_idx, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+        out_cache_loc=locs, seq_lens_sum=n,
+        positions=torch.cat([torch.arange(m, dtype=torch.int64) for m in lens]))
+    fb.extend_prefix_lens = torch.zeros(b, dtype=torch.int32)
+    fb.extend_prefix_lens_cpu = [0] * b
+    fb.extend_seq_lens = seq_lens.clone()
+    fb.extend_seq_lens_cpu = list(lens)
     fb.extend_num_tokens = n
     # FULL: the logits processor returns the (aux) hidden states of every token
     fb.capture_hidden_mode = CaptureHiddenMode.FULL if rt.capture else CaptureHiddenMode.NULL
     return fb, backend
 
 
-def _run(rt: _Runtime):
+def _run(rt: _Runtime, seqs: Optional[list] = None):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    fb, backend = _forward_batch(rt)
+    fb, backend = _forward_batch(rt, seqs)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
         backend.init_forward_metadata(fb)
-        return rt.model(rt.ids, fb.positions, fb)
+        return rt.model(fb.input_ids, fb.positions, fb)
 
 
 def packed_aux(result) -> Optional[torch.Tensor]:
@@ -342,7 +352,8 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         model_layer_ids=None if layer_ids is None else list(layer_ids), info=info,
         # SGLang 0.5.23 layers return an owed output, not the stream: record layer.K.out where
         # SGLang materializes it (tpprobe.sglang.stream)
-        tap_extensions=sglang_extensions(), stream_from_layer_output=False)
+        tap_extensions=sglang_extensions(), stream_from_layer_output=False,
+        forward_batch=lambda seqs: _run(rt, seqs))
 
 
 __all__ = ["build_target", "hf_reference", "packed_aux", "tiny_config", "load_config",
