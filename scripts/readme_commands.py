@@ -39,7 +39,7 @@ RULES = [
     (r"^tpprobe torchrun ", "run", "slow", ""),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
-    (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "fast", ""),
+    (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow", ""),   # fast tier: tests/test_cli.py
     (r"^(tpprobe|python) ", "skip-if-placeholder", "", "a template with placeholders (DIR, N, …), not a command"),
 ]
 
