@@ -39,10 +39,21 @@ def _cases(faults):
     return cases
 
 
+def _fingerprint_resolves(f) -> bool:
+    """Is the fault above what fingerprint mode resolves (docs/noise.md, detection curve)? It has the
+    norm-wise rule (exact for a scaling drift) but no per-row rule and only an absmax bound per element."""
+    need = REQUIRED[f["dtype"]]
+    return {"scale": True, "nan": True, "noise": f["rel"] >= 2 * need,
+            "tokens": f["rel"] * 4 >= 20 * need, "element": False}[f["kind"]]
+
+
 def _check(results, faults):
     for f in faults:
         full, fp = results[f"{f['name']}-full"], results[f"{f['name']}-fingerprint"]
-        assert _got(full) == _got(fp), (f, full["findings"], fp["findings"])
+        if _fingerprint_resolves(f):
+            assert _got(full) == _got(fp), (f, full["findings"], fp["findings"])
+        else:      # below its resolution fingerprint mode may miss the fault, never name another one
+            assert _got(fp) in ([], _got(full)), (f, full["findings"], fp["findings"])
         whole = f["kind"] in ("scale", "noise") and f["rel"] >= REQUIRED[f["dtype"]]
         if whole or f["kind"] == "nan":
             kind = "non-finite" if f["kind"] == "nan" else "rank-divergence"

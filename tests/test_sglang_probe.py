@@ -56,7 +56,10 @@ def check_healthy(out, rep, arch, config_path=None):
         for k in range(L):      # layer.K.out = the stream leaving layer K = HF hidden_states[K+1]
             assert torch.allclose(rec.tensors[f"layer.{k}.out"], hs[k + 1], atol=1e-4), (rank, k)
         # every all-reduce belongs to the embedding or to the layer whose row-parallel output it sums
-        ars = rec.meta["allreduces"]
+        # (the audit also sees the logits all-gather after the last layer: not a reduce)
+        gathers = [a for a in rec.meta["allreduces"] if a.get("kind") == "all_gather"]
+        assert all(a["where"] == "other" for a in gathers), gathers
+        ars = [a for a in rec.meta["allreduces"] if a.get("kind", "all_reduce") == "all_reduce"]
         assert ars[0]["where"] == "embed" and rec.meta["unreduced_rows"] == []
         assert [a["where"] for a in ars[1:]] == [f"layer.{k}" for k in range(L) for _ in (0, 1)]
         assert all(a["source"] and a["source"].startswith(f"model.{a['where'].replace('.', 's.', 1)}.")

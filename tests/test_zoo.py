@@ -41,7 +41,7 @@ def _run_cases(rank, world, cases, root):
         os.environ.update(env)
         try:
             code = run(ProbeOptions(model=model, layers=[-1, 0, 1], out=os.path.join(root, name), quiet=True,
-                                    exchange=exchange, timeout=60), keep_group=True)
+                                    exchange=exchange, timeout=120), keep_group=True)
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

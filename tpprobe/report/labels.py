@@ -72,6 +72,25 @@ def audit_text(ar: dict, missing: Optional[list] = None) -> str:
     return text
 
 
+def coverage_text(cov: dict, num_layers=None) -> str:
+    """What was hooked and audited, in one line (part of the verdict: checks/coverage.py)."""
+    if not cov or not cov.get("known"):
+        return ""
+    emb = f"embedding {cov['embed']} ({cov.get('embed_how')})" if cov.get("embed") else "embedding NOT FOUND"
+    L = f"{cov.get('layers_found')} of {num_layers}" if num_layers is not None else str(cov.get("layers_found"))
+    layers = f"layers {L} ({cov.get('layer_how')}: {cov.get('layer_list') or '-'}, {', '.join(cov.get('layer_classes') or [])})"
+    places = cov.get("reduces_per_place") or {}
+    per = sorted({tuple(sorted(v.items())) for w, v in places.items() if w.startswith("layer.")})
+    red = ("reduces per layer and rank: " + "; ".join(", ".join(f"rank {r}: {n}" for r, n in p) for p in per[:3])
+           if per else "no reduce audited in any layer")
+    paths = ", ".join(f"{p} ×{n}" for p, n in (cov.get("paths") or {}).items()) or "none"
+    unread = cov.get("unreadable_paths") or {}
+    text = f"{emb} · {layers} · {red} · through {paths}"
+    if unread:
+        text += " · NOT READABLE: " + ", ".join(f"{p} ×{n}" for p, n in unread.items())
+    return text
+
+
 def slot_values_differ(report: dict, row: dict) -> list[int]:
     """Ranks on which what a slot holds differs materially from the reference rank: a slot can hold the
     right layer and still carry wrong values (a partial sum, a stale weight)."""
