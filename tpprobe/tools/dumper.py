@@ -335,6 +335,15 @@ def _compare_chunked(x: torch.Tensor, ref: torch.Tensor, judge) -> dict:
             "bad_fraction": bad / n, "first_token": first, "nan_mismatch": nanm, "by": "compare()"}
 
 
+def _bitwise(x: torch.Tensor, ref: torch.Tensor) -> bool:
+    if x.shape != ref.shape or x.dtype != ref.dtype:
+        return False
+    if x.dtype in _BITS:
+        it = _BITS[x.dtype][0]
+        return torch.equal(_flat(x).view(it), _flat(ref).view(it))
+    return torch.equal(x, ref)
+
+
 def nonfinite_count(t: torch.Tensor) -> int:
     if not t.dtype.is_floating_point:
         return 0
@@ -403,10 +412,17 @@ def check_run(run: DumpRun) -> dict:
                                       f"record while ranks {ranks} do (a rank-dependent dump or a lost file)"))
         nf = nonfinite_count(ref)
         ssq: list = []
+        quick = bool(lay and lay[0] in ("partial", "sharded") and tp_size > 1)
         for r in ranks[1:]:
             x, _m = load(by_rank[r])
             records += 1
-            s = measure(x, ref, ref_sumsq=ssq) if isinstance(x, torch.Tensor) else {"level": "shape", "shape": type(x).__name__}
+            if not isinstance(x, torch.Tensor):
+                s = {"level": "shape", "shape": type(x).__name__}
+            elif quick:      # declared shards: only "is it a copy?" matters (a dims-mismatch), not the numbers
+                s = ({"level": "shape", "shape": list(x.shape)} if x.dim() != ref.dim() else
+                     {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0} if _bitwise(x, ref) else {"level": "material"})
+            else:
+                s = measure(x, ref, ref_sumsq=ssq)
             if s["level"] == "material" and isinstance(x, torch.Tensor):
                 s["nonfinite"] = nonfinite_count(x)
             g.per_rank[str(r)] = s
@@ -484,16 +500,23 @@ def _classes(by_rank, ranks, ref_r, per_rank) -> list[list[int]]:
     return sorted(groups, key=lambda grp: (-len(grp), grp[0]))
 
 
-def _sum_over(by_rank, ranks, tdim: int = 0):
-    """Σ over ranks (float32 accumulation, rounded once to the dtype) and each rank's non-zero token rows."""
-    acc, masks, dtype = None, {}, None
+def _sum_over(by_rank, ranks, tdim: int = 0, masks: bool = True):
+    """Σ over ranks (rounded once to the dtype: two ranks are added directly, more accumulate in float32)
+    and, with masks, each rank's non-zero token rows."""
+    rows: dict = {}
+    if len(ranks) == 2 and not masks:
+        x0, x1 = load(by_rank[ranks[0]])[0], load(by_rank[ranks[1]])[0]
+        if x0.dtype == x1.dtype and x0.shape == x1.shape and x0.dtype.is_floating_point:
+            return x0 + x1, rows
+    acc, dtype = None, None
     for r in ranks:
         x, _ = load(by_rank[r])
-        masks[r] = rows_nonzero(x, tdim) if x.dim() >= 1 else None
+        if masks:
+            rows[r] = rows_nonzero(x, tdim) if x.dim() >= 1 else None
         dtype = x.dtype
         acc = x.float().clone() if acc is None else acc.add_(x.float())
         del x
-    return acc.to(dtype), masks
+    return acc.to(dtype), rows
 
 
 def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden, replicated_refs) -> None:
@@ -764,8 +787,10 @@ class Full:
     """One side's record of (name, step), unsharded to the full tensor."""
     value: torch.Tensor
     how: str            # how it was unsharded
-    source: str         # meta | inferred | tp 1
+    source: str         # dims | inferred | tp 1
     tdim: int
+    odd_ranks: list = field(default_factory=list)       # declared replicated, but these ranks differ from the first
+    sum_all: Optional[torch.Tensor] = None              # then: Σ over ranks, to name a partial
 
 
 def _side_records(run: DumpRun, key) -> list[tuple[DumpFile, torch.Tensor, dict]]:
@@ -790,9 +815,14 @@ def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
         parts = [first if r == ranks[0] else load(by_rank[r])[0] for r in order]
         return Full(torch.cat(parts, dim=lay[1]), f"cat dim {lay[1]} × {len(ranks)} ranks", "dims", tdim)
     if lay and lay[0] == "partial":
-        total, _ = _sum_over(by_rank, ranks, tdim)
+        total, _ = _sum_over(by_rank, ranks, tdim, masks=False)
         return Full(total, f"Σ {len(ranks)} ranks", "dims", tdim)
     if lay and lay[0] == "replicated":
+        odd = [r for r in ranks[1:] if measure(load(by_rank[r])[0], first)["level"] not in ("bitwise", "noise")]
+        if odd:
+            total, _ = _sum_over(by_rank, ranks, tdim, masks=False)
+            return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim,
+                        odd_ranks=odd, sum_all=total)
         return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim)
     # nothing declared: infer
     if other_shape is not None and len(other_shape) == first.dim():
@@ -812,7 +842,7 @@ def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
             break
     if same:
         return Full(first, f"rank {ranks[0]} (replicated)", "inferred: ranks equal", tdim)
-    total, _ = _sum_over(by_rank, ranks, tdim)
+    total, _ = _sum_over(by_rank, ranks, tdim, masks=False)
     return Full(total, f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim)
 
 
@@ -865,7 +895,7 @@ def diff_data(bpath, tpath) -> dict:
             rows.append(_diff_one(b, t, bkeys, tkeys, name, tags, "all", n))
     only_b = [n for n in names_b if n not in names_t]
     only_t = [n for n in names_t if n not in names_b]
-    bad = [r for r in rows if r["level"] in ("material", "shape")]
+    bad = [r for r in rows if r["level"] in ("material", "shape") and not any(o["sum_matches"] for o in r["odd"].values())]
     findings = []
     for r in bad:
         findings.append(Finding("reference-mismatch", f"{r['name']} (step {r['step']})", r.get("target_ranks", []),
@@ -873,6 +903,18 @@ def diff_data(bpath, tpath) -> dict:
                                        f"{r.get('max_abs') or 0:.3g}, rel diff {r.get('rel_diff') or 0:.3g}, first token "
                                        f"{r.get('first_token')}); baseline {r['baseline_how']}, target {r['target_how']}",
                                 evidence={"all_ranks": True}).to_json())
+    for r in rows:
+        for side, o in r["odd"].items():
+            other = "target" if side == "baseline" else "baseline"
+            if o["sum_matches"]:
+                findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
+                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ from the first "
+                                               f"and Σ over the {side}'s ranks equals the {other}: each rank holds a partial "
+                                               f"sum (its all-reduce had not run)", evidence={"all_ranks": True}).to_json())
+            else:
+                findings.append(Finding("rank-divergence", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
+                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ materially "
+                                               f"from the first (and Σ over ranks does not equal the {other})").to_json())
     for side, only in (("baseline", only_b), ("target", only_t)):
         if only:
             findings.append(Finding("missing-capture", ", ".join(n for n, _ in only[:6]), [], severity=WARNING,
@@ -891,7 +933,13 @@ def _cat(run, keys, other_shape, n_tokens):
     v = torch.cat([f.value for f in fulls], dim=f0.tdim) if len(fulls) > 1 else f0.value
     if n_tokens is not None:
         v = v.narrow(f0.tdim, 0, min(n_tokens, v.shape[f0.tdim]))
-    return Full(v, f0.how, f0.source, f0.tdim)
+    odd = sorted({r for f in fulls for r in f.odd_ranks})
+    total = None
+    if odd:
+        total = torch.cat([f.sum_all if f.sum_all is not None else f.value for f in fulls], dim=f0.tdim)
+        if n_tokens is not None:
+            total = total.narrow(f0.tdim, 0, min(n_tokens, total.shape[f0.tdim]))
+    return Full(v, f0.how, f0.source, f0.tdim, odd_ranks=odd, sum_all=total)
 
 
 def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
@@ -904,7 +952,12 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
     bfull = _cat(b, bkeys, tshape, n_tokens)
     tfull = _cat(t, tkeys, tuple(bfull.value.shape), n_tokens)
     s = measure(tfull.value, bfull.value)
-    row = {"name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
+    odd = {}
+    for side, mine, other in (("baseline", bfull, tfull), ("target", tfull, bfull)):
+        if mine.odd_ranks:
+            m = measure(mine.sum_all, other.value)["level"] if mine.sum_all is not None else "shape"
+            odd[side] = {"ranks": mine.odd_ranks, "sum_matches": m in ("bitwise", "noise")}
+    row = {"odd": odd, "name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
            "baseline_how": f"{bfull.how} [{bfull.source}]", "target_how": f"{tfull.how} [{tfull.source}]",
            "inferred": [side for side, f in (("baseline", bfull), ("target", tfull)) if f.source.startswith("inferred")],
            "shape": list(tfull.value.shape), "dtype": str(tfull.value.dtype).replace("torch.", ""),
