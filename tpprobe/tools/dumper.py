@@ -13,10 +13,11 @@ time, so memory is bounded by two records, not the folder.
 
 Numbers: every comparison goes through tpprobe's one noise rule (`compare()`, imported once below).
 Two shortcuts decide the common cases without computing its statistics, and both are implied by
-it: bitwise equality, and the ULP proof (same dtype; every differing element finite, normal, and
-within NOISE_ULP[dtype] representable steps of its counterpart, which is ≤ that many ULP of the
-larger magnitude and so inside compare()'s bound). Anything the shortcuts cannot prove is judged
-by compare() itself, over chunks of token rows (its tensor scale then is the chunk's RMS).
+it: bitwise equality, and the noise proof (same dtype; every differing element finite and either
+normal and within NOISE_ULP[dtype] representable steps of its counterpart, which is ≤ that many
+ULP of the larger magnitude, or, near zero, within NOISE_ULP·eps·RMS of it; both lie inside
+compare()'s bound NOISE_ULP·eps·(|x| + RMS)). Anything the proof cannot show is judged by
+compare() itself, over chunks of token rows (its tensor scale then is the chunk's RMS).
 """
 from __future__ import annotations
 
@@ -256,24 +257,32 @@ def measure(x: torch.Tensor, ref: torch.Tensor, judge: Optional[torch.dtype] = N
     xa, ra = _flat(x).view(it), _flat(ref).view(it)
     n = xa.numel()
     ulp_max, n_diff, max_abs, sdd, sdxx = 0, 0, 0.0, 0.0, 0.0
+    rest: list = []          # |difference| of elements the ULP proof leaves to the RMS proof
     for i in range(0, n, CHUNK):
         a, b = xa[i:i + CHUNK], ra[i:i + CHUNK]
         if torch.equal(a, b):
             continue
         ne = a != b
         ai, bi = a[ne], b[ne]
-        ma, mb = ai & mag, bi & mag
         d = ai - bi          # exact for finite values of one sign; a wrapped sign change lands far outside ±bound
-        ok = (ma >= lo) & (ma < inf) & (mb >= lo) & (mb < inf) & (d >= -bound) & (d <= bound)
-        if not bool(ok.all()):
-            return _compare_chunked(x, ref, judge)
-        ulp_max = max(ulp_max, int(d.abs().max()))
-        fa, fb = ai.view(x.dtype).double(), bi.view(x.dtype).double()
-        dd = fa - fb
+        lo_d, hi_d = int(d.min()), int(d.max())
+        ma, mb = ai & mag, bi & mag
+        big = torch.maximum(ma, mb)
+        if int(big.max()) >= inf:
+            return _compare_chunked(x, ref, judge)          # NaN/Inf that differ: compare() decides
+        fa, fb = ai.view(x.dtype).float(), bi.view(x.dtype).float()
+        dd = fa - fb         # exact: two close values of a ≤ 16-bit float
+        if -bound <= lo_d and hi_d <= bound and int(torch.minimum(ma, mb).min()) >= lo:
+            ulp_max = max(ulp_max, -lo_d, hi_d)             # the common case: every element a few ULP apart
+        else:
+            ok = (ma >= lo) & (mb >= lo) & (d >= -bound) & (d <= bound)
+            rest.append(float(dd[~ok].abs().max()))
+            if bool(ok.any()):
+                ulp_max = max(ulp_max, int(d[ok].abs().max()))
         max_abs = max(max_abs, float(dd.abs().max()))
-        sdd += float((dd * dd).sum())
-        sdxx += float((fa * fa - fb * fb).sum())
-        n_diff += int(ne.sum())
+        sdd += float(torch.dot(dd, dd))
+        sdxx += float(torch.dot(fa, fa)) - float(torch.dot(fb, fb))
+        n_diff += int(ai.numel())
     if n_diff == 0:
         return {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0, "ulp_max": 0.0}
     if ref_sumsq is not None and ref_sumsq:
@@ -282,10 +291,16 @@ def measure(x: torch.Tensor, ref: torch.Tensor, judge: Optional[torch.dtype] = N
         syy = sumsq(ref)
         if ref_sumsq is not None:
             ref_sumsq.append(syy)
+    if rest:
+        # near zero, where one ULP is tiny, compare() judges on the tensor's scale: d ≤ N·eps·(|x| + RMS)
+        rms = math.sqrt(syy / max(n, 1))
+        if max(rest) > bound * torch.finfo(x.dtype).eps * rms:
+            return _compare_chunked(x, ref, judge)
     sxx = syy + sdxx
     rel = 0.0 if sxx + syy <= 0 else max(0.0, sdd / (sxx + syy))   # = 1 - 2Σxy/(Σx²+Σy²)
     return {"level": "noise", "max_abs": max_abs, "rel_diff": rel, "ulp_max": float(ulp_max),
-            "differing": n_diff, "first_token": None, "by": f"ULP proof (≤ {bound} ULP each)"}
+            "differing": n_diff, "first_token": None,
+            "by": f"proof: ≤ {bound} ULP" + (f", or ≤ {bound}·eps·RMS near zero" if rest else "")}
 
 
 def _first_row(mask: torch.Tensor) -> Optional[int]:
