@@ -22,6 +22,8 @@ below for the large one): a baseline run at tp 1 and a target run at tp 2, the s
    ulp_bare the same without dims
    Both tools run on each: the comparator (`--baseline-path B --target-path T`), `tpprobe diff B T`
    and `tpprobe report T`; the table shows each tool's verdict and exit status.
+   round trip: a target with no dims at all (partial embedding, dense partial, TP slice, 1-ULP
+   replicated); the comparator alone, then with `--override-config` = `tpprobe report T --emit-dims`.
 2. Kimi width (hidden 7168, bf16, 8192 tokens; 4 tensors; tp 1 baseline + tp 2 target = 12 files of
    117 MB = 1.41 GB): embed (target: vocab-parallel partial, dims `t h[tp:partial]`), hidden
    (replicated, bitwise), attn_out (replicated; 1-ULP noise between the ranks and against the
@@ -190,6 +192,26 @@ def main() -> None:
             "partial": [S(16, [("input_ids", "input_ids", None), ("embed", "embed", None)])],
             "ulp": [S(16, [("input_ids", "input_ids", None), ("h", "full", None)])],
             "ulp_bare": [S(16, [("input_ids", "input_ids", None), ("h", "full", None)])]}}, 300)
+    # the round trip: no dims in the dumps; tpprobe's --emit-dims handed to the comparator
+    bare = tiny / "bare"
+    if not (a.reuse and bare.exists()):
+        shutil.rmtree(bare, ignore_errors=True)
+        run_ranks("dumper_ranks:write", 2, {"base": str(bare / "tp2"), "exps": {"run": [S(16, [
+            ("input_ids", "input_ids", None), ("embed", "embed_part", None), ("o_proj", "row_part", None),
+            ("qkv", "shard", None), ("h", "ulp", None)])]}}, 300)
+        run_ranks("dumper_ranks:write", 1, {"base": str(bare / "tp1"), "exps": {"run": [S(16, [
+            ("input_ids", "input_ids", None), ("embed", "embed", None), ("o_proj", "row_full", None),
+            ("qkv", "full", None), ("h", "full", None)])]}}, 300)
+    b, t = bare / "tp1" / "run", bare / "tp2" / "run"
+    em = run_one(tpprobe_cmd("report", t, "--emit-dims"), tp_env)
+    yml = base / "emitted-dims.yaml"
+    yml.write_text(em["stdout"])
+    results["emit_dims"] = {"yaml": em["stdout"],
+                            "comparator without dims": comparator_verdict(run_one(comparator_cmd(b, t), cmp_env)),
+                            "comparator with tpprobe's dims": comparator_verdict(run_one(
+                                comparator_cmd(b, t) + ["--override-config", str(yml)], cmp_env)),
+                            "tpprobe diff": tpprobe_verdict(run_one(tpprobe_cmd("diff", b, t, "--json"), tp_env))}
+    print(json.dumps({"emit_dims": results["emit_dims"]}, indent=1), flush=True)
     for case in ("partial", "ulp", "ulp_bare"):
         b, t = tiny / "tp1" / case, tiny / "tp2" / case
         results["verdicts"][case] = {

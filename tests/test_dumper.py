@@ -197,3 +197,34 @@ def test_diff_refuses_a_dumper_folder_against_a_file(dumps, tmp_path):
     torch.save(torch.zeros(2, 4), f)
     code, _, err = cli("diff", str(dumps / "tp1" / "base"), str(f))
     assert code == 2 and "is an SGLang dumper folder" in err and len(err.strip().splitlines()) == 1
+
+
+def test_diff_names_a_partial_declared_replicated(dumps):
+    """The comparator's case: an embedding labelled `# tp:replicated` that is each rank's partial."""
+    code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "pe_repl"), "--json")
+    rep = json.loads(out)
+    assert code == 1
+    assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
+        [("partial-allreduce", "embed (step 0, target)", [1])]
+
+
+def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
+    """No more than two rank records are alive at once, whatever the folder holds."""
+    import weakref
+
+    from tpprobe.tools import dumper as D
+    alive, peak, real = set(), [0], D.load
+
+    def counting(f):
+        v, meta = real(f)
+        key = id(v)
+        alive.add(key)
+        weakref.finalize(v, alive.discard, key)
+        peak[0] = max(peak[0], len(alive))
+        return v, meta
+
+    monkeypatch.setattr(D, "load", counting)
+    for exp in ("healthy", "tgt", "row_sum"):
+        peak[0] = 0
+        rep = D.report_data(dumps / "tp2" / exp)
+        assert rep["coverage"]["checked"] > 0 and peak[0] <= 2, (exp, peak[0])

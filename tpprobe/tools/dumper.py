@@ -404,9 +404,11 @@ def check_run(run: DumpRun) -> dict:
     pending: list[tuple] = []           # groups whose ranks differ without a declaration: judged after the scan
     widths: Counter = Counter()
     records = 0
+    ref = None
     for (name, tags, step), by_rank in sorted(run.groups.items(), key=lambda kv: (kv[0][2], min(f.dump_index for f in kv[1].values()))):
         ranks = sorted(by_rank)
         ref_r = ranks[0]
+        ref = None           # the previous group's record goes before this one is read
         ref, meta = load(by_rank[ref_r])
         records += 1
         tp_rank, tp_size, src = tp_of(meta, by_rank[ref_r])
@@ -420,7 +422,6 @@ def check_run(run: DumpRun) -> dict:
         if not is_t:
             g.read = "not a tensor"
             continue
-        missing = [r for r in range(len(run.ranks)) if r not in by_rank] if len(run.ranks) > 1 else []
         missing = [r for r in run.ranks if r not in by_rank]
         if missing:
             g.findings.append(Finding("capture-file", _where(g), missing, detail=f"ranks {missing} have no file for this "
@@ -462,7 +463,6 @@ def check_run(run: DumpRun) -> dict:
             else:
                 g.read = "replicated"
                 replicated_refs.append((step, tuple(ref.shape), ref.dtype, by_rank[ref_r], name))
-            nfs = [r for r in ranks if g.per_rank[str(r)].get("nonfinite") or (r != ref_r and nf)]
             if nf:
                 g.findings.append(Finding("non-finite", _where(g), ranks, detail=f"{nf} NaN/Inf values on every rank",
                                           evidence={"all_ranks": True}))
@@ -492,6 +492,7 @@ def check_run(run: DumpRun) -> dict:
             continue
         pending.append((g, by_rank, ref_r, ranks, odd, lay))
         del ref
+    ref = None
     hidden = widths.most_common(1)[0][0] if widths else None
     for g, by_rank, ref_r, ranks, odd, lay in pending:
         _diagnose_differing(g, by_rank, ref_r, ranks, odd, lay, hidden, replicated_refs)
@@ -688,13 +689,11 @@ def dims_for(g: GroupResult) -> tuple[str, str]:
     """The dims string SGLang's comparator needs for this record, and why (from what was measured)."""
     nd = len(g.shape)
     names = (["t"] + [f"d{i}" for i in range(1, nd - 1)] + ["h"]) if nd >= 2 else (["t"] if nd == 1 else [])
-    if g.declared and tp_layout(g.declared) is not None and g.read in ("partial", "sharded") and g.evidence.get("declared", True) \
-            and not any(f.kind == "dims-mismatch" for f in g.findings) and g.read != "replicated" and \
-            tp_layout(g.declared)[0] == g.read:
+    lay = tp_layout(g.declared)
+    if lay and lay[0] == g.read and g.read in ("partial", "sharded"):
         return g.declared, "as declared in the dump, and the ranks agree with it"
     if not names:
         return "1", "a scalar"
-    tdim = token_dim(g.declared) if g.declared else 0
     if g.read == "partial":
         i = nd - 1
         names[i] += "[tp:partial]"
@@ -713,7 +712,6 @@ def dims_for(g: GroupResult) -> tuple[str, str]:
         lv = {s.get("level") for s in g.per_rank.values()} - {"reference"}
         return " ".join(names) + " # tp:replicated", f"measured: every rank {'bitwise equal' if lv <= {'bitwise'} else 'equal within rounding'}"
     return " ".join(names) + " # tp:replicated", f"ranks disagree ({g.read}): replicated is what it should be; the comparator will fail it"
-    _ = tdim
 
 
 def emit_dims_text(data: dict) -> str:
@@ -806,10 +804,6 @@ class Full:
     tdim: int
     odd_ranks: list = field(default_factory=list)       # declared replicated, but these ranks differ from the first
     sum_all: Optional[torch.Tensor] = None              # then: Σ over ranks, to name a partial
-
-
-def _side_records(run: DumpRun, key) -> list[tuple[DumpFile, torch.Tensor, dict]]:
-    return [(f, *load(f)) for _r, f in sorted(run.groups[key].items())]
 
 
 def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
@@ -1021,6 +1015,3 @@ def diff_command(baseline: Path, target: Path, json_out: bool = False) -> int:
         render_diff(data, console())
     return data["exit_code"]
 
-
-def _is_finite(x) -> bool:
-    return isinstance(x, float) and math.isfinite(x)
