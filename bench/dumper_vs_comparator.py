@@ -31,8 +31,10 @@ below for the large one): a baseline run at tp 1 and a target run at tp 2, the s
    in a fresh process (page cache warm: one untimed raw read first) and is timed wall-clock with
    its peak RSS (wait4's ru_maxrss):
      raw         python: torch.load(weights_only=True) of every file, one at a time
-     comparator  python -m sglang.srt.debug_utils.comparator --baseline-path B --target-path T
-     tpprobe diff B T --json / tpprobe report T --json
+     comparator  sglang.srt.debug_utils.comparator's run(parse_args([--baseline-path B --target-path T ...]))
+     tpprobe     tpprobe.cli.main(["diff", B, T, "--json"]) / main(["report", T, "--json"])
+   Each is reported twice: the work alone (after the imports, timed inside the process) and the
+   whole process (interpreter start and imports included), both as × the raw read.
    Targets (issue 17): tpprobe ≤ 1.2 × raw and ≤ 1 GB peak RSS, no false alarm on the noise.
 Writes dumper_vs_comparator.json to --out.
 """
@@ -110,18 +112,47 @@ def run_one(cmd: list[str], env: dict | None = None) -> dict:
         res = json.loads(r.stdout)
         res["stdout"] = Path(f"{tmp}/out").read_text(errors="replace")
         res["stderr"] = Path(f"{tmp}/err").read_text(errors="replace")[-1500:]
-    res["cmd"] = " ".join(Path(c).name if c == sys.executable else c for c in cmd)
+    res["cmd"] = " ".join(cmd[3:])
+    res["work_s"] = work_s(res)
     return res
 
 
-RAW = ("import sys,torch,pathlib\n"
+# every command runs in a fresh interpreter through one of these: imports first, then the work is timed
+# (WORK_S on stderr); the wrapper around it times the whole process and reads its peak RSS
+RAW = ("import sys,time,torch,pathlib\n"
+       "t = time.perf_counter()\n"
        "for d in sys.argv[1:]:\n"
        "    for f in sorted(pathlib.Path(d).glob('*.pt')):\n"
-       "        x = torch.load(str(f), weights_only=True); del x\n")
+       "        x = torch.load(str(f), weights_only=True); del x\n"
+       "sys.stderr.write(f'WORK_S={time.perf_counter() - t}\\n')\n")
+CMP = ("import sys,time\n"
+       "from sglang.srt.debug_utils.comparator.entrypoint import parse_args, run\n"
+       "a = parse_args(sys.argv[1:])\n"
+       "t = time.perf_counter()\n"
+       "try:\n"
+       "    rc = run(a)\n"
+       "finally:\n"
+       "    sys.stderr.write(f'WORK_S={time.perf_counter() - t}\\n')\n"
+       "sys.exit(rc)\n")
+TPP = ("import sys,time\n"
+       "from tpprobe.cli import main\n"
+       "import tpprobe.tools.dumper\n"
+       "t = time.perf_counter()\n"
+       "try:\n"
+       "    main(sys.argv[1:])\n"
+       "finally:\n"
+       "    sys.stderr.write(f'WORK_S={time.perf_counter() - t}\\n')\n")
+
+
+def work_s(res: dict):
+    for line in reversed(res["stderr"].splitlines()):
+        if line.startswith("WORK_S="):
+            return float(line[7:])
+    return None
 
 
 def comparator_cmd(b, t) -> list[str]:
-    return [sys.executable, "-m", "sglang.srt.debug_utils.comparator", "--baseline-path", str(b), "--target-path",
+    return [sys.executable, "-c", CMP, "--baseline-path", str(b), "--target-path",
             str(t), "--report-path", "", "--output-format", "json", "--verbosity", "minimal"]
 
 
@@ -150,7 +181,7 @@ def comparator_verdict(res: dict) -> dict:
 
 
 def tpprobe_cmd(*args) -> list[str]:
-    return [sys.executable, "-m", "tpprobe", *map(str, args)]
+    return [sys.executable, "-c", TPP, *map(str, args)]
 
 
 def tpprobe_verdict(res: dict) -> dict:
@@ -238,10 +269,12 @@ def main() -> None:
                 "comparator": run_one(comparator_cmd(b, t), cmp_env),
                 "tpprobe diff": run_one(tpprobe_cmd("diff", b, t, "--json"), tp_env),
                 "tpprobe report": run_one(tpprobe_cmd("report", t, "--json"), tp_env)}
-        rw = runs["raw"]["wall_s"]
+        rw, rk = runs["raw"]["wall_s"], runs["raw"]["work_s"]
         results["kimi"] = {"files": len(files), "bytes": size, "tokens": a.tokens, "hidden": a.hidden,
-                           "runs": {k: {"wall_s": round(v["wall_s"], 2), "x_raw": round(v["wall_s"] / rw, 2),
-                                        "maxrss_mb": round(v["maxrss_mb"]), "rc": v["rc"], "cmd": v["cmd"]}
+                           "runs": {k: {"process_s": round(v["wall_s"], 2), "process_x_raw": round(v["wall_s"] / rw, 2),
+                                        "work_s": round(v["work_s"], 2) if v["work_s"] else None,
+                                        "work_x_raw": round(v["work_s"] / rk, 2) if v["work_s"] else None,
+                                        "maxrss_mb": round(v["maxrss_mb"]), "rc": v["rc"], "args": v["cmd"]}
                                     for k, v in runs.items()},
                            "verdicts": {"comparator": comparator_verdict(runs["comparator"]),
                                         "tpprobe diff": tpprobe_verdict(runs["tpprobe diff"]),

@@ -205,7 +205,7 @@ def test_diff_names_a_partial_declared_replicated(dumps):
     rep = json.loads(out)
     assert code == 1
     assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
-        [("partial-allreduce", "embed (step 0, target)", [1])]
+        [("partial-allreduce", "embed (step 0, target)", [0, 1])]
 
 
 def test_report_streams_two_records_at_a_time(dumps, monkeypatch):

@@ -916,7 +916,7 @@ def diff_data(bpath, tpath) -> dict:
         for side, o in r["odd"].items():
             other = "target" if side == "baseline" else "baseline"
             if o["sum_matches"]:
-                findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
+                findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
                                         detail=f"its dims declare it replicated, but ranks {o['ranks']} differ from the first "
                                                f"and Σ over the {side}'s ranks equals the {other}: each rank holds a partial "
                                                f"sum (its all-reduce had not run)", evidence={"all_ranks": True}).to_json())
@@ -965,7 +965,9 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
     for side, mine, other in (("baseline", bfull, tfull), ("target", tfull, bfull)):
         if mine.odd_ranks:
             m = measure(mine.sum_all, other.value)["level"] if mine.sum_all is not None else "shape"
-            odd[side] = {"ranks": mine.odd_ranks, "sum_matches": m in ("bitwise", "noise")}
+            run, keys = (b, bkeys) if side == "baseline" else (t, tkeys)
+            odd[side] = {"ranks": mine.odd_ranks, "all_ranks": sorted(run.groups[keys[0]]),
+                         "sum_matches": m in ("bitwise", "noise")}
     row = {"odd": odd, "name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
            "baseline_how": f"{bfull.how} [{bfull.source}]", "target_how": f"{tfull.how} [{tfull.source}]",
            "inferred": [side for side, f in (("baseline", bfull), ("target", tfull)) if f.source.startswith("inferred")],
