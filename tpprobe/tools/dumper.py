@@ -7,16 +7,16 @@ tp_size, …), dims (when the caller gave them), …}}`. A folder is a dumper fo
 files carry step, rank and name in their names (or it has exactly one such subfolder, as SGLang's
 comparator accepts).
 
-Loading is safe and streamed: `torch.load(weights_only=True, mmap=True)`, one file at a time; a
+Loading is safe and streamed: `torch.load(weights_only=True)`, one file at a time; a
 group (one name, step and tag set) holds the reference rank's record and one other record at a
 time, so memory is bounded by two records, not the folder.
 
 Numbers: every comparison goes through tpprobe's one noise rule (`compare()`, imported once below).
 Two shortcuts decide the common cases without computing its statistics, and both are implied by
-it: bitwise equality, and the noise proof (same dtype; every differing element finite and either
-normal and within NOISE_ULP[dtype] representable steps of its counterpart, which is ≤ that many
-ULP of the larger magnitude, or, near zero, within NOISE_ULP·eps·RMS of it; both lie inside
-compare()'s bound NOISE_ULP·eps·(|x| + RMS)). Anything the proof cannot show is judged by
+it: bitwise equality, and the noise proof (same dtype; every element finite and within
+NOISE_ULP[dtype] representable steps of its counterpart: each step is ≤ eps·max(|x|, tiny), so
+that is inside compare()'s bound NOISE_ULP·eps·(|x| + RMS) whenever RMS ≥ tiny, the smallest
+normal, which is checked). Anything the proof cannot show is judged by
 compare() itself, over chunks of token rows (its tensor scale then is the chunk's RMS).
 """
 from __future__ import annotations
@@ -166,12 +166,7 @@ def load(f: DumpFile) -> tuple:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                data = torch.load(str(path), map_location="cpu", weights_only=True)
+            data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CaptureError(f"{path}: refused: it holds pickled objects other than tensors and plain containers, "
@@ -231,16 +226,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1)
 
 
-def sumsq(t: torch.Tensor) -> float:
-    flat, s = _flat(t), 0.0
-    for i in range(0, flat.numel(), CHUNK):
-        c = flat[i:i + CHUNK].float()
-        s += float(torch.dot(c, c))
-    return s
-
-
-def measure(x: torch.Tensor, ref: torch.Tensor, judge: Optional[torch.dtype] = None,
-            ref_sumsq: Optional[list] = None) -> dict:
+def measure(x: torch.Tensor, ref: torch.Tensor, judge: Optional[torch.dtype] = None) -> dict:
     """x against ref: level bitwise / noise / material / shape, max_abs, rel_diff, ulp_max."""
     if tuple(x.shape) != tuple(ref.shape):
         return {"level": "shape", "shape": list(x.shape), "ref_shape": list(ref.shape)}
@@ -252,55 +238,44 @@ def measure(x: torch.Tensor, ref: torch.Tensor, judge: Optional[torch.dtype] = N
                 "first_token": _first_row(x != ref.to(x.dtype))}
     if x.dtype != ref.dtype or x.dtype not in _BITS or (judge is not None and judge != x.dtype):
         return _compare_chunked(x, ref, judge)
-    it, mag, lo, inf = _BITS[x.dtype]
+    it = _BITS[x.dtype][0]
     bound = int(NOISE_ULP.get(x.dtype, 64.0))
     xa, ra = _flat(x).view(it), _flat(ref).view(it)
     n = xa.numel()
-    ulp_max, n_diff, max_abs, sdd, sdxx = 0, 0, 0.0, 0.0, 0.0
-    rest: list = []          # |difference| of elements the ULP proof leaves to the RMS proof
+    ulp_max, n_diff, max_abs, sdd, sxx, syy = 0, 0, 0.0, 0.0, 0.0, 0.0
+    equal_chunks = []
     for i in range(0, n, CHUNK):
         a, b = xa[i:i + CHUNK], ra[i:i + CHUNK]
         if torch.equal(a, b):
+            equal_chunks.append(i)
             continue
-        ne = a != b
-        ai, bi = a[ne], b[ne]
-        d = ai - bi          # exact for finite values of one sign; a wrapped sign change lands far outside ±bound
-        lo_d, hi_d = int(d.min()), int(d.max())
-        ma, mb = ai & mag, bi & mag
-        big = torch.maximum(ma, mb)
-        if int(big.max()) >= inf:
+        d = a - b        # representable steps apart: exact within one sign; a sign change lands far outside ±bound
+        lo_d, hi_d = (int(v) for v in torch.aminmax(d))
+        if lo_d < -bound or hi_d > bound:
+            return _compare_chunked(x, ref, judge)          # some element is more than bound steps away
+        fa, fb = a.view(x.dtype).float(), b.view(x.dtype).float()
+        dd = fa - fb
+        m = float(torch.linalg.vector_norm(dd, float("inf")))
+        if not math.isfinite(m):
             return _compare_chunked(x, ref, judge)          # NaN/Inf that differ: compare() decides
-        fa, fb = ai.view(x.dtype).float(), bi.view(x.dtype).float()
-        dd = fa - fb         # exact: two close values of a ≤ 16-bit float
-        if -bound <= lo_d and hi_d <= bound and int(torch.minimum(ma, mb).min()) >= lo:
-            ulp_max = max(ulp_max, -lo_d, hi_d)             # the common case: every element a few ULP apart
-        else:
-            ok = (ma >= lo) & (mb >= lo) & (d >= -bound) & (d <= bound)
-            rest.append(float(dd[~ok].abs().max()))
-            if bool(ok.any()):
-                ulp_max = max(ulp_max, int(d[ok].abs().max()))
-        max_abs = max(max_abs, float(dd.abs().max()))
+        ulp_max, max_abs = max(ulp_max, -lo_d, hi_d), max(max_abs, m)
         sdd += float(torch.dot(dd, dd))
-        sdxx += float(torch.dot(fa, fa)) - float(torch.dot(fb, fb))
-        n_diff += int(ai.numel())
+        sxx += float(torch.dot(fa, fa))
+        syy += float(torch.dot(fb, fb))
+        n_diff += int(torch.count_nonzero(d))
     if n_diff == 0:
         return {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0, "ulp_max": 0.0}
-    if ref_sumsq is not None and ref_sumsq:
-        syy = ref_sumsq[0]
-    else:
-        syy = sumsq(ref)
-        if ref_sumsq is not None:
-            ref_sumsq.append(syy)
-    if rest:
-        # near zero, where one ULP is tiny, compare() judges on the tensor's scale: d ≤ N·eps·(|x| + RMS)
-        rms = math.sqrt(syy / max(n, 1))
-        if max(rest) > bound * torch.finfo(x.dtype).eps * rms:
-            return _compare_chunked(x, ref, judge)
-    sxx = syy + sdxx
+    for i in equal_chunks:
+        c = ra[i:i + CHUNK].view(x.dtype).float()
+        s = float(torch.dot(c, c))
+        sxx, syy = sxx + s, syy + s
+    # each step between neighbours of one sign is ≤ eps·max(|x|, tiny): within `bound` steps is inside
+    # compare()'s bound·eps·(|x| + RMS) once RMS ≥ tiny (the smallest normal), true of any real tensor
+    if math.sqrt(syy / max(n, 1)) < torch.finfo(x.dtype).tiny:
+        return _compare_chunked(x, ref, judge)
     rel = 0.0 if sxx + syy <= 0 else max(0.0, sdd / (sxx + syy))   # = 1 - 2Σxy/(Σx²+Σy²)
     return {"level": "noise", "max_abs": max_abs, "rel_diff": rel, "ulp_max": float(ulp_max),
-            "differing": n_diff, "first_token": None,
-            "by": f"proof: ≤ {bound} ULP" + (f", or ≤ {bound}·eps·RMS near zero" if rest else "")}
+            "differing": n_diff, "first_token": None, "by": f"proof: ≤ {bound} ULP"}
 
 
 def _first_row(mask: torch.Tensor) -> Optional[int]:
@@ -427,7 +402,6 @@ def check_run(run: DumpRun) -> dict:
             g.findings.append(Finding("capture-file", _where(g), missing, detail=f"ranks {missing} have no file for this "
                                       f"record while ranks {ranks} do (a rank-dependent dump or a lost file)"))
         nf = nonfinite_count(ref)
-        ssq: list = []
         quick = bool(lay and lay[0] in ("partial", "sharded") and tp_size > 1)
         for r in ranks[1:]:
             x, _m = load(by_rank[r])
@@ -438,7 +412,7 @@ def check_run(run: DumpRun) -> dict:
                 s = ({"level": "shape", "shape": list(x.shape)} if x.dim() != ref.dim() else
                      {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0} if _bitwise(x, ref) else {"level": "material"})
             else:
-                s = measure(x, ref, ref_sumsq=ssq)
+                s = measure(x, ref)
             if s["level"] == "material" and isinstance(x, torch.Tensor):
                 s["nonfinite"] = nonfinite_count(x)
             g.per_rank[str(r)] = s
