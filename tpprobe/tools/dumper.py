@@ -182,6 +182,24 @@ def load(f: DumpFile) -> tuple:
     return data["value"], data.get("meta") or {}
 
 
+def _peek(f: DumpFile) -> tuple:
+    """(shape, meta) of a record without reading its values (a memory map of the file, weights_only
+    still); (None, {}) when the file cannot be read that way (the real load then says why, in one line)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = torch.load(str(f.path), map_location="cpu", weights_only=True, mmap=True)
+        v = d.get("value")
+        return (tuple(v.shape) if isinstance(v, torch.Tensor) else None), dict(d.get("meta") or {})
+    except Exception:
+        return None, {}
+
+
+def _tp_order(by_rank, ranks) -> list:
+    """Ranks in tp_rank order (the order shards concatenate in)."""
+    return sorted(ranks, key=lambda r: tp_of(_peek(by_rank[r])[1], by_rank[r])[0])
+
+
 def tp_of(meta: dict, f: Optional[DumpFile] = None) -> tuple[int, int, str]:
     """(tp_rank, tp_size, source) from the meta's sglang_parallel_info, else the world."""
     info = meta.get("sglang_parallel_info") or {}
@@ -386,7 +404,7 @@ def check_run(run: DumpRun) -> dict:
         ref = None           # the previous group's record goes before this one is read
         ref, meta = load(by_rank[ref_r])
         records += 1
-        tp_rank, tp_size, src = tp_of(meta, by_rank[ref_r])
+        _tp_rank, tp_size, src = tp_of(meta, by_rank[ref_r])
         dims = meta.get("dims")
         lay = tp_layout(dims)
         is_t = isinstance(ref, torch.Tensor)
@@ -454,15 +472,9 @@ def check_run(run: DumpRun) -> dict:
             g.findings.append(Finding("non-finite", _where(g), sorted(nf_ranks),
                                       detail=f"NaN/Inf values on ranks {sorted(nf_ranks)} only"))
             continue
-        if lay and lay[0] == "partial":
-            g.read, g.evidence["declared"] = "partial", True
-            for r in ranks:
-                g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
-            continue
-        if lay and lay[0] == "sharded":
-            g.read, g.sharded_dim = "sharded", lay[1]
-            for r in ranks:
-                g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
+        if lay and lay[0] in ("partial", "sharded"):
+            _shares(g, ranks, lay[0], {"declared": True})
+            g.sharded_dim = lay[1] if lay[0] == "sharded" else None
             continue
         pending.append((g, by_rank, ref_r, ranks, odd, lay))
         del ref
@@ -516,14 +528,8 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
     classes = _classes(by_rank, ranks, ref_r, g.per_rank)
     if len(classes[0]) * 2 > world:
         bad = sorted(r for c in classes[1:] for r in c)
-        s = g.per_rank.get(str(bad[0]), {}) if classes[0][0] == ref_r else {}
-        g.read = "divergent"
-        g.findings.append(Finding("rank-divergence", where, bad,
-                                  detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially "
-                                         f"from the {len(classes[0])} ranks that agree (max abs diff "
-                                         f"{s.get('max_abs', 0) or 0:.3g}, rel diff {s.get('rel_diff', 0) or 0:.3g}, first token "
-                                         f"{s.get('first_token')}){declared}",
-                                  evidence={"groups": classes}))
+        _divergent(g, bad, g.per_rank.get(str(bad[0]), {}) if classes[0][0] == ref_r else {},
+                   f"the {len(classes[0])} ranks that agree", "", declared, classes)
         return
     tdim = token_dim(g.declared)
     total, masks = _sum_over(by_rank, ranks, tdim)
@@ -537,9 +543,7 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
         frac = int(one.sum()) / n_any if n_any else 0.0
         ev.update(rows_nonzero_on_one_rank=frac, token_rows=int(m.shape[1]), ranks_holding_rows=holders)
         if n_any and frac >= 0.9 and holders >= 2:
-            g.read, g.evidence = "partial", ev
-            for r in ranks:
-                g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
+            _shares(g, ranks, "partial", ev)
             match = _sum_matches(total, g.step, replicated_refs, g.name)
             g.findings.append(Finding("partial-allreduce", where, list(ranks),
                                       detail=f"each rank holds its own partial sum: {frac:.0%} of the {n_any} non-zero token "
@@ -550,18 +554,15 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
             return
     match = _sum_matches(total, g.step, replicated_refs, g.name)
     if match:
-        g.read, g.evidence = "partial", {**ev, "sum_equals": match}
-        for r in ranks:
-            g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
+        _shares(g, ranks, "partial", {**ev, "sum_equals": match})
         g.findings.append(Finding("partial-allreduce", where, list(ranks),
                                   detail=f"each rank holds a partial sum: Σ over the {world} ranks equals {match} "
                                          f"(within rounding); its all-reduce had not run{declared}", evidence=g.evidence))
         return
     width = g.shape[-1] if g.shape else None
     if hidden and width and width * world == hidden and len(g.shape) >= 2:
-        g.read, g.sharded_dim = "sharded", len(g.shape) - 1
-        for r in ranks:
-            g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
+        _shares(g, ranks, "sharded")
+        g.sharded_dim = len(g.shape) - 1
         g.findings.append(Finding("tp-sliced", where, list(ranks), severity=WARNING,
                                   detail=f"width {width} = {hidden} / tp {world} and the ranks hold different values: each "
                                          f"rank dumped its TP slice of a {hidden}-wide tensor, and no dims say so "
@@ -570,9 +571,7 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
         return
     stats = [g.per_rank[str(r)] for r in ranks if r != ref_r]
     if stats and all((s.get("rel_diff") or 0) >= 0.01 and (s.get("bad_fraction") or 0) >= 0.5 for s in stats):
-        g.read, g.evidence = "partial", {**ev, "proof": "none (no replicated record equals the sum)"}
-        for r in ranks:
-            g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
+        _shares(g, ranks, "partial", {**ev, "proof": "none (no replicated record equals the sum)"})
         g.findings.append(Finding("partial-allreduce", where, list(ranks),
                                   detail=f"every rank holds different values over {min(s['bad_fraction'] for s in stats):.0%}+ "
                                          f"of the elements (rel diff ≥ {min(s['rel_diff'] for s in stats):.2g}): a partial sum "
@@ -581,14 +580,26 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
                                   evidence=g.evidence))
         return
     bad = [r for r in ranks if r != ref_r]
-    s = g.per_rank[str(bad[0])]
+    _divergent(g, bad, g.per_rank[str(bad[0])], f"rank {ref_r}",
+               f"; with {world} ranks and no majority, rank {ref_r} is taken as the reference", declared, classes)
+
+
+def _divergent(g: GroupResult, bad, s: dict, against: str, note: str, declared: str, classes) -> None:
     g.read = "divergent"
-    g.findings.append(Finding("rank-divergence", where, bad,
+    g.findings.append(Finding("rank-divergence", _where(g), bad,
                               detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially from "
-                                     f"rank {ref_r} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
-                                     f"{s.get('rel_diff', 0) or 0:.3g}, first token {s.get('first_token')}); with "
-                                     f"{world} ranks and no majority, rank {ref_r} is taken as the reference{declared}",
+                                     f"{against} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
+                                     f"{s.get('rel_diff', 0) or 0:.3g}, first token {s.get('first_token')}){note}{declared}",
                               evidence={"groups": classes}))
+
+
+def _shares(g: GroupResult, ranks, read: str, evidence: Optional[dict] = None) -> None:
+    """Every rank holds its own share (a partial or a slice): no rank is 'wrong'."""
+    g.read = read
+    if evidence is not None:
+        g.evidence = evidence
+    for r in ranks:
+        g.per_rank[str(r)] = {**g.per_rank[str(r)], "level": "share"}
 
 
 def _sum_matches(total, step, replicated_refs, name) -> Optional[str]:
@@ -782,51 +793,68 @@ class Full:
 
 def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
     """The full tensor of one group: tp ranks concatenated, summed or the replica, as the meta's dims
-    say, or as inferred from the values (and the other side's shape) when they say nothing."""
+    say, or as inferred from the values (and the other side's shape) when they say nothing. Holds
+    the result and at most two rank records at a time."""
     by_rank = run.groups[key]
     ranks = sorted(by_rank)
-    first, meta0 = load(by_rank[ranks[0]])
-    if not isinstance(first, torch.Tensor):
-        raise CaptureError(f"{by_rank[ranks[0]].path}: value is a {type(first).__name__}, not a tensor")
+    shape0, meta0 = _peek(by_rank[ranks[0]])
     _r, tp_size, _src = tp_of(meta0, by_rank[ranks[0]])
     lay = tp_layout(meta0.get("dims"))
     tdim = token_dim(meta0.get("dims"))
     if len(ranks) == 1 or tp_size == 1:
-        return Full(first, "as is" if tp_size == 1 else f"rank {ranks[0]} only", "tp 1" if tp_size == 1 else "one file", tdim)
-    order = sorted(ranks, key=lambda r: tp_of(load(by_rank[r])[1], by_rank[r])[0]) if lay and lay[0] == "sharded" else ranks
+        return Full(_tensor(by_rank[ranks[0]]), "as is" if tp_size == 1 else f"rank {ranks[0]} only",
+                    "tp 1" if tp_size == 1 else "one file", tdim)
     if lay and lay[0] == "sharded":
-        parts = [first if r == ranks[0] else load(by_rank[r])[0] for r in order]
-        return Full(torch.cat(parts, dim=lay[1]), f"cat dim {lay[1]} × {len(ranks)} ranks", "dims", tdim)
+        return Full(_concat(by_rank, ranks, lay[1]), f"cat dim {lay[1]} × {len(ranks)} ranks", "dims", tdim)
     if lay and lay[0] == "partial":
-        total, _ = _sum_over(by_rank, ranks, tdim, masks=False)
-        return Full(total, f"Σ {len(ranks)} ranks", "dims", tdim)
-    if lay and lay[0] == "replicated":
-        odd = [r for r in ranks[1:] if measure(load(by_rank[r])[0], first)["level"] not in ("bitwise", "noise")]
-        if odd:
-            total, _ = _sum_over(by_rank, ranks, tdim, masks=False)
-            return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim,
-                        odd_ranks=odd, sum_all=total)
-        return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim)
-    # nothing declared: infer
-    if other_shape is not None and len(other_shape) == first.dim():
+        return Full(_sum_over(by_rank, ranks, tdim, masks=False)[0], f"Σ {len(ranks)} ranks", "dims", tdim)
+    if not lay and other_shape is not None and shape0 is not None and len(other_shape) == len(shape0):
         # the token dim may differ (the runs batch differently); a shard shows in another dim
-        diffs = [i for i, (a, b) in enumerate(zip(first.shape, other_shape)) if a != b and i != tdim]
-        if len(diffs) == 1 and first.shape[diffs[0]] * len(ranks) == other_shape[diffs[0]]:
+        diffs = [i for i, (a, b) in enumerate(zip(shape0, other_shape)) if a != b and i != tdim]
+        if len(diffs) == 1 and shape0[diffs[0]] * len(ranks) == other_shape[diffs[0]]:
             d = diffs[0]
-            parts = [first if r == ranks[0] else load(by_rank[r])[0] for r in
-                     sorted(ranks, key=lambda r: tp_of(load(by_rank[r])[1], by_rank[r])[0])]
-            return Full(torch.cat(parts, dim=d), f"cat dim {d} × {len(ranks)} ranks", "inferred: shape × tp = the other side's",
-                        tdim)
-    same = True
+            return Full(_concat(by_rank, ranks, d), f"cat dim {d} × {len(ranks)} ranks",
+                        "inferred: shape × tp = the other side's", tdim)
+    first = _tensor(by_rank[ranks[0]])
+    odd = []
     for r in ranks[1:]:
-        x, _ = load(by_rank[r])
-        if measure(x, first)["level"] not in ("bitwise", "noise"):
-            same = False
-            break
-    if same:
+        if measure(_tensor(by_rank[r]), first)["level"] not in ("bitwise", "noise"):
+            odd.append(r)
+            if not lay:
+                break
+    if lay:      # declared replicated: the first rank is the value; ranks that differ are named
+        total = _sum_over(by_rank, ranks, tdim, masks=False)[0] if odd else None
+        return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim, odd_ranks=odd, sum_all=total)
+    if not odd:
         return Full(first, f"rank {ranks[0]} (replicated)", "inferred: ranks equal", tdim)
-    total, _ = _sum_over(by_rank, ranks, tdim, masks=False)
-    return Full(total, f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim)
+    del first
+    return Full(_sum_over(by_rank, ranks, tdim, masks=False)[0], f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim)
+
+
+def _tensor(f: DumpFile) -> torch.Tensor:
+    v, _ = load(f)
+    if not isinstance(v, torch.Tensor):
+        raise CaptureError(f"{f.path}: its value is a {type(v).__name__}, not a tensor; tpprobe diff compares tensors")
+    return v
+
+
+def _concat(by_rank, ranks, dim: int) -> torch.Tensor:
+    """The shards in tp_rank order, concatenated on dim, copied into the result one at a time."""
+    out, at = None, 0
+    order = _tp_order(by_rank, ranks)
+    for i, r in enumerate(order):
+        x = _tensor(by_rank[r])
+        if out is None:
+            shape = list(x.shape)
+            shape[dim] *= len(order)
+            out = torch.empty(shape, dtype=x.dtype)
+        if x.shape[dim] * len(order) != out.shape[dim] or x.dtype != out.dtype:
+            raise CaptureError(f"{by_rank[r].path}: shard shape {list(x.shape)} {x.dtype} differs from tp rank "
+                               f"{order[0]}'s; expected equal shards to concatenate on dim {dim}")
+        out.narrow(dim, at, x.shape[dim]).copy_(x)
+        at += x.shape[dim]
+        del x
+    return out
 
 
 def _ids_by_step(run: DumpRun) -> dict[int, torch.Tensor]:
@@ -926,12 +954,9 @@ def _cat(run, keys, other_shape, n_tokens):
 
 
 def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
-    bf0 = load(b.groups[bkeys[0]][min(b.groups[bkeys[0]])])[0]
-    tf0 = load(t.groups[tkeys[0]][min(t.groups[tkeys[0]])])[0]
-    bshape = tuple(bf0.shape) if len(b.groups[bkeys[0]]) == 1 else None
-    tshape = tuple(tf0.shape) if len(t.groups[tkeys[0]]) == 1 else None
-    del bf0, tf0
-    # the side with one file per record gives the full shape the other side's shards must add up to
+    # a target with one file per record gives the full shape the baseline's shards must add up to
+    tgroup = t.groups[tkeys[0]]
+    tshape = _peek(tgroup[min(tgroup)])[0] if len(tgroup) == 1 else None
     bfull = _cat(b, bkeys, tshape, n_tokens)
     tfull = _cat(t, tkeys, tuple(bfull.value.shape), n_tokens)
     s = measure(tfull.value, bfull.value)
