@@ -85,15 +85,25 @@ app.command("probe")(_with_options(probe, ProbeOptions))
 
 @app.command()
 def report(
-    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin")],
+    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin, "
+                                                     "or an SGLang dumper folder (detected by its file names)")],
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
+    emit_dims: Annotated[bool, typer.Option("--emit-dims", help="dumper folders: print the dims each tensor needs in "
+                                                                "SGLang's comparator (an --override-config YAML), "
+                                                                "from what tpprobe measured")] = False,
     html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error")] = False,
 ) -> None:
-    """Re-run the checks on a capture folder, offline, and print the report."""
+    """Re-run the checks on a capture folder (or an SGLang dumper folder), offline, and print the report."""
     _DEBUG["on"] = debug
+    from .tools.dumper import is_dumper_dir
+    if is_dumper_dir(capture_dir):
+        from .tools.dumper import report_command
+        raise typer.Exit(report_command(capture_dir, json_out=json_out, quiet=quiet, emit_dims=emit_dims))
+    if emit_dims:
+        raise UsageError(f"--emit-dims reads SGLang dumper folders; {capture_dir} is not one")
     from .tools.offline import report_dir
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
 

@@ -41,6 +41,8 @@ EXPLAIN = {
     "rank-error": "a rank raised an error during the probe",
     "capture-mismatch": "ranks captured different points, shapes or dtypes: rank-dependent control flow "
                         "or a rank-specific capture path",
+    "dims-mismatch": "the dims in the dump's meta contradict what the ranks hold (declared partial or sharded, "
+                     "but every rank holds the same values): SGLang's comparator would unshard it wrongly",
     "capture-file": "a capture file is missing, truncated, corrupted or not in the manifest: re-run the "
                     "probe or copy the folder again",
 }

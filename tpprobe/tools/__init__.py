@@ -1,3 +1,3 @@
 """Tools: commands beside the probe. diff (two captures or dumps), layers (what EAGLE-3 layer ids
-capture), specforge (SpecForge samples), offline (`tpprobe report DIR`), invariance (TP- and
-batch-invariance audit)."""
+capture), specforge (SpecForge samples), offline (`tpprobe report DIR`), dumper (SGLang's dumper
+folders), invariance (TP- and batch-invariance audit), accept (what a capture costs the draft)."""

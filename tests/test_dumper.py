@@ -1,0 +1,230 @@
+"""`tpprobe report` / `tpprobe diff` / `--emit-dims` on folders written by SGLang's own dumper.
+
+The folders come from `sglang.srt.debug_utils.dumper.dumper` on real gloo ranks with SGLang's
+parallel state published (tests/dumper_ranks.py): a tp=2 run of several experiments and a tp=1
+baseline, built once, concurrently. The CLI runs in this interpreter (main(), exit status caught).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_ranks import run_ranks  # noqa: E402
+
+pytest.importorskip("sglang.srt.debug_utils.dumper")
+
+
+def S(n, recs):
+    return {"tokens": n, "records": recs}
+
+
+HEALTHY = [("input_ids", "input_ids", None), ("embed", "embed", "t h # tp:replicated"), ("h", "full", None),
+           ("o_proj", "row_part", "t h[tp:partial]"), ("qkv", "shard", "t h[tp]"), ("hidden_out", "row_full", None)]
+TARGET = [("input_ids", "input_ids", None), ("embed", "embed_part", None), ("o_proj", "row_part", "t h[tp:partial]"),
+          ("qkv", "shard", None), ("h", "full", None)]
+TP2 = {
+    "healthy": [S(8, HEALTHY), S(8, HEALTHY)],
+    "noise": [S(16, [("h", "ulp", None)])],
+    "pe_repl": [S(16, [("input_ids", "input_ids", None), ("embed", "embed_part", "t h # tp:replicated")])],
+    "pe_bare": [S(16, [("embed", "embed_part", None)])],
+    "row_sum": [S(16, [("o_proj", "row_part", None), ("hidden_out", "row_full", None)])],
+    "scale": [S(16, [("h", "scale", None)])],
+    "sliced": [S(16, [("h", "full", None), ("qkv", "shard", None)])],
+    "twice": [S(16, [("h", "full", "t h[tp:partial]")])],
+    "tgt": [S(8, TARGET), S(8, TARGET)],                       # same tokens as the tp=1 base, two steps of 8
+    "tgt_bad": [S(16, TARGET[:4] + [("h", "bump", None)])],
+}
+TP1 = {"base": [S(16, [("input_ids", "input_ids", None), ("embed", "embed", None), ("o_proj", "row_full", None),
+                       ("qkv", "full", None), ("h", "full", None)])]}
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dumps")
+    with ThreadPoolExecutor(2) as ex:
+        jobs = [ex.submit(run_ranks, "dumper_ranks:write", w, {"base": str(root / f"tp{w}"), "exps": e}, 240)
+                for w, e in ((2, TP2), (1, TP1))]
+        for j in jobs:
+            j.result()
+    return root
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    from tpprobe.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(argv))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def report(path) -> tuple[int, dict]:
+    code, out, err = cli("report", str(path), "--json")
+    assert err == "", err
+    return code, json.loads(out)
+
+
+def failures(rep):
+    return [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] != "info"]
+
+
+def test_files_are_sglangs(dumps):
+    """What we read is what SGLang's dumper wrote: its names, its dict, its parallel info."""
+    files = sorted((dumps / "tp2" / "pe_repl").iterdir())
+    assert [f.name for f in files][0] == "step=0___rank=0___dump_index=1___name=input_ids___recompute_status=disabled.pt"
+    d = torch.load(files[-1], weights_only=True)
+    assert set(d) == {"value", "meta"}
+    assert d["meta"]["sglang_parallel_info"]["tp_size"] == 2 and d["meta"]["dims"] == "t h # tp:replicated"
+
+
+def test_healthy_run_zero_findings_full_coverage(dumps):
+    code, rep = report(dumps / "tp2" / "healthy")
+    assert code == 0 and rep["findings"] == []
+    cov = rep["coverage"]
+    assert cov["files"] == cov["records_read"] == 24 and cov["groups"] == cov["checked"] == 12 and cov["names"] == 6
+    reads = {(r["name"], r["step"]): r["read"] for r in rep["records"]}
+    assert reads[("embed", 1)] == "replicated" and reads[("o_proj", 0)] == "partial" and reads[("qkv", 1)] == "sharded"
+    assert rep["tp_size"] == 2 and rep["tp_source"] == "sglang_parallel_info" and rep["steps"] == [0, 1]
+    code, out, _ = cli("report", str(dumps / "tp2" / "healthy"))
+    assert code == 0 and "HEALTHY: all 12 records" in out
+
+
+def test_one_ulp_bf16_is_noise_not_a_failure(dumps):
+    code, rep = report(dumps / "tp2" / "noise")
+    assert code == 0 and failures(rep) == []
+    (f,) = rep["findings"]
+    assert f["kind"] == "rounding-noise" and f["severity"] == "info" and f["ranks"] == [1]
+    s = rep["records"][0]["per_rank"]["1"]
+    assert s["level"] == "noise" and s["ulp_max"] == 1.0 and s["differing"] == (16 * 32 + 6) // 7
+
+
+@pytest.mark.parametrize("exp", ["pe_repl", "pe_bare"])
+def test_partial_embedding_named_without_annotation(dumps, exp):
+    """Labelled replicated (as SGLang's comparator is told) or not labelled at all: named partial."""
+    code, rep = report(dumps / "tp2" / exp)
+    assert code == 1
+    assert failures(rep) == [("partial-allreduce", "embed (step 0)", [0, 1])]
+    f = rep["findings"][0]
+    assert f["evidence"]["rows_nonzero_on_one_rank"] == 1.0 and f["evidence"]["ranks_holding_rows"] == 2
+    assert ("declare it replicated" in f["detail"]) == (exp == "pe_repl")
+
+
+def test_partial_sum_reconstructs_a_replicated_record(dumps):
+    code, rep = report(dumps / "tp2" / "row_sum")
+    assert code == 1 and failures(rep) == [("partial-allreduce", "o_proj (step 0)", [0, 1])]
+    assert rep["findings"][0]["evidence"]["sum_equals"] == "hidden_out"
+
+
+def test_one_percent_on_one_rank_is_divergence(dumps):
+    code, rep = report(dumps / "tp2" / "scale")
+    assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
+    assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
+
+
+def test_tp_slice_and_false_partial_declaration(dumps):
+    code, rep = report(dumps / "tp2" / "sliced")
+    assert code == 0 and failures(rep) == [("tp-sliced", "qkv (step 0)", [0, 1])]
+    assert rep["findings"][0]["severity"] == "warning" and rep["hidden"] == 32
+    code, rep = report(dumps / "tp2" / "twice")
+    assert code == 0 and failures(rep) == [("dims-mismatch", "h (step 0)", [0, 1])]
+
+
+def test_emit_dims_is_sglangs_grammar(dumps):
+    from sglang.srt.debug_utils.comparator.dims_spec.dims_parser import parse_dims
+    code, out, _ = cli("report", str(dumps / "tp2" / "tgt"), "--emit-dims")
+    assert code == 1     # the undeclared partial embedding is still a finding
+    dims = {}
+    lines = out.splitlines()
+    for a, b in zip(lines, lines[1:]):
+        if a.strip().startswith("- match:"):
+            dims[json.loads(a.split("match:")[1].split("#")[0])] = json.loads(b.split("dims:")[1])
+    assert dims == {"^input_ids$": "t # tp:replicated", "^embed$": "t h[tp:partial]", "^o_proj$": "t h[tp:partial]",
+                    "^qkv$": "t h[tp]", "^h$": "t h # tp:replicated"}
+    for d in dims.values():
+        parse_dims(d)          # SGLang's own parser accepts every line
+
+
+def test_diff_tp1_vs_tp2_batched_differently(dumps):
+    code, out, err = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt"), "--json")
+    assert code == 0, out + err
+    rep = json.loads(out)
+    rows = {r["name"]: r for r in rep["rows"]}
+    assert set(rows) == {"embed", "o_proj", "qkv", "h"} and all(r["step"] == "all" for r in rows.values())
+    assert "batch differently" in rep["notes"][0]
+    assert rows["embed"]["level"] == "bitwise" and rows["embed"]["target_how"] == "Σ 2 ranks [inferred: ranks differ]"
+    assert rows["qkv"]["level"] == "bitwise" and rows["qkv"]["target_how"].startswith("cat dim 1 × 2 ranks [inferred")
+    assert rows["o_proj"]["target_how"] == "Σ 2 ranks [dims]" and rows["o_proj"]["level"] in ("bitwise", "noise")
+    assert rows["h"]["shape"] == [16, 32] and rep["findings"] == []
+
+
+def test_diff_names_the_material_record(dumps):
+    code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt_bad"), "--json")
+    rep = json.loads(out)
+    assert code == 1
+    assert [(f["kind"], f["where"]) for f in rep["findings"] if f["severity"] == "failure"] == \
+        [("reference-mismatch", "h (step 0)")]
+    assert {r["name"]: r["first_token"] for r in rep["rows"] if r["level"] == "material"} == {"h": 3}
+
+
+def test_unsafe_file_refused_in_one_line(dumps, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(dumps / "tp2" / "pe_bare", d)
+    import argparse
+    victim = next(d.glob("step=0___rank=1___*.pt"))
+    torch.save({"value": torch.zeros(2), "meta": argparse.Namespace(x=1)}, victim)
+    code, out, err = cli("report", str(d))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "refused" in err and victim.name in err and "Traceback" not in err
+    victim.write_bytes(b"PK\x03\x04 truncated")
+    code, _, err = cli("report", str(d))
+    assert code == 2 and "not a readable torch.save file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_diff_refuses_a_dumper_folder_against_a_file(dumps, tmp_path):
+    f = tmp_path / "x.pt"
+    torch.save(torch.zeros(2, 4), f)
+    code, _, err = cli("diff", str(dumps / "tp1" / "base"), str(f))
+    assert code == 2 and "is an SGLang dumper folder" in err and len(err.strip().splitlines()) == 1
+
+
+def test_diff_names_a_partial_declared_replicated(dumps):
+    """The comparator's case: an embedding labelled `# tp:replicated` that is each rank's partial."""
+    code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "pe_repl"), "--json")
+    rep = json.loads(out)
+    assert code == 1
+    assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
+        [("partial-allreduce", "embed (step 0, target)", [0, 1])]
+
+
+def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
+    """No more than two rank records are alive at once, whatever the folder holds."""
+    import weakref
+
+    from tpprobe.tools import dumper as D
+    alive, peak, real = set(), [0], D.load
+
+    def counting(f):
+        v, meta = real(f)
+        key = id(v)
+        alive.add(key)
+        weakref.finalize(v, alive.discard, key)
+        peak[0] = max(peak[0], len(alive))
+        return v, meta
+
+    monkeypatch.setattr(D, "load", counting)
+    for exp in ("healthy", "tgt", "row_sum"):
+        peak[0] = 0
+        rep = D.report_data(dumps / "tp2" / exp)
+        assert rep["coverage"]["checked"] > 0 and peak[0] <= 2, (exp, peak[0])
