@@ -109,21 +109,11 @@ def report(
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
 
 
-@app.command()
-def layers(
-    arch: Annotated[str, typer.Option("--arch", help="llama | deepseek_v2 (also deepseek_v3 / kimi)")] = "llama",
-    ids: Annotated[Optional[str], typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 61,
-) -> None:
-    """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
-    from .layer_ids import parse_ids, render_layers_table
-    from .report import console
-    render_layers_table(arch, parse_ids(ids) if ids else None, num_layers, console())
-
-
 # -- commands in their own modules (one line each) ---------------------------------------------
 from .diff import diff_command  # noqa: E402
 app.command("diff")(diff_command)
+from .tools.layers import layers_command  # noqa: E402
+app.command("layers")(layers_command)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
