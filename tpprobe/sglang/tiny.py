@@ -37,11 +37,30 @@ from tpprobe.errors import UsageError
 from tpprobe.sglang import INSTALL_HINT, SGLANG_VERSION, require
 from tpprobe.target import ProbeTarget, RankContext
 
-ARCHES = ("llama", "deepseek_v2")
+ARCHES = ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2")
 
 # HF model_type -> tpprobe arch
 _MODEL_TYPES = {"llama": "llama", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v2",
-                "kimi_k2": "deepseek_v2"}
+                "kimi_k2": "deepseek_v2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen2": "qwen2"}
+# tpprobe arch -> (SGLang model module, SGLang class)
+_SGLANG_CLASSES = {"llama": ("llama", "LlamaForCausalLM"),
+                   "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+                   "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                   "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                   "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+# arch -> names accepted by --arch (SGLang's class / HF model_type aliases)
+ARCH_ALIASES = {"llamaforcausallm": "llama", "deepseek_v3": "deepseek_v2", "kimi_k2": "deepseek_v2",
+                "kimi": "deepseek_v2", "deepseekv2forcausallm": "deepseek_v2",
+                "deepseekv3forcausallm": "deepseek_v2", "qwen3forcausallm": "qwen3",
+                "qwen3moeforcausallm": "qwen3_moe", "qwen2forcausallm": "qwen2"}
+
+
+def canonical_arch(arch: Optional[str]) -> Optional[str]:
+    """--arch as given -> the tiny-model arch (llama, deepseek_v2, qwen3, qwen3_moe, qwen2)."""
+    if arch is None:
+        return None
+    a = arch.strip().lower().replace("-", "_")
+    return ARCH_ALIASES.get(a, a)
 
 
 def tiny_config(arch: str, num_layers: int, moe: bool = True):
@@ -54,6 +73,24 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
             rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32",
             architectures=["LlamaForCausalLM"])
+    common = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32")
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, head_dim=8, architectures=["Qwen3ForCausalLM"])
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # every layer MoE: SGLang 0.5.23's Qwen3-MoE ignores mlp_only_layers (qwen3_moe.py:878)
+        return Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=32, num_experts=4,
+                              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                              norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
     if arch == "deepseek_v2":
         from transformers import DeepseekV3Config
 
@@ -126,7 +163,8 @@ def _hf_class(config):
     import transformers
 
     name = {"llama": "LlamaForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM"}[config.model_type]
+            "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.model_type]
     return getattr(transformers, name)
 
 
@@ -175,6 +213,7 @@ def hf_reference(arch: str, num_layers: int, tokens: int, seed: int,
 
 
 def _config(arch, num_layers, config_path, moe):
+    arch = canonical_arch(arch)
     if arch is not None and arch not in ARCHES:
         raise UsageError(f"--arch {arch!r} is not supported by the SGLang backend: "
                          f"use one of {', '.join(ARCHES)}")
@@ -258,6 +297,26 @@ def _run(rt: _Runtime):
         return rt.model(rt.ids, fb.positions, fb)
 
 
+def unfuse_experts(weights):
+    """transformers 5 stores an MoE block's experts fused (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]); SGLang's Qwen3-MoE load_weights reads one checkpoint tensor per
+    expert (experts.{e}.gate_proj/up_proj/down_proj.weight), as real checkpoints have them."""
+    out = []
+    for k, v in weights:
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out += [(f"{base}{e}.gate_proj.weight", v[e, :inter].contiguous()),
+                        (f"{base}{e}.up_proj.weight", v[e, inter:].contiguous())]
+        elif k.endswith(".mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            out += [(f"{base}{e}.down_proj.weight", v[e].contiguous()) for e in range(v.shape[0])]
+        else:
+            out.append((k, v))
+    return out
+
+
 def packed_aux(result) -> Optional[torch.Tensor]:
     """The packed aux tensor [tokens, K*hidden] SGLang hands the EAGLE-3 draft (None: no capture)."""
     aux = getattr(result, "hidden_states", None)
@@ -305,14 +364,16 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
 
     hf = seeded_hf_model(config, seed)
     weights = [(k, v.to(dtype)) for k, v in hf.state_dict().items()]
+    if arch == "qwen3_moe":
+        weights = unfuse_experts(weights)
     vocab = config.vocab_size
     del hf
     config.torch_dtype = dtype
+    import importlib
+
+    module, cls_name = _SGLANG_CLASSES[arch]
+    Cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls_name)
     with set_default_torch_dtype(dtype):
-        if arch == "llama":
-            from sglang.srt.models.llama import LlamaForCausalLM as Cls
-        else:
-            from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM as Cls
         model = Cls(config).eval()
     model.load_weights(weights)
     del weights
