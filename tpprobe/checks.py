@@ -387,6 +387,14 @@ def _slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
             rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
                          "expected": expected[i] if i < len(expected) else None, "matched": m,
                          "ok": i < len(expected) and m == expected[i]} for i, m in enumerate(match)]
+        if None in match:   # a serving-path cause the all-reduce audit can name (F16, F18)
+            from .slot_causes import explain
+            i = match.index(None)
+            cause = explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,
+                            ids[i] if i < len(ids) else None, dtype_from_str(settings.get("dtype", "float32")))
+            if cause is not None:
+                verdicts[r] = cause
+                continue
         verdicts[r] = _slot_verdict(ids, expected, match, L)
     # group identical verdicts
     by: dict[tuple, list[int]] = {}

@@ -59,6 +59,7 @@ class AllReduceRecord:
     dtype: str
     group_size: int
     op: str
+    group: Optional[str] = None            # the issuing group's name when known (SGLang: tp:0, attention_tp:1)
     inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
     out: Optional[torch.Tensor] = None
     inp_summary: Any = None
@@ -68,7 +69,7 @@ class AllReduceRecord:
     def meta(self) -> dict:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
-                "group_size": self.group_size, "op": self.op}
+                "group_size": self.group_size, "op": self.op, "group": self.group}
 
 
 @dataclass
@@ -155,6 +156,7 @@ class Tap:
         self.extensions = tuple(extensions)
         self._ext_handles: list = []
         self.stream_from_layer_output = True
+        self.audit_suppressed = 0                  # > 0 inside an audited higher-level reduce
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "Tap":
@@ -267,13 +269,28 @@ class Tap:
     # -- all-reduce audit -----------------------------------------------------------------
     def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         orig = self._orig[0]
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or self.audit_suppressed:
+            # audit_suppressed: an outer audited reduce (an SGLang GroupCoordinator) ends here
             return orig(tensor, op=op, group=group, async_op=async_op)
+
+        def call():
+            work = orig(tensor, op=op, group=group, async_op=async_op)
+            if async_op and work is not None:
+                work.wait()
+            return work, tensor
+
+        return self.audited_all_reduce(tensor, dist.get_world_size(group), str(op).split(".")[-1], None, call)
+
+    def audited_all_reduce(self, tensor, group_size: int, op: str, group_name: Optional[str], call):
+        """Record one all-reduce of `tensor` around `call() -> (result, output tensor)`: its input
+        before, its output after, the module that issued it. For extensions that audit a reduce at
+        a higher level (SGLang's GroupCoordinator.all_reduce); reduces issued inside `call` are not
+        recorded again."""
         seq = len(self.allreduces)
         module, layer, where, source = self._attribution(tensor)
         rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
                               shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                              group_size=dist.get_world_size(group), op=str(op).split(".")[-1])
+                              group_size=group_size, op=op, group=group_name)
         keep = self.keep_ar or where == "embed"
         if keep:
             rec.inp = tensor.detach().clone()
@@ -283,16 +300,18 @@ class Tap:
         self.progress.collective = {"seq": seq, "module": module, "where": where,
                                     "shape": list(rec.shape), "since": time.time()}
         t0 = time.perf_counter()
-        work = orig(tensor, op=op, group=group, async_op=async_op)
-        if async_op and work is not None:
-            work.wait()
+        self.audit_suppressed += 1
+        try:
+            result, out = call()
+        finally:
+            self.audit_suppressed -= 1
         rec.seconds = time.perf_counter() - t0
         self.progress.collective = None
         if keep:
-            rec.out = tensor.detach().clone()
+            rec.out = out.detach().clone()
         if self.summarize is not None:
-            rec.out_summary = self.summarize(tensor)
-        return work
+            rec.out_summary = self.summarize(out)
+        return result
 
     def _attribution(self, tensor):
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"

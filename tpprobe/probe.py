@@ -85,8 +85,9 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
     if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
-    if opts.arch not in ("llama", "deepseek_v2"):   # the tiny SGLang models tpprobe builds
-        raise UsageError(f"unknown --arch {opts.arch!r}: use llama or deepseek_v2 (with --backend sglang)")
+    from .sglang.tiny import ARCHES as SGLANG_ARCHES, canonical_arch
+    if canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
+        raise UsageError(f"unknown --arch {opts.arch!r}: use {', '.join(SGLANG_ARCHES)} (with --backend sglang)")
     ids = opts.layers
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")
@@ -101,8 +102,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
             builtin_config(opts).validate(world)
     if opts.model is not None and ":" not in opts.model:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
-    if opts.inject and (opts.model or opts.backend == "sglang"):
-        raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
+    faults_mod.check_backend(opts.inject, opts.backend, opts.model)
     faults_mod.parse(opts.inject, world, opts.num_layers, ids)
 
 
@@ -380,8 +380,9 @@ def _settings(me: _Rank) -> dict:
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
-        from .layer_ids import ARCHES, expected_slots, plan
-        if target.arch in ARCHES:
+        from .layer_ids import expected_slots, plan
+        from .sglang.tiny import ARCHES as SGLANG_ARCHES
+        if target.arch in SGLANG_ARCHES:
             settings["expected_points"], settings["expected_ids"] = expected_slots(
                 plan(target.arch, target.model_layer_ids, target.num_layers))
     return settings

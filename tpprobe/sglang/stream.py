@@ -65,11 +65,13 @@ def wrap_boundary_captures(layers, record: Callable[[int, torch.Tensor], None]) 
 
             return _orig(hidden_states, forward_batch, *a, capture=capture, **kw)
 
+        prev = b.__dict__.get("prepare")   # an injected fault's wrapper stays after the probe
         try:
             b.prepare = prepare          # an instance attribute shadows the bound method
         except (AttributeError, TypeError):
             continue
-        undo.append(_Undo(lambda b=b: b.__dict__.pop("prepare", None)))
+        undo.append(_Undo(lambda b=b, prev=prev: b.__dict__.__setitem__("prepare", prev)
+                          if prev is not None else b.__dict__.pop("prepare", None)))
     return undo
 
 
@@ -127,5 +129,9 @@ def moe_reduce_extension(tap) -> list:
 
 
 def sglang_extensions() -> tuple:
-    """Every Tap extension an SGLang 0.5.23 model needs (for ProbeTarget.tap_extensions / the plugin)."""
-    return (residual_stream_extension, moe_reduce_extension)
+    """Every Tap extension an SGLang 0.5.23 model needs (for ProbeTarget.tap_extensions / the plugin):
+    the residual stream, the MoE block as one producer, and the all-reduce audit at
+    GroupCoordinator level (tpprobe.sglang.audit)."""
+    from tpprobe.sglang.audit import coordinator_audit_extension
+
+    return (residual_stream_extension, moe_reduce_extension, coordinator_audit_extension)

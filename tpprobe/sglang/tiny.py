@@ -63,6 +63,20 @@ def canonical_arch(arch: Optional[str]) -> Optional[str]:
     return ARCH_ALIASES.get(a, a)
 
 
+def default_layer_ids(arch: str, num_layers: int) -> list[int]:
+    """The probe's default ids for `arch`: those that capture the embedding and the streams leaving
+    layers 1 and 3 (HF hidden_states[0], [2], [4]) under that architecture's SGLang rule, i.e.
+    -1,1,3 where SGLang adds +1 (Llama, Qwen) and 0,2,4 where it uses the ids as given
+    (DeepSeek: +1 only when the first id is 1). Shorter for models of fewer layers."""
+    L = int(num_layers)
+    arch = canonical_arch(arch) or "llama"
+    cands = [[i for i in (-1, 1, 3) if i < L - 1], [i for i in (0, 2, 4) if i < L]]
+    for ids in cands:
+        if ids and not lid.plan(arch, ids, L).problems:
+            return ids
+    return cands[0] or [-1]
+
+
 def tiny_config(arch: str, num_layers: int, moe: bool = True):
     """The built-in tiny config (float32) for `arch`."""
     if arch == "llama":
