@@ -105,12 +105,11 @@ def moe_reduce_extension(tap) -> list:
     """Tap extension: register each decoder layer's MoE block output as a row-parallel output
     (matched by data_ptr when its owed all-reduce runs), and the row-parallel outputs summed into
     it (the shared expert's down_proj) as consumed by that block."""
-    import fnmatch
-
     handles = []
     for idx, layer in enumerate(decoder_layers(tap.model)):
         mlp = getattr(layer, "mlp", None)
-        if mlp is None or not fnmatch.fnmatchcase(type(mlp).__name__, "*MoE*"):
+        # DeepseekV2MoE, Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, ...
+        if mlp is None or "moe" not in type(mlp).__name__.lower():
             continue
         name = next((n for n, m in tap.model.named_modules() if m is mlp), f"model.layers.{idx}.mlp")
 
