@@ -52,7 +52,17 @@ def worker(ctx, archs):
             aux = t.packed_aux(res)
             results.append({"ids": ids, "logit_diff": (res.next_token_logits - logits[-1]).abs().max().item(),
                             "slots": None if aux is None else _slots(aux, hs, t.hidden_size)})
-        out[arch] = {"info": t.info, "results": results}
+        # a plain Tap, as a user's own hook would attach it: SGLang's layers return an OwedOutput,
+        # which is never read as a tensor; the stream comes from SGLang's boundaries and every
+        # reduce is audited once at GroupCoordinator level
+        from tpprobe.hooks import Tap
+
+        t.model.set_eagle3_layers_to_capture(None)
+        with torch.no_grad(), Tap(t.model) as tap:
+            t.forward()
+        streams = [torch.allclose(tap.captures[f"layer.{k}.out"], hs[k + 1], atol=1e-4) for k in range(L)]
+        out[arch] = {"info": t.info, "results": results, "tap_streams": streams,
+                     "tap_audit": [(a.where, a.group, a.group_size, a.source) for a in tap.allreduces]}
     return out
 
 
@@ -69,7 +79,28 @@ def _check(per_rank, archs):
                 assert r["slots"] == [[k] for k in p.slot_hf_indices], (arch, ids, r["slots"])
 
 
-def test_qwen_family_tp2_captures_match_hf_and_derived_rule():
-    per_rank = run_ranks("test_sglang_archs:worker", 2, dict(archs=IDS), timeout=240)
-    _check(per_rank, IDS)
+def _check_tap(per_rank, archs):
+    for res in per_rank:
+        for arch in archs:
+            assert res[arch]["tap_streams"] == [True] * L, arch
+            audit = res[arch]["tap_audit"]
+            assert len(audit) == 2 * L + 1 and audit[0][0] == "embed", (arch, audit)   # once each
+            assert {(g, n) for _, g, n, _ in audit} == {("tp:0", 2)}
+            assert [w for w, _, _, _ in audit[1:]] == [f"layer.{k}" for k in range(L) for _ in (0, 1)]
+            assert all(src for _, _, _, src in audit[1:]), audit     # the producer is named
+
+
+def test_qwen3_and_qwen3_moe_tp2_captures_match_hf_and_derived_rule():
+    archs = {k: IDS[k] for k in ("qwen3", "qwen3_moe")}
+    per_rank = run_ranks("test_sglang_archs:worker", 2, dict(archs=archs), timeout=300)
+    _check(per_rank, archs)
+    _check_tap(per_rank, archs)
     assert "Qwen3MoeSparseMoeBlock" in per_rank[0]["qwen3_moe"]["info"]["mlp per layer"]
+
+
+@pytest.mark.sweep
+def test_qwen2_tp2_captures_match_hf_and_derived_rule():
+    archs = {"qwen2": IDS["qwen2"]}
+    per_rank = run_ranks("test_sglang_archs:worker", 2, dict(archs=archs), timeout=300)
+    _check(per_rank, archs)
+    _check_tap(per_rank, archs)
