@@ -254,6 +254,7 @@ class _Runtime:
     dtype: torch.dtype
     mla: bool
     capture: bool
+    attn_dp: int = 1
 
 
 def _forward_batch(rt: _Runtime):
@@ -297,6 +298,19 @@ def _forward_batch(rt: _Runtime):
     fb.extend_seq_lens = torch.tensor([n], dtype=torch.int32)
     fb.extend_seq_lens_cpu = [n]
     fb.extend_num_tokens = n
+    if rt.attn_dp > 1:
+        # DP attention: every attention-DP group runs the same n tokens (replicated batch), so
+        # every rank's capture is comparable; the FFN gathers the groups' rows (SUM_LEN padding)
+        from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len_from_batch
+
+        fb.global_num_tokens_cpu = [n] * rt.attn_dp
+        fb.global_num_tokens_gpu = torch.tensor(fb.global_num_tokens_cpu, dtype=torch.int64)
+        fb.global_num_tokens_for_logprob_cpu = list(fb.global_num_tokens_cpu)
+        fb.global_num_tokens_for_logprob_gpu = fb.global_num_tokens_gpu.clone()
+        fb.global_dp_buffer_len = n * rt.attn_dp
+        fb.dp_padding_mode = DpPaddingMode.SUM_LEN
+        fb.is_extend_in_batch = True
+        set_dp_buffer_len_from_batch(fb)
     # FULL: the logits processor returns the (aux) hidden states of every token
     fb.capture_hidden_mode = CaptureHiddenMode.FULL if rt.capture else CaptureHiddenMode.NULL
     return fb, backend
@@ -345,7 +359,7 @@ def packed_aux(result) -> Optional[torch.Tensor]:
 
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
                  dtype: torch.dtype, layer_ids: Optional[list[int]],
-                 config_path: Optional[str] = None, moe: bool = True) -> ProbeTarget:
+                 config_path: Optional[str] = None, moe: bool = True, attn_dp: int = 1) -> ProbeTarget:
     """A tiny SGLang model on this rank, ready for the probe (see the module docstring).
 
     Needs torch.distributed already initialized with world size = tp (ctx.world_size).
@@ -373,7 +387,12 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
     cpu_mode.enable()
     from tpprobe.sglang.dist import publish_for
 
-    publish_for(ctx)
+    publish_for(ctx, attn_dp)
+    if attn_dp > 1:
+        from sglang.srt.layers.dp_attention import init_dp_gathered_buffer
+
+        init_dp_gathered_buffer(SimpleNamespace(hf_config=config, hidden_size=config.hidden_size,
+                                                dtype=dtype))
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     hf = seeded_hf_model(config, seed)
@@ -394,7 +413,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
     if capture:
         model.set_eagle3_layers_to_capture(layer_ids)
     rt = _Runtime(model=model, config=config, ids=_input_ids(vocab, tokens, seed), dtype=dtype,
-                  mla=arch == "deepseek_v2", capture=capture)
+                  mla=arch == "deepseek_v2", capture=capture, attn_dp=attn_dp)
     mlps = [type(layer.mlp).__name__ for layer in model.model.layers]
     info = {
         "backend": f"sglang {SGLANG_VERSION} (CPU test mode, torch_native attention, EXTEND)",
