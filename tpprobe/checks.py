@@ -380,6 +380,11 @@ def _slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
             verdicts[r] = ("layout-mismatch", "aux.packed", f"packed aux width {width} is not a multiple "
                            f"of hidden {hidden}")
             continue
+        from .slot_causes import explain_rows
+        rows_cause = explain_rows(records, r, hidden, expected, settings) if expected and expected[0] else None
+        if rows_cause is not None:     # F17: the aux rows of every attention-DP group
+            verdicts[r] = rows_cause
+            continue
         match = ev.slot_match(r, hidden)
         if match is None:
             continue

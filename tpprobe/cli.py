@@ -44,6 +44,7 @@ def probe(
     backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
     arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | qwen2 | qwen3 | qwen3_moe | deepseek_v2 (also deepseek_v3, kimi_k2, or the class name)")] = "llama",
     config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
+    dp_attention: Annotated[int, typer.Option("--dp-attention", help="with --backend sglang: attention-DP groups (SGLang's --enable-dp-attention --dp-size N); attention-TP = tp / N")] = 1,
     model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory")] = None,
     inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable); with --backend sglang: fused-allreduce-capture | capture-no-residual | dp-attention-gather")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
@@ -67,7 +68,7 @@ def probe(
         ids = _ids("-1,1,3" if layers is None else layers)
     opts = ProbeOptions(layers=ids, num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
                         vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
-                        config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
+                        config=config, dp_attention=dp_attention, model=model, inject=list(inject or []), out=out, timeout=timeout,
                         exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
                         nproc=nproc, debug=debug)
     if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
@@ -86,7 +87,8 @@ def options_argv(opts) -> list[str]:
     a = ["--layers", ",".join(map(str, opts.layers)), "--num-layers", str(opts.num_layers), "--hidden", str(opts.hidden),
          "--heads", str(opts.heads), "--ffn", str(opts.ffn), "--vocab", str(opts.vocab), "--tokens", str(opts.tokens),
          "--seed", str(opts.seed), "--dtype", opts.dtype, "--backend", opts.backend, "--arch", opts.arch,
-         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out)]
+         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out),
+         "--dp-attention", str(opts.dp_attention)]
     for flag, v in (("--config", opts.config), ("--model", opts.model), ("--html", opts.html),
                     ("--markdown", opts.markdown)):
         if v:

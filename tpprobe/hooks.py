@@ -59,7 +59,8 @@ class AllReduceRecord:
     dtype: str
     group_size: int
     op: str
-    group: Optional[str] = None            # the issuing group's name when known (SGLang: tp:0, attention_tp:1)
+    group: Optional[str] = None            # the issuing group's name when known (SGLang: tp:0, attention_tp:0)
+    group_ranks: Optional[list] = None     # global ranks of the group (None: the whole world)
     inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
     out: Optional[torch.Tensor] = None
     inp_summary: Any = None
@@ -69,7 +70,8 @@ class AllReduceRecord:
     def meta(self) -> dict:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
-                "group_size": self.group_size, "op": self.op, "group": self.group}
+                "group_size": self.group_size, "op": self.op, "group": self.group,
+                "group_ranks": self.group_ranks}
 
 
 @dataclass
@@ -294,9 +296,14 @@ class Tap:
                 work.wait()
             return work, tensor
 
-        return self.audited_all_reduce(tensor, dist.get_world_size(group), str(op).split(".")[-1], None, call)
+        ranks = None
+        if group is not None and dist.get_world_size(group) != dist.get_world_size():
+            ranks = list(dist.get_process_group_ranks(group))
+        return self.audited_all_reduce(tensor, dist.get_world_size(group), str(op).split(".")[-1], None, call,
+                                       group_ranks=ranks)
 
-    def audited_all_reduce(self, tensor, group_size: int, op: str, group_name: Optional[str], call):
+    def audited_all_reduce(self, tensor, group_size: int, op: str, group_name: Optional[str], call,
+                           group_ranks: Optional[list] = None):
         """Record one all-reduce of `tensor` around `call() -> (result, output tensor)`: its input
         before, its output after, the module that issued it. For extensions that audit a reduce at
         a higher level (SGLang's GroupCoordinator.all_reduce); reduces issued inside `call` are not
@@ -305,7 +312,8 @@ class Tap:
         module, layer, where, source = self._attribution(tensor)
         rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
                               shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                              group_size=group_size, op=op, group=group_name)
+                              group_size=group_size, op=op, group=group_name,
+                              group_ranks=None if group_ranks is None else [int(x) for x in group_ranks])
         keep = self.keep_ar or where == "embed"
         if keep:
             rec.inp = tensor.detach().clone()

@@ -33,6 +33,36 @@ def _name(a: dict) -> str:
     return f"all-reduce #{a['seq']} ({who}, {lay}{grp}, {a.get('group_size', '?')} ranks)"
 
 
+def explain_rows(records, r: int, hidden: int, expected: list, settings: dict) -> Optional[tuple]:
+    """(kind, where, detail) when rank r's packed aux holds the rows of every attention-DP group
+    (each n-row block equal to the stream it should hold): gathered over the TP group (F17)."""
+    rec = records[r]
+    packed = rec.tensors.get("aux.packed")
+    first = next((e for e in expected if e), None)
+    S = rec.tensors.get(first) if first else None
+    if packed is None or S is None or packed.shape[0] == S.shape[0] or packed.shape[0] % S.shape[0]:
+        return None
+    n, k = S.shape[0], packed.shape[0] // S.shape[0]
+    dtype = packed.dtype
+    for i, e in enumerate(expected):
+        T = rec.tensors.get(e) if e else None
+        if T is None or (i + 1) * hidden > packed.shape[-1]:
+            return None
+        col = packed[..., i * hidden:(i + 1) * hidden]
+        if not all(_close(col[j * n:(j + 1) * n].float(), T.float(), dtype) for j in range(k)):
+            return None
+    world, dp = settings["world_size"], int(settings.get("attn_dp") or 1)
+    attn = int(settings.get("attn_tp") or world // max(dp, 1))
+    groups = [list(range(g * attn, (g + 1) * attn)) for g in range(world // attn)] if dp > 1 else []
+    tp = next((a.get("group") for a in rec.meta.get("allreduces", []) if a.get("group_ranks") is None
+               and a.get("group")), "the TP group")
+    return ("dp-gather-group", "aux.packed",
+            f"the packed aux has {k} × {n} rows: every slot holds the rows of {k} attention-DP groups (block j "
+            f"= group j's tokens), gathered over {tp} ({world} ranks) where the attention-TP group "
+            f"({attn} ranks: {' and '.join(map(str, groups)) if groups else 'attention_tp'}) was meant; the draft "
+            f"gets other groups' tokens")
+
+
 def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Optional[str],
             slot_id, dtype) -> Optional[tuple]:
     """(kind, where, detail) when slot `slot` is a partial capture or lacks the residual on every

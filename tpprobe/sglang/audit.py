@@ -48,8 +48,13 @@ def coordinator_audit_extension(tap) -> list:
             out = orig(self, input_, *args, **kwargs)
             return out, out if isinstance(out, torch.Tensor) else input_
 
+        ranks = list(getattr(self, "ranks", []) or [])
+        import torch.distributed as dist
+
+        whole = dist.is_initialized() and len(ranks) == dist.get_world_size()
         return tap.audited_all_reduce(input_, int(self.world_size), "SUM",
-                                      getattr(self, "unique_name", None), call)
+                                      getattr(self, "unique_name", None), call,
+                                      group_ranks=None if whole or not ranks else ranks)
 
     GroupCoordinator.all_reduce = all_reduce
     return [_Restore(GroupCoordinator, "all_reduce", orig)]

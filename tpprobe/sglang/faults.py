@@ -7,6 +7,9 @@ what tpprobe observes of the residual stream: the probe must find it on its own.
   fused-allreduce-capture (F16)  the aux capture reads the stream BEFORE the owed (deferred, on GPUs
       fused into add+RMSNorm) all-reduce of the previous layer completes: each rank stores its own
       partial sum plus the residual, the pre-fix capture point of sglang PR #28343.
+  dp-attention-gather (F17)      under DP attention the aux rows (each attention-TP rank's share of
+      its group's tokens) are all-gathered over the TP group instead of the attention-TP group, so
+      the draft gets every attention-DP group's rows (sglang PR #20492, issue #16274).
   capture-no-residual (F18)      the aux capture stores the previous layer's output alone (the
       reduced delta, `hidden_states`) instead of the stream (hidden + residual): SpecForge#431,
       sglang#39286.
@@ -26,6 +29,7 @@ import torch
 SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather")
 
 _pending = threading.local()
+_ALWAYS: dict = {"fn": None}       # a fault on every aux capture (dp-attention-gather)
 
 
 def _layers(model):
@@ -42,7 +46,7 @@ def _patch_collectors() -> None:
         orig = cls.capture
 
         def capture(self, hidden, *, owned: bool = False, _orig=orig):
-            fault = getattr(_pending, "fn", None)
+            fault = getattr(_pending, "fn", None) or _ALWAYS["fn"]
             if fault is not None:
                 hidden, owned = fault(hidden), True
             return _orig(self, hidden, owned=owned)
@@ -56,6 +60,9 @@ def inject(name: str, model) -> None:
     from sglang.srt.layers.layer_boundary.residual.stream import OwedOutput
 
     _patch_collectors()
+    if name == "dp-attention-gather":
+        _ALWAYS["fn"] = gather_over_tp_group
+        return
     for i, layer in enumerate(_layers(model)):
         if i == 0:
             continue                     # capture point 0 is the embedding: no residual yet
@@ -83,6 +90,18 @@ def inject(name: str, model) -> None:
                 _pending.fn = None
 
         b.prepare = prepare
+
+
+def gather_over_tp_group(value: torch.Tensor) -> torch.Tensor:
+    """F17 (sglang PR #20492): the aux rows are this rank's attention-TP share of the DP-local
+    tokens, and they are all-gathered over the TP group where the attention-TP group was meant:
+    the result holds every attention-DP group's rows, not this group's."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
+
+    attn, tp = get_attn_tp_group(), get_tp_group()
+    rows = value.shape[0] // attn.world_size
+    mine = value[attn.rank_in_group * rows:(attn.rank_in_group + 1) * rows].contiguous()
+    return tp.all_gather(mine, dim=0)
 
 
 def _partial(hidden, owed_cls) -> Optional[torch.Tensor]:

@@ -379,7 +379,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         raise UsageError(f"layer ids {given} crash SGLang's {arch} forward ({plan.crash}); see "
                          f"`tpprobe layers --arch {arch} --ids {given} --num-layers {num_layers}`")
     heads = config.num_attention_heads
-    if heads % ctx.world_size:
+    if heads % (ctx.world_size // max(attn_dp, 1)):
         raise UsageError(f"{heads} attention heads do not split over tp={ctx.world_size}")
 
     from tpprobe.sglang import cpu_mode
@@ -424,6 +424,13 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         "sglang layers_to_capture": list(model.model.layers_to_capture) if capture else "off",
         "layer-id rule": plan.rule if plan else "capture off",
     }
+    if attn_dp > 1:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        info.update({"attn_dp": attn_dp, "attn_tp": par.attn_tp_size,
+                     "dp attention": f"{attn_dp} attention-DP groups of {par.attn_tp_size} ranks "
+                                     f"(attention_tp), FFN over tp:0; every group runs the same tokens"})
     # tpprobe.faults.apply reads `model.layers` even when nothing is injected; SGLang keeps them
     # at model.model.layers. A plain (unregistered) alias: named_modules/state_dict are unchanged.
     model.__dict__.setdefault("layers", model.model.layers)
