@@ -117,7 +117,7 @@ def test_layers_cli_names_exit_codes_and_contract(rules, tmp_path):
 
 
 def test_contract_json_vocabulary(tmp_path):
-    from tpprobe.tools.layers import contract
+    from tpprobe.tools.layers_cli import contract
 
     (tmp_path / "t.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32}))
     (tmp_path / "d.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}}))

@@ -6,7 +6,9 @@
   its group (a coordinator reduce ending in torch.distributed.all_reduce is not counted twice);
 * F16 `--inject fused-allreduce-capture` is named partial-capture at the aux slot, with the
   all-reduce, module and layer whose owed sum the capture read too early;
-* F18 `--inject capture-no-residual` is named capture-no-residual at the aux slot.
+* F18 `--inject capture-no-residual` is named capture-no-residual at the aux slot;
+* DP attention (tp 4, attention-DP 2): healthy runs clean, each reduce checked against its own
+  group; F17 `--inject dp-attention-gather` is named dp-gather-group with the groups involved.
 
 Healthy runs of the other architectures are `sweep` (the captures themselves are proven equal to
 HF for qwen3 and qwen3_moe by tests/test_sglang_archs.py in the default run).
@@ -80,3 +82,43 @@ def test_capture_without_residual_is_named(tmp_path):
     f = failures(rep)
     assert [(x["kind"], x["where"]) for x in f] == [("capture-no-residual", "aux slot 1")], rep["findings"]
     assert "model.layers.1.mlp.down_proj, layer 1" in f[0]["detail"] and "without the residual" in f[0]["detail"]
+
+
+def _dp_probe(out, *extra):
+    return probe(out, "--backend", "sglang", "--arch", "qwen3", "--dp-attention", "2", "--tokens", "6",
+                 *extra, nproc=4, timeout=420)
+
+
+def _dp_clean_except_aux(out, rep):
+    # the stream and every reduce are right under DP attention: the embedding reduces over each
+    # attention-TP group, the FFN gathers over tp:0; a sub-group reduce is checked against its group
+    ar = rep["allreduce"]
+    assert ar["incomplete"] == 0 and ar["checked"] == 2 * L + 2, ar
+    assert rep["settings"]["attn_dp"] == 2 and rep["settings"]["attn_tp"] == 2
+    assert all(p["level"] in ("reference", "bitwise", "noise", "share") for p in rep["points"]
+               if p["name"] != "aux.packed"), rep["points"]
+    from tpprobe.capture import load_run
+
+    run = load_run(out)
+    for r, rec in run.records.items():
+        embed = rec.meta["allreduces"][0]
+        assert (embed["where"], embed["group"], embed["group_ranks"]) == \
+               ("embed", "attention_tp:0", [0, 1] if r < 2 else [2, 3])
+        assert {a["group"] for a in rec.meta["allreduces"][1:]} == {"tp:0"}
+
+
+def test_dp_attention_tp4_healthy(tmp_path):
+    code, rep, p = _dp_probe(tmp_path)
+    assert code == 0, p.stderr[-3000:]
+    assert failures(rep) == [] and rep["slots"] and all(s["ok"] for s in rep["slots"]), rep
+    _dp_clean_except_aux(tmp_path, rep)
+
+
+def test_dp_attention_gather_over_the_tp_group_is_named_with_its_groups(tmp_path):
+    code, rep, p = _dp_probe(tmp_path, "--inject", "dp-attention-gather")
+    assert code == 1, p.stderr[-3000:]
+    f = failures(rep)
+    assert [(x["kind"], x["where"]) for x in f] == [("dp-gather-group", "aux.packed")], rep["findings"]
+    assert f[0]["ranks"] == [0, 1, 2, 3]
+    assert "gathered over tp:0 (4 ranks) where the attention-TP group (2 ranks: [0, 1] and [2, 3])" in f[0]["detail"]
+    _dp_clean_except_aux(tmp_path, rep)

@@ -119,7 +119,7 @@ def report(
 # -- commands in their own modules (one line each) ---------------------------------------------
 from .diff import diff_command  # noqa: E402
 app.command("diff")(diff_command)
-from .tools.layers import layers_command  # noqa: E402
+from .tools.layers_cli import layers_command  # noqa: E402
 app.command("layers")(layers_command)
 
 
