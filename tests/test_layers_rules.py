@@ -28,13 +28,13 @@ def rules():
 
 
 def _derive(rules, name, ids, L):
-    from tpprobe.layer_ids import plan_from_derived
+    from tpprobe.tools.layers import plan_from_derived
 
     return plan_from_derived(name, rules.derive(name, ids, L))
 
 
 def test_every_architecture_is_derived_from_sglang(rules):
-    from tpprobe.layer_ids import plan_from_derived
+    from tpprobe.tools.layers import plan_from_derived
 
     archs = rules.all_architectures()
     files = {f for f, _ in archs}
@@ -70,7 +70,7 @@ def test_rules_as_sglang_applies_them(rules, name, ids, L, ltc, slots, crash):
 
 
 def test_pinned_fallback_agrees_with_the_derived_rule(rules):
-    from tpprobe.layer_ids import _pinned_plan
+    from tpprobe.tools.layers import _pinned_plan
 
     for arch in ("llama", "deepseek_v2"):
         for ids in (None, [-1, 1, 3], [1, 3, 7], [0, 2, 5], [2, 2], [7], [4, 0]):

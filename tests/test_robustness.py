@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tpprobe.capture import load_run
+from tpprobe.capture.files import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 8            # --timeout of the fault runs

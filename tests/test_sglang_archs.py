@@ -1,7 +1,7 @@
 """Every tiny SGLang architecture tpprobe builds (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) on
 real gloo ranks: the forward equals HF, and every packed EAGLE-3 aux slot holds exactly the HF
 hidden state that the rule derived from SGLang's own setter (tpprobe.sglang.rules via
-tpprobe.layer_ids.plan) says it does, including the ids that crash or are dropped.
+tpprobe.tools.layers.plan) says it does, including the ids that crash or are dropped.
 
 Several architectures per rank process: SGLang's parallel state is published once.
 """
@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
 from sglang_ranks import run_ranks  # noqa: E402
-from tpprobe.layer_ids import plan
+from tpprobe.tools.layers import plan
 from tpprobe.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -55,7 +55,7 @@ def worker(ctx, archs):
         # a plain Tap, as a user's own hook would attach it: SGLang's layers return an OwedOutput,
         # which is never read as a tensor; the stream comes from SGLang's boundaries and every
         # reduce is audited once at GroupCoordinator level
-        from tpprobe.hooks import Tap
+        from tpprobe.capture.hooks import Tap
 
         t.model.set_eagle3_layers_to_capture(None)
         with torch.no_grad(), Tap(t.model) as tap:

@@ -37,7 +37,7 @@ def _healthy(rep, arch):
 
 
 def _audit_groups(out):
-    from tpprobe.capture import load_run
+    from tpprobe.capture.files import load_run
 
     run = load_run(out)
     return [(a["where"], a["group"], a["group_size"]) for a in run.records[0].meta["allreduces"]]
@@ -97,7 +97,7 @@ def _dp_clean_except_aux(out, rep):
     assert rep["settings"]["attn_dp"] == 2 and rep["settings"]["attn_tp"] == 2
     assert all(p["level"] in ("reference", "bitwise", "noise", "share") for p in rep["points"]
                if p["name"] != "aux.packed"), rep["points"]
-    from tpprobe.capture import load_run
+    from tpprobe.capture.files import load_run
 
     run = load_run(out)
     for r, rec in run.records.items():

@@ -21,7 +21,7 @@ minimax_m3), and whether captures go into an `AuxHiddenStatePacker` that raises 
 K aux hidden states` when one is missing (DeepSeek family). Loop point i is the residual stream
 entering layer i = HF hidden_states[i] (0 = the embedding output).
 
-When SGLang cannot be imported, `tpprobe.layer_ids` falls back to its pinned table.
+When SGLang cannot be imported, `tpprobe.tools.layers` falls back to its pinned table.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 and (with --draft-config/--target-config) whether a draft and its target agree on the contract.
 
 No model is run. The rule is derived from the installed SGLang (tpprobe.sglang.rules), with the
-pinned 0.5.23 table as fallback when SGLang is not installed (tpprobe.layer_ids).
+pinned 0.5.23 table as fallback when SGLang is not installed (tpprobe.tools.layers).
 
 Exit codes: 0 every id captures one slot the draft can use / draft and target agree; 1 a crash,
 a dropped or duplicate id, or (contract) any slot that differs; 2 bad input.
@@ -43,8 +43,8 @@ def layers_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
-    from tpprobe.layer_ids import parse_ids
-    from tpprobe.report import console
+    from tpprobe.tools.layers import parse_ids
+    from tpprobe.report.terminal import console
 
     con = console()
     if draft_config is not None or target_config is not None:
@@ -63,7 +63,7 @@ def layers_command(
         else:
             render_all(rows, parse_ids(ids), num_layers, con)
         raise typer.Exit(1 if any(r["problems"] for r in rows) else 0)
-    from tpprobe.layer_ids import layers_table, plan
+    from tpprobe.tools.layers import layers_table, plan
 
     p = plan(arch, parse_ids(ids), num_layers)
     if json_out:
@@ -80,7 +80,7 @@ def layers_command(
 
 # ---- every architecture ------------------------------------------------------------------
 def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
-    from tpprobe.layer_ids import plan_from_derived
+    from tpprobe.tools.layers import plan_from_derived
     from tpprobe.sglang import available, require
     from tpprobe.sglang import rules
 
@@ -132,8 +132,9 @@ def _int_list(v, where: str) -> Optional[list[int]]:
 
 def contract(draft_path: Path, target_path: Path, convention: str = "output") -> dict:
     """Slot by slot: what the draft was configured to receive vs what the target captures."""
-    from tpprobe.checks import _slot_verdict, point_label
-    from tpprobe.layer_ids import layer_point, plan
+    from tpprobe.capture.points import point_label
+    from tpprobe.checks.slots import slot_verdict
+    from tpprobe.tools.layers import layer_point, plan
 
     if convention not in ("output", "before"):
         raise UsageError(f"--draft-convention {convention!r}: use output or before")
@@ -193,7 +194,7 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output") ->
     verdict = None
     if differences and not p.crash:
         ids_for = [r["draft_id"] for r in rows]
-        v = _slot_verdict(ids_for, [r["draft_expects_point"] for r in rows][:len(want)],
+        v = slot_verdict(ids_for, [r["draft_expects_point"] for r in rows][:len(want)],
                           [r["target_point"] for r in rows if r["target_point"]], L)
         if v:
             verdict = {"kind": v[0], "where": v[1], "detail": v[2]}

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fingerprint as F
+from . import _hashdef as F
 
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -429,7 +429,7 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
     maxnreg = maxnreg if maxnreg is not None else _env("TPPROBE_FP_MAXNREG", 144)
     split = split or _env("TPPROBE_FP_SPLIT", 2)
     depth = depth or _env("TPPROBE_FP_DEPTH", 3)
-    salt = F._row_salts(seed, 1)[0]
+    salt = F.row_salts(seed, 1)[0]
     plans = []
     foff = ioff = ntok = 0
     for t in tensors:

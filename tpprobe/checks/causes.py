@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .compare import compare
+from .noise import compare
 
 
 def _close(a, b, dtype) -> bool:
@@ -88,7 +88,7 @@ def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Opti
         for k in found:
             found[k] = here[k] if n == 0 else found[k] & here[k]
     audit = {a["seq"]: a for a in records[live[0]].meta.get("allreduces", [])}
-    from .checks import point_label
+    from ..capture.points import point_label
 
     idtext = f" (id {slot_id})" if slot_id is not None else ""
     if found["partial-capture"]:

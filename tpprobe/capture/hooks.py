@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -29,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from .progress import Progress
 
 
 @dataclass
@@ -72,23 +73,6 @@ class AllReduceRecord:
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
                 "group_size": self.group_size, "op": self.op, "group": self.group,
                 "group_ranks": self.group_ranks}
-
-
-@dataclass
-class Progress:
-    """Shared with the watchdog thread: where this rank is, cheaply updated by the hooks."""
-    phase: str = "start"
-    where: str = ""
-    collective: Optional[dict] = None       # the all-reduce this rank is blocked in, if any
-    since: float = field(default_factory=time.time)
-    audit: Optional[list] = None            # this rank's all-reduce records so far (for stall posts)
-
-    changed: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    def set(self, phase: str, where: str = "") -> None:
-        if phase != self.phase:
-            self.changed.set()        # the watchdog posts a heartbeat now, not an interval later
-        self.phase, self.where, self.since = phase, where, time.time()
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)$")

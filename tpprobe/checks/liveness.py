@@ -1,0 +1,48 @@
+"""Liveness: ranks that are missing (died, hung, never started), stalled in a collective the others
+never issued, or that failed with an error. Each becomes one root finding."""
+from __future__ import annotations
+
+from .collectives import extra_collective_place
+from .findings import Finding
+
+
+def missing_rank_findings(missing: dict, records: dict, live: list[int], counts: dict[int, int]) -> list[Finding]:
+    """One finding per missing rank: a collective-mismatch when it blocked in an all-reduce the
+    live ranks never issued, else a rank-timeout with what its last heartbeat said."""
+    ref = live[0]
+    roots: list[Finding] = []
+    for r, info in sorted(missing.items()):
+        stall = info.get("stall")
+        if stall and all(counts[q] <= stall["collective"]["seq"] for q in live):
+            c = stall["collective"]
+            audit = stall.get("audit") or []
+            where, extra_at = extra_collective_place(audit, records[ref].meta.get("allreduces", []))
+            if extra_at is not None and extra_at < len(audit) and extra_at != c["seq"]:
+                a = audit[extra_at]
+                text = (f"rank {r} issued an extra all-reduce #{extra_at} at {a['where']} ({a['module']}, shape "
+                        f"{a['shape']}) that ranks {live} never issued; from there its collectives paired with "
+                        f"the wrong ones and it blocked in #{c['seq']}, one more than the others' "
+                        f"{max(counts.values())}")
+            else:
+                text = (f"rank {r} blocked in all-reduce #{c['seq']} ({c.get('module')}, shape {c.get('shape')}) "
+                        f"that ranks {live} never issued (they issued {max(counts.values())})")
+            roots.append(Finding("collective-mismatch", where or c.get("where", "?"), [r],
+                                 detail=text + f"; rank {r} was stopped",
+                                 evidence={"stall": stall, "counts": counts}))
+        else:
+            hb = info.get("heartbeat") or {}
+            doing = f"{hb.get('phase', 'starting')}{': ' + hb['where'] if hb.get('where') else ''}"
+            if hb.get("collective"):
+                doing += f", in all-reduce #{hb['collective']['seq']} ({hb['collective'].get('module')})"
+            state = info.get("state", "died or hung")
+            roots.append(Finding(
+                "rank-timeout", hb.get("phase") or "startup", [r],
+                detail=(f"rank {r} {state}; its last heartbeat said: {doing}"
+                        + (f", {info['silent_s']:.1f} s before the others gave up" if "silent_s" in info else "")
+                        + "; the others stopped within the timeout"),
+                evidence={"heartbeat": hb}))
+    return roots
+
+
+def rank_error_findings(errors: dict[int, str]) -> list[Finding]:
+    return [Finding("rank-error", "probe", [r], detail=str(e)[:300]) for r, e in sorted(errors.items())]
