@@ -3,8 +3,9 @@
 A factory receives the rank's `RankContext` (rank, world size, device, backend, process group;
 torch.distributed is already initialised) and returns a `ProbeTarget`: the model, a callable that
 runs one forward, the input ids (identical on every rank) and a few facts. tpprobe finds the
-embedding and decoder layers by class name (`VocabParallelEmbedding`, `*DecoderLayer`; see
---help for the patterns), audits every `torch.distributed.all_reduce`, and checks across ranks.
+embedding (the module that takes the input ids and returns [tokens, hidden]) and the decoder
+layers (the longest nn.ModuleList) from the model's structure (override: --embed / --layer-list),
+audits every reduce at the c10d level, and checks across ranks.
 
 This example is a two-layer tensor-parallel MLP stack written from scratch, the shape most TP
 models share: a vocab-parallel embedding, then layers whose row-parallel output is all-reduced.

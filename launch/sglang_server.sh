@@ -7,7 +7,7 @@
 #   # send one request, then:
 #   tpprobe report "$TPPROBE_CAPTURE_DIR/step-000"
 #
-# Needs: pip install 'tpprobe[sglang]' in the server's environment (the entry point
+# Needs: pip install -e '.[sglang]' from the tpprobe checkout, in the server's environment (the entry point
 # `sglang.srt.plugins: tpprobe` must be installed; SGLANG_PLUGINS=tpprobe whitelists it).
 # Settings (see tpprobe/sglang/plugin.py): TPPROBE_MAX_STEPS (default 1), TPPROBE_FORWARD_MODES
 # (default extend), TPPROBE_MAX_BYTES (default 2e9 per rank). Each TP rank prints one

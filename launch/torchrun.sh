@@ -19,8 +19,10 @@ LOG_RANKS=${LOG_RANKS:-0}          # whose output to show (--local-ranks-filter)
 PYTHON=${PYTHON:-python}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 
-exec "$PYTHON" -m torch.distributed.run \
+# `tpprobe torchrun` is torchrun with every option, ending like tpprobe (exit 1 on findings, no
+# ChildFailedError traceback)
+exec "$PYTHON" -m tpprobe torchrun \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
   --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" \
   --local-ranks-filter "$LOG_RANKS" --tee 3 \
-  -m tpprobe probe "$@"
+  probe "$@"

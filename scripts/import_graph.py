@@ -34,6 +34,11 @@ def _resolve(mod: str, is_pkg: bool, level: int, name: str | None) -> str:
     return ".".join(base + ([name] if name else []))
 
 
+def _is_main_guard(node) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Compare) \
+        and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+
+
 def imports(mods: dict[str, Path] | None = None):
     """{module: [(imported module, imported names, lazy, line)]} for imports of tpprobe modules.
     `from pkg import sub` counts as an import of pkg.sub when sub is a module."""
@@ -47,7 +52,10 @@ def imports(mods: dict[str, Path] | None = None):
             if isinstance(n, (ast.If, ast.Try)):
                 top |= {id(x) for x in ast.walk(n)}
         edges = []
+        main_block = {id(x) for n in tree.body if _is_main_guard(n) for x in ast.walk(n)}
         for node in ast.walk(tree):
+            if id(node) in main_block:   # `if __name__ == "__main__":` runs as a script, never on import
+                continue
             lazy = id(node) not in top
             if isinstance(node, ast.Import):
                 for a in node.names:

@@ -165,9 +165,10 @@ def test_different_sequences_refused(caps, tmp_path):
 
 def test_specforge_sample_from_capture(caps, tmp_path):
     out = tmp_path / "rows_0-5000" / "data_0.ckpt"
-    r = subprocess.run([sys.executable, "-m", "tpprobe.tools.specforge", str(caps["drop"]), str(out)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tpprobe", "specforge", str(caps["drop"]), str(out)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {out}: a SpecForge EAGLE-3 sample from rank 0")
     d = torch.load(out, weights_only=True)
     assert set(d) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert d["aux_hidden_state"].shape == (1, 16, 3 * 64) and d["hidden_state"].shape == (1, 16, 64)

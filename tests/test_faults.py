@@ -2,12 +2,35 @@
 
 Each case asserts the exact diagnosis: one failure finding of the right kind, at the right
 place, on the right ranks, and the exit code. rank-noise must come out as info-level noise only.
+The last test builds the README's fault table from these same runs (scripts/fault_table.py's
+`table`) and compares: the table cannot drift, and CI makes no extra runs for it.
 """
+import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.ranks import failures, probe
+from tests.ranks import failures
+from tests.ranks import probe as _probe
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("fault_table", ROOT / "scripts" / "fault_table.py")
+fault_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fault_table)
+
+RUNS: dict = {}   # fault_table.key(inject, args) -> (exit code, report): every run this file made
+
+
+def probe(out, *args, nproc: int = 2, **kw):
+    """tests.ranks.probe, remembering each --inject run for the README table."""
+    rc, rep, cp = _probe(out, *args, nproc=nproc, **kw)
+    if "--inject" in args:
+        rest = list(args)
+        inject = rest.pop(rest.index("--inject") + 1)
+        rest.remove("--inject")
+        RUNS[fault_table.key(inject, ["--nproc", str(nproc), *rest])] = (rc, rep)
+    return rc, rep, cp
 
 # (inject, nproc, extra args, kind, where, ranks)
 CASES = [
@@ -75,3 +98,14 @@ def test_ids_out_of_layer_order_are_named_since_the_model_packs_in_layer_order(t
     [f] = failures(rep)
     assert (f["kind"], f["where"], f["ranks"]) == ("slot-mismatch", "aux slots [0, 1, 2]", [0, 1])
     assert "not in layer order" in f["detail"]
+
+
+def test_the_readme_fault_table_is_what_these_runs_print(tmp_path):
+    """Runs here reuse every run above (a run missing, when this test is picked alone, is made)."""
+    for inject, extra in fault_table.RUNS:
+        k = fault_table.key(inject, extra)
+        if k not in RUNS:
+            RUNS[k] = fault_table.run(inject, extra, tmp_path / str(len(RUNS)))
+    want = fault_table.table(RUNS)
+    have = fault_table.readme_table((ROOT / "README.md").read_text())
+    assert have == want, "README's fault table differs from the runs: python scripts/fault_table.py --write"

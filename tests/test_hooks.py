@@ -17,9 +17,10 @@ def _audit(rank, world):
     t = _target(rank, world)
     with torch.no_grad(), Tap(t.model) as tap:
         t.forward()
-        handles = [repr(h) for h in tap.handles[:2]]
+        layer0 = next(repr(h) for h in tap.handles if h.kind == "layer")
     return {"records": [(a.where, a.source, a.group_size, a.shape) for a in tap.allreduces],
-            "order": tap.order, "handles": handles, "unreduced": tap.unreduced_rows()}
+            "order": tap.order, "handles": [f"<embed {tap.embed_name}>", layer0], "unreduced": tap.unreduced_rows(),
+            "coverage": tap.coverage()}
 
 
 def test_every_allreduce_is_attributed_to_its_layer_and_row_parallel_module():
@@ -31,10 +32,14 @@ def test_every_allreduce_is_attributed_to_its_layer_and_row_parallel_module():
     assert res["unreduced"] == []
     assert res["order"][:3] == ["embed.local", "embed.out", "layer.0.in_norm"]
     assert res["handles"] == ["<embed embed_tokens>", "<layer[0] layers.0>"]
+    cov = res["coverage"]      # found from structure, not from class names
+    assert (cov["embed"], cov["embed_how"], cov["layer_list"], cov["layers_found"]) == ("embed_tokens", "structure", "layers", 3)
+    assert cov["paths"] == {"c10d.allreduce_": 7} and cov["unreadable_paths"] == {}
 
 
 def _raises(rank, world):
     t = _target(rank, world)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
     orig = dist.all_reduce
     t.model.layers[1].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
     try:
@@ -43,10 +48,10 @@ def _raises(rank, world):
     except RuntimeError:
         pass
     hooks_left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in t.model.modules())
-    return {"restored": dist.all_reduce is orig, "hooks_left": hooks_left}
+    return {"restored": dist.all_reduce is orig and _get_current_dispatch_mode() is None, "hooks_left": hooks_left}
 
 
-def test_hooks_and_the_allreduce_wrapper_are_removed_when_the_forward_raises():
+def test_hooks_and_the_collective_audit_are_removed_when_the_forward_raises():
     res = spawn(_raises, 2)
     for r in res.values():
         assert r["restored"]

@@ -14,7 +14,7 @@ def test_llama_plus_one_always():
     assert p.shift == 1 and p.layers_to_capture == [0, 1, 3]
     assert [r.hf_index for r in p.rows] == [0, 1, 3]
     assert p.rows[0].what.startswith("embedding output")
-    assert "entering layer 3 = HF hidden_states[3]" in p.rows[2].what
+    assert "entering layer 3 = layer 2's output = HF hidden_states[3]" in p.rows[2].what
     assert p.crash is None and p.slot_hf_indices == [0, 1, 3]
 
 

@@ -148,10 +148,17 @@ def test_html_verdict_first_and_every_cell(faulty):
     assert any(c[1] == "bad" for row in rows[1:] for c in row), "a material cell must be coloured"
     # the all-reduce audit: one row per record, the summary numbers
     ar = rep["allreduce"]
-    assert len(doc.tables["allreduce"]) - 1 == len(ar["records"])
-    assert f"{ar['checked']} checked" in text
-    # aux slots, settings and the environment header
-    assert len(doc.tables["slots"]) - 1 == len(rep["slots"])
+    audit = doc.tables["allreduce"][1:]
+    assert len(audit) == len(ar["records"]) + 1          # + the reduce that never ran, in its place
+    gone = [i for i, row in enumerate(audit) if row[5][0] == "never issued"]
+    assert len(gone) == 1 and audit[gone[0]][1][0] == "layer.2" and audit[gone[0]][2][0] == "layers.2.self_attn.o_proj"
+    assert audit[gone[0]][5][1] == "bad" and audit[gone[0] - 1][1][0] == "layer.1" and audit[gone[0] + 1][1][0] == "layer.2"
+    assert f"{ar['checked']} all-reduces checked" in text and "never issued: the all-reduce of layers.2.self_attn.o_proj" in text
+    # aux slots: slot 2 holds the right layer (layer.3.out) but its values differ on rank 1: red, not green
+    slots = doc.tables["slots"]
+    assert len(slots) - 1 == len(rep["slots"])
+    assert [c[0] for c in slots[0]] == ["slot", "id", "expected", "holds", "values across ranks"]
+    assert [(r[3][1], r[4]) for r in slots[1:]] == [("ok", ("agree", "ok"))] * 2 + [("bad", ("differ on ranks [1]", "bad"))]
     assert "skip-allreduce@2" in text
     env = rep["environment"]
     assert f"torch {env['torch']}" in text and "CPU" in text
@@ -351,3 +358,15 @@ def test_chromium_renders_faulty_report(chromium, faulty, tmp_path):   # chromiu
     for f in faulty["report"]["findings"]:
         assert re.sub(r"\s+", " ", f["line"]) in text
     assert "Capture points × ranks" in text
+
+
+def test_html_without_matplotlib_says_how_to_get_the_heatmaps(faulty, monkeypatch):
+    """matplotlib is an extra (`tpprobe[html]`): without it the page is still whole and says how."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib now raises ImportError
+    page = render_html(faulty["report"])
+    doc = Doc()
+    doc.feed(page)
+    text = " ".join(doc.text)
+    assert doc.imgs == []
+    assert "pip install 'tpprobe[html]'" in text and "tpprobe report DIR --html FILE" in text
+    assert faulty["report"]["findings"][0]["line"][:40] in text, "the verdict is still there"

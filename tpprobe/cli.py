@@ -5,115 +5,126 @@ Bad usage is one line on stderr (what is wrong, what to do); --debug shows the t
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
-import time
 from pathlib import Path
+from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 from typer.exceptions import Abort, Exit, TyperException
 
-from .errors import TPProbeError, UsageError
+from .errors import TPProbeError
+from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="tpprobe: a debugger for tensor-parallel LLM inference.")
+                  help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage.")
 
 _DEBUG = {"on": False}
 
 
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise UsageError(f"--layers {text!r}: expected comma-separated integers like -1,1,3")
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"tpprobe {__version__}")
+        raise typer.Exit(0)
 
 
-@app.command()
-def probe(
-    nproc: Annotated[int, typer.Option("--nproc", help="local ranks to start (ignored under torchrun)")] = 2,
-    layers: Annotated[Optional[str], typer.Option("--layers", help="EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3; with --backend sglang the ids that capture the embedding and the streams leaving layers 1 and 3 under the architecture's rule, e.g. 0,2,4 for deepseek_v2)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 6,
-    hidden: Annotated[int, typer.Option("--hidden")] = 64,
-    heads: Annotated[int, typer.Option("--heads")] = 8,
-    ffn: Annotated[int, typer.Option("--ffn")] = 128,
-    vocab: Annotated[int, typer.Option("--vocab")] = 131,
-    tokens: Annotated[int, typer.Option("--tokens")] = 16,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
-    backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
-    arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | qwen2 | qwen3 | qwen3_moe | deepseek_v2 (also deepseek_v3, kimi_k2, or the class name)")] = "llama",
-    config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
-    dp_attention: Annotated[int, typer.Option("--dp-attention", help="with --backend sglang: attention-DP groups (SGLang's --enable-dp-attention --dp-size N); attention-TP = tp / N")] = 1,
-    model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory")] = None,
-    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable); with --backend sglang: fused-allreduce-capture | capture-no-residual | dp-attention-gather")] = None,
-    out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
-    exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
-    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
-    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-) -> None:
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print tpprobe's version and exit")] = False) -> None:
+    """tpprobe: a debugger for tensor-parallel LLM inference (exit 0 healthy, 1 findings, 2 bad usage)."""
+
+
+def _with_options(fn, cls):
+    """Give `fn(**kw)` the typer signature of `cls`'s declared options (tpprobe/options.py)."""
+    params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                annotation=Annotated[t, typer.Option(flag, help=help)])
+              for name, t, default, flag, help in typer_parameters(cls)]
+    fn.__signature__ = inspect.Signature(params, return_annotation=None)
+    fn.__annotations__ = {**{p.name: p.annotation for p in params}, "return": None}
+    return fn
+
+
+def probe(**kw) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
     from .exchange import dist as tdist
-    from .probe import ProbeOptions, run, validate
+    from .build import validate
+    from .probe import run
 
-    _DEBUG["on"] = debug
-    if layers is None and backend == "sglang" and not model:
-        from .sglang.tiny import default_layer_ids
-        ids = default_layer_ids(arch, num_layers)
-    else:
-        ids = _ids("-1,1,3" if layers is None else layers)
-    opts = ProbeOptions(layers=ids, num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
-                        vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
-                        config=config, dp_attention=dp_attention, model=model, inject=list(inject or []), out=out, timeout=timeout,
-                        exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
-                        nproc=nproc, debug=debug)
-    if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
-        raise typer.Exit(run(opts))
-    validate(opts, nproc)
+    _DEBUG["on"] = bool(kw.get("debug"))
+    opts = ProbeOptions.from_cli(**kw)
+    rank = tdist.env_rank()
+    if rank is not None:          # a rank under torchrun / our own launcher
+        try:
+            code = run(opts)
+        except TPProbeError as e:
+            if rank[0] != 0:      # every rank meets the same bad setting: rank 0 says it, once
+                raise typer.Exit(e.exit_code)
+            raise
+        raise typer.Exit(code)
+    validate(opts, opts.nproc)
     if opts.out is None:
-        opts.out = time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
-    from .capture.files import check_out_dir
+        from .capture.files import default_out_dir
+        opts.out = default_out_dir()
+    from .capture.files import check_out_dir, remove_if_empty
+    existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
     from .launch import launch_local
-    raise typer.Exit(launch_local(nproc, ["probe", *options_argv(opts)]))
+    code = launch_local(opts.nproc, ["probe", *opts.to_argv()])
+    if not existed:
+        remove_if_empty(Path(opts.out))
+    raise typer.Exit(code)
 
 
-def options_argv(opts) -> list[str]:
-    """ProbeOptions back to the command line the ranks run."""
-    a = ["--layers", ",".join(map(str, opts.layers)), "--num-layers", str(opts.num_layers), "--hidden", str(opts.hidden),
-         "--heads", str(opts.heads), "--ffn", str(opts.ffn), "--vocab", str(opts.vocab), "--tokens", str(opts.tokens),
-         "--seed", str(opts.seed), "--dtype", opts.dtype, "--backend", opts.backend, "--arch", opts.arch,
-         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out),
-         "--dp-attention", str(opts.dp_attention)]
-    for flag, v in (("--config", opts.config), ("--model", opts.model), ("--html", opts.html),
-                    ("--markdown", opts.markdown)):
-        if v:
-            a += [flag, str(v)]
-    for f in opts.inject:
-        a += ["--inject", f]
-    for flag, v in (("--json", opts.json_out), ("--quiet", opts.quiet), ("--debug", opts.debug)):
-        if v:
-            a.append(flag)
-    return a
+app.command("probe")(_with_options(probe, ProbeOptions))
 
 
 @app.command()
 def report(
     capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin")],
-    json_out: Annotated[bool, typer.Option("--json")] = False,
-    html: Annotated[Optional[str], typer.Option("--html")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet")] = False,
-    debug: Annotated[bool, typer.Option("--debug")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
+    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error")] = False,
 ) -> None:
     """Re-run the checks on a capture folder, offline, and print the report."""
     _DEBUG["on"] = debug
     from .tools.offline import report_dir
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "help_option_names": []}, add_help_option=False)
+def torchrun(ctx: typer.Context) -> None:
+    """Run a probe under torchrun (multi-node too), ending like any tpprobe command.
+
+    torchrun's options, then the command: `tpprobe torchrun --nproc-per-node 4 probe --layers -1,1,3`.
+    The same launch as `torchrun ... -m tpprobe probe`, ending like tpprobe: exit 0 healthy, 1 findings,
+    2 bad usage, without torchrun's ChildFailedError traceback after a report with findings."""
+    if not ctx.args or ctx.args[0] in ("--help", "-h"):
+        from .report.terminal import console
+        console().print(torchrun.__doc__.replace("\n    ", "\n"))
+        raise typer.Exit(0)
+    from .launch import torchrun as run_torchrun
+    raise typer.Exit(run_torchrun(list(ctx.args)))
+
+
+@app.command()
+def specforge(
+    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe (with aux.packed)")],
+    out: Annotated[Path, typer.Argument(help="the sample file to write, e.g. rows_0-5000/data_0.ckpt "
+                                            "(only its last folder is created)")],
+    rank: Annotated[int, typer.Option("--rank", help="whose capture to write (every rank should hold the same)")] = 0,
+) -> None:
+    """Write a SpecForge EAGLE-3 training sample (data_N.ckpt) from a capture, for `tpprobe diff`."""
+    from .tools.specforge import read_sample, sample_from_capture
+    path = sample_from_capture(capture_dir, out, rank)
+    aux = read_sample(path)["aux_hidden_state"]
+    print(f"wrote {path}: a SpecForge EAGLE-3 sample from rank {rank} of {capture_dir} "
+          f"(aux_hidden_state {aux.shape[0]} tokens × {aux.shape[1]})")
 
 
 @app.command("diff")
@@ -126,7 +137,7 @@ def diff(
     hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
     offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
     threshold: Annotated[Optional[str], typer.Option(
-        "--threshold", help="rel diff a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
+        "--threshold", help="rel diff² (‖t−b‖²/(‖t‖²+‖b‖²): quadratic: a 1 % difference is 5e-5) a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
                             "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
@@ -153,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         else:
             ctx = getattr(e, "ctx", None)
             cmd = f"tpprobe {ctx.info_name} --help" if ctx and ctx.info_name != "tpprobe" else "tpprobe --help"
-            _fail(f"{e.format_message()} (see {cmd})", e)
+            _fail(f"{_choice_message(e, argv) or e.format_message()} (see {cmd})", e)
             code = 2
     except Exit as e:
         code = e.exit_code
@@ -165,6 +176,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _choice_message(e, argv: list[str]) -> Optional[str]:
+    """`unknown --backend 'mpi': use auto, gloo, nccl or sglang` for a value outside an enum option."""
+    param = getattr(e, "param", None)
+    enum = getattr(getattr(param, "type_descriptor", None), "annotation", None)   # typer's own option types
+    choices = list(enum) if isinstance(enum, type) and issubclass(enum, Enum) else \
+        list(getattr(getattr(param, "type", None), "choices", None) or [])
+    if not choices:
+        return None
+    flags = list(getattr(param, "opts", []))
+    value = next((a.split("=", 1)[1] for a in argv if "=" in a and a.split("=", 1)[0] in flags), None)
+    if value is None:
+        value = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in flags), "?")
+    names = [str(getattr(c, "value", c)) for c in choices]
+    return f"unknown {flags[0] if flags else 'value'} {value!r}: use {', '.join(names[:-1])} or {names[-1]}"
 
 
 def _fail(msg: str, exc: BaseException) -> None:

@@ -19,32 +19,7 @@ import torch.distributed as dist
 from .errors import UsageError
 from .target import ProbeTarget, RankContext
 
-# name -> (catalogue id, argument: "layer" | "rank" | None, argument required)
-FAULTS = {
-    "skip-embed-allreduce": ("F1", None, False),
-    "skip-allreduce": ("F2", "layer", True),
-    "subgroup-allreduce": ("F3", "layer", True),
-    "rank-noise": ("F4", "rank", True),
-    "rank-weight": ("F5", "rank", True),
-    "slice-capture": ("F6", None, False),
-    "capture-offset": ("F7", None, False),
-    "drop-embed-slot": ("F8", None, False),
-    "slot-order": ("F8", None, False),
-    "alias-capture": ("F9", None, False),
-    "nan": ("F10", "rank", True),
-    "capture-dtype": ("F11", "rank", False),
-    "capture-noncontig": ("F11", None, False),
-    "extra-collective": ("F12", "rank", True),
-    "embed-after-norm": ("F13", None, False),
-    "kill-rank": ("F14", "rank", True),
-    "hang-rank": ("F14", "rank", True),
-    "drop-last-id": ("F15", None, False),
-    # SGLang's own model only (--backend sglang): tpprobe.sglang.faults
-    "fused-allreduce-capture": ("F16", None, False),
-    "dp-attention-gather": ("F17", None, False),
-    "capture-no-residual": ("F18", None, False),
-}
-SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+from .fault_names import FAULTS, SGLANG_ONLY, inject_help  # noqa: F401  (the names, torch-free for --help)
 
 
 def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:

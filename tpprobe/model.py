@@ -14,27 +14,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .capture.points import layer_out
 from .errors import UsageError
+from .options import BUILTIN
 from .target import ProbeTarget, RankContext
 
 
 @dataclass
 class BuiltinConfig:
-    num_layers: int = 6
-    hidden: int = 64
-    heads: int = 8
-    ffn: int = 128
-    vocab: int = 131
-    tokens: int = 16
-    seed: int = 0
+    # the defaults are the probe's (tpprobe/options.py BUILTIN, declared once there)
+    num_layers: int = BUILTIN["num_layers"]
+    hidden: int = BUILTIN["hidden"]
+    heads: int = BUILTIN["heads"]
+    ffn: int = BUILTIN["ffn"]
+    vocab: int = BUILTIN["vocab"]
+    tokens: int = BUILTIN["tokens"]
+    seed: int = BUILTIN["seed"]
     dtype: torch.dtype = torch.float32
-    layer_ids: list[int] = field(default_factory=lambda: [-1, 1, 3])
+    layer_ids: list[int] = field(default_factory=lambda: list(BUILTIN["layer_ids"]))
+
+    @classmethod
+    def from_options(cls, opts, layer_ids: Optional[list[int]] = None) -> "BuiltinConfig":
+        """The built-in model `tpprobe probe` builds from its options (ProbeOptions)."""
+        return cls(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
+                   vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
+                   **({"layer_ids": layer_ids} if layer_ids is not None else {}))
 
     def validate(self, world_size: int) -> None:
         if self.num_layers < 1:
@@ -260,7 +271,7 @@ def reference_streams(cfg: BuiltinConfig, weights: dict | None = None, dtype=Non
         r = None
         for k, layer in enumerate(model.layers):
             h, r = layer(h, r)
-            out[f"layer.{k}.out"] = h + r
+            out[layer_out(k)] = h + r
     return out
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 
 
+
 @dataclass
 class RankContext:
     rank: int
@@ -30,7 +31,9 @@ class ProbeTarget:
     """A model ready to run one forward on this rank.
 
     forward() runs the forward pass (no grad is set by the probe) and returns whatever the model
-    returns. Decoder layers are found by class-name pattern; the embedding likewise.
+    returns. The decoder layers are the model's longest nn.ModuleList and the embedding is the
+    module that consumes input_ids and emits [tokens, hidden], unless `layer_list` / `embed` name
+    them (a module path such as "model.layers", or a class-name glob such as "*DecoderLayer").
     """
 
     model: torch.nn.Module
@@ -50,6 +53,9 @@ class ProbeTarget:
     # Model-specific capture added to the Tap: each is called with the Tap on enter and returns
     # handles with .remove(); it records points with tap.record_point(name, tensor).
     tap_extensions: tuple = ()
+    # Overrides of what structure finds (the CLI's --embed / --layer-list win over these).
+    embed: Optional[str] = None
+    layer_list: Optional[str] = None
     # False when decoder layers do not return (hidden_states, residual) (SGLang 0.5.23's owed
     # output): the extension records layer.K.out instead.
     stream_from_layer_output: bool = True

@@ -90,6 +90,45 @@ def estimate_bytes(n_tensors: int, tokens: int, hidden: int, dtype: torch.dtype)
     return n_tensors * tokens * hidden * torch.empty((), dtype=dtype).element_size()
 
 
+RUNS_DIR = "tpprobe-runs"
+
+
+def default_out_dir() -> str:
+    """A fresh folder under ./tpprobe-runs (that one folder is created here if absent)."""
+    import time
+    Path(RUNS_DIR).mkdir(exist_ok=True)
+    return f"{RUNS_DIR}/{time.strftime('%Y%m%d-%H%M%S-')}{os.urandom(2).hex()}"
+
+
+def remove_if_empty(out: Path) -> None:
+    """A run that stopped before writing anything leaves no folder behind."""
+    try:
+        out.rmdir()     # only an empty folder: never anything a user put there
+    except OSError:
+        pass
+
+
+def check_parent_exists(path: Path, flag: str) -> None:
+    """Only the last folder of a path is ever created: a missing parent is a typo, not a request."""
+    parent = Path(path).absolute().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist (tpprobe creates only the last "
+                         f"folder of a path); create it first or fix the path")
+
+
+def check_file_path(path: Path, flag: str) -> None:
+    """A file tpprobe writes may go into a new folder, but only one: that folder's parent must exist."""
+    folder = Path(path).absolute().parent
+    if not folder.parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder.parent} does not exist (tpprobe creates only the last "
+                         f"folder of a path); create it first or fix the path")
+
+
+def make_file_folder(path: Path, flag: str) -> None:
+    check_file_path(path, flag)
+    Path(path).absolute().parent.mkdir(exist_ok=True)
+
+
 HEADROOM = 16 << 20   # bytes kept free beyond the estimate (manifest, report, the filesystem's own)
 
 
@@ -98,8 +137,9 @@ def check_out_dir(out: Path, need_bytes: int) -> None:
 
     need_bytes <= 0 checks only that the folder can be created and written (the launcher does
     that before any rank starts; the ranks check the space once they know the model's size)."""
+    check_parent_exists(out, "--out")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
         probe = out / f".tpprobe-write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -188,7 +228,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_meta(meta) -> None:
+def check_meta(meta) -> None:
     """The shape of a rank's metadata the checks rely on (ValueError says what is off)."""
     if not isinstance(meta, dict):
         raise ValueError("not a JSON object")
@@ -278,7 +318,7 @@ def load_run(path, verify: bool = True) -> LoadedRun:
             continue
         try:
             meta = _read_json(root / js, "rank metadata file")
-            _check_meta(meta)
+            check_meta(meta)
         except CaptureError as e:
             problems.append({"file": js, "rank": rank, "problem": f"unreadable JSON ({str(e).split(': ', 1)[-1]})"})
             continue
@@ -311,7 +351,7 @@ def load_rank_files(root: Path, rank: int, entries: list[dict]) -> RankRecord:
     stem = rank_stem(rank)
     meta = _read_json(root / f"{stem}.json", "rank metadata file")
     try:
-        _check_meta(meta)
+        check_meta(meta)
     except ValueError as e:
         raise CaptureError(f"{root / stem}.json: malformed rank metadata ({e})")
     return RankRecord(rank, meta, _load_tensors(root / f"{stem}.safetensors"))
@@ -351,3 +391,14 @@ def point_set_mismatches(metas: dict[int, dict]) -> list[dict]:
                     "detail": f"ranks disagree on capture point {n}: {'; '.join(parts)}; the others "
                               f"({', '.join(map(str, variants[ref_key]))}): {text(ref)}"})
     return out
+
+
+def estimate_capture_bytes(target, layer_ids: list[int], keep_all: bool) -> int:
+    """What one rank writes: embedding (local + out), the kept layers, the packed aux, and with
+    --exchange full every layer plus two tensors per audited all-reduce (about 2 per layer)."""
+    per = int(target.input_ids.numel()) * target.hidden_size * torch.empty((), dtype=target.dtype).element_size()
+    n = 3 + len(layer_ids) + len(layer_ids)
+    if keep_all:
+        n += target.num_layers + 2 * (2 * target.num_layers + 1)
+    return n * per
+

@@ -1,11 +1,13 @@
 """Scoped hooks: what the probe sees during one forward on one rank.
 
-`Tap(model, ...)` is a context manager. On enter it finds modules by class-name pattern
-(default `VocabParallelEmbedding` and `*DecoderLayer`, so any model built like SGLang's works),
-registers forward hooks, and wraps `torch.distributed.all_reduce` so that every all-reduce issued
-during the forward is audited: its input (before; all-reduce is in place) and output (after), the
-group size, and which module issued it. On exit every handle is removed and the wrapper undone, in
-`finally`, also when the forward raises.
+`Tap(model, ...)` is a context manager. On enter it finds the decoder layers and the embedding
+from the model's structure (capture/discover.py: the longest ModuleList; the module that consumes
+the input ids and emits [tokens, hidden]), or from overrides (`embed=`, `layers=`: a module path
+or a class-name glob), registers forward hooks, and starts the collective audit
+(capture/audit.py: every all-reduce, reduce-scatter and all-gather at the c10d dispatcher level,
+whatever door it came through): its input (before) and output (after), the group size, the path
+and which module issued it. On exit every handle is removed and the audit stopped, also when the
+forward raises. `coverage()` says what was hooked and audited.
 
 Capture points (names used everywhere in tpprobe):
   embed.local   the embedding's local, pre-reduce output (the input of the all-reduce it issues;
@@ -20,15 +22,15 @@ Capture points (names used everywhere in tpprobe):
 from __future__ import annotations
 
 import fnmatch
-import re
-import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from . import discover
+from .audit import Audit, CollectiveRecord
+from .points import in_norm, layer_out, layer_place
 from .progress import Progress
 
 
@@ -49,48 +51,15 @@ class HookHandle:
         return f"<{self.kind}{idx} {self.name}>"
 
 
-@dataclass
-class AllReduceRecord:
-    seq: int
-    module: str                     # innermost hooked module running when it was issued
-    source: Optional[str]           # row-parallel module whose output it reduced, if known
-    layer: Optional[int]            # decoder layer index, None outside layers
-    where: str                      # "embed" | "layer.K" | "other"
-    shape: tuple
-    dtype: str
-    group_size: int
-    op: str
-    group: Optional[str] = None            # the issuing group's name when known (SGLang: tp:0, attention_tp:0)
-    group_ranks: Optional[list] = None     # global ranks of the group (None: the whole world)
-    inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
-    out: Optional[torch.Tensor] = None
-    inp_summary: Any = None
-    out_summary: Any = None
-    seconds: float = 0.0
-
-    def meta(self) -> dict:
-        return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
-                "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
-                "group_size": self.group_size, "op": self.op, "group": self.group,
-                "group_ranks": self.group_ranks}
-
-
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)$")
+AllReduceRecord = CollectiveRecord        # the name earlier code imports
 _ROW_PATTERNS = ("*RowParallel*",)
 
 
-def find_modules(model: torch.nn.Module, embed_pattern: str, layer_pattern: str):
-    """(embedding (name, module) or None, [(index, name, module)] of decoder layers in order)."""
-    embed, layers = None, []
-    for name, m in model.named_modules():
-        cls = type(m).__name__
-        if embed is None and fnmatch.fnmatchcase(cls, embed_pattern):
-            embed = (name, m)
-        elif fnmatch.fnmatchcase(cls, layer_pattern):
-            hit = _LAYER_RE.search(name)
-            layers.append((int(hit.group(1)) if hit else len(layers), name, m))
-    layers.sort(key=lambda x: x[0])
-    return embed, layers
+def find_modules(model: torch.nn.Module, embed: Optional[str] = None, layers: Optional[str] = None):
+    """(embedding (name, module) or None when it is found during the forward, [(index, name, module)]
+    of decoder layers in order). See capture/discover.py."""
+    _, _, found = discover.layer_list(model, layers)
+    return (discover.embedding(model, embed) if embed else None), found
 
 
 def _first_tensor(x):
@@ -122,13 +91,13 @@ def residual_stream(output) -> Optional[torch.Tensor]:
 
 
 class Tap:
-    def __init__(self, model: torch.nn.Module, *, embed_pattern: str = "VocabParallelEmbedding",
-                 layer_pattern: str = "*DecoderLayer", keep: Callable[[str], bool] = lambda n: True,
+    def __init__(self, model: torch.nn.Module, *, embed: Optional[str] = None, layers: Optional[str] = None,
+                 input_ids: Optional[torch.Tensor] = None, keep: Callable[[str], bool] = lambda n: True,
                  summarize: Optional[Callable[[torch.Tensor], Any]] = None,
                  keep_allreduce_tensors: bool = True, audit: bool = True,
                  progress: Optional[Progress] = None, extensions: tuple = ()):
         self.model = model
-        self.embed_pattern, self.layer_pattern = embed_pattern, layer_pattern
+        self.embed_spec, self.layer_spec, self.input_ids = embed, layers, input_ids
         self.keep, self.summarize = keep, summarize
         self.keep_ar = keep_allreduce_tensors
         self.audit = audit
@@ -136,20 +105,25 @@ class Tap:
         self.captures: dict[str, torch.Tensor] = {}
         self.summaries: dict[str, Any] = {}
         self.order: list[str] = []                 # capture points in the order they fired
-        self.allreduces: list[AllReduceRecord] = []
+        self.auditor = Audit(self._attribution, keep=lambda where: self.keep_ar or where == "embed",
+                             summarize=summarize, progress=self.progress)
+        self.allreduces: list[CollectiveRecord] = self.auditor.records
         self.progress.audit = self.allreduces
+        self.layer_how, self.layer_list, self.embed_how = "", "", ""
+        self.layers_ran: set = set()
+        self._embed_pending: Optional[str] = None
+        self._layer_names: list[str] = []
         self.handles: list[HookHandle] = []
         self.row_outputs: list[dict] = []          # row-parallel outputs and whether they were reduced
         self.embed_name: Optional[str] = None
         self.layer_indices: list[int] = []
         self._stack: list[tuple[str, str, Optional[int]]] = []   # (name, kind, layer index)
-        self._orig = None
+        self._auditing = False
         # extensions(tap) -> handles with .remove(): model-specific capture that calls
         # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
         self.extensions = tuple(extensions)
         self._ext_handles: list = []
         self.stream_from_layer_output = True
-        self.audit_suppressed = 0                  # > 0 inside an audited higher-level reduce
         self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
 
     # -- install / remove -------------------------------------------------------------------
@@ -165,10 +139,15 @@ class Tap:
         self._remove()
 
     def _install(self) -> None:
-        embed, layers = find_modules(self.model, self.embed_pattern, self.layer_pattern)
-        if embed is not None:
-            self.embed_name = embed[0]
-            self._hook(embed[1], HookHandle("embed", embed[0], None), self._embed_post)
+        self.layer_how, self.layer_list, layers = discover.layer_list(self.model, self.layer_spec)
+        self._layer_names = [n for _, n, _ in layers]
+        if self.embed_spec:
+            name, m = discover.embedding(self.model, self.embed_spec)
+            self.embed_name, self.embed_how = name, "override"
+            self._hook(m, HookHandle("embed", name, None), self._embed_post)
+        else:     # found during the forward: the module that consumes the ids and emits [tokens, hidden]
+            for name, m in discover.candidates(self.model, layers, self.layer_list):
+                self._watch_embedding(name, m)
         seen: set[int] = set()
         for idx, name, m in layers:
             self.layer_indices.append(idx)
@@ -189,9 +168,39 @@ class Tap:
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:
-            self._orig = (dist.all_reduce, c10d.all_reduce)
-            dist.all_reduce = self._all_reduce
-            c10d.all_reduce = self._all_reduce
+            self.auditor.__enter__()
+            self._auditing = True
+
+    def _watch_embedding(self, name: str, module) -> None:
+        """Pre/post hooks on a module that may be the embedding; the first (outermost) one that
+        consumes the input ids and emits [tokens, hidden] is it."""
+        handle = HookHandle("embed", name, None)
+
+        def pre(mod, args, kwargs):
+            if self.embed_name is not None or self._embed_pending is not None:
+                return
+            ids = discover.consumes_ids(args, kwargs, self.input_ids)
+            if ids is not None:
+                self._embed_pending, self._pending_ids = name, ids
+                self._stack.append((name, "embed", None))
+
+        def post(mod, args, kwargs, output):
+            if self._embed_pending != name:
+                return
+            self._embed_pending = None
+            if self._stack and self._stack[-1][0] == name:
+                self._stack.pop()
+            if discover.emits_hidden(output, self._pending_ids):
+                self.embed_name, self.embed_how = name, "structure"
+                self._embed_post(handle, args, output)
+            else:                       # not the embedding: what it issued was not the embedding's
+                for r in self.allreduces:
+                    if r.where == "embed":
+                        r.where = "other"
+
+        handle.handles += [module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+                           module.register_forward_hook(post, with_kwargs=True)]
+        self.handles.append(handle)
 
     def _hook(self, module, handle: HookHandle, post) -> None:
         def pre(mod, args):
@@ -215,9 +224,9 @@ class Tap:
         for h in self._ext_handles:
             h.remove()
         self._ext_handles = []
-        if self._orig is not None:
-            dist.all_reduce, c10d.all_reduce = self._orig
-            self._orig = None
+        if self._auditing:
+            self._auditing = False
+            self.auditor.__exit__(None, None, None)
 
     # -- capture --------------------------------------------------------------------------
     def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
@@ -247,7 +256,8 @@ class Tap:
         self._record(name, t, copied=copied)
 
     def _layer_post(self, handle, args, output) -> None:
-        name = f"layer.{handle.index}.out"
+        name = layer_out(handle.index)
+        self.layers_ran.add(handle.index)
         if not self.stream_from_layer_output or self.sglang_layers or is_owed(output):
             return     # an owed output (SGLang's OwedOutput) is a handle, never a tensor to read
         if self.summarize is None and not self.keep(name):
@@ -259,7 +269,7 @@ class Tap:
         if handle.kind != "row":
             if handle.name.endswith(".input_layernorm") and self.layer_indices and handle.index == self.layer_indices[0]:
                 # a candidate for "the embedding slot was taken after a transform"
-                self._record(f"layer.{handle.index}.in_norm", _first_tensor(output), copied=False)
+                self._record(in_norm(handle.index), _first_tensor(output), copied=False)
             return
         out = _first_tensor(output)
         reduced_inside = any(r.source == handle.name for r in self.allreduces)
@@ -267,74 +277,48 @@ class Tap:
                                  "ptr": out.data_ptr() if out is not None else None,
                                  "reduced": reduced_inside})
 
-    # -- all-reduce audit -----------------------------------------------------------------
-    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        orig = self._orig[0]
-        if not isinstance(tensor, torch.Tensor) or self.audit_suppressed:
-            # audit_suppressed: an outer audited reduce (an SGLang GroupCoordinator) ends here
-            return orig(tensor, op=op, group=group, async_op=async_op)
-
-        def call():
-            work = orig(tensor, op=op, group=group, async_op=async_op)
-            if async_op and work is not None:
-                work.wait()
-            return work, tensor
-
-        ranks = None
-        if group is not None and dist.get_world_size(group) != dist.get_world_size():
-            ranks = list(dist.get_process_group_ranks(group))
-        return self.audited_all_reduce(tensor, dist.get_world_size(group), str(op).split(".")[-1], None, call,
-                                       group_ranks=ranks)
-
-    def audited_all_reduce(self, tensor, group_size: int, op: str, group_name: Optional[str], call,
-                           group_ranks: Optional[list] = None):
-        """Record one all-reduce of `tensor` around `call() -> (result, output tensor)`: its input
-        before, its output after, the module that issued it. For extensions that audit a reduce at
-        a higher level (SGLang's GroupCoordinator.all_reduce); reduces issued inside `call` are not
-        recorded again."""
-        seq = len(self.allreduces)
-        module, layer, where, source = self._attribution(tensor)
-        rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
-                              shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                              group_size=group_size, op=op, group=group_name,
-                              group_ranks=None if group_ranks is None else [int(x) for x in group_ranks])
-        keep = self.keep_ar or where == "embed"
-        if keep:
-            rec.inp = tensor.detach().clone()
-        if self.summarize is not None:
-            rec.inp_summary = self.summarize(tensor)
-        self.allreduces.append(rec)
-        self.progress.collective = {"seq": seq, "module": module, "where": where,
-                                    "shape": list(rec.shape), "since": time.time()}
-        t0 = time.perf_counter()
-        self.audit_suppressed += 1
-        try:
-            result, out = call()
-        finally:
-            self.audit_suppressed -= 1
-        rec.seconds = time.perf_counter() - t0
-        self.progress.collective = None
-        if keep:
-            rec.out = out.detach().clone()
-        if self.summarize is not None:
-            rec.out_summary = self.summarize(out)
-        return result
+    # -- collective audit -----------------------------------------------------------------
+    def collective(self, kind: str, path: str, inp, group_size: int, op: str = "SUM"):
+        """Record one collective issued by a wrapper above c10d (see capture/audit.py)."""
+        return self.auditor.collective(kind, path, inp, group_size, op)
 
     def _attribution(self, tensor):
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"
         layer = next((idx for _, kind, idx in reversed(self._stack) if kind == "layer"), None)
         in_embed = any(kind == "embed" for _, kind, _ in self._stack)
-        where = "embed" if in_embed else (f"layer.{layer}" if layer is not None else "other")
+        where = layer_place(-1 if in_embed else layer)
         source = next((name for name, kind, _ in reversed(self._stack) if kind == "row"), None)
-        if source is None:  # reduced after the row-parallel module returned (reduce_results=False)
+        if source is None and isinstance(tensor, torch.Tensor):
+            # reduced after the row-parallel module returned (reduce_results=False)
             ptr = tensor.data_ptr()
             for row in reversed(self.row_outputs):
                 if row["ptr"] == ptr and not row["reduced"]:
                     row["reduced"], source = True, row["module"]
                     if not in_embed and row["layer"] is not None:
-                        layer, where = row["layer"], f"layer.{row['layer']}"
+                        layer, where = row["layer"], layer_place(row["layer"])
                     break
         return module, layer, where, source
 
     def unreduced_rows(self) -> list[dict]:
         return [{"module": r["module"], "layer": r["layer"]} for r in self.row_outputs if not r["reduced"]]
+
+    def coverage(self) -> dict:
+        """What was hooked and audited on this rank (part of the verdict: checks/coverage.py)."""
+        per_layer: dict = {}
+        paths: Counter = Counter()
+        unread: Counter = Counter()
+        for r in self.allreduces:
+            paths[r.meta()["path"]] += 1
+            if r.kind in ("all_reduce", "reduce_scatter", "unknown"):
+                per_layer[r.where] = per_layer.get(r.where, 0) + 1
+            if not r.checked:
+                unread[r.meta()["path"]] += 1
+        return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
+                "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
+                "layer_names": list(self._layer_names),
+                "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
+                "reduces_per_place": per_layer, "paths": dict(paths), "unreadable_paths": dict(unread),
+                "audit": self.audit}
+
+    def _layer_modules(self):
+        return [self.model.get_submodule(n) for n in self._layer_names]

@@ -15,21 +15,17 @@ from typing import Optional
 
 import torch
 
-from .noise import NOISE_ULP, bitwise_equal, coarser, compare, eps_of, nonfinite, nonzero_rows, within_noise
-from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
+from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
+                    within_noise)
+from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
+from ..exchange.fingerprint import PROBE_K, PROBE_SEED, Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
 
 
-def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
-
-
 def layer_points(names) -> list[str]:
-    def key(n):
-        return int(n.split(".")[1])
-    return sorted((n for n in names if n.startswith("layer.") and n.endswith(".out")), key=key)
+    return layer_streams(names)
 
 
 def slot_candidates(names) -> list[str]:
@@ -44,28 +40,41 @@ def fp_rel(a: Fingerprint, b: Fingerprint) -> float:
     return 0.0 if err == 0 else (err / (math.sqrt(a.k) * s) if s and not math.isnan(s) else float("inf"))
 
 
+def fp_measure(a: Fingerprint, b: Fingerprint, dtype: torch.dtype) -> dict:
+    """What the noise model can judge from two fingerprints: the norm-wise relative error (the
+    sketch's estimate, or the exact lower bound | ||a|| - ||b|| | / max(||a||, ||b||) from the sums of
+    squares when larger: a drift that scales the stream is measured exactly, not estimated) and a
+    lower bound of the worst element's difference (|absmax(a) - absmax(b)|)."""
+    rel = fp_rel(a, b)
+    na, nb = math.sqrt(max(a.sumsq, 0.0)), math.sqrt(max(b.sumsq, 0.0))
+    if math.isfinite(na) and math.isfinite(nb) and max(na, nb) > 0:
+        rel = max(rel, abs(na - nb) / max(na, nb))
+    m = {"from": "fingerprint", "rel_norm": rel, "nan_mismatch": int((a.n_nan, a.n_inf) != (b.n_nan, b.n_inf))}
+    if dtype.is_floating_point and math.isfinite(a.absmax) and math.isfinite(b.absmax):
+        spacing = float(ulp_of(torch.tensor(max(abs(a.absmax), abs(b.absmax)), dtype=torch.float64), dtype))
+        m["ulp_max"] = abs(a.absmax - b.absmax) / spacing if spacing > 0 else 0.0
+    return m
+
+
 def fp_level(a: Fingerprint, b: Fingerprint, dtype: torch.dtype) -> str:
-    """bitwise / noise / material / shape, judged like compare(): noise is a norm-wise difference of a
-    few ULP (an eighth of the elementwise bound: rounding spread over every element)."""
+    """bitwise / noise / material / shape: the noise model (checks/noise.py) on what fingerprints tell."""
     if a.shape != b.shape:
         return "shape"
     if a.bit_hash == b.bit_hash and a.dtype == b.dtype:
         return "bitwise"
-    if (a.n_nan, a.n_inf) != (b.n_nan, b.n_inf):
+    if (a.n_nan, a.n_inf) != (b.n_nan, b.n_inf) or a.n_nan or a.n_inf:
         return "material"
-    if a.n_nan or a.n_inf:
-        return "material"
-    return "noise" if fp_rel(a, b) <= NOISE_ULP.get(dtype, 64.0) * eps_of(dtype) / 8 else "material"
+    return "noise" if is_noise(fp_measure(a, b, dtype), dtype) else "material"
 
 
 def fp_stats(fp: Fingerprint, base: Fingerprint, dtype: torch.dtype) -> dict:
     lv = fp_level(fp, base, dtype)
     s = {"level": lv, "from": "fingerprint"}
     if lv not in ("bitwise", "shape"):
-        rel = fp_rel(fp, base)
+        rel = fp_measure(fp, base, dtype)["rel_norm"]
         s.update(rel_norm=rel, rel_diff=rel * rel / 2, max_abs=None, first_token=None)
     elif lv == "bitwise":
-        s.update(max_abs=0.0, rel_diff=0.0)
+        s.update(max_abs=0.0, rel_diff=0.0, rel_norm=0.0)
     return s
 
 
@@ -102,6 +111,8 @@ def match_slots(packed: torch.Tensor, hidden: int, candidates: dict, dtype: torc
 class TensorEvidence:
     """Every rank's tensors are here (rank 0 after a full gather, or read from a capture folder)."""
 
+    audit_method = "tensors"      # all-reduces checked element by element
+
     def __init__(self, records, dtype: torch.dtype):
         self.records, self.dtype = records, dtype
 
@@ -115,7 +126,7 @@ class TensorEvidence:
         base = have.get(ref, next(iter(have.values())))
         per = {}
         for r, t in have.items():
-            if name.endswith(".local"):       # each rank's own share: expected to differ
+            if parse(name).kind == SHARE:       # each rank's own share: expected to differ
                 s = {"level": "reference" if t is base else "share"}
             elif t is base:
                 s = {"level": "reference"}
@@ -139,20 +150,24 @@ class TensorEvidence:
         return compare(s, reference.double(), dtype=self.dtype)["level"]
 
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
-        ins = {r: self.tensor(f"allreduce.{i}.in", r) for r in live}
-        outs = {r: self.tensor(f"allreduce.{i}.out", r) for r in live}
+        """Each rank's output of collective i against what a complete one returns (the sum of every
+        rank's input; for a reduce-scatter, this rank's chunk of it; for an all-gather, the concatenation)."""
+        from ..capture.audit import expected_output
+        ins = {r: self.tensor(allreduce_in(i), r) for r in live}
+        outs = {r: self.tensor(allreduce_out(i), r) for r in live}
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or len({tuple(v.shape) for v in ins.values()}) > 1:
             return None
+        kind = meta.get("kind", "all_reduce")
         per = {}
-        for r in live:
-            # a sub-group reduce (SGLang's attention-TP group under DP attention) sums its members only
+        for j, r in enumerate(live):
+            # a sub-group reduce (SGLang's attention-TP group under DP attention) involves its members only
             members = [q for q in (self.records[r].meta["allreduces"][i].get("group_ranks") or live) if q in ins]
-            total = sum(ins[q].float() for q in members)     # within_noise's precision; compare() redoes it in f64
-            c = within_noise(outs[r], total, outs[r].dtype) or \
-                compare(outs[r].double(), sum(ins[q].double() for q in members), dtype=outs[r].dtype)
-            per[str(r)] = {"level": c["level"] if c["level"] != "bitwise" else "exact",
-                           "rel_diff": c.get("rel_diff", 0.0), "max_abs": c.get("max_abs", 0.0)}
+            exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members))
+            if exp is None:
+                return None
+            c = reduce_check(outs[r], [ins[q] for q in members], exp, outs[r].dtype)
+            per[str(r)] = {"level": c["level"], "rel_norm": c["rel_norm"], "max_abs": c["max_abs"]}
         return per
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
@@ -177,6 +192,8 @@ class FingerprintEvidence(TensorEvidence):
     """Each rank's fingerprints (its posted metadata) plus the statistics ranks computed locally
     against the reference rank's broadcast tensor where fingerprints disagreed (`detail`)."""
 
+    audit_method = "sketch"       # all-reduces checked on linear sketches: within rounding, never exact
+
     def __init__(self, records, dtype: torch.dtype, detail: dict[str, dict[int, dict]]):
         super().__init__(records, dtype)
         self.detail = detail
@@ -194,7 +211,7 @@ class FingerprintEvidence(TensorEvidence):
         base = have[base_rank]
         per = {}
         for r, f in have.items():
-            if name.endswith(".local"):
+            if parse(name).kind == SHARE:
                 s = {"level": "reference" if r == base_rank else "share"}
             elif r == base_rank:
                 s = {"level": "reference"}
@@ -221,12 +238,24 @@ class FingerprintEvidence(TensorEvidence):
         return "noise" if ok else "material"
 
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
+        """The same check on sketches (linear: sketch(out) ~ sum of sketches of the inputs); a
+        reduce-scatter is checked chunk by chunk, an all-gather on its output's chunks' hashes."""
         recs = [self.records[r].meta["allreduces"][i] for r in live]
         if any("in_fp" not in a or "out_fp" not in a for a in recs):
             return None
-        ins = [Fingerprint.from_json(a["in_fp"]) for a in recs]
+        kind = meta.get("kind", "all_reduce")
         per = {}
-        for r, a in zip(live, recs):
+        for j, (r, a) in enumerate(zip(live, recs)):
+            if kind == "all_gather":
+                outs = [Fingerprint.from_json(f) for f in a["out_fp"]]
+                ins = [Fingerprint.from_json(b["in_fp"]) for b in recs]
+                ok = len(outs) == len(ins) and all(o.bit_hash == x.bit_hash for o, x in zip(outs, ins))
+                per[str(r)] = {"level": "exact" if ok else "material", "rel_norm": 0.0 if ok else None}
+                continue
+            if kind == "reduce_scatter":
+                ins = [Fingerprint.from_json(b["in_fp"][j]) for b in recs]
+            else:
+                ins = [Fingerprint.from_json(b["in_fp"]) for b in recs]
             out = Fingerprint.from_json(a["out_fp"])
             ok, rel = sum_matches(out, ins, getattr(torch, out.dtype))
             per[str(r)] = {"level": "noise" if ok else "material", "rel_norm": rel}
@@ -234,3 +263,25 @@ class FingerprintEvidence(TensorEvidence):
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         return self.records[r].meta.get("slot_match")
+
+
+# ---- what a rank sends instead of its tensors (--exchange fingerprint) ---------------------------
+def _fp_json(fp):
+    """A fingerprint, or a list of them (a reduce-scatter's input / all-gather's output, per chunk)."""
+    return [f.to_json() for f in fp] if isinstance(fp, list) else fp.to_json()
+
+
+def add_fingerprints(meta: dict, tap, packed: Optional[torch.Tensor], hidden: int, dtype: torch.dtype) -> None:
+    """Into this rank's metadata: every capture point's fingerprint, each audited collective's, and
+    which candidate each aux slot equals (measured here, where the tensors are)."""
+    fps = {n: f.to_json() for n, f in tap.summaries.items()}
+    if packed is not None:
+        fps["aux.packed"] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
+    meta["fingerprints"] = fps
+    for m, rec in zip(meta["allreduces"], tap.allreduces):
+        if rec.inp_summary is not None and rec.out_summary is not None:
+            m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)
+    if packed is not None:
+        cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
+                 for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
+        meta["slot_match"] = match_slots(packed, hidden, cands, dtype)

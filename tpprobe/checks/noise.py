@@ -1,10 +1,36 @@
-"""Numbers for one comparison of two tensors: bitwise / rounding noise / material.
+"""THE noise model: when do two tensors that should be equal differ by rounding only? (one rule:
+full mode, fingerprint mode, `tpprobe report`, `tpprobe diff`)
 
-Noise is judged element by element against the dtype's spacing: an element may differ by at most
-`NOISE_ULP[dtype]` units in the last place of the larger magnitude, plus the same number of ULP of
-the tensor's RMS (so elements near zero, where one ULP is tiny, are judged on the tensor's scale).
-Reduction-order differences of a few ULP pass; a partial sum, a wrong shard or one corrupted
-element does not. rel diff is 1 - 2Σxy/(Σx²+Σy²), computed in float64.
+One rule, used by full mode (compare / within_noise), fingerprint mode (fp_level), the offline
+report and `tpprobe diff`. Two tensors x (a rank) and ref (the reference) are
+
+  bitwise   identical bytes;
+  noise     not identical, but every one of these holds:
+              rel_norm   ||x - ref|| / ||ref||  (whole tensor)         <= REL[dtype]
+              row_rel    the same, for the worst token row              <= ROW_REL[dtype]
+              ulp_max    the worst element's difference in ULP of its own magnitude
+                         (ULP of the tensor's RMS for elements below it) <= ULP[dtype]
+              and NaN / Inf in the same places;
+  material  otherwise.
+
+Why these three: reduction-order noise (a different summation order, a custom all-reduce, a
+fused all-reduce + RMSNorm) moves elements by 1-2 ULP, spread evenly, so its norm-wise error is a
+fraction of one ULP's relative size. A material fault is either large somewhere (a wrong element,
+a partial sum: caught by ulp_max), or small but systematic (a stale shard, a drift of 1 % on one
+rank: caught by rel_norm, which averages rounding away and keeps a systematic error whole), or
+confined to a few tokens (caught by row_rel). In bf16 a 1 % error is ~1.3 ULP of the element, so
+no elementwise rule can tell it from noise; the norm-wise one can.
+
+The bounds are calibrated on measured healthy spread (bench/noise_spread.py; docs/noise.md has
+the numbers): the worst healthy rel_norm seen, times a margin, stays below the smallest error the
+issue requires be found (1 % in bf16 / fp16, 0.1 % in fp32).
+
+Fingerprint mode only knows rel_norm (from the linear sketch, an estimate with ~1/sqrt(k) relative
+spread) unless the tensor was kept; `SKETCH_SLACK` widens the bound for that estimate so that
+what full mode calls noise is never material in fingerprint mode.
+
+rel diff is 1 - 2Σxy/(Σx²+Σy²) = ‖x−y‖²/(‖x‖²+‖y‖²), in float64: quadratic (a 1 %
+difference is 5e-5); messages show its linear reading rel_l2 (0.01 = 1 %).
 """
 from __future__ import annotations
 
@@ -13,9 +39,122 @@ from typing import Optional
 
 import torch
 
-# generous for rounding that propagates through a few layers, far below any real fault
-NOISE_ULP = {torch.float32: 64.0, torch.float64: 64.0, torch.bfloat16: 16.0, torch.float16: 32.0}
 HEAT_BINS = 256
+
+CROSS_RANK, RESHARDED = "cross-rank", "resharded"
+
+# (whole-tensor rel_norm, worst-row rel_norm, worst element in ULP), per context and dtype.
+# cross-rank: the same computation on every rank (after the reduces), or a rank vs the reference
+#             rank; measured healthy spread 0 (bitwise) and, with every element of one rank moved
+#             1-2 ULP (--inject rank-noise), 4.4e-3 / 5.5e-3 / 2 ULP in bf16 (docs/noise.md).
+# resharded:  the same model at another TP degree or in another run (tp=1 reference vs tp=N,
+#             `tpprobe diff`): matmuls split differently round differently, and it compounds over
+#             layers: measured 1.3e-2 / 1.9e-2 / 7.5 ULP in bf16 over 6 layers.
+BOUNDS = {
+    CROSS_RANK: {torch.bfloat16: (7e-3, 1.5e-2, 8.0), torch.float16: (2e-3, 4e-3, 16.0),
+                 torch.float32: (1e-4, 3e-4, 64.0), torch.float64: (1e-10, 3e-10, 64.0)},
+    RESHARDED: {torch.bfloat16: (4e-2, 6e-2, 32.0), torch.float16: (5e-3, 1e-2, 32.0),
+                torch.float32: (1e-5, 3e-5, 256.0), torch.float64: (1e-12, 3e-12, 256.0)},
+}
+# a reduce's output against the exact (float64) sum of its inputs, S = sqrt(sum_r ||in_r||^2):
+# ||out - sum|| / S <= REDUCE_FACTOR * max(eps, 2^-17) * sqrt(ranks) (rounding once per add);
+# a missing share of 1 in m equal shares is ~1/sqrt(m) of S, orders of magnitude above
+REDUCE_FACTOR = 4.0
+SKETCH_SLACK = 1.0      # fingerprint estimates are judged on the same bound (docs/noise.md: spread)
+
+
+def _key(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in BOUNDS[CROSS_RANK] else torch.float32
+
+
+def rel_bound(dtype: torch.dtype, context: str = CROSS_RANK) -> float:
+    return BOUNDS[context][_key(dtype)][0]
+
+
+def row_bound(dtype: torch.dtype, context: str = CROSS_RANK) -> float:
+    return BOUNDS[context][_key(dtype)][1]
+
+
+def ulp_bound(dtype: torch.dtype, context: str = CROSS_RANK) -> float:
+    return BOUNDS[context][_key(dtype)][2]
+
+
+def reduce_bound(dtype: torch.dtype, ranks: int) -> float:
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return REDUCE_FACTOR * max(eps, 2.0 ** -17) * math.sqrt(max(ranks, 1))
+
+
+def ulp_of(mag: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at magnitude mag (float64 in, float64 out)."""
+    fi = torch.finfo(dtype)
+    e = torch.floor(torch.log2(mag.clamp_min(fi.tiny)))
+    return torch.exp2(e) * fi.eps
+
+
+def measure(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = None,
+            context: str = CROSS_RANK) -> dict:
+    """The numbers the rule judges (float64). dtype: the precision to judge in (default: ref's)."""
+    dtype = dtype or ref.dtype
+    a = x.detach().reshape(x.shape[0] if x.dim() else 1, -1).double()
+    b = ref.detach().reshape(a.shape).double()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    both = fa & fb
+    same_nf = (a.isnan() & b.isnan()) | (~fa & ~fb & (a == b))
+    nf_mismatch = int((~both & ~same_nf).sum())
+    a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
+    d = (a0 - b0).abs()
+    nb = float(torch.linalg.vector_norm(b0))
+    rel_norm = float(torch.linalg.vector_norm(d)) / nb if nb > 0 else (0.0 if float(d.max(initial=0)) == 0 else math.inf)
+    rn_b = torch.linalg.vector_norm(b0, dim=-1)
+    rn_d = torch.linalg.vector_norm(d, dim=-1)
+    scale = float(rn_b.max()) if rn_b.numel() else 0.0
+    # a row that is ~zero in the reference is judged on the largest row's scale
+    row_rel_t = rn_d / torch.maximum(rn_b, torch.full_like(rn_b, max(scale * 1e-3, 1e-300)))
+    row_rel = float(row_rel_t.max()) if row_rel_t.numel() else 0.0
+    rms = math.sqrt(float((b0 * b0).sum()) / max(int(both.sum()), 1))
+    fdt = dtype if dtype.is_floating_point else torch.float32
+    spacing = torch.maximum(ulp_of(torch.maximum(a0.abs(), b0.abs()), fdt),
+                            ulp_of(torch.tensor(max(rms, 0.0), dtype=torch.float64), fdt))
+    ulp = d / spacing
+    bad_el = (ulp > ulp_bound(dtype, context)) | (~both & ~same_nf)
+    bad_row = bad_el.any(-1) | (row_rel_t > row_bound(dtype, context))
+    return {"rel_norm": rel_norm, "row_rel_max": row_rel, "ulp_max": float(ulp.max()) if ulp.numel() else 0.0,
+            "ulp_mean": float(ulp.mean()) if ulp.numel() else 0.0, "nan_mismatch": nf_mismatch,
+            "max_abs": float(d.max()) if d.numel() else 0.0, "mean_abs": float(d.mean()) if d.numel() else 0.0,
+            "bad_rows": bad_row, "row_rel": row_rel_t, "bad_fraction": float(bad_el.float().mean()) if bad_el.numel() else 0.0,
+            "rms": rms}
+
+
+def is_noise(m: dict, dtype: torch.dtype, context: str = CROSS_RANK) -> bool:
+    """The rule, on measured numbers (a full `measure()`, or what a fingerprint gives: rel_norm)."""
+    if m.get("nan_mismatch"):
+        return False
+    slack = SKETCH_SLACK if m.get("from") == "fingerprint" else 1.0
+    if m.get("rel_norm", 0.0) > rel_bound(dtype, context) * slack:
+        return False
+    if m.get("row_rel_max") is not None and m["row_rel_max"] > row_bound(dtype, context):
+        return False
+    if m.get("ulp_max") is not None and m["ulp_max"] > ulp_bound(dtype, context):
+        return False
+    return True
+
+
+def level(m: dict, dtype: torch.dtype, context: str = CROSS_RANK) -> str:
+    return "noise" if is_noise(m, dtype, context) else "material"
+
+
+def reduce_is_noise(err_norm: float, S: float, dtype: torch.dtype, ranks: int) -> tuple[bool, float]:
+    """A reduce's output vs the exact sum of its inputs: (within rounding?, ||out - sum|| / S)."""
+    if S == 0.0:
+        return err_norm == 0.0, 0.0 if err_norm == 0.0 else math.inf
+    rel = err_norm / S
+    return rel <= reduce_bound(dtype, ranks), rel
+
+
+def describe(dtype: torch.dtype, context: str = CROSS_RANK) -> str:
+    return (f"noise ({context}) = rel ≤ {rel_bound(dtype, context):.1e}, worst token row ≤ "
+            f"{row_bound(dtype, context):.1e}, worst element ≤ {ulp_bound(dtype, context):g} ULP "
+            f"({str(dtype).replace('torch.', '')})")
 
 
 def eps_of(dtype: torch.dtype) -> float:
@@ -31,6 +170,11 @@ def dtype_from_str(s: str) -> torch.dtype:
 
 def coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if eps_of(a) >= eps_of(b) else b
+
+
+def judge_dtype(a: torch.dtype, b: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The precision two tensors are judged in: the coarser of theirs and the run's."""
+    return coarser(coarser(a, b), dtype) if a.is_floating_point else dtype
 
 
 def bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -55,68 +199,6 @@ def heat(per_token: torch.Tensor, bins: int = HEAT_BINS) -> list[float]:
     return [float(per_token[edges[i]:max(edges[i + 1], edges[i] + 1)].max()) for i in range(bins)]
 
 
-def compare(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = None) -> dict:
-    """Stats of x against ref. dtype: the precision the noise bound is judged in (default: the
-    coarser of the two)."""
-    if tuple(x.shape) != tuple(ref.shape):
-        return {"level": "shape", "shape": list(x.shape), "ref_shape": list(ref.shape)}
-    if bitwise_equal(x, ref):
-        return {"level": "bitwise", "max_abs": 0.0, "mean_abs": 0.0, "rel_diff": 0.0, "ulp_max": 0.0,
-                "ulp_mean": 0.0, "first_token": None, "bad_fraction": 0.0,
-                "heat": [0.0] * min(max(x.shape[0] if x.dim() else 1, 1), HEAT_BINS), "nan_mismatch": 0}
-    dtype = dtype or coarser(x.dtype, ref.dtype)
-    eps = eps_of(dtype) or 1.0
-    a, b = _rows(x.double()), _rows(ref.double())
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    both = fa & fb
-    # non-finite positions must match exactly (same NaN/Inf pattern), else the element is material
-    nan_mismatch = int((fa != fb).sum()) + int(((~fa) & (~fb) & (a != b) & ~(a.isnan() & b.isnan())).sum())
-    a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
-    d = (a0 - b0).abs()
-    sxy, sxx, syy = float((a0 * b0).sum()), float((a0 * a0).sum()), float((b0 * b0).sum())
-    rel = 0.0 if sxx + syy == 0 else max(0.0, 1.0 - 2.0 * sxy / (sxx + syy))
-    mag = torch.maximum(a0.abs(), b0.abs())
-    rms = math.sqrt(syy / max(int(both.sum()), 1))
-    spacing = eps * (mag + rms)             # one "ULP" at the element's scale (or the tensor's)
-    ulp = torch.where(spacing > 0, d / spacing.clamp_min(1e-300), torch.zeros_like(d))
-    bound = NOISE_ULP.get(dtype, 64.0)
-    bad = (ulp > bound) | ((fa != fb) | ((~fa) & (~fb) & (a != b) & ~(a.isnan() & b.isnan())))
-    bad_tok = bad.any(-1)
-    first = int(bad_tok.nonzero()[0, 0]) if bool(bad_tok.any()) else None
-    level = "material" if first is not None else "noise"
-    return {"level": level, "max_abs": float(d.max()) if d.numel() else 0.0,
-            "mean_abs": float(d.mean()) if d.numel() else 0.0, "rel_diff": rel,
-            "ulp_max": float(ulp.max()) if ulp.numel() else 0.0,
-            "ulp_mean": float(ulp.mean()) if ulp.numel() else 0.0,
-            "first_token": first, "bad_fraction": float(bad.float().mean()) if bad.numel() else 0.0,
-            "heat": heat(d.amax(-1) if d.numel() else torch.zeros(1)), "nan_mismatch": nan_mismatch}
-
-
-def within_noise(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Optional[dict]:
-    """The common case, cheaply: {"level": "bitwise"|"noise", max_abs, rel_diff} when every element
-    is within the noise bound of compare(); None when not (then call compare() for the details)."""
-    if tuple(x.shape) != tuple(ref.shape):
-        return None
-    if bitwise_equal(x, ref):
-        return {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0}
-    # float32 is exact enough for a bound of many ULP of a <= fp32 dtype, and half the traffic
-    acc = torch.float32 if eps_of(dtype) >= eps_of(torch.float32) else torch.float64
-    a, b = x.to(acc), ref.to(acc)
-    d = (a - b).abs()
-    if not bool(torch.isfinite(d).all()):
-        return None
-    syy = float(torch.linalg.vector_norm(b, dtype=torch.float64) ** 2)
-    rms = math.sqrt(syy / max(b.numel(), 1))
-    eps = eps_of(dtype) or 1.0
-    if bool((d > NOISE_ULP.get(dtype, 64.0) * eps * (torch.maximum(a.abs(), b.abs()) + rms)).any()):
-        return None
-    sxx = float(torch.linalg.vector_norm(a, dtype=torch.float64) ** 2)
-    sxy = float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double())) if acc == torch.float64 else \
-        float((a * b).sum(dtype=torch.float64))
-    rel = 0.0 if sxx + syy == 0 else max(0.0, 1.0 - 2.0 * sxy / (sxx + syy))
-    return {"level": "noise", "max_abs": float(d.max()) if d.numel() else 0.0, "rel_diff": rel}
-
-
 def nonfinite(t: torch.Tensor) -> dict:
     if not t.dtype.is_floating_point:
         return {"nan": 0, "inf": 0, "first_token": None}
@@ -128,3 +210,66 @@ def nonfinite(t: torch.Tensor) -> dict:
 
 def nonzero_rows(t: torch.Tensor) -> torch.Tensor:
     return _rows(t).ne(0).any(-1)
+
+
+def compare(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = None,
+            context: str = CROSS_RANK) -> dict:
+    """Stats of x against ref and the level the noise model gives them. dtype: the precision the
+    rule is judged in (default: the coarser of the two)."""
+    if tuple(x.shape) != tuple(ref.shape):
+        return {"level": "shape", "shape": list(x.shape), "ref_shape": list(ref.shape)}
+    if bitwise_equal(x, ref):
+        return {"level": "bitwise", "max_abs": 0.0, "mean_abs": 0.0, "rel_diff": 0.0, "rel_norm": 0.0,
+                "row_rel_max": 0.0, "ulp_max": 0.0, "ulp_mean": 0.0, "first_token": None, "bad_fraction": 0.0,
+                "heat": [0.0] * min(max(x.shape[0] if x.dim() else 1, 1), HEAT_BINS), "nan_mismatch": 0}
+    dtype = dtype or coarser(x.dtype, ref.dtype)
+    m = measure(x, ref, dtype, context)
+    lv = level(m, dtype, context)
+    rows = m.pop("bad_rows")
+    if lv == "material" and not bool(rows.any()):
+        rows = m.pop("row_rel") > rel_bound(dtype, context)     # material as a whole: the rows that carry it
+    else:
+        m.pop("row_rel")
+    first = int(rows.nonzero()[0, 0]) if bool(rows.any()) else (0 if lv == "material" else None)
+    a, b = _rows(x.double()), _rows(ref.double())
+    both = torch.isfinite(a) & torch.isfinite(b)
+    a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
+    sxy, sxx, syy = float((a0 * b0).sum()), float((a0 * a0).sum()), float((b0 * b0).sum())
+    m.update(level=lv, rel_diff=0.0 if sxx + syy == 0 else max(0.0, 1.0 - 2.0 * sxy / (sxx + syy)),
+             first_token=first, heat=heat((a0 - b0).abs().amax(-1) if a0.numel() else torch.zeros(1)))
+    m.pop("rms", None)
+    return m
+
+
+def within_noise(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Optional[dict]:
+    """{"level": "bitwise"|"noise", max_abs, rel_diff, rel_norm} when x equals ref within the noise
+    model; None when not (then call compare() for the details)."""
+    if tuple(x.shape) != tuple(ref.shape):
+        return None
+    c = compare(x, ref, dtype)
+    return c if c["level"] in ("bitwise", "noise") else None
+
+
+def reduce_check(out: torch.Tensor, ins: list, expected: torch.Tensor, dtype: torch.dtype) -> dict:
+    """A collective's output against what a complete one returns (float64 `expected`, from every
+    rank's input): exact, noise (rounding once per add) or material (a share missing or wrong)."""
+    if tuple(out.shape) != tuple(expected.shape):
+        return {"level": "material", "rel_norm": math.inf, "max_abs": math.inf}
+    o = out.double()
+    if bool(torch.equal(o, expected)):
+        return {"level": "exact", "rel_norm": 0.0, "max_abs": 0.0}
+    if not bool(torch.isfinite(o).all()) or not bool(torch.isfinite(expected).all()):
+        same = bool(torch.equal(o.isnan(), expected.isnan())) and bool(torch.equal(o[~o.isnan()], expected[~expected.isnan()]))
+        return {"level": "exact" if same else "material", "rel_norm": 0.0 if same else math.inf, "max_abs": 0.0}
+    d = o - expected
+    S = math.sqrt(sum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in ins))
+    ok, rel = reduce_is_noise(float(torch.linalg.vector_norm(d)), S, dtype, len(ins))
+    return {"level": "noise" if ok else "material", "rel_norm": rel, "max_abs": float(d.abs().max())}
+
+
+def rel_l2(rel_diff: float) -> float:
+    """The linear reading of rel_diff: ‖a−b‖ / sqrt((‖a‖²+‖b‖²)/2), the norm-wise relative difference
+    (0.01 = 1 %). rel_diff itself is quadratic (1e-4 for a 1 % difference), which reads as if it
+    contradicted a large max abs diff; messages show this one."""
+    import math
+    return math.sqrt(max(0.0, 2.0 * float(rel_diff)))

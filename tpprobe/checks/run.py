@@ -22,6 +22,7 @@ import torch
 from ..capture.files import RankRecord, point_set_mismatches
 from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
+from .coverage import coverage_findings, summary as coverage_summary
 from .crossrank import cross_rank, point_names, rounding_noise
 from .evidence import TensorEvidence
 from .findings import FAILURE, Finding
@@ -29,7 +30,7 @@ from .liveness import missing_rank_findings, rank_error_findings
 from .noise import dtype_from_str
 from .reference import reference_check
 from .slots import check_slots
-from .stream import diagnose_stream
+from .stream import diagnose_stream, silent_missing_reduce
 
 
 def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optional[dict] = None,
@@ -38,7 +39,7 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     dtype = dtype_from_str(settings.get("dtype", "float32"))
     ev = evidence or TensorEvidence(records, dtype)
     live = sorted(records)
-    out: dict = {"points": [], "allreduce": {}, "slots": [], "findings": [], "ranks_missing": []}
+    out: dict = {"points": [], "allreduce": {}, "slots": [], "findings": [], "ranks_missing": [], "coverage": {}}
     findings: list[Finding] = []
     roots: list[Finding] = []
     if not live:
@@ -74,6 +75,8 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- root cause on the residual stream -----------------------------------------------------
     if complete and not roots:
         roots += diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references)
+        if not roots:
+            roots += silent_missing_reduce(records, live, world)
 
     # ---- slots: what the draft model receives --------------------------------------------------
     slot_findings, out["slots"] = check_slots(ev, records, live, settings) if complete else ([], [])
@@ -91,7 +94,10 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
                                  f"differ" for n in material if n != roots[0].where][:64]
     set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
                     for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []
-    findings += roots + slot_findings + set_findings
+    # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------
+    out["coverage"] = coverage_summary(records, live)
+    cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
+    findings += roots + slot_findings + set_findings + cov_findings
     explained = {f.where for f in findings} | ({"aux.packed"} if slot_findings else set())
     findings += rounding_noise(names, point_stats, explained)
     if references and complete and not any(f.severity == FAILURE for f in findings):

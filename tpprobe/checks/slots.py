@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from ..capture.points import id_point, point_label, point_layer
+from ..capture.points import id_point, parse, point_label
 from .findings import Finding
 from .layout import layout_verdict
 from .noise import dtype_from_str
@@ -69,11 +69,7 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
 
 
 def _pos(point: Optional[str]) -> Optional[float]:
-    if point is None:
-        return None
-    if point == "layer.0.in_norm":
-        return -0.5
-    return float(point_layer(point)) if point_layer(point) is not None else None
+    return parse(point).position if point is not None else None
 
 
 def slot_verdict(ids, expected, match, L):

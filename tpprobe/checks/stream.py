@@ -7,9 +7,10 @@ from collections import Counter
 
 import torch
 
-from ..capture.points import point_label, point_layer, stream_order
+from ..capture.points import AUX, layer_place, parse, point_label, point_layer, stream_order
 from .crossrank import classes
 from .findings import Finding
+from .noise import rel_l2
 from .params import param_divergence
 
 
@@ -17,7 +18,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     order = stream_order(point_stats)
     bad = lambda n: [r for r, s in point_stats[n].items() if s["level"] in ("material", "shape")]  # noqa: E731
     # non-finite first: NaN spreads through every later reduce
-    for n in order + [x for x in point_stats if x not in order and not x.startswith("aux")]:
+    for n in order + [x for x in point_stats if x not in order and parse(x).kind != AUX]:
         nf = [r for r, s in point_stats[n].items() if s.get("nan") or s.get("inf")]
         if nf:
             s = point_stats[n][nf[0]]
@@ -34,7 +35,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         if not any(a["where"] == "embed" for r in live for a in records[r].meta.get("allreduces", [])):
             rows = torch.stack([ev.rows_nonzero("embed.out", r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
-            evid = {"rows_nonzero_on_one_rank": single, **all_r}
+            evid = {"rows_nonzero_on_one_rank": single, **all_r,
+                    "missing_allreduce": {"where": "embed", "module": _embed_module(records, live)}}
             if references and "embed.out" in references:
                 evid["sum_over_ranks_vs_reference"] = ev.sum_vs("embed.out", live, references["embed.out"])
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
@@ -45,7 +47,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                             evidence=evid)]
     # an all-reduce over a sub-group in this layer
     sub = [a for a in ar.get("records", []) if a.get("group_size", world) < world
-           and (a["where"] == f"layer.{layer}" or layer == -1 and a["where"] == "embed")]
+           and a["where"] == layer_place(layer)]
     if sub:
         groups = classes(ev, first, [r for r in live if r in point_stats[first]])
         a = sub[0]
@@ -64,7 +66,13 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
                         detail=f"{mod} output was never all-reduced: {n_here.get(f'layer.{layer}', 0)} all-reduce(s) "
                                f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
-                        evidence={"unreduced": unreduced, **({"all_ranks": True} if len(ranks) == world else {})})]
+                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": f"layer.{layer}", "module": mod},
+                                  **({"all_ranks": True} if len(ranks) == world else {})})]
+    # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
+    # row-parallel module, the block itself, a hook, a reduce-scatter)
+    missing = missing_reduce(records, live, world, layer)
+    if missing is not None:
+        return [missing]
     if pf:
         return pf
     groups = classes(ev, first, [r for r in live if r in point_stats[first]])
@@ -72,9 +80,96 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
     return [Finding("rank-divergence", first, odd,
                     detail=f"{point_label(first)} differs materially on rank{'s' if len(odd) > 1 else ''} "
-                           f"{', '.join(map(str, odd))} (max abs diff {s.get('max_abs', 0):.3g}, rel diff "
-                           f"{s.get('rel_diff', 0):.3g}, first token {s.get('first_token')})",
+                           f"{', '.join(map(str, odd))} ({_size_text(s)})",
                     evidence={"groups": groups})]
+
+
+REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
+
+
+def _reduces(meta) -> list[dict]:
+    return [a for a in meta.get("allreduces", []) if a.get("kind", "all_reduce") in REDUCE_KINDS]
+
+
+def _relative(module: str, prefix: str) -> str:
+    return module[len(prefix):] if module == prefix or module.startswith(prefix + ".") else module
+
+
+def silent_missing_reduce(records, live, world) -> list[Finding]:
+    """A layer that lacks a reduce every other layer issues, while the ranks still agree (a
+    reduce-scatter skipped before an all-gather makes every rank hold the same wrong stream): the
+    audit's count is the evidence. Only when a strict majority of layers share the typical count
+    (models whose layers differ, dense + MoE, are judged on data alone)."""
+    cov = records[live[0]].meta.get("coverage") or {}
+    n = cov.get("layers_found") or 0
+    counts = Counter(a["layer"] for a in _reduces(records[live[0]].meta) if a.get("layer") is not None)
+    per_layer = [counts.get(k, 0) for k in range(n)]
+    if not per_layer:
+        return []
+    typical, held = Counter(per_layer).most_common(1)[0]
+    if held * 2 <= n:
+        return []
+    for k in range(n):
+        if per_layer[k] < typical:
+            f = missing_reduce(records, live, world, k)
+            if f is not None:
+                f.detail += " (the ranks agree with each other, so only the audit's count shows it)"
+                return [f]
+    return []
+
+
+def missing_reduce(records, live, world, layer) -> Finding | None:
+    """Positive evidence of a skipped reduce at `layer`: the audit counted fewer reduces there than
+    in the typical layer, on these ranks. Names the reduce the layer lacks (by its issuing module in
+    a layer that has it) and the path it goes through."""
+    if layer is None or layer < 0:
+        return None
+    cov = records[live[0]].meta.get("coverage") or {}
+    names = cov.get("layer_names") or []
+    n_layers = cov.get("layers_found") or (max((a["layer"] for a in _reduces(records[live[0]].meta)
+                                                if a.get("layer") is not None), default=-1) + 1)
+    counts = {r: Counter(a["layer"] for a in _reduces(records[r].meta) if a.get("layer") is not None) for r in live}
+    per_layer = [counts[live[0]].get(k, 0) for k in range(n_layers)]
+    typical = Counter(per_layer).most_common(1)[0][0] if per_layer else 0
+    short = [r for r in live if counts[r].get(layer, 0) < typical]
+    if not typical or not short:
+        return None
+    like = [k for k in range(n_layers) if per_layer[k] == typical and k != layer]
+    j = min(like, key=lambda k: abs(k - layer)) if like else None
+    prefix = (lambda k: names[k] if k < len(names) else f"layer {k}")
+    what = "a reduce"
+    module = prefix(layer)
+    if j is not None:
+        have = Counter((_relative(a["module"], prefix(j)), a.get("kind", "all_reduce"), a.get("path", ""))
+                       for a in _reduces(records[short[0]].meta) if a.get("layer") == j)
+        mine = Counter((_relative(a["module"], prefix(layer)), a.get("kind", "all_reduce"), a.get("path", ""))
+                       for a in _reduces(records[short[0]].meta) if a.get("layer") == layer)
+        lost = list((have - mine).elements())
+        if lost:
+            rel, kind, path = lost[0]
+            module = prefix(layer) + rel if rel.startswith(".") or not rel else rel
+            what = f"the {kind.replace('_', '-')} ({path})"
+    n_here = counts[short[0]].get(layer, 0)
+    return Finding("partial-allreduce", f"layer {layer} ({module})", short,
+                   detail=(f"{what} issued by {module} never ran: the audit counted {n_here} reduce(s) in layer "
+                           f"{layer} where the other layers issue {typical}; from here on the stream holds each "
+                           f"rank's partial sum"),
+                   evidence={"reduces_in_layer": n_here, "typical": typical,
+                             **({"all_ranks": True} if len(short) == world else {})})
+
+
+def _size_text(s: dict) -> str:
+    """How large a difference is, from full stats or from a fingerprint (no max_abs there)."""
+    parts = []
+    if s.get("rel_norm") is not None:
+        parts.append(f"relative error {s['rel_norm']:.3g}" + (" (fingerprint estimate)" if s.get("from") == "fingerprint" else ""))
+    if s.get("max_abs") is not None:
+        parts.append(f"max abs diff {s['max_abs']:.3g}")
+    if s.get("ulp_max") is not None and s.get("from") != "fingerprint":
+        parts.append(f"worst element {s['ulp_max']:.3g} ULP")
+    if s.get("first_token") is not None:
+        parts.append(f"first token {s['first_token']}")
+    return ", ".join(parts) or "sizes not measured"
 
 
 def _embed_module(records, live) -> str:

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -160,3 +161,86 @@ class Watchdog(threading.Thread):
     def stop(self) -> None:
         self.done.set()
         self.progress.changed.set()
+
+
+def agree_out_dir(opts, ctx, ch) -> tuple[str, bool]:
+    """Rank 0 picks the folder (the launcher passes it down); every rank uses the same one.
+    Also returns whether this rank created it (then a run that fails early removes it again)."""
+    from ..capture.files import check_out_dir, default_out_dir
+    if ctx.rank == 0:
+        out = opts.out or default_out_dir()
+        created = not Path(out).is_dir()
+        check_out_dir(Path(out), 0)
+        ch.post("out", {"out": out}, rank=0)
+        return out, created
+    deadline = time.time() + opts.timeout
+    v = None
+    while v is None and time.time() < deadline:
+        v = ch.get("out", 0)
+        if v is None and ch.get("ready", 0) is not None:   # rank 0 failed before choosing
+            break
+        time.sleep(0.05)
+    if v is None:
+        raise UsageError("rank 0 did not say where to write the capture (did it fail to start?)")
+    Path(v["out"]).mkdir(parents=True, exist_ok=True)   # another node: rank 0 checked the path on its own
+    return v["out"], False
+
+
+def await_final(ch: Channel, wait: float) -> int:
+    """The exit code rank 0 posted (1 if it never did within `wait` seconds)."""
+    v = ch.collect_rank("final", 0, time.time() + wait)
+    return int(v["code"]) if v else 1
+
+
+def shutdown(ctx) -> None:
+    import sys
+    if "tpprobe.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
+        sys.modules["tpprobe.sglang.dist"].release_shared_memory()
+    try:
+        if ctx.world_size > 1:
+            # let every rank read the verdict before the store's host (rank 0's agent) may go
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def agree_ready(ch: Channel, world: int, timeout: float) -> list[dict]:
+    """Wait for every rank's "ready" post; the failures ({"error", "code"}), late ranks included."""
+    peers = ch.collect("ready", time.time() + timeout,
+                       stop_early=lambda found: any(not v.get("ok") for v in found.values()))
+    bad = [v for r, v in sorted(peers.items()) if not v.get("ok")]
+    if not bad and len(peers) < world:
+        late = [r for r in range(world) if r not in peers]
+        bad = [{"error": f"ranks {late} did not build the model within --timeout {timeout:g}s", "code": 1}]
+    return bad
+
+
+def post_ready(ch: Channel, rank: int, debug: bool, prepare) -> None:
+    """Run `prepare()` and post "ready": ok, or its error with the exit code every rank will end with
+    (a UsageError: 2; anything else, a bug or a broken install, 1 after its traceback)."""
+    import traceback
+    try:
+        prepare()
+        ch.post("ready", {"ok": True})
+    except UsageError as e:
+        if debug:    # the message says "run with --debug": show where it came from (the cause too)
+            traceback.print_exc()
+        ch.post("ready", {"ok": False, "error": str(e), "code": 2})
+    except Exception as e:
+        traceback.print_exc()
+        ch.post("ready", {"ok": False, "error": f"rank {rank} failed to build the model: "
+                                                f"{type(e).__name__}: {e}", "code": 1})
+
+
+def start_channels(ctx: RankContext, timeout: float, progress) -> tuple[Channel, "Watchdog"]:
+    """The store channel the pipeline posts on, and the watchdog thread (started) that posts this
+    rank's heartbeats and stalls on a channel of its own."""
+    ch = Channel(open_store(timeout, run_prefix()), ctx.rank, ctx.world_size)
+    watchdog = Watchdog(Channel(open_store(timeout, run_prefix()), ctx.rank, ctx.world_size), progress,
+                        stall=min(5.0, max(1.0, timeout / 4)))
+    watchdog.start()
+    return ch, watchdog

@@ -44,6 +44,7 @@ from ._hashdef import (M32, QA, QB, SA, SKETCH_ROW, Fingerprint, column_signs, h
 __all__ = ["Fingerprint", "fingerprint", "fingerprints", "sum_matches", "sketch_close",
            "SKETCH_ROW"]
 
+PROBE_SEED, PROBE_K = 0x7470, 32   # `tpprobe probe --exchange fingerprint`: every rank sketches with the same signs
 _CHUNK_ROWS = 8192        # CPU path: rows of 128 elements per chunk (1 Mi elements)
 
 
@@ -251,7 +252,8 @@ def sum_matches(out_fp: Fingerprint, in_fps: list, dtype: torch.dtype) -> tuple[
     if S == 0.0:
         return err == 0.0, 0.0 if err == 0.0 else float("inf")
     rel = err / (math.sqrt(k) * S)
-    return rel <= NOISE_FACTOR * _eps(dtype) * math.sqrt(len(in_fps)), rel
+    from ..checks.noise import reduce_bound     # the one noise model's reduce rule
+    return rel <= reduce_bound(dtype if not isinstance(dtype, str) else getattr(torch, dtype), len(in_fps)), rel
 
 
 def sketch_close(a: Fingerprint, b: Fingerprint, dtype) -> bool:

@@ -10,11 +10,13 @@ the collectives always match.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..capture.files import RankRecord
+from ..capture.points import AR_IN, AR_OUT, SHARE, TOKENS, parse
 from ..checks.noise import dtype_from_str
 
 _GROUP = None
@@ -26,6 +28,14 @@ def probe_group():
     if _GROUP is None:
         _GROUP = dist.new_group(backend="gloo")
     return _GROUP
+
+
+def post_meta(ch, tensors: dict, meta: dict, files: list) -> None:
+    """This rank's metadata, its files and the index of its tensors, through the store (never a
+    collective: a rank that died, hung or disagrees cannot hang this step)."""
+    ch.post("meta", {"files": files, "status": meta["status"], "error": meta["error"],
+                     "n_allreduce": len(meta["allreduces"]), "meta": meta,
+                     "index": {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in tensors.items()}})
 
 
 def gather_plan(posts: dict) -> list[tuple[str, list[int], str, bool]]:
@@ -65,7 +75,7 @@ def detail_plan(posts: dict) -> list[tuple[str, list[int], str, bool]]:
     ranks = sorted(posts)
     plan = []
     for name, shape, wire, cast in gather_plan(posts):
-        if name.startswith("allreduce.") or name == "input_ids" or name.endswith(".local"):
+        if parse(name).kind in (AR_IN, AR_OUT, TOKENS, SHARE):   # audits, tokens, own shares: never compared
             continue
         hashes = {posts[r]["meta"].get("fingerprints", {}).get(name, {}).get("bit_hash") for r in ranks}
         if len(hashes) > 1:
@@ -77,8 +87,7 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
     """The reference rank broadcasts its tensor for each disagreeing point, one at a time; every
     rank computes its own statistics against it and posts only those. Returns (records on rank 0,
     detail {name: {rank: stats}}, bytes moved by this rank)."""
-    from ..checks.noise import compare
-    from ..checks.evidence import judge_dtype
+    from ..checks.noise import compare, judge_dtype
 
     group = probe_group()
     ref = min(posts)
@@ -107,3 +116,60 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
         records = {r: RankRecord(r, posts[r]["meta"] if r != ctx.rank else meta,
                                  dict(tensors) if r == ctx.rank else {}) for r in range(ctx.world_size)}
     return records, detail, moved
+
+
+def gather_records(ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok: bool) -> dict:
+    """Rank 0 gets every rank's record: collectives when every rank is healthy, else the files."""
+    if ctx.world_size == 1:
+        return {0: RankRecord(0, meta, tensors)}
+    if all_ok:
+        return gather_full(ctx, tensors, meta, posts)
+    if ctx.rank != 0:
+        return {}
+    from ..capture.files import load_rank_files
+    from ..errors import TPProbeError
+    # some rank is missing or failed: no collective is safe; read what the others wrote
+    records = {0: RankRecord(0, meta, tensors)}
+    for r in posts:
+        if r == 0:
+            continue
+        try:
+            records[r] = load_rank_files(out, r, posts[r]["files"])
+        except TPProbeError:
+            pass   # checks report this rank from its posted metadata alone
+    return records
+
+
+def nbytes(shape, dtype: str) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def bytes_post(rank: int, posts: dict, moved: dict) -> dict:
+    """What this rank moved (metadata posts + tensors) and its peak memory, for the report."""
+    import json
+    import resource
+    return {"sent": moved["sent"] + len(json.dumps(posts.get(rank, {}))),
+            "received": moved["received"] + sum(len(json.dumps(p)) for r, p in posts.items() if r != rank),
+            "tensor_sent": moved["sent"], "tensor_received": moved["received"],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def full_gather_bytes(rank: int, world: int, posts: dict) -> dict:
+    """Bytes the full gather moves: every rank but 0 sends its tensors, rank 0 receives them all."""
+    sent = sum(nbytes(shape, wire) for _, shape, wire, _ in gather_plan(posts))
+    return {"sent": sent, "received": 0} if rank else {"sent": 0, "received": sent * (world - 1)}
+
+
+def exchange_records(ctx, ch, out: Path, tensors: dict, meta: dict, posts: dict, all_ok: bool,
+                     fingerprints: bool, dtype) -> tuple[dict, dict, dict]:
+    """(records on rank 0, fingerprint detail, bytes this rank moved): the fingerprint exchange when
+    asked and every rank is healthy, else the full gather (or, with a rank missing, the files)."""
+    if fingerprints:
+        return exchange_fingerprint(ctx, ch, tensors, meta, posts, dtype)
+    records = gather_records(ctx, out, tensors, meta, posts, all_ok)
+    moved = full_gather_bytes(ctx.rank, ctx.world_size, posts) if all_ok and ctx.world_size > 1 \
+        else {"sent": 0, "received": 0}
+    return records, {}, moved

@@ -175,21 +175,39 @@ def _points_table(report: dict, world: int) -> str:
     return "".join(out)
 
 
+def _where_layer(where) -> int:
+    """The layer of an audit place: "embed" is -1, "layer.K" is K."""
+    try:
+        return -1 if where == "embed" else int(str(where).split(".")[1])
+    except (IndexError, ValueError):
+        return 1 << 30
+
+
 def _allreduce(report: dict, world: int) -> str:
     ar = report.get("allreduce") or {}
     out = ['<section id="allreduce"><h2>All-reduce audit</h2>']
     if not ar:
         return "".join(out) + "<p>no all-reduce recorded</p></section>"
-    counts = ar.get("count_per_rank", {})
-    out.append(f'<p>{ar.get("checked", 0)} checked against Σ ranks of their inputs — {ar.get("complete", 0)} complete '
-               f'({ar.get("noise", 0)} within rounding), <b>{ar.get("incomplete", 0)} incomplete</b>'
-               + (f"; issued per rank: {_e(counts)}" if counts else "") + "</p>")
-    recs = ar.get("records") or []
+    from .labels import audit_text, missing_allreduces
+    missing = missing_allreduces(report)
+    out.append(f"<p>{_e(audit_text(ar, missing))}</p>")
+    recs = list(ar.get("records") or [])
+    for m in missing:     # the reduce that never ran gets its row where it should have run
+        at = next((i for i, rec in enumerate(recs) if _where_layer(rec.get("where")) >= _where_layer(m["where"])),
+                  len(recs))
+        recs.insert(at, {"seq": "—", "where": m["where"], "module": m["module"], "level": "missing",
+                         "missing_ranks": m["ranks"]})
     if recs:
         out.append('<table class="allreduce"><thead><tr><th>seq</th><th>where</th><th>module</th><th>shape</th>'
                    '<th>group</th><th>level</th>' + "".join(f"<th>rank {r}</th>" for r in range(world)) + "</tr></thead><tbody>")
         for rec in recs:
             lv = rec.get("level", "?")
+            if lv == "missing":
+                out.append(f'<tr class="missing"><td>—</td><td>{_e(rec["where"])}</td><td>{_e(rec["module"])}</td>'
+                           '<td>—</td><td>—</td><td class="bad">never issued</td>'
+                           + "".join('<td class="bad">not issued</td>' if r in rec["missing_ranks"] else "<td>—</td>"
+                                     for r in range(world)) + "</tr>")
+                continue
             out.append(f'<tr><td>{_e(rec.get("seq"))}</td><td>{_e(rec.get("where"))}</td><td>{_e(rec.get("module"))}</td>'
                        f'<td>{_e(rec.get("shape"))}</td><td>{_e(rec.get("group_size"))}</td>'
                        f'<td class="{LEVEL_CLASS.get(lv, "")}">{_e(lv)}</td>')
@@ -205,12 +223,22 @@ def _allreduce(report: dict, world: int) -> str:
     return "".join(out) + "</section>"
 
 
+HEATMAPS_MISSING = ("per-token heatmaps need matplotlib, which is not installed: pip install 'tpprobe[html]' "
+                    "(or pip install matplotlib), then re-render with tpprobe report DIR --html FILE")
+
+
 def _heatmaps(report: dict, world: int) -> str:
     out = ['<section id="heatmaps"><h2>Where ranks differ: per-token heatmaps</h2>',
            '<p class="sub">Max |difference| to the reference rank per token (columns) and rank (rows), on one log colour '
            'scale for all points. Green: bitwise equal; grey: not compared (reference-free shares, missing ranks). '
            'A divergence confined to some tokens (say, those of one vocab shard) shows as columns.</p>',
            '<div class="heatgrid">']
+    try:
+        import matplotlib  # noqa: F401
+        import numpy  # noqa: F401
+    except ImportError:   # an extra: a serving environment need not carry matplotlib
+        out += [f'<p class="missing-heatmaps">{_e(HEATMAPS_MISSING)}</p>', "</div></section>"]
+        return "".join(out)
     mats = []
     for p in report.get("points", []):
         m = heat_matrix(p, world)
@@ -246,11 +274,14 @@ def _slots(report: dict) -> str:
     slots = report.get("slots") or []
     if not slots:
         return ""
+    from .labels import slot_values_differ
     out = ['<section id="slots"><h2>Aux slots (what the draft model receives)</h2><table class="slots"><thead><tr>'
-           '<th>slot</th><th>id</th><th>expected</th><th>holds</th></tr></thead><tbody>']
+           '<th>slot</th><th>id</th><th>expected</th><th>holds</th><th>values across ranks</th></tr></thead><tbody>']
     for s in slots:
+        differ = slot_values_differ(report, s)
         out.append(f'<tr><td>{_e(s.get("slot"))}</td><td>{_e(s.get("id"))}</td><td>{_e(s.get("expected"))}</td>'
-                   f'<td class="{"ok" if s.get("ok") else "bad"}">{_e(s.get("matched"))}</td></tr>')
+                   f'<td class="{"ok" if s.get("ok") and not differ else "bad"}">{_e(s.get("matched"))}</td>'
+                   f'<td class="{"bad" if differ else "ok"}">{_e(f"differ on ranks {differ}" if differ else "agree")}</td></tr>')
     return "".join(out) + "</tbody></table></section>"
 
 
@@ -263,10 +294,10 @@ def _kv_table(d: dict, cls: str) -> str:
 def _settings_env(report: dict) -> str:
     st = dict(report.get("settings") or {})
     out = ['<section id="settings"><h2>Settings</h2>', _kv_table(st, "settings")]
-    tm = report.get("timings") or {}
+    from .labels import timing_text
+    tm = timing_text(report)
     if tm:
-        out.append("<p>time: " + ", ".join(f"{_e(k.replace('_s', ''))} {v:.2f}s" for k, v in tm.items()
-                                            if isinstance(v, (int, float))) + "</p>")
+        out.append(f"<p>{_e(tm)}</p>")
     out.append("</section>")
     env = report.get("environment") or {}
     out.append('<section id="environment"><h2>Environment</h2>' + _kv_table(env, "environment"))
@@ -291,6 +322,14 @@ def _settings_env(report: dict) -> str:
     return "".join(out)
 
 
+def _body(report: dict, world: int) -> list[str]:
+    """The tables in the order that explains the verdict: a slot fault's slot table first."""
+    from .labels import slot_fault_first
+    tables = [_points_table(report, world), _allreduce(report, world), _heatmaps(report, world)]
+    slots = _slots(report)
+    return [slots, *tables] if slot_fault_first(report) else [*tables, slots]
+
+
 def render_html(report: dict) -> str:
     st = report.get("settings") or {}
     world = int(st.get("world_size") or 1)
@@ -302,8 +341,7 @@ def render_html(report: dict) -> str:
              f"<h1>{_e(title)}</h1>",
              f'<div class="sub">{_e(report.get("tool", "tpprobe"))} · exit code {_e(report.get("exit_code", "?"))}'
              + (f' · captures: <code>{_e(report["out"])}</code>' if report.get("out") else "") + "</div>",
-             _verdict(report), _env_header(report), _points_table(report, world), _allreduce(report, world),
-             _heatmaps(report, world), _slots(report), _settings_env(report),
+             _verdict(report), _env_header(report), *_body(report, world), _settings_env(report),
              f'<footer>{_e(report.get("schema", ""))} · generated by {_e(report.get("tool", "tpprobe"))}</footer>',
              "</body></html>"]
     return "\n".join(parts)
@@ -313,7 +351,7 @@ def write_html(report: dict, path: Path, capture_dir: Optional[Path] = None) -> 
     """Write the report as one self-contained HTML file (atomically). capture_dir is accepted for
     callers that have one; the heatmaps come from the report's per-token stats."""
     from ..capture.files import atomic_write_bytes
+    from ..capture.files import make_file_folder
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    make_file_folder(path, "--html")
     atomic_write_bytes(path, render_html(report).encode("utf-8"))

@@ -37,17 +37,19 @@ def render_markdown(report: dict) -> str:
     if len(items) > 8:
         verdict.append(f"- … {len(items) - 8} more findings in report.json")
     verdict.append("")
+    from .labels import audit_text, missing_allreduces, slot_values_differ
     ar = report.get("allreduce") or {}
     tail = []
     if ar:
-        tail.append(f"All-reduce audit: {ar.get('checked', 0)} checked, {ar.get('complete', 0)} complete "
-                    f"({ar.get('noise', 0)} within rounding), **{ar.get('incomplete', 0)} incomplete**.")
+        tail.append(f"All-reduce audit: {audit_text(ar, missing_allreduces(report))}.")
     slots = report.get("slots") or []
     if slots:
         bad = [s for s in slots if not s.get("ok")]
         tail.append(f"Aux slots: {len(slots) - len(bad)}/{len(slots)} hold the expected layer"
                     + ("; " + "; ".join(f"slot {s['slot']} holds {s['matched']} (expected {s['expected']})" for s in bad[:3])
-                       if bad else "") + ".")
+                       if bad else "")
+                    + "".join(f"; slot {s['slot']}'s values differ on ranks {d}"
+                              for s in slots for d in [slot_values_differ(report, s)] if d) + ".")
     tail += ["", "<details><summary>Environment</summary>", ""]
     tail += [f"- {_md(l)}" for l in env_lines(report)]
     env = report.get("environment") or {}
@@ -89,7 +91,7 @@ def render_markdown(report: dict) -> str:
 
 def write_markdown(report: dict, path: Path) -> None:
     from ..capture.files import atomic_write_bytes
+    from ..capture.files import make_file_folder
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    make_file_folder(path, "--markdown")
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))

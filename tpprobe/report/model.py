@@ -25,6 +25,7 @@ def build_report(settings: dict, result: dict, timings: dict, out: Optional[str]
     return {"schema": SCHEMA, "tool": f"tpprobe {__version__}", "settings": settings,
             "environment": environment(), "timings": timings, "out": out,
             "points": result["points"], "allreduce": result["allreduce"], "slots": result["slots"],
+            "coverage": result.get("coverage", {}),
             "ranks_missing": result.get("ranks_missing", []), "findings": findings,
             "exit_code": exit_code(findings)}
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .labels import cell_label, verdict_lines
+from .labels import audit_text, cell_label, coverage_text, missing_allreduces, slot_values_differ, timing_text, verdict_lines
 
 LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
                "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim", "share": "dim"}
@@ -50,19 +50,23 @@ def render(report: dict, con: Console) -> None:
             row.append(_cell(s) if s else Text("missing" if r in report["ranks_missing"] else "—", style="dim"))
         t.add_row(*row)
     con.print(t)
+    cov = coverage_text(report.get("coverage") or {}, report["settings"].get("num_layers"))
+    if cov:
+        con.print(Text("coverage: " + cov, style="bold red" if "NOT" in cov or "no reduce" in cov else ""))
     ar = report["allreduce"]
     if ar:
-        counts = ar.get("count_per_rank", {})
-        con.print(f"all-reduce audit: {ar.get('checked', 0)} checked against Σ ranks of their inputs — "
-                  f"{ar.get('complete', 0)} complete ({ar.get('noise', 0)} within rounding), "
-                  f"{ar.get('incomplete', 0)} incomplete; issued per rank: {counts}")
+        con.print(Text("all-reduce audit: " + audit_text(ar, missing_allreduces(report)),
+                       style="bold red" if ar.get("incomplete") or missing_allreduces(report) else ""))
     if report.get("slots"):
         s = Table(title="aux slots (what the draft model receives)", header_style="bold")
-        for c in ("slot", "id", "expected", "holds"):
+        for c in ("slot", "id", "expected", "holds", "values across ranks"):
             s.add_column(c)
         for row in report["slots"]:
+            differ = slot_values_differ(report, row)
             s.add_row(str(row["slot"]), str(row["id"]), str(row["expected"]),
-                      Text(str(row["matched"]), style="green" if row["ok"] else "bold red"))
+                      Text(str(row["matched"]), style="green" if row["ok"] else "bold red"),
+                      Text(f"differ on ranks {differ}" if differ else "agree",
+                           style="bold red" if differ else "green"))
         con.print(s)
     if st.get("arch") in ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2") and st.get("layer_ids") is not None:
         # what SGLang's own capture rules make of these ids on this architecture
@@ -81,11 +85,11 @@ def render(report: dict, con: Console) -> None:
             con.print(Text(f"    follows from it: {c}", style="dim"))
     if not report["findings"]:
         con.print(Text("  " + verdict_lines(report)[0], style="bold green"))
-    tm = report.get("timings", {})
     con.print(Text(f"settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
                    f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
-                   f"time: forward {tm.get('forward_s', 0):.2f}s exchange {tm.get('exchange_s', 0):.2f}s "
-                   f"checks {tm.get('check_s', 0):.2f}s", style="dim"))
+                   + timing_text(report), style="dim"))
     if report.get("out"):
-        con.print(Text(f"captures and report.json: {report['out']}", style="dim"))
+        wrote = (report.get("exchange") or {}).get("captured_bytes_per_rank")
+        con.print(Text(f"captures and report.json: {report['out']}"
+                       + (f" ({wrote / 1e6:.2f} MB per rank)" if wrote else ""), style="dim"))
 

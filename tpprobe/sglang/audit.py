@@ -8,7 +8,7 @@ symmetric memory, quick/flashinfer all-reduce or a torch custom op (sglang-servi
 none of which calls `torch.distributed.all_reduce`. Auditing the coordinator records each reduce
 once, with its group's name and size, whatever path it takes; a coordinator reduce that ends in
 `torch.distributed.all_reduce` is not counted a second time (the Tap's re-entrancy guard,
-`Tap.audited_all_reduce`). Reduces SGLang issues on WORLD with torch.distributed directly (the
+`Tap.collective`, tpprobe/capture/audit.py). Reduces SGLang issues on WORLD with torch.distributed directly (the
 DP-attention gather) are still seen by the Tap's own torch.distributed wrapper.
 
 Imports sglang's parallel_state only (no CPU workarounds): used on GPUs by the plugin too.
@@ -30,31 +30,32 @@ class _Restore:
 
 
 def coordinator_audit_extension(tap) -> list:
-    """Tap extension: record every `GroupCoordinator.all_reduce` of the forward."""
-    if not tap.audit:
+    """Tap extension: record every `GroupCoordinator.all_reduce` of the forward (one record each,
+    through `tap.collective`; the c10d op it ends in is folded into it), with its group's name and,
+    for a sub-group (attention-TP under DP attention), its ranks."""
+    if not tap.audit or not hasattr(tap, "collective"):
         return []
     try:
         from sglang.srt.distributed.parallel_state import GroupCoordinator
     except Exception:  # noqa: BLE001 - no sglang: nothing to audit at this level
         return []
+    import torch.distributed as dist
+
     orig = GroupCoordinator.__dict__["all_reduce"]
 
     def all_reduce(self, input_, *args, **kwargs):
-        if (not isinstance(input_, torch.Tensor) or tap.audit_suppressed
-                or getattr(self, "world_size", 1) == 1):
+        if not isinstance(input_, torch.Tensor) or getattr(self, "world_size", 1) == 1:
             return orig(self, input_, *args, **kwargs)
-
-        def call():
+        with tap.collective("all_reduce", "sglang.GroupCoordinator.all_reduce", input_,
+                            int(self.world_size)) as rec:
+            if rec.group is None:        # the outermost wrapper names the group
+                ranks = [int(r) for r in (getattr(self, "ranks", None) or [])]
+                rec.group = getattr(self, "unique_name", None)
+                whole = dist.is_initialized() and len(ranks) == dist.get_world_size()
+                rec.group_ranks = None if whole or not ranks else ranks
             out = orig(self, input_, *args, **kwargs)
-            return out, out if isinstance(out, torch.Tensor) else input_
-
-        ranks = list(getattr(self, "ranks", []) or [])
-        import torch.distributed as dist
-
-        whole = dist.is_initialized() and len(ranks) == dist.get_world_size()
-        return tap.audited_all_reduce(input_, int(self.world_size), "SUM",
-                                      getattr(self, "unique_name", None), call,
-                                      group_ranks=None if whole or not ranks else ranks)
+            rec.output(out if isinstance(out, torch.Tensor) else input_)
+        return out
 
     GroupCoordinator.all_reduce = all_reduce
     return [_Restore(GroupCoordinator, "all_reduce", orig)]

@@ -110,6 +110,9 @@ def enable() -> None:
     import warnings
 
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
+    import logging
+    # "Cannot detect CUDA architecture." from SGLang's JIT-kernel helper: true and expected on CPU
+    logging.getLogger("sglang.kernels.jit.utils.arch").setLevel(logging.ERROR)
     install_torchvision_shim()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # AWQ/GGUF "only CUDA supports ..." import-time noise

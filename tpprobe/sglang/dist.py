@@ -64,3 +64,36 @@ def publish_for(ctx, attn_dp: int = 1):
     """publish_parallel_state from a tpprobe RankContext."""
     dev = ctx.device.type if isinstance(ctx.device, torch.device) else str(ctx.device)
     return publish_parallel_state(ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend, dev, attn_dp)
+
+
+def release_shared_memory() -> None:
+    """Unlink the shared memory SGLang's parallel state holds, before the process exits.
+
+    Each GroupCoordinator with more than one rank builds a MessageQueue broadcaster
+    (SGLANG_USE_MESSAGE_QUEUE_BROADCASTER, on by default) whose ring buffer the group's first rank
+    creates as a shared_memory segment. Only ShmRingBuffer.__del__ unlinks it, and the coordinators
+    are module globals that live until interpreter shutdown, so the segment stays registered with
+    multiprocessing's resource_tracker, which then warns "leaked shared_memory objects" at exit.
+    SGLang's destroy_model_parallel would drop them but imports the HTTP server stack; this does
+    the one thing needed."""
+    import sys
+    ps = sys.modules.get("sglang.srt.distributed.parallel_state")
+    if ps is None:
+        return
+    seen = set()
+    for g in list(vars(ps).values()):
+        mq = getattr(g, "mq_broadcaster", None)
+        if mq is None or id(g) in seen:
+            continue
+        seen.add(id(g))
+        buf = getattr(mq, "buffer", None)
+        shm = getattr(buf, "shared_memory", None)
+        if shm is not None:
+            try:
+                shm.close()
+                if getattr(buf, "is_creator", False):
+                    shm.unlink()
+            except (OSError, BufferError):
+                pass
+            del buf.shared_memory      # ShmRingBuffer.__del__ then has nothing left to do
+        g.mq_broadcaster = None

@@ -9,6 +9,9 @@ Settings (environment):
   TPPROBE_MAX_STEPS      forward steps to capture per rank (default 1); step s goes to DIR/step-SSS
   TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend")
   TPPROBE_MAX_BYTES      stop capturing once this many bytes were written by a rank (default 2e9)
+  TPPROBE_EMBED          the embedding's module path or class glob (default: found from structure,
+                         the module that takes the input ids and returns [tokens, hidden])
+  TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
 
@@ -41,16 +44,11 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 ENV_DIR = "TPPROBE_CAPTURE_DIR"
-DEFAULT_TARGETS = (
-    "sglang.srt.models.llama.LlamaForCausalLM.forward",
-    "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward",
-)
 
 _state = threading.local()
 _STEPS = {"n": 0, "bytes": 0, "announced": False}
@@ -61,18 +59,11 @@ def _say(msg: str) -> None:
 
 
 def settings() -> Optional[dict]:
-    d = os.environ.get(ENV_DIR)
-    if not d:
-        return None
-    return {
-        "dir": Path(d),
-        "max_steps": int(os.environ.get("TPPROBE_MAX_STEPS", "1")),
-        "modes": {m.strip().lower() for m in os.environ.get("TPPROBE_FORWARD_MODES", "extend").split(",")
-                  if m.strip()},
-        "max_bytes": int(float(os.environ.get("TPPROBE_MAX_BYTES", "2e9"))),
-        "targets": [t.strip() for t in os.environ.get("TPPROBE_SGLANG_MODELS", "").split(",") if t.strip()]
-        or list(DEFAULT_TARGETS),
-    }
+    """The plugin's settings from the environment (declared in tpprobe/options.py PluginOptions);
+    None unless TPPROBE_CAPTURE_DIR is set."""
+    from tpprobe.options import PluginOptions
+    opts = PluginOptions.from_env()
+    return None if opts is None else vars(opts)
 
 
 def register() -> None:
@@ -125,7 +116,9 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     _state.busy = True
     t0 = time.time()
     try:
-        with torch.no_grad(), Tap(self, extensions=sglang_extensions()) as tap:
+        with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
+                                  embed=os.environ.get("TPPROBE_EMBED") or None,
+                                  layers=os.environ.get("TPPROBE_LAYER_LIST") or None) as tap:
             tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
             result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     finally:
@@ -155,21 +148,17 @@ def _aux(result, tokens: int):
 
 
 def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward):
-    """This rank's tensors, metadata (the keys `tpprobe probe` writes) and run settings."""
+    """This rank's tensors, metadata (the one rank record `tpprobe probe` writes too) and run settings."""
+    from tpprobe.capture.record import rank_record
     from tpprobe.tools.layers import slots_from_layers_to_capture
-    from tpprobe.capture.params import replicated_param_hashes
 
-    tensors: dict[str, torch.Tensor] = {k: v for k, v in tap.captures.items() if isinstance(v, torch.Tensor)}
-    for a in tap.allreduces:
-        if a.inp is not None and a.out is not None:
-            tensors[f"allreduce.{a.seq}.in"], tensors[f"allreduce.{a.seq}.out"] = a.inp, a.out
-    tensors["input_ids"] = input_ids
     aux, aux_note = _aux(result, int(input_ids.shape[0]))
-    aux_meta = {}
-    if aux is not None:
-        tensors["aux.packed"] = aux
-        aux_meta = {"shape": list(aux.shape), "dtype": str(aux.dtype).replace("torch.", ""),
-                    "contiguous": aux.is_contiguous(), "stride": list(aux.stride())}
+    ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
+    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=input_ids, model=model, packed=aux,
+                                timings={"forward_s": t_forward}, extra={
+                                    # plugin-only facts
+                                    "source": "sglang-plugin", "step": step, "forward_mode": mode,
+                                    "model": type(model).__name__, "layers_to_capture": ltc, "aux_note": aux_note})
     seen = set()
     for k, t in list(tensors.items()):   # safetensors refuses shared storage: copy repeats
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -177,22 +166,9 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
         seen.add(key)
     config = getattr(model, "config", None)
     L = len(tap.layer_indices)
-    ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
     points, ids = slots_from_layers_to_capture(ltc, L) if aux is not None else ([], [])
     dtype = next((t.dtype for n, t in tensors.items() if n == "embed.out"), None) or \
         next(iter(model.parameters())).dtype
-    meta = {
-        "rank": rank, "world_size": world, "status": "ok", "error": None,
-        "points": [{"name": n, "shape": list(tensors[n].shape), "dtype": str(tensors[n].dtype).replace("torch.", "")}
-                   for n in tap.order if n in tensors],
-        "allreduces": [a.meta() for a in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
-        "embed_module": tap.embed_name, "layers_hooked": L,
-        "aux": aux_meta, "params": replicated_param_hashes(model),
-        "timings": {"forward_s": t_forward}, "device": str(input_ids.device),
-        # plugin-only facts
-        "source": "sglang-plugin", "step": step, "forward_mode": mode, "model": type(model).__name__,
-        "layers_to_capture": ltc, "aux_note": aux_note,
-    }
     run_settings = {
         "world_size": world, "backend": "sglang (live server, plugin)",
         "dtype": str(dtype).replace("torch.", ""),

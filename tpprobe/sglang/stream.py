@@ -26,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
+from tpprobe.capture.points import layer_out
+
 
 class _Undo:
     def __init__(self, fn: Callable[[], None]):
@@ -96,8 +98,8 @@ def residual_stream_extension(tap) -> list:
     if not layers:
         return []
     last = len(layers) - 1
-    handles = wrap_boundary_captures(layers, lambda i, v: tap.record_point(f"layer.{i - 1}.out", v))
-    handles += hook_final_norm(tap.model, lambda v: tap.record_point(f"layer.{last}.out", v))
+    handles = wrap_boundary_captures(layers, lambda i, v: tap.record_point(layer_out(i - 1), v))
+    handles += hook_final_norm(tap.model, lambda v: tap.record_point(layer_out(last), v))
     return handles
 
 

@@ -85,7 +85,7 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
         return LlamaConfig(
             vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-            rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32",
+            rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32",
             architectures=["LlamaForCausalLM"])
     common = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
@@ -119,7 +119,7 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
                              "original_max_position_embeddings": 128, "beta_fast": 32,
                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-            tie_word_embeddings=False, torch_dtype="float32", rms_norm_eps=1e-6)
+            tie_word_embeddings=False, dtype="float32", rms_norm_eps=1e-6)
         c.architectures = ["DeepseekV3ForCausalLM"]
         return c
     raise UsageError(f"--arch {arch!r} is not supported by the SGLang backend: "
@@ -401,7 +401,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         weights = unfuse_experts(weights)
     vocab = config.vocab_size
     del hf
-    config.torch_dtype = dtype
+    config.dtype = dtype
     import importlib
 
     module, cls_name = _SGLANG_CLASSES[arch]

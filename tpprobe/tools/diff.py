@@ -5,7 +5,8 @@ BASELINE and TARGET are each a tpprobe capture folder, a SpecForge EAGLE-3 sampl
 bare `.safetensors` / `.pt` holding one packed [tokens, K*hidden] tensor.
 
   align   tokens by input_ids: exact, prefix, or a stated --offset; different sequences are refused
-  pair    every target slot against every baseline slot (rel diff, float64); where a side is a
+  pair    every target slot against every baseline slot (rel diff² = 1 − 2Σtb/(Σt²+Σb²) =
+          ‖t−b‖²/(‖t‖²+‖b‖²), float64: quadratic, so a 1 % difference is 5e-5); where a side is a
           capture with the residual stream of every layer, every slot of both sides is also named
           by the stream (or the embedding) it equals
   report  per slot: rel diff, max/mean abs, cosine, ULP, worst token (a bf16 side against a
@@ -20,14 +21,14 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Optional
 
 import torch
 import typer
 
 from ..checks.slots import slot_verdict
 from ..capture.points import point_label, point_layer, stream_order
-from ..checks.noise import coarser, compare
+from ..checks.noise import RESHARDED, coarser, compare
 from ..errors import CaptureError, TPProbeError, UsageError
 from .specforge import EXPECTED, parse_sample, safe_torch_load
 
@@ -74,7 +75,10 @@ class Side:
         if self.layer_ids is not None:
             bits.append(f"ids {self.layer_ids}")
         if self.streams:
-            bits.append(f"{len(self.streams)} residual streams")
+            outs = sum(1 for n in self.streams if n.startswith("layer.") and n.endswith(".out"))
+            parts = (["the embedding"] if "embed.out" in self.streams else []) + [f"{outs} layer outputs"] \
+                + (["layer 0's input norm"] if "layer.0.in_norm" in self.streams else [])
+            bits.append("streams: " + ", ".join(parts))
         return f"{self.path} ({', '.join(bits)})"
 
 
@@ -263,7 +267,7 @@ def rel_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor, judge: Optional[torch.dtype] = None) -> dict:
-    c = compare(x, y, dtype=judge)
+    c = compare(x, y, dtype=judge, context=RESHARDED)   # training vs serving: another run, maybe another TP
     if c["level"] == "shape":
         return {"level": "shape", "shape": c["shape"], "ref_shape": c["ref_shape"], "rel_diff": math.inf}
     a, b = x.double().reshape(x.shape[0], -1), y.double().reshape(y.shape[0], -1)
@@ -421,7 +425,7 @@ def _verdict(match, M, thr, tp, bp, nb, nt, ok) -> tuple[str, list[str]]:
     if ok:
         worst = max((M[j][j] for j in range(nt)), default=0.0)
         names = ", ".join(f"{j} = {_short(tp[j] or bp[j])}" for j in range(nt)) if any(tp) or any(bp) else ""
-        return (f"MATCH: all {nt} target slots equal the baseline's in place (max rel diff {worst:.2e})"
+        return (f"MATCH: all {nt} target slots equal the baseline's in place (max rel diff² {worst:.2e})"
                 + (f": slots {names}" if names else ""), ["match"])
     kinds: list[str] = []
     parts: list[str] = []
@@ -472,7 +476,7 @@ def _verdict(match, M, thr, tp, bp, nb, nt, ok) -> tuple[str, list[str]]:
             kinds.append("wrong-layer" if e is not None else "extra-slot")
         else:
             near = min(range(nb), key=lambda i: M[j][i]) if nb else None
-            txt += (f" (closest: baseline slot {near}, rel diff {M[j][near]:.2e} > threshold {thr[j]:.0e})"
+            txt += (f" (closest: baseline slot {near}, rel diff² {M[j][near]:.2e} > threshold {thr[j]:.0e})"
                     if near is not None else "")
             if e is not None and e != near:
                 txt += f"; expected {bl(e)}"
@@ -569,7 +573,7 @@ def render(rep: dict, console) -> None:
         console.print(Text(f"tokens:   {res['alignment']['mode']}: {res['alignment']['note']}", style="dim"))
         mixed = any("as_stored" in r for r in res["rows"])
         tab = Table(pad_edge=False)
-        for col in ["t→b", "target", "baseline", "rel diff"] + (["as stored"] if mixed else []) + \
+        for col in ["t→b", "target", "baseline", "rel diff²"] + (["as stored"] if mixed else []) + \
                    ["abs max/mean", "cosine", "ULP max/mean", "worst", "thr", ""]:
             tab.add_column(col, justify="left" if col in ("target", "baseline", "") else "right", no_wrap=True)
         for r in res["rows"]:
@@ -587,7 +591,7 @@ def render(rep: dict, console) -> None:
         console.print(tab)
         if mixed:
             lo = next(r["rounded_to"] for r in res["rows"] if "rounded_to" in r)
-            console.print(Text(f"mixed precision: rel diff after rounding the finer side to {lo}; "
+            console.print(Text(f"mixed precision: rel diff² after rounding the finer side to {lo}; "
                                f"'as stored' compares the unrounded values", style="dim"))
         if res["alignment"].get("note", "").endswith("not checked"):
             console.print(Text(f"note: {res['alignment']['note']}", style="yellow"))
@@ -597,20 +601,9 @@ def render(rep: dict, console) -> None:
             console.print(Text(f"cause ({c['kind']}, {c['where']}): {c['detail']}", style="red"), soft_wrap=True)
 
 
-def diff_command(
-    baseline: Annotated[Path, typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
-    target: Annotated[Path, typer.Argument(help="the run to check against the baseline (same kinds of input)")],
-    rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
-    all_ranks: Annotated[bool, typer.Option("--all-ranks", help="every rank of the capture folder(s)")] = False,
-    slots: Annotated[Optional[int], typer.Option("--slots", help="K: split a bare packed tensor into K slots")] = None,
-    hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
-    offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
-    threshold: Annotated[Optional[str], typer.Option(
-        "--threshold", help="rel diff a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
-                            "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-) -> None:
+def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = False, slots: Optional[int] = None,
+                 hidden: Optional[int] = None, offset: Optional[int] = None, threshold: Optional[str] = None,
+                 json_out: bool = False, debug: bool = False) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
     try:
         rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,

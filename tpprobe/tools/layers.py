@@ -6,8 +6,8 @@ The ids here are the ids a user hands SGLang, i.e. what `set_eagle3_layers_to_ca
 receives (a draft model's `eagle_aux_hidden_state_layer_ids`). tpprobe passes them to SGLang
 verbatim; this module says what SGLang then does with them.
 
-SGLang's rules (read in the 0.5.23 source, proven by tests/test_sglang_layer_ids.py against real
-captures of the tiny models):
+SGLang's rules (read in the 0.5.23 source; tests/test_layer_ids.py pins each rule, and
+tests/test_sglang_models.py checks them against real captures of SGLang's tiny models vs HF):
 
 * Decoder layer ``i`` in SGLang's ``layers_to_capture`` captures the residual stream *entering*
   layer ``i`` (previous layer's output after its all-reduce, plus residual; before the input norm)
@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tpprobe.capture.points import EMBED_OUT, layer_out
 from tpprobe.errors import UsageError
 
 SGLANG_VERSION = "0.5.23"
@@ -101,7 +102,15 @@ def _what(layer: int, num_layers: int) -> str:
     if layer == num_layers:
         return (f"residual stream leaving the last layer, before the final norm (HF "
                 f"hidden_states[{layer}] is after it)")
-    return f"residual stream entering layer {layer} = HF hidden_states[{layer}]"
+    return f"residual stream entering layer {layer} = layer {layer - 1}'s output = HF hidden_states[{layer}]"
+
+
+def point_of(layer: int, num_layers: int) -> str:
+    """tpprobe's capture point for what SGLang captures at the entry of `layer` (one vocabulary: the
+    report's rows are named so)."""
+    if not 0 <= layer < num_layers:
+        return "-"
+    return "embed.out" if layer == 0 else f"layer.{layer - 1}.out"
 
 
 def plan_from_derived(arch: str, d) -> LayerPlan:
@@ -281,14 +290,15 @@ def layers_table(p: LayerPlan):
                       f"{p.num_slots} slot(s) of hidden_size, same full tensor on every TP rank"
                       + (f". CRASH: {p.crash}" if p.crash else ""))
     t.add_column("id", justify="right")
-    t.add_column("captures layer", justify="right")
+    t.add_column("layers_to_capture", justify="right")
+    t.add_column("capture point", justify="right")
     t.add_column("aux slot", justify="right")
     t.add_column("what it physically is")
     t.add_column("status")
     t.add_column("note")
     style = {"ok": "green", "dropped": "yellow", "crash": "bold red"}
     for r in p.rows:
-        t.add_row("-" if r.requested is None else str(r.requested), str(r.layer),
+        t.add_row("-" if r.requested is None else str(r.requested), str(r.layer), point_of(r.layer, p.num_layers),
                   "-" if r.slot is None else str(r.slot), r.what,
                   f"[{style.get(r.status, '')}]{r.status or '-'}[/]", r.note)
     return t
@@ -317,7 +327,7 @@ def render_layers_table(arch: str, ids: Optional[list[int]], num_layers: int, co
 def layer_point(layer: int) -> str:
     """tpprobe's capture point equal to the stream SGLang captures at `layers_to_capture` entry
     `layer` (the stream entering that layer): embed.out for 0, else layer.{layer-1}.out."""
-    return "embed.out" if layer == 0 else f"layer.{layer - 1}.out"
+    return EMBED_OUT if layer == 0 else layer_out(layer - 1)
 
 
 def expected_slots(p: LayerPlan) -> tuple[list[Optional[str]], list[Optional[int]]]:

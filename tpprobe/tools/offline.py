@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..capture.files import load_run, point_set_mismatches
+from ..capture.points import SHARE, parse
 from ..checks.run import run_checks
 from ..checks.findings import FAILURE, Finding
 from ..report.model import build_report
@@ -18,36 +19,45 @@ def fingerprint_evidence(records: dict, settings: dict):
     if not records or not all("fingerprints" in r.meta for r in records.values()):
         return None
     from ..checks.noise import compare, dtype_from_str
-    from ..checks.evidence import FingerprintEvidence, judge_dtype
+    from ..checks.evidence import FingerprintEvidence
+    from ..checks.noise import judge_dtype
     dtype = dtype_from_str(settings.get("dtype", "float32"))
     ref = min(records)
     detail: dict = {}
     for name, base in records[ref].tensors.items():
         for r, rec in records.items():
             t = rec.tensors.get(name)
-            if r != ref and t is not None and t.shape == base.shape and not name.endswith(".local"):
+            if r != ref and t is not None and t.shape == base.shape and parse(name).kind != SHARE:
                 detail.setdefault(name, {})[r] = compare(t, base, dtype=judge_dtype(t.dtype, base.dtype, dtype))
     return FingerprintEvidence(records, dtype, detail)
 
 
 def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, markdown: Optional[str] = None,
                quiet: bool = False) -> int:
+    from ..capture.files import check_file_path
+    for flag, out in (("--html", html), ("--markdown", markdown)):
+        if out:
+            check_file_path(Path(out), flag)
     run = load_run(path)
     settings = dict(run.manifest.get("settings") or {})
     settings.setdefault("world_size", run.manifest["world_size"])
     settings.setdefault("hidden", next((r.meta.get("hidden") for r in run.records.values() if r.meta.get("hidden")), 0))
-    missing = {r: {"state": "has no readable capture in this folder"} for r in range(run.manifest["world_size"])
-               if r not in run.records}
+    # a rank the live run saw die or hang keeps that diagnosis; any other missing rank is a file problem
+    seen = {int(r): v for r, v in (run.manifest.get("liveness") or {}).items()}
+    missing = {r: seen.get(r, {"state": "has no readable capture in this folder"})
+               for r in range(run.manifest["world_size"]) if r not in run.records}
+    unexplained = [r for r in missing if r not in seen]
     result = run_checks(run.records, settings, {"missing": missing} if missing else None,
                         evidence=fingerprint_evidence(run.records, settings))
     # unreadable files are findings of their own, before anything computed from what is left
     file_findings = [Finding("capture-file", p["file"], [p["rank"]] if p["rank"] is not None else [],
                              severity=FAILURE if "extra" not in p["problem"] else "warning",
                              detail=p["problem"]).to_json() for p in run.problems]
-    if missing:
+    if unexplained:
         # a rank without a readable file is not a dead rank: name the files, not a timeout
-        result["findings"] = [f for f in result["findings"] if f["kind"] != "rank-timeout"]
-        for r in missing:
+        result["findings"] = [f for f in result["findings"]
+                              if f["kind"] != "rank-timeout" or not set(f["ranks"]) & set(unexplained)]
+        for r in unexplained:
             if not any(p["rank"] == r for p in run.problems):
                 file_findings.append(Finding("capture-file", f"rank {r}", [r],
                                              detail="no capture file for this rank in the manifest").to_json())
@@ -56,7 +66,7 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
         file_findings += [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"]).to_json()
                           for m in point_set_mismatches({r: rec.meta for r, rec in run.records.items()})]
     result["findings"] = file_findings + result["findings"]
-    rep = build_report(settings, result, timings={}, out=str(path))
+    rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True
     emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
     return rep["exit_code"]

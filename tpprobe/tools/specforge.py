@@ -100,7 +100,8 @@ def write_sample(path, input_ids: torch.Tensor, aux_hidden_state: torch.Tensor,
                  hidden_state: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> Path:
     """One sample exactly as SpecForge's prepare_hidden_states.py saves it (batch dim on the states)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from ..capture.files import make_file_folder
+    make_file_folder(path, "sample")
     ids = input_ids.reshape(-1).to(torch.long).cpu()
     data = {"input_ids": ids,
             "loss_mask": (loss_mask if loss_mask is not None else torch.ones_like(ids)).reshape(-1).cpu()}
@@ -116,8 +117,9 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
 
     hidden_state is the last captured layer's residual stream: the capture holds no final-norm
     output, so it is a stand-in (tpprobe diff compares aux_hidden_state only)."""
-    from ..capture.files import load_run
+    from ..capture.files import check_file_path, load_run
     from ..capture.points import stream_order
+    check_file_path(Path(out_path), "sample")   # before any work
     run = load_run(capture_dir)
     if rank not in run.records:
         raise CaptureError(f"{capture_dir}: rank {rank} not readable (have {sorted(run.records)})")
@@ -126,14 +128,3 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
         raise CaptureError(f"{capture_dir}: rank {rank} has no aux.packed / input_ids to write a sample from")
     order = stream_order(t)
     return write_sample(out_path, t["input_ids"], t["aux.packed"], t[order[-1]] if order else None)
-
-
-if __name__ == "__main__":   # python -m tpprobe.tools.specforge CAPTURE_DIR OUT.ckpt [RANK]
-    import sys
-    a = sys.argv[1:]
-    if len(a) not in (2, 3):
-        sys.exit("usage: python -m tpprobe.tools.specforge CAPTURE_DIR OUT.ckpt [RANK]")
-    try:
-        print(sample_from_capture(a[0], a[1], int(a[2]) if len(a) == 3 else 0))
-    except CaptureError as e:
-        sys.exit(f"tpprobe: error: {e}")

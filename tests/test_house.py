@@ -1,0 +1,107 @@
+"""The house plan holds (issue 18): the package's import graph, read with ast (nothing imported).
+
+- no import cycles, lazy (function-level) imports included: a cycle held apart by a lazy import
+  is still a cycle;
+- no module imports another module's private (`_name`) names, or reaches them as `mod._name`;
+  a private module (`_hashdef`) is imported only from its own package;
+- the renderers (terminal, html, markdown) never import each other, and the report model imports
+  no renderer;
+- dependencies point one way: capture and exchange below checks, checks below report and the
+  commands; nothing below imports the pipeline (probe) or the command line (cli).
+Start at scripts/import_graph.py, which builds the graph these tests read.
+"""
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(spec)
+sys.modules["import_graph"] = import_graph
+spec.loader.exec_module(import_graph)
+
+MODS = import_graph.modules()
+GRAPH = import_graph.imports(MODS)
+RENDERERS = {"tpprobe.report.terminal", "tpprobe.report.html", "tpprobe.report.markdown"}
+
+
+def _room(mod: str) -> str:
+    """tpprobe.checks.run -> checks, tpprobe.probe -> probe."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_import_graph_has_no_cycles_lazy_imports_included():
+    assert import_graph.cycles(GRAPH) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for mod, edges in GRAPH.items():
+        for target, names, _, line in edges:
+            if target == mod:
+                continue
+            bad += [f"{mod}:{line} imports {target}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
+            leaf = target.rsplit(".", 1)[-1]
+            if leaf.startswith("_") and not leaf.startswith("__") \
+                    and target.rsplit(".", 1)[0] != mod.rsplit(".", 1)[0]:
+                bad.append(f"{mod}:{line} imports the private module {target} from outside its package")
+    # `import x as F; F._name` reaches a private name just the same
+    for mod, path in MODS.items():
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level or isinstance(node, ast.ImportFrom) \
+                    and (node.module or "").startswith("tpprobe"):
+                for a in node.names:
+                    aliases[a.asname or a.name] = a.name
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("tpprobe") and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"{mod}:{node.lineno} reaches {node.value.id}.{node.attr}")
+    assert bad == []
+
+
+def test_renderers_never_import_each_other_and_the_model_imports_none():
+    bad = [f"{m} -> {t}" for m in RENDERERS | {"tpprobe.report.model", "tpprobe.report.labels"}
+           for t, _, _, _ in GRAPH[m] if t in RENDERERS and t != m]
+    assert bad == []
+
+
+# room -> rooms it must never import (the arrows point the other way)
+FORBIDDEN = {
+    "capture": {"exchange", "checks", "report", "tools", "sglang", "probe", "cli", "options"},
+    "exchange": {"checks", "report", "tools", "sglang", "probe", "cli"},
+    "checks": {"report", "tools", "sglang", "probe", "cli"},
+    "report": {"sglang", "probe", "cli", "options"},
+    "tools": {"probe", "cli"},
+    "sglang": {"probe", "cli"},
+    "probe": {"cli"},
+}
+# the one arrow from exchange into checks: each rank measures its own difference with THE noise rule
+ALLOWED = {("exchange", "tpprobe.checks.noise")}
+
+
+def test_dependencies_point_one_way():
+    bad = []
+    for mod, edges in GRAPH.items():
+        room = _room(mod)
+        for target, _, lazy, line in edges:
+            troom = _room(target)
+            if troom in FORBIDDEN.get(room, ()) and (room, target) not in ALLOWED:
+                bad.append(f"{mod}:{line} -> {target}{' (lazy)' if lazy else ''}")
+    assert bad == []
+
+
+def test_importing_tpprobe_or_its_cli_loads_no_torch():
+    """`tpprobe --help` and `tpprobe layers` start fast: torch loads only for the commands that use it."""
+    import subprocess
+    code = "import sys, tpprobe, tpprobe.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,327 @@
+"""The collective audit: every reduce a rank issues during the forward, recorded once, where it runs.
+
+Models reach the collective through many doors: `torch.distributed.all_reduce` (or the same
+function imported under another name before the probe started), the process group object, the
+functional collectives gpt-fast calls from forward hooks (`_c10d_functional.all_reduce` +
+`wait_tensor`), sequence-parallel `reduce_scatter_tensor` + `all_gather_into_tensor`, SGLang's
+`GroupCoordinator`. Every door that ends in c10d goes through the dispatcher as one of a few ops
+(`c10d.allreduce_`, `c10d._reduce_scatter_base_`, `c10d._allgather_base_`, the `_c10d_functional`
+ones), so `Audit` watches the dispatcher (a `TorchDispatchMode` that passes every other op
+straight through) rather than Python attributes. Patching `torch.distributed.all_reduce` sees
+none of the aliased, functional or process-group calls.
+
+What it cannot read, it still counts and names: any op whose name says it is a collective
+(`torch.ops.sglang.inplace_all_reduce`, `sgl_kernel.shm_allreduce`, a custom all-reduce kernel,
+the list forms `c10d.allgather_` / `c10d.reduce_scatter_`) becomes a record with `checked=False`
+and its op name as `path`; the coverage check reports each such path. Collectives that never
+reach the dispatcher (pynccl through ctypes, symmetric memory) are invisible here: a layer-level
+wrapper must record them with `Audit.collective` (below), else the reduce counts show the gap.
+
+Records (`CollectiveRecord`) carry the kind (all_reduce | reduce_scatter | all_gather | unknown),
+the path (which door), the issuing module and layer (from the Tap's module stack), the group size,
+and the input before / output after (copies, or fingerprints with `summarize`).
+
+Adding a door at a higher level (the API other layers use, e.g. SGLang's GroupCoordinator):
+
+    with tap.audit.collective("all_reduce", "sglang.GroupCoordinator.all_reduce", inp=x,
+                              group_size=gc.world_size) as rec:
+        out = original(gc, x)
+        rec.output(out)           # the reduced tensor (in-place reduces: the input itself)
+
+Inside that block the dispatcher-level audit records nothing of its own (a re-entrancy guard):
+the c10d op it sees is appended to `rec.via`, so one reduce is counted once, with its whole path.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "unknown")
+REDUCES = ("all_reduce", "reduce_scatter", "unknown")       # kinds that sum partial results
+_OPS = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
+_PASS = frozenset(("aten", "prim", "prims", "quantized", "_c10d_functional_autograd"))
+_HINTS = ("all_reduce", "allreduce", "reduce_scatter", "reducescatter", "all_gather", "allgather")
+# c10d ops that move data without summing partial results: not part of the reduce audit
+_NOT_REDUCE = frozenset(("broadcast_", "barrier", "send", "recv_", "recv_any_source_", "monitored_barrier_",
+                         "gather_", "scatter_", "alltoall_", "alltoall_base_", "wait_tensor",
+                         "_wrap_tensor_autograd", "broadcast", "all_to_all_single"))
+
+
+@dataclass
+class CollectiveRecord:
+    seq: int
+    module: str                     # innermost hooked module running when it was issued
+    source: Optional[str]           # row-parallel module whose output it reduced, if known
+    layer: Optional[int]            # decoder layer index, None outside layers
+    where: str                      # "embed" | "layer.K" | "other"
+    shape: tuple
+    dtype: str
+    group_size: int
+    op: str
+    kind: str = "all_reduce"        # all_reduce | reduce_scatter | all_gather | unknown
+    path: str = "c10d.allreduce_"   # the door it came through (op name or wrapper)
+    via: list = field(default_factory=list)   # lower-level ops seen inside an outer record
+    checked: bool = True            # False: the tensors could not be read (counted only)
+    group: Optional[str] = None     # the issuing group's name when a wrapper knows it (SGLang: tp:0, attention_tp:0)
+    group_ranks: Optional[list] = None   # its global ranks when not the whole world (a sub-group reduce)
+    inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
+    out: Optional[torch.Tensor] = None
+    inp_summary: Any = None
+    out_summary: Any = None
+    seconds: float = 0.0
+
+    def meta(self) -> dict:
+        return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
+                "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
+                "group_size": self.group_size, "op": self.op, "kind": self.kind,
+                "path": "+".join([self.path] + list(dict.fromkeys(self.via))), "checked": self.checked,
+                "group": self.group, "group_ranks": self.group_ranks}
+
+    # an outer-level wrapper hands the result here
+    def output(self, t: Optional[torch.Tensor]) -> None:
+        self._out = t
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, audit: "Audit"):
+        super().__init__()
+        self.audit = audit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in _PASS:
+            return func(*args, **kwargs)
+        return self.audit._dispatch(func, args, kwargs)
+
+
+def _group_size_of(pg) -> int:
+    try:
+        return dist.ProcessGroup.unbox(pg).size()
+    except Exception:
+        return -1
+
+
+def _named_group_size(name: str) -> int:
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(name).size()
+    except Exception:
+        return -1
+
+
+def _op_name(op) -> str:
+    if isinstance(op, str):
+        return op.upper()
+    try:
+        return _OPS.get(int(op.op()), str(op))
+    except Exception:
+        return str(op).split(".")[-1]
+
+
+def _wait(result):
+    try:
+        work = result[1]
+        if work is not None and hasattr(work, "wait"):
+            work.wait()
+    except Exception:
+        pass
+
+
+class Audit:
+    """Records every collective issued while it is active (a context manager).
+
+    attribute(tensor) -> (module, layer, where, source) places a collective in the model (the Tap's
+    module stack); keep(where) says whether to copy its tensors; summarize(t) fingerprints them."""
+
+    def __init__(self, attribute: Callable, keep: Callable[[str], bool] = lambda where: True,
+                 summarize: Optional[Callable] = None, progress=None):
+        self.attribute, self.keep, self.summarize, self.progress = attribute, keep, summarize, progress
+        self.records: list[CollectiveRecord] = []
+        self._active: Optional[CollectiveRecord] = None     # the re-entrancy guard
+        self._mode: Optional[_Mode] = None
+
+    # -- on / off -------------------------------------------------------------------------------
+    def __enter__(self) -> "Audit":
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(*exc)
+
+    # -- the one way to record a collective ------------------------------------------------------
+    def begin(self, kind: str, path: str, inp: Optional[torch.Tensor], group_size: int, op: str = "SUM",
+              checked: bool = True) -> CollectiveRecord:
+        module, layer, where, source = self.attribute(inp)
+        t = inp if isinstance(inp, torch.Tensor) else None
+        rec = CollectiveRecord(seq=len(self.records), module=module, source=source, layer=layer, where=where,
+                               shape=tuple(t.shape) if t is not None else (),
+                               dtype=str(t.dtype).replace("torch.", "") if t is not None else "?",
+                               group_size=group_size, op=op, kind=kind, path=path, checked=checked and t is not None)
+        if rec.checked:
+            if self.keep(where):
+                rec.inp = t.detach().clone()
+            if self.summarize is not None:
+                rec.inp_summary = self._summ(t, kind, group_size, is_input=True)
+        self.records.append(rec)
+        if self.progress is not None:
+            self.progress.collective = {"seq": rec.seq, "module": module, "where": where,
+                                        "shape": list(rec.shape), "since": time.time(), "kind": kind}
+        rec._t0 = time.perf_counter()
+        return rec
+
+    def end(self, rec: CollectiveRecord, out: Optional[torch.Tensor]) -> None:
+        rec.seconds = time.perf_counter() - getattr(rec, "_t0", time.perf_counter())
+        if self.progress is not None:
+            self.progress.collective = None
+        if not rec.checked or not isinstance(out, torch.Tensor):
+            rec.checked = rec.checked and isinstance(out, torch.Tensor)
+            return
+        if self.keep(rec.where):
+            rec.out = out.detach().clone()
+        if self.summarize is not None:
+            rec.out_summary = self._summ(out, rec.kind, rec.group_size, is_input=False)
+
+    def _summ(self, t, kind, group_size, is_input):
+        # reduce-scatter inputs and all-gather outputs are checked chunk by chunk (dim 0, one per rank)
+        if (kind == "reduce_scatter" and is_input or kind == "all_gather" and not is_input) and group_size > 0 \
+                and t.dim() and t.shape[0] % group_size == 0:
+            return [self.summarize(c.contiguous()) for c in t.chunk(group_size, 0)]
+        return self.summarize(t)
+
+    @contextmanager
+    def collective(self, kind: str, path: str, inp: Optional[torch.Tensor], group_size: int, op: str = "SUM"):
+        """For wrappers above c10d (SGLang's GroupCoordinator, a custom all-reduce): record one
+        collective; the c10d ops it issues inside are folded into it (`via`), not counted again.
+        Call `rec.output(tensor)` with the result; without it the input (an in-place reduce) is read."""
+        if self._active is not None:          # nested wrapper: the outer record already counts it
+            self._active.via.append(path)
+            yield self._active
+            return
+        rec = self.begin(kind, path, inp, group_size, op)
+        rec._out = None
+        self._active = rec
+        try:
+            yield rec
+        finally:
+            self._active = None
+        self.end(rec, rec._out if rec._out is not None else inp)
+
+    # -- the dispatcher door ------------------------------------------------------------------------
+    def _dispatch(self, func, args, kwargs):
+        ns, name = func.namespace, func._opname
+        key = f"{ns}.{name}"
+        if ns in ("c10d", "_c10d_functional") and name in _NOT_REDUCE:
+            return func(*args, **kwargs)
+        is_c10d = ns in ("c10d", "_c10d_functional")
+        if not is_c10d and not any(h in name.lower() for h in _HINTS):
+            return func(*args, **kwargs)
+        if self._active is not None:
+            self._active.via.append(key)
+            return func(*args, **kwargs)
+        handler = _HANDLERS.get(key)
+        if handler is None:      # a collective we cannot read: counted and named, never skipped
+            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if t is None:
+                t = next((a[0] for a in args if isinstance(a, (list, tuple)) and a
+                          and isinstance(a[0], torch.Tensor)), None)
+            kind = "all_gather" if "gather" in name else "unknown"
+            rec = self.begin(kind, key, t, -1, "?", checked=False)
+            rec.shape = tuple(t.shape) if t is not None else ()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.end(rec, None)
+        return handler(self, func, args, kwargs)
+
+
+def _c10d_allreduce(a: Audit, func, args, kwargs):
+    tensors, pg, op = args[0], args[1], args[2]
+    if len(tensors) != 1:
+        rec = a.begin("all_reduce", "c10d.allreduce_", tensors[0] if tensors else None, _group_size_of(pg),
+                      _op_name(op), checked=False)
+        res = func(*args, **kwargs)
+        _wait(res)
+        a.end(rec, None)
+        return res
+    rec = a.begin("all_reduce", "c10d.allreduce_", tensors[0], _group_size_of(pg), _op_name(op))
+    res = func(*args, **kwargs)
+    _wait(res)
+    a.end(rec, tensors[0])
+    return res
+
+
+def _fn_allreduce(a: Audit, func, args, kwargs):
+    inp, op, group = args[0], args[1], args[2]
+    rec = a.begin("all_reduce", f"_c10d_functional.{func._opname}", inp, _named_group_size(group), _op_name(op))
+    out = func(*args, **kwargs)
+    torch.ops._c10d_functional.wait_tensor(out)
+    a.end(rec, out)
+    return out
+
+
+def _c10d_reduce_scatter(a: Audit, func, args, kwargs):
+    out, inp, pg, op = args[0], args[1], args[2], args[3]
+    rec = a.begin("reduce_scatter", "c10d._reduce_scatter_base_", inp, _group_size_of(pg), _op_name(op))
+    res = func(*args, **kwargs)
+    _wait(res)
+    a.end(rec, out)
+    return res
+
+
+def _fn_reduce_scatter(a: Audit, func, args, kwargs):
+    inp, op, group_size, group = args[0], args[1], args[2], args[3]
+    rec = a.begin("reduce_scatter", "_c10d_functional.reduce_scatter_tensor", inp, int(group_size), _op_name(op))
+    out = func(*args, **kwargs)
+    torch.ops._c10d_functional.wait_tensor(out)
+    a.end(rec, out)
+    return out
+
+
+def _c10d_all_gather(a: Audit, func, args, kwargs):
+    out, inp, pg = args[0], args[1], args[2]
+    rec = a.begin("all_gather", "c10d._allgather_base_", inp, _group_size_of(pg), "CAT")
+    res = func(*args, **kwargs)
+    _wait(res)
+    a.end(rec, out)
+    return res
+
+
+def _fn_all_gather(a: Audit, func, args, kwargs):
+    inp, group_size = args[0], args[1]
+    rec = a.begin("all_gather", "_c10d_functional.all_gather_into_tensor", inp, int(group_size), "CAT")
+    out = func(*args, **kwargs)
+    torch.ops._c10d_functional.wait_tensor(out)
+    a.end(rec, out)
+    return out
+
+
+_HANDLERS = {
+    "c10d.allreduce_": _c10d_allreduce,
+    "_c10d_functional.all_reduce": _fn_allreduce,
+    "_c10d_functional.all_reduce_": _fn_allreduce,
+    "c10d._reduce_scatter_base_": _c10d_reduce_scatter,
+    "_c10d_functional.reduce_scatter_tensor": _fn_reduce_scatter,
+    "c10d._allgather_base_": _c10d_all_gather,
+    "_c10d_functional.all_gather_into_tensor": _fn_all_gather,
+}
+
+
+def expected_output(kind: str, ins: list[torch.Tensor], rank: int, world: int) -> Optional[torch.Tensor]:
+    """What a complete collective returns on `rank`, from every rank's input (float64)."""
+    if kind == "all_reduce":
+        return sum(t.double() for t in ins)
+    if kind == "reduce_scatter":
+        total = sum(t.double() for t in ins)
+        return total.chunk(world, 0)[rank] if total.dim() and total.shape[0] % world == 0 else None
+    if kind == "all_gather":
+        return torch.cat([t.double() for t in ins], 0)
+    return None

@@ -1,0 +1,60 @@
+"""One rank's record: the tensors it writes and the metadata that becomes rank-NNN.json.
+
+The one builder for `tpprobe probe` and the SGLang plugin, so both write the same schema
+(`tpprobe.capture/1`; files.py reads it back). The record is checked (`files.check_meta`) before
+it is returned: a malformed record fails where it is made, not when a report reads it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .files import check_meta
+from .params import replicated_param_hashes
+from .points import AUX_PACKED, INPUT_IDS, allreduce_in, allreduce_out
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def aux_meta(packed: Optional[torch.Tensor]) -> dict:
+    if packed is None:
+        return {}
+    return {"shape": list(packed.shape), "dtype": dtype_name(packed.dtype),
+            "contiguous": packed.is_contiguous(), "stride": list(packed.stride())}
+
+
+def point_meta(name: str, t: Optional[torch.Tensor], fp=None) -> dict:
+    """One capture point: its shape and dtype, and whether the tensor was kept (else a fingerprint)."""
+    if t is not None:
+        return {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "kept": True}
+    return {"name": name, "shape": list(fp.shape), "dtype": fp.dtype, "kept": False}
+
+
+def rank_record(tap, *, rank: int, world: int, input_ids: torch.Tensor, model: torch.nn.Module,
+                packed: Optional[torch.Tensor] = None, status: str = "ok", error: Optional[str] = None,
+                timings: Optional[dict] = None, device=None, extra: Optional[dict] = None) -> tuple[dict, dict]:
+    """(tensors, meta) of one forward under `tap`: the kept capture points, the audited
+    collectives' inputs and outputs, the tokens, the packed aux tensor; `extra` adds keys of the
+    caller's own (the probe's hidden size, the plugin's step and forward mode)."""
+    tensors = {n: t for n, t in tap.captures.items() if isinstance(t, torch.Tensor)}
+    for rec in tap.allreduces:
+        if rec.inp is not None and rec.out is not None:
+            tensors[allreduce_in(rec.seq)], tensors[allreduce_out(rec.seq)] = rec.inp, rec.out
+    tensors[INPUT_IDS] = input_ids
+    if packed is not None:
+        tensors[AUX_PACKED] = packed
+    meta = {
+        "rank": rank, "world_size": world, "status": status, "error": error,
+        "points": [point_meta(n, tensors.get(n), tap.summaries.get(n)) for n in dict.fromkeys(tap.order)
+                   if n in tensors or n in tap.summaries],
+        "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
+        "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices), "coverage": tap.coverage(),
+        "aux": aux_meta(packed), "params": replicated_param_hashes(model),
+        "timings": dict(timings or {}), "device": str(device if device is not None else input_ids.device),
+        **(extra or {}),
+    }
+    check_meta(meta)
+    return tensors, meta

@@ -1,0 +1,89 @@
+"""Coverage is part of the verdict: what the probe hooked and audited on every rank.
+
+A run is HEALTHY only when the probe saw the model: the embedding (its module path), all L decoder
+layers, and at tp > 1 at least one audited reduce, every one of which it could read. Otherwise a
+`coverage` finding says what is missing and what to pass (--embed, --layer-list). Reduces that
+came through a door the audit can count but not read (a custom all-reduce op, the list forms of
+c10d collectives) are named with their path: counted per layer, never checked silently.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from .findings import FAILURE, WARNING, Finding
+
+REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
+
+
+def summary(records, live) -> dict:
+    """The coverage table of the report: rank 0's view, plus the per-rank reduce counts by place."""
+    cov = {r: records[r].meta.get("coverage") for r in live}
+    base = next((c for c in cov.values() if c), None)
+    if base is None:       # an older capture: what its metadata says
+        m = records[live[0]].meta
+        return {"embed": m.get("embed_module"), "layers_found": m.get("layers_hooked"), "known": False}
+    per_place: dict = {}
+    paths: Counter = Counter()
+    for r in live:
+        for a in records[r].meta.get("allreduces", []):
+            if a.get("kind", "all_reduce") in REDUCE_KINDS:
+                per_place.setdefault(a["where"], {}).setdefault(str(r), 0)
+                per_place[a["where"]][str(r)] += 1
+            if r == live[0]:
+                paths[a.get("path", "torch.distributed.all_reduce")] += 1
+    return {**{k: base.get(k) for k in ("embed", "embed_how", "layer_list", "layer_how", "layers_found",
+                                        "layers_ran", "layer_classes", "audit")},
+            "reduces_per_place": per_place, "paths": dict(paths),
+            "unreadable_paths": base.get("unreadable_paths", {}), "known": True}
+
+
+def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
+    if not cov.get("known"):
+        return []
+    world, L = settings["world_size"], settings.get("num_layers")
+    out = []
+    all_r = {"all_ranks": True}
+    if not cov.get("embed"):
+        out.append(Finding("coverage", "embedding", list(live), detail=(
+            "no embedding found: no module outside the decoder layers took the input ids and returned "
+            "[tokens, hidden]; name it with --embed (module path, e.g. model.embed_tokens, or class name) "
+            "or ProbeTarget(embed=...)"), evidence=all_r))
+    found = cov.get("layers_found") or 0
+    if not found:
+        out.append(Finding("coverage", "decoder layers", list(live), detail=(
+            "no decoder layers found (the model has no nn.ModuleList); name them with --layer-list "
+            "(module path, e.g. model.layers, or a class-name glob) or ProbeTarget(layer_list=...)"), evidence=all_r))
+    elif L is not None and found != L:
+        out.append(Finding("coverage", f"decoder layers ({cov.get('layer_list') or cov.get('layer_how')})", list(live),
+                           detail=(f"{found} of the model's {L} layers hooked ({cov.get('layer_how')}: "
+                                   f"{cov.get('layer_list')}, {', '.join(cov.get('layer_classes') or [])}); "
+                                   f"name the right list with --layer-list"), evidence=all_r))
+    elif (cov.get("layers_ran") or 0) < found:
+        out.append(Finding("coverage", f"decoder layers ({cov.get('layer_list')})", list(live),
+                           detail=f"only {cov.get('layers_ran')} of {found} hooked layers ran in the forward",
+                           evidence=all_r))
+    places = cov.get("reduces_per_place", {})
+    n_reduce = sum(sum(v.values()) for v in places.values())
+    n_layer = sum(sum(v.values()) for w, v in places.items() if w.startswith("layer."))
+    if world > 1 and cov.get("audit", True) and found and n_layer == 0:
+        seen = f"{n_reduce} outside them" if n_reduce else "none anywhere"
+        out.append(Finding("coverage", "collective audit", list(live), detail=(
+            f"tp={world} but no reduce was audited in any decoder layer ({seen}): the model reduces through "
+            f"a path the audit cannot see (point-to-point sends, pynccl, a custom all-reduce, symmetric "
+            f"memory: record it with Tap.collective), or its layers are not tensor-parallel; no layer's "
+            f"reduce can be called complete"), evidence=all_r))
+    unread = cov.get("unreadable_paths") or {}
+    if unread:
+        text = ", ".join(f"{n} × {p}" for p, n in unread.items())
+        out.append(Finding("coverage", "collective audit", list(live), severity=WARNING, detail=(
+            f"reduces counted but not readable, so not checked for completeness: {text} (they still count "
+            f"per layer: a missing one is named at its layer)"), evidence=all_r))
+    return out
+
+
+def expected_reduces(records, live) -> dict:
+    """The typical number of reduces per decoder layer (the most common count over layers)."""
+    cov = summary(records, live).get("reduces_per_place", {})
+    ref = str(live[0])
+    counts = [v.get(ref, 0) for w, v in cov.items() if w.startswith("layer.")]
+    return {"typical": Counter(counts).most_common(1)[0][0] if counts else 0, "per_place": cov}

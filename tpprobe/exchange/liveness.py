@@ -1,0 +1,50 @@
+"""Why a rank is missing, from what it left in the store: its heartbeats, a stall post, its
+"ready". The probe stops waiting early once every missing rank is explained, and the checks name
+each missing rank from `missing_info` (died, hung, never started).
+"""
+from __future__ import annotations
+
+import time
+
+from .dist import Channel
+
+# a rank whose last heartbeat is older than this is taken as dead (the watchdog posts every ~0.5 s)
+DEAD_AFTER_S = 3.0
+# a rank that went silent less than this long ago is alive but not progressing: hung
+HUNG_UNDER_S = 2.0
+
+
+def all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
+    """Stop waiting early when every missing rank is known dead (silent) or stalled in a collective
+    none of the others will issue."""
+    now = time.time()
+    for r in range(world):
+        if r in found:
+            continue
+        stall = ch.get("stall", r)
+        if stall and all(p["n_allreduce"] <= stall["collective"]["seq"] for p in found.values()):
+            continue
+        hb = ch.get("hb", r)
+        if hb is not None and now - hb["t"] > DEAD_AFTER_S:
+            continue
+        return False
+    return bool(found)
+
+
+def missing_info(ch: Channel, r: int, posts: dict) -> dict:
+    hb, stall = ch.get("hb", r), ch.get("stall", r)
+    info = {"heartbeat": hb, "stall": stall}
+    if hb is None and ch.get("ready", r) is not None:
+        info["heartbeat"] = {"phase": "forward"}
+        info["state"] = "died (it built its model, then went silent)"
+    elif hb is None:
+        info["state"] = "never started the probe (no heartbeat)"
+    else:
+        info["silent_s"] = time.time() - hb["t"]
+        info["state"] = "hung (alive, no progress)" if info["silent_s"] < HUNG_UNDER_S else "died (heartbeat stopped)"
+    return info
+
+
+def collect_meta(ch: Channel, world: int, deadline: float) -> dict:
+    """Every rank's metadata post, until the deadline or until every missing rank is explained."""
+    return ch.collect("meta", deadline, stop_early=lambda found: all_missing_explained(ch, found, world))

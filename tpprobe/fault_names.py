@@ -1,0 +1,42 @@
+"""The faults `--inject` knows, by name (torch-free: `tpprobe probe --help` lists them without
+importing torch). What each fault does to the model lives in faults.py."""
+from __future__ import annotations
+
+# name -> (catalogue id, argument: "layer" | "rank" | None, argument required)
+FAULTS = {
+    "skip-embed-allreduce": ("F1", None, False),
+    "skip-allreduce": ("F2", "layer", True),
+    "subgroup-allreduce": ("F3", "layer", True),
+    "rank-noise": ("F4", "rank", True),
+    "rank-weight": ("F5", "rank", True),
+    "slice-capture": ("F6", None, False),
+    "capture-offset": ("F7", None, False),
+    "drop-embed-slot": ("F8", None, False),
+    "slot-order": ("F8", None, False),
+    "alias-capture": ("F9", None, False),
+    "nan": ("F10", "rank", True),
+    "capture-dtype": ("F11", "rank", False),
+    "capture-noncontig": ("F11", None, False),
+    "extra-collective": ("F12", "rank", True),
+    "embed-after-norm": ("F13", None, False),
+    "kill-rank": ("F14", "rank", True),
+    "hang-rank": ("F14", "rank", True),
+    "drop-last-id": ("F15", None, False),
+    # SGLang's own model only (--backend sglang): tpprobe/sglang/faults.py
+    "fused-allreduce-capture": ("F16", None, False),
+    "dp-attention-gather": ("F17", None, False),
+    "capture-no-residual": ("F18", None, False),
+}
+SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+
+
+def inject_help() -> str:
+    """--inject's help: every fault, and which take @K (a layer) or @R (a rank)."""
+    names = []
+    for name, (_, kind, required) in FAULTS.items():
+        arg = {"layer": "@K", "rank": "@R"}.get(kind, "")
+        names.append(name + (arg if required else f"(optional {arg})" if arg else ""))
+    return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
+            "e.g. skip-allreduce@2 or nan@1 (with --backend sglang: fused-allreduce-capture, capture-no-residual, "
+            "dp-attention-gather). Faults: " + ", ".join(names) +
+            ". What each looks like: README 'The faults it names'")

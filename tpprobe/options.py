@@ -1,0 +1,259 @@
+"""The probe's options, declared once.
+
+Each field of `ProbeOptions` carries its flag, its help text and how it reads from / writes to the
+command line. From that one declaration come
+  - the `tpprobe probe` typer signature (`cli.py` builds it with `typer_parameters()`),
+  - the argv `tpprobe probe` hands the ranks it launches (`to_argv`),
+  - the defaults of the built-in model (`BUILTIN`, which `model.BuiltinConfig` reads).
+The SGLang plugin's settings are declared the same way, with their environment variable
+(`PluginOptions.from_env`). Choice options are enums, so `--help` lists their values.
+
+Torch-free on purpose: `tpprobe --help` imports this module.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .errors import UsageError
+from .fault_names import inject_help
+
+# the built-in model's shape (model.BuiltinConfig's defaults, declared here once)
+BUILTIN = {"num_layers": 6, "hidden": 64, "heads": 8, "ffn": 128, "vocab": 131, "tokens": 16, "seed": 0,
+           "layer_ids": (-1, 1, 3)}
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+DTYPE_NAMES = tuple(d.value for d in Dtype)
+DTYPE_TORCH = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
+class Backend(str, Enum):
+    auto = "auto"          # nccl with GPUs, else gloo
+    gloo = "gloo"
+    nccl = "nccl"
+    sglang = "sglang"      # SGLang's model classes on gloo / nccl
+
+
+class Arch(str, Enum):     # the tiny SGLang models tpprobe builds (--backend sglang); aliases last
+    llama = "llama"
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    qwen3_moe = "qwen3_moe"
+    deepseek_v2 = "deepseek_v2"
+    deepseek_v3 = "deepseek_v3"
+    kimi_k2 = "kimi_k2"
+
+
+class Exchange(str, Enum):
+    full = "full"
+    fingerprint = "fingerprint"
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"--layers {text!r}: expected comma-separated integers like -1,1,3")
+
+
+def _value(v):
+    return v.value if isinstance(v, Enum) else v
+
+
+def opt(flag: str, default: Any, help: str, *, cli_type: Any = None, parse: Optional[Callable] = None,
+        show: Optional[Callable] = None, cli_default: Any = MISSING, env: Optional[str] = None):
+    """One option: its flag, default and help; `cli_type` the type typer parses (an Enum lists its
+    choices in --help), `parse` from that to the field, `show` from the field back to argv text,
+    `cli_default` when the command line's default differs (None = resolved later), `env` the
+    environment variable that sets it (plugin settings)."""
+    meta = {"flag": flag, "help": help, "cli_type": cli_type, "parse": parse, "show": show,
+            "cli_default": cli_default, "env": env}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ProbeOptions:
+    nproc: int = opt("--nproc", 2, "local ranks to start (ignored under torchrun)")
+    layers: list[int] = opt("--layers", list(BUILTIN["layer_ids"]),
+                            "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3; with --backend "
+                            "sglang the ids that capture the embedding and the streams leaving layers 1 and 3 "
+                            "under the architecture's rule, e.g. 0,2,4 for deepseek_v2)",
+                            cli_type=Optional[str], parse=_ids, show=lambda v: ",".join(map(str, v)),
+                            cli_default=None)
+    num_layers: int = opt("--num-layers", BUILTIN["num_layers"], "decoder layers of the built-in (or SGLang) model")
+    hidden: int = opt("--hidden", BUILTIN["hidden"], "built-in model: hidden size (a multiple of --heads)")
+    heads: int = opt("--heads", BUILTIN["heads"], "built-in model: attention heads (divisible by the ranks)")
+    ffn: int = opt("--ffn", BUILTIN["ffn"], "built-in model: MLP width (divisible by the ranks)")
+    vocab: int = opt("--vocab", BUILTIN["vocab"],
+                     "built-in model: vocabulary (131 is not divisible by tp: shards are padded)")
+    tokens: int = opt("--tokens", BUILTIN["tokens"], "tokens in the one forward")
+    seed: int = opt("--seed", BUILTIN["seed"], "seed of the weights and token ids")
+    dtype: str = opt("--dtype", "float32", "the model's dtype (default: float32, or the torch_dtype of --config)",
+                     cli_type=Optional[Dtype], cli_default=None)
+    backend: str = opt("--backend", "auto", "auto = nccl with GPUs, else gloo; sglang = SGLang's model classes",
+                       cli_type=Backend)
+    arch: str = opt("--arch", "llama", "with --backend sglang: which tiny SGLang model", cli_type=Arch)
+    config: Optional[str] = opt("--config", None, "with --backend sglang: a real config.json (random weights)")
+    dp_attention: int = opt("--dp-attention", 1, "with --backend sglang: attention-DP groups (SGLang's "
+                            "--enable-dp-attention --dp-size N); attention-TP = tp / N, e.g. --nproc 4 "
+                            "--dp-attention 2")
+    model: Optional[str] = opt("--model", None, "your own model: package.module:factory")
+    inject: list[str] = opt("--inject", [], inject_help())
+    out: Optional[str] = opt("--out", None, "capture folder (default: a fresh folder under ./tpprobe-runs)")
+    timeout: float = opt("--timeout", 60.0, "seconds any rank waits on another")
+    max_bytes: float = opt("--max-bytes", 2e9, "refuse to start when one rank would write more than this many "
+                           "bytes (estimated from the model)")
+    exchange: str = opt("--exchange", "full", "full: every tensor to rank 0; fingerprint: a few KB per capture, "
+                        "tensors only where ranks differ",
+                        cli_type=Exchange)
+    embed: Optional[str] = opt("--embed", None, "the embedding module of --model: a module path (model.embed_tokens) "
+                               "or a class-name glob; default: the module that consumes the input ids and emits "
+                               "[tokens, hidden]")
+    layer_list: Optional[str] = opt("--layer-list", None, "the decoder layers of --model: a ModuleList path "
+                                    "(model.layers) or a class-name glob (*DecoderLayer); default: the longest "
+                                    "nn.ModuleList")
+    json_out: bool = opt("--json", False, "print report.json instead of the table")
+    html: Optional[str] = opt("--html", None, "also write a self-contained HTML report to this file")
+    markdown: Optional[str] = opt("--markdown", None, "also write a Markdown summary (for an issue) to this file")
+    quiet: bool = opt("--quiet", False, "print the verdict lines only")
+    debug: bool = opt("--debug", False, "show the traceback of an error, also one raised on a rank")
+
+    @property
+    def torch_dtype(self):
+        import torch
+        if self.dtype not in DTYPE_TORCH:
+            raise UsageError(f"unknown --dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        return getattr(torch, DTYPE_TORCH[self.dtype])
+
+    @classmethod
+    def from_cli(cls, **values) -> "ProbeOptions":
+        """From the typer command's keyword arguments (enums become their values; a dtype left
+        unset is the one --config names, else float32)."""
+        kw = {}
+        for f in cli_fields(cls):
+            v = values.get(f.name)
+            parse = f.metadata["parse"]
+            if v is None and f.default_factory is not MISSING:
+                v = f.default_factory()
+            elif parse is not None:
+                v = parse(v)
+            kw[f.name] = _value(v)
+        if kw["dtype"] is None:
+            kw["dtype"] = config_dtype(kw["config"]) if kw["config"] and kw["backend"] == "sglang" else "float32"
+        if values.get("layers") is None and kw["backend"] == "sglang" and not kw["model"]:
+            # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3)
+            from .sglang.tiny import default_layer_ids
+            kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
+        return cls(**kw)
+
+    def to_argv(self) -> list[str]:
+        """These options back to the command line the ranks run (`--nproc` stays with the launcher)."""
+        a: list[str] = []
+        for f in cli_fields(type(self)):
+            if f.name == "nproc":
+                continue
+            v, flag, show = getattr(self, f.name), f.metadata["flag"], f.metadata["show"]
+            if isinstance(v, bool):
+                a += [flag] if v else []
+            elif isinstance(v, list) and show is None:
+                for x in v:
+                    a += [flag, str(x)]
+            elif v is not None:
+                a += [flag, show(v) if show else str(v)]
+        return a
+
+
+def cli_fields(cls) -> list:
+    return [f for f in fields(cls) if "flag" in f.metadata]
+
+
+def typer_parameters(cls=ProbeOptions) -> list[tuple[str, Any, Any, str, str]]:
+    """(name, type typer parses, default, flag, help) for each command-line field, in order."""
+    out = []
+    for f in cli_fields(cls):
+        t = f.metadata["cli_type"]
+        if t is None:
+            t = {"list[int]": list[int], "list[str]": Optional[list[str]], "int": int, "float": float,
+                 "bool": bool, "str": str, "Optional[str]": Optional[str]}[str(f.type)]
+        if f.metadata["cli_default"] is not MISSING:
+            default = f.metadata["cli_default"]
+        elif f.default_factory is not MISSING:
+            d = f.default_factory()
+            default = f.metadata["show"](d) if f.metadata["show"] else (None if d == [] else d)
+        else:
+            default = f.default
+        out.append((f.name, t, default, f.metadata["flag"], f.metadata["help"]))
+    return out
+
+
+
+
+def config_dtype(path: str) -> str:
+    """The dtype a --config asks for (its torch_dtype, or dtype in newer configs): the probe's dtype
+    unless --dtype says otherwise. float32 when it names none (or "auto"), or cannot be read here
+    (building the model then says what is wrong with the file)."""
+    import json
+    p = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return "float32"
+    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") if isinstance(d, dict) else ""
+    return want if want in DTYPE_NAMES else "float32"
+
+
+# ---- the SGLang plugin's settings (environment, read in every SGLang process) ----------------------
+DEFAULT_TARGETS = (
+    "sglang.srt.models.llama.LlamaForCausalLM.forward",
+    "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward",
+)
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+@dataclass
+class PluginOptions:
+    dir: Optional[Path] = opt("--out", None, "folder to write to (required to enable anything)",
+                              env="TPPROBE_CAPTURE_DIR", parse=Path)
+    max_steps: int = opt("--max-steps", 1, "forward steps to capture per rank; step s goes to DIR/step-SSS",
+                         env="TPPROBE_MAX_STEPS", parse=int)
+    modes: set = opt("--modes", "extend", "comma list of ForwardMode names to capture", env="TPPROBE_FORWARD_MODES",
+                     parse=lambda s: {m.lower() for m in _csv(s)})
+    max_bytes: int = opt("--max-bytes", 2e9, "stop capturing once this many bytes were written by a rank",
+                         env="TPPROBE_MAX_BYTES", parse=lambda s: int(float(s)))
+    targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
+                        "LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)",
+                        env="TPPROBE_SGLANG_MODELS", parse=lambda s: _csv(s) or list(DEFAULT_TARGETS))
+
+    @classmethod
+    def from_env(cls, environ=None) -> Optional["PluginOptions"]:
+        """None unless TPPROBE_CAPTURE_DIR is set (then nothing else happens)."""
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for f in fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if f.name == "dir" and not raw:
+                return None
+            kw[f.name] = f.metadata["parse"](raw if raw is not None else str(f.default))
+        return cls(**kw)
+
+    @classmethod
+    def env_help(cls) -> str:
+        return "\n".join(f"  {f.metadata['env']:<24} {f.metadata['help']}" for f in fields(cls))
