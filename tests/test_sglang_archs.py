@@ -62,7 +62,8 @@ def worker(ctx, archs):
             t.forward()
         streams = [torch.allclose(tap.captures[f"layer.{k}.out"], hs[k + 1], atol=1e-4) for k in range(L)]
         out[arch] = {"info": t.info, "results": results, "tap_streams": streams,
-                     "tap_audit": [(a.where, a.group, a.group_size, a.source) for a in tap.allreduces]}
+                     "tap_audit": [(a.where, a.group, a.group_size, a.source) for a in tap.allreduces
+                                   if a.kind == "all_reduce"]}
     return out
 
 

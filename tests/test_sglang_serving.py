@@ -32,7 +32,10 @@ def _healthy(rep, arch):
     assert failures(rep) == [], rep["findings"]
     assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
     ar = rep["allreduce"]
-    assert ar["incomplete"] == 0 and ar["checked"] == 2 * L + 1     # embedding + 2 per layer, once each
+    reduces = [a for a in ar["records"] if a.get("kind") == "all_reduce"]
+    # embedding + 2 per layer, each once, at GroupCoordinator level (ending in c10d's allreduce)
+    assert ar["incomplete"] == 0 and len(reduces) == 2 * L + 1, ar
+    assert all(a["path"] == "sglang.GroupCoordinator.all_reduce+c10d.allreduce_" for a in reduces), reduces
     assert rep["settings"]["arch"] == arch
 
 
@@ -40,7 +43,8 @@ def _audit_groups(out):
     from tpprobe.capture.files import load_run
 
     run = load_run(out)
-    return [(a["where"], a["group"], a["group_size"]) for a in run.records[0].meta["allreduces"]]
+    return [(a["where"], a["group"], a["group_size"]) for a in run.records[0].meta["allreduces"]
+            if a["kind"] == "all_reduce"]
 
 
 def test_readme_deepseek_v2_default_command_is_healthy(tmp_path):
@@ -93,7 +97,8 @@ def _dp_clean_except_aux(out, rep):
     # the stream and every reduce are right under DP attention: the embedding reduces over each
     # attention-TP group, the FFN gathers over tp:0; a sub-group reduce is checked against its group
     ar = rep["allreduce"]
-    assert ar["incomplete"] == 0 and ar["checked"] == 2 * L + 2, ar
+    reduces = [a for a in ar["records"] if a.get("kind") == "all_reduce"]
+    assert ar["incomplete"] == 0 and len(reduces) == 2 * L + 2, ar     # + the logits' DP gather
     assert rep["settings"]["attn_dp"] == 2 and rep["settings"]["attn_tp"] == 2
     assert all(p["level"] in ("reference", "bitwise", "noise", "share") for p in rep["points"]
                if p["name"] != "aux.packed"), rep["points"]
@@ -101,10 +106,11 @@ def _dp_clean_except_aux(out, rep):
 
     run = load_run(out)
     for r, rec in run.records.items():
-        embed = rec.meta["allreduces"][0]
+        reduces = [a for a in rec.meta["allreduces"] if a["kind"] == "all_reduce"]
+        embed = reduces[0]
         assert (embed["where"], embed["group"], embed["group_ranks"]) == \
                ("embed", "attention_tp:0", [0, 1] if r < 2 else [2, 3])
-        assert {a["group"] for a in rec.meta["allreduces"][1:]} == {"tp:0"}
+        assert {a["group"] for a in reduces[1:]} == {"tp:0"}
 
 
 def test_dp_attention_tp4_healthy(tmp_path):
