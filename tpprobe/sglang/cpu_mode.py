@@ -101,6 +101,13 @@ def fill_deepseek_config(config) -> None:
             setattr(config, name, value)
 
 
+def quiet_import_noise() -> None:
+    """"Cannot detect CUDA architecture." from SGLang's JIT-kernel helper: true and expected on CPU."""
+    import logging
+
+    logging.getLogger("sglang.kernels.jit.utils.arch").setLevel(logging.ERROR)
+
+
 def enable() -> None:
     """Apply every CPU workaround (idempotent). Imports sglang."""
     global _ENABLED
@@ -110,9 +117,7 @@ def enable() -> None:
     import warnings
 
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
-    import logging
-    # "Cannot detect CUDA architecture." from SGLang's JIT-kernel helper: true and expected on CPU
-    logging.getLogger("sglang.kernels.jit.utils.arch").setLevel(logging.ERROR)
+    quiet_import_noise()
     install_torchvision_shim()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # AWQ/GGUF "only CUDA supports ..." import-time noise

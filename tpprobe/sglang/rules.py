@@ -90,6 +90,7 @@ def _import(module: str):
         warnings.simplefilter("ignore")
         from tpprobe.sglang import cpu_mode
 
+        cpu_mode.quiet_import_noise()
         cpu_mode.install_torchvision_shim()
         return importlib.import_module(f"sglang.srt.models.{module}")
 
