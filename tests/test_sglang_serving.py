@@ -113,6 +113,7 @@ def _dp_clean_except_aux(out, rep):
         assert {a["group"] for a in reduces[1:]} == {"tp:0"}
 
 
+@pytest.mark.sweep      # the default run's F17 test asserts the same DP path clean beside the aux
 def test_dp_attention_tp4_healthy(tmp_path):
     code, rep, p = _dp_probe(tmp_path)
     assert code == 0, p.stderr[-3000:]
