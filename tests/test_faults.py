@@ -108,4 +108,6 @@ def test_the_readme_fault_table_is_what_these_runs_print(tmp_path):
             RUNS[k] = fault_table.run(inject, extra, tmp_path / str(len(RUNS)))
     want = fault_table.table(RUNS)
     have = fault_table.readme_table((ROOT / "README.md").read_text())
-    assert have == want, "README's fault table differs from the runs: python scripts/fault_table.py --write"
+    differ = [(h, w) for h, w in zip(have.splitlines(), want.splitlines()) if h != w]
+    assert have == want, ("README's fault table differs from the runs (python scripts/fault_table.py --write): "
+                          f"{differ[:3] or 'rows added or missing'}")

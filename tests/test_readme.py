@@ -85,20 +85,14 @@ def _groups(cost: str) -> list[list[rc.Command]]:
     return list(groups.values())
 
 
-def _ids(groups):
-    return [g[0].text[:50] for g in groups]
+def _params():
+    """Every runnable group; the costly ones in the sweep tier."""
+    return [pytest.param(g, id=g[0].text[:50], marks=[pytest.mark.sweep] if cost == "slow" else [])
+            for cost in ("fast", "slow") for g in _groups(cost)]
 
 
-@pytest.mark.parametrize("group", _groups("fast"), ids=_ids(_groups("fast")))
+@pytest.mark.parametrize("group", _params())
 def test_readme_command_runs_as_written(group, shell):
-    d = shell.folder("readme")
-    for c in group:
-        _check(c, shell(c.text, d))
-
-
-@pytest.mark.sweep
-@pytest.mark.parametrize("group", _groups("slow"), ids=_ids(_groups("slow")))
-def test_readme_slow_command_runs_as_written(group, shell):
     d = shell.folder("readme")
     for c in group:
         _check(c, shell(c.text, d))

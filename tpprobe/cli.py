@@ -143,9 +143,10 @@ def diff(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
+    _DEBUG["on"] = debug
     from .tools.diff import diff_command    # torch is imported only when a command needs it
     diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
-                 threshold=threshold, json_out=json_out, debug=debug)
+                 threshold=threshold, json_out=json_out)
 
 # `tpprobe layers` (every SGLang architecture, the draft/target contract): typer signature and body
 # in tools/layers_cli.py, which imports no torch and no sglang until it runs

@@ -238,6 +238,12 @@ class PluginOptions:
                      parse=lambda s: {m.lower() for m in _csv(s)})
     max_bytes: int = opt("--max-bytes", 2e9, "stop capturing once this many bytes were written by a rank",
                          env="TPPROBE_MAX_BYTES", parse=lambda s: int(float(s)))
+    embed: Optional[str] = opt("--embed", "", "the embedding's module path or class glob (default: found from "
+                               "structure, the module that takes the input ids and returns [tokens, hidden])",
+                               env="TPPROBE_EMBED", parse=lambda s: s or None)
+    layer_list: Optional[str] = opt("--layer-list", "", "the decoder layers' ModuleList path or class glob "
+                                    "(default: the longest list)", env="TPPROBE_LAYER_LIST",
+                                    parse=lambda s: s or None)
     targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
                         "LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)",
                         env="TPPROBE_SGLANG_MODELS", parse=lambda s: _csv(s) or list(DEFAULT_TARGETS))

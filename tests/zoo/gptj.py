@@ -49,8 +49,12 @@ class Block(nn.Module):
         mlp = torch.nn.functional.gelu(h @ self.fc_in.t()) @ self.fc_out.t()
         y = attn + mlp                 # GPT-J: both partial sums, reduced together, once
         if self.reduce:
-            dist.all_reduce(y)
+            y = self.all_reduce(y)
         return (x + y) * self.scale
+
+    def all_reduce(self, y):
+        dist.all_reduce(y)
+        return y
 
 
 class Transformer(nn.Module):

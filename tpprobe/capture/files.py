@@ -111,6 +111,8 @@ def remove_if_empty(out: Path) -> None:
 def check_parent_exists(path: Path, flag: str) -> None:
     """Only the last folder of a path is ever created: a missing parent is a typo, not a request."""
     parent = Path(path).absolute().parent
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"cannot write to {flag} {path}: {parent} is a file, not a folder; choose a writable folder")
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: the folder {parent} does not exist (tpprobe creates only the last "
                          f"folder of a path); create it first or fix the path")
@@ -119,6 +121,9 @@ def check_parent_exists(path: Path, flag: str) -> None:
 def check_file_path(path: Path, flag: str) -> None:
     """A file tpprobe writes may go into a new folder, but only one: that folder's parent must exist."""
     folder = Path(path).absolute().parent
+    for f in (folder.parent, folder):
+        if f.exists() and not f.is_dir():
+            raise UsageError(f"cannot write to {flag} {path}: {f} is a file, not a folder; choose a writable folder")
     if not folder.parent.is_dir():
         raise UsageError(f"{flag} {path}: the folder {folder.parent} does not exist (tpprobe creates only the last "
                          f"folder of a path); create it first or fix the path")

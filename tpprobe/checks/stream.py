@@ -10,7 +10,6 @@ import torch
 from ..capture.points import AUX, layer_place, parse, point_label, point_layer, stream_order
 from .crossrank import classes
 from .findings import Finding
-from .noise import rel_l2
 from .params import param_divergence
 
 

@@ -4,7 +4,7 @@ Declared in pyproject as `tpprobe = "tpprobe.sglang.plugin:register"`. SGLang's 
 calls `register()` in every process that loads plugins (engine, each scheduler = TP/PP rank
 worker, DP controller, detokenizer). Nothing happens unless TPPROBE_CAPTURE_DIR is set.
 
-Settings (environment):
+Settings (environment; declared once in tpprobe/options.py PluginOptions, which reads them):
   TPPROBE_CAPTURE_DIR    folder to write to (required to enable anything)
   TPPROBE_MAX_STEPS      forward steps to capture per rank (default 1); step s goes to DIR/step-SSS
   TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend")
@@ -117,8 +117,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     t0 = time.time()
     try:
         with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
-                                  embed=os.environ.get("TPPROBE_EMBED") or None,
-                                  layers=os.environ.get("TPPROBE_LAYER_LIST") or None) as tap:
+                                  embed=s["embed"], layers=s["layer_list"]) as tap:
             tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
             result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     finally:

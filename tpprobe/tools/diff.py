@@ -29,7 +29,7 @@ import typer
 from ..checks.slots import slot_verdict
 from ..capture.points import point_label, point_layer, stream_order
 from ..checks.noise import RESHARDED, coarser, compare
-from ..errors import CaptureError, TPProbeError, UsageError
+from ..errors import CaptureError, UsageError
 from .specforge import EXPECTED, parse_sample, safe_torch_load
 
 SCHEMA = "tpprobe.diff/1"
@@ -603,17 +603,11 @@ def render(rep: dict, console) -> None:
 
 def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = False, slots: Optional[int] = None,
                  hidden: Optional[int] = None, offset: Optional[int] = None, threshold: Optional[str] = None,
-                 json_out: bool = False, debug: bool = False) -> None:
-    """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
-    try:
-        rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,
-                       offset=offset, threshold=threshold)
-    except TPProbeError as e:
-        if debug:
-            raise
-        # one line, never wrapped, whatever the terminal width
-        sys.stderr.write(f"tpprobe: error: {' '.join(str(e).split())}\n")
-        raise typer.Exit(e.exit_code)
+                 json_out: bool = False) -> None:
+    """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N.
+    Bad input raises TPProbeError: cli.main prints it (one line; the traceback with --debug)."""
+    rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,
+                   offset=offset, threshold=threshold)
     if json_out:
         sys.stdout.write(json.dumps(_clean(rep), indent=1, default=_jsonable, allow_nan=False) + "\n")
     else:
