@@ -58,7 +58,8 @@ def test_default_out_is_a_fresh_folder_under_the_working_directory(tmp_path):
 def test_layers_explains_deepseek_ids_without_running_a_model():
     cp = run_cli(["layers", "--arch", "deepseek_v2", "--ids", "-1,2,30", "--num-layers", "61"])
     text = " ".join(cp.stdout.split())
-    assert cp.returncode == 0 and "HF hidden_states[2]" in text and "crash" in text.lower()
+    # the table shows a crash (id -1 is not the embedding for DeepSeek): exit 1 (issue 15)
+    assert cp.returncode == 1 and "HF hidden_states[2]" in text and "crash" in text.lower()
 
 
 def test_a_users_own_model_from_examples_is_probed_healthy(tmp_path):

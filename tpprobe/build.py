@@ -10,7 +10,7 @@ import torch
 
 from .capture.files import check_file_path, estimate_capture_bytes
 from .errors import TPProbeError, UsageError
-from .faults import parse as parse_faults
+from .faults import check_backend, parse as parse_faults
 from .model import BuiltinConfig
 from .options import ProbeOptions
 from .target import ProbeTarget, RankContext
@@ -29,8 +29,9 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
     if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
-    if opts.arch not in ("llama", "deepseek_v2"):   # the tiny SGLang models tpprobe builds
-        raise UsageError(f"unknown --arch {opts.arch!r}: use llama or deepseek_v2 (with --backend sglang)")
+    from .sglang.tiny import ARCHES as SGLANG_ARCHES, canonical_arch
+    if canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
+        raise UsageError(f"unknown --arch {opts.arch!r}: use {', '.join(SGLANG_ARCHES)} (with --backend sglang)")
     if opts.config is not None and opts.backend != "sglang":
         raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
                          f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
@@ -55,9 +56,26 @@ def validate(opts: ProbeOptions, world: int) -> None:
             BuiltinConfig.from_options(opts).validate(world)
     if opts.model is not None and ":" not in opts.model:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
-    if opts.inject and (opts.model or opts.backend == "sglang"):
-        raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
+    check_backend(opts.inject, opts.backend, opts.model)
+    _validate_dp_attention(opts, world)
     parse_faults(opts.inject, world, opts.num_layers, ids)
+
+
+def _validate_dp_attention(opts: ProbeOptions, world: int) -> None:
+    if opts.dp_attention < 1:
+        raise UsageError(f"--dp-attention must be >= 1 (got {opts.dp_attention})")
+    if opts.dp_attention > 1:
+        if opts.backend != "sglang":
+            raise UsageError("--dp-attention runs SGLang's DP attention: add --backend sglang")
+        if world % opts.dp_attention or world == opts.dp_attention:
+            raise UsageError(f"--dp-attention {opts.dp_attention} needs a tp (--nproc, now {world}) it divides into "
+                             f"attention-TP groups of 2 or more ranks, e.g. --nproc 4 --dp-attention 2")
+    if "dp-attention-gather" in [f.partition("@")[0] for f in opts.inject]:
+        if opts.dp_attention < 2:
+            raise UsageError("--inject dp-attention-gather needs DP attention: add --nproc 4 --dp-attention 2")
+        if opts.tokens % (world // opts.dp_attention):
+            raise UsageError(f"--inject dp-attention-gather splits the tokens over the attention-TP group: use "
+                             f"--tokens divisible by {world // opts.dp_attention}")
 
 
 def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> ProbeTarget:
@@ -67,7 +85,8 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
     if opts.backend == "sglang":
         from .sglang.tiny import build_target as sglang_target
         return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
+                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
+                             attn_dp=opts.dp_attention)
     from .model import build_builtin
     return build_builtin(ctx, BuiltinConfig.from_options(opts, layer_ids))
 
@@ -132,8 +151,9 @@ def run_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, laye
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
-        from .tools.layers import ARCHES, expected_slots, plan
-        if target.arch in ARCHES:
+        from .sglang.tiny import ARCHES as SGLANG_ARCHES
+        from .tools.layers import expected_slots, plan
+        if target.arch in SGLANG_ARCHES:
             settings["expected_points"], settings["expected_ids"] = expected_slots(
                 plan(target.arch, target.model_layer_ids, target.num_layers))
     return settings

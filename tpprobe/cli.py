@@ -17,13 +17,11 @@ from typer.exceptions import Abort, Exit, TyperException
 
 from .errors import TPProbeError
 from .options import ProbeOptions, typer_parameters
-from .tools.layers import ARCHES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage.")
 
 _DEBUG = {"on": False}
-LayersArch = Enum("LayersArch", {a: a for a in ARCHES}, type=str)   # `tpprobe layers --arch` choices
 
 
 def _version(value: bool) -> None:
@@ -106,18 +104,6 @@ def report(
         raise UsageError(f"--emit-dims reads SGLang dumper folders; {capture_dir} is not one")
     from .tools.offline import report_dir
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
-
-
-@app.command()
-def layers(
-    arch: Annotated[LayersArch, typer.Option("--arch", help="the model family whose capture rules apply")] = "llama",
-    ids: Annotated[Optional[str], typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the model")] = 61,
-) -> None:
-    """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
-    from .tools.layers import parse_ids, render_layers_table
-    from .report.terminal import console
-    render_layers_table(arch.value, parse_ids(ids) if ids else None, num_layers, console())
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -225,6 +211,11 @@ def diff(
     from .tools.diff import diff_command    # torch is imported only when a command needs it
     diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
                  threshold=threshold, json_out=json_out)
+
+# `tpprobe layers` (every SGLang architecture, the draft/target contract): typer signature and body
+# in tools/layers_cli.py, which imports no torch and no sglang until it runs
+from .tools.layers_cli import layers_command  # noqa: E402
+app.command("layers")(layers_command)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

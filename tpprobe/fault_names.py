@@ -22,7 +22,12 @@ FAULTS = {
     "kill-rank": ("F14", "rank", True),
     "hang-rank": ("F14", "rank", True),
     "drop-last-id": ("F15", None, False),
+    # SGLang's own model only (--backend sglang): tpprobe/sglang/faults.py
+    "fused-allreduce-capture": ("F16", None, False),
+    "dp-attention-gather": ("F17", None, False),
+    "capture-no-residual": ("F18", None, False),
 }
+SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
 
 
 def inject_help() -> str:
@@ -32,5 +37,6 @@ def inject_help() -> str:
         arg = {"layer": "@K", "rank": "@R"}.get(kind, "")
         names.append(name + (arg if required else f"(optional {arg})" if arg else ""))
     return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
-            "e.g. skip-allreduce@2 or nan@1. Faults: " + ", ".join(names) +
+            "e.g. skip-allreduce@2 or nan@1 (with --backend sglang: fused-allreduce-capture, capture-no-residual, "
+            "dp-attention-gather). Faults: " + ", ".join(names) +
             ". What each looks like: README 'The faults it names'")

@@ -47,9 +47,14 @@ class Backend(str, Enum):
     sglang = "sglang"      # SGLang's model classes on gloo / nccl
 
 
-class Arch(str, Enum):     # the tiny SGLang models tpprobe builds (--backend sglang)
+class Arch(str, Enum):     # the tiny SGLang models tpprobe builds (--backend sglang); aliases last
     llama = "llama"
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    qwen3_moe = "qwen3_moe"
     deepseek_v2 = "deepseek_v2"
+    deepseek_v3 = "deepseek_v3"
+    kimi_k2 = "kimi_k2"
 
 
 class Exchange(str, Enum):
@@ -85,8 +90,11 @@ def opt(flag: str, default: Any, help: str, *, cli_type: Any = None, parse: Opti
 class ProbeOptions:
     nproc: int = opt("--nproc", 2, "local ranks to start (ignored under torchrun)")
     layers: list[int] = opt("--layers", list(BUILTIN["layer_ids"]),
-                            "EAGLE-3 layer ids to capture; -1 = the embedding",
-                            cli_type=str, parse=_ids, show=lambda v: ",".join(map(str, v)))
+                            "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3; with --backend "
+                            "sglang the ids that capture the embedding and the streams leaving layers 1 and 3 "
+                            "under the architecture's rule, e.g. 0,2,4 for deepseek_v2)",
+                            cli_type=Optional[str], parse=_ids, show=lambda v: ",".join(map(str, v)),
+                            cli_default=None)
     num_layers: int = opt("--num-layers", BUILTIN["num_layers"], "decoder layers of the built-in (or SGLang) model")
     hidden: int = opt("--hidden", BUILTIN["hidden"], "built-in model: hidden size (a multiple of --heads)")
     heads: int = opt("--heads", BUILTIN["heads"], "built-in model: attention heads (divisible by the ranks)")
@@ -101,6 +109,9 @@ class ProbeOptions:
                        cli_type=Backend)
     arch: str = opt("--arch", "llama", "with --backend sglang: which tiny SGLang model", cli_type=Arch)
     config: Optional[str] = opt("--config", None, "with --backend sglang: a real config.json (random weights)")
+    dp_attention: int = opt("--dp-attention", 1, "with --backend sglang: attention-DP groups (SGLang's "
+                            "--enable-dp-attention --dp-size N); attention-TP = tp / N, e.g. --nproc 4 "
+                            "--dp-attention 2")
     model: Optional[str] = opt("--model", None, "your own model: package.module:factory")
     inject: list[str] = opt("--inject", [], inject_help())
     out: Optional[str] = opt("--out", None, "capture folder (default: a fresh folder under ./tpprobe-runs)")
@@ -144,6 +155,10 @@ class ProbeOptions:
             kw[f.name] = _value(v)
         if kw["dtype"] is None:
             kw["dtype"] = config_dtype(kw["config"]) if kw["config"] and kw["backend"] == "sglang" else "float32"
+        if values.get("layers") is None and kw["backend"] == "sglang" and not kw["model"]:
+            # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3)
+            from .sglang.tiny import default_layer_ids
+            kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
         return cls(**kw)
 
     def to_argv(self) -> list[str]:

@@ -68,6 +68,8 @@ class CollectiveRecord:
     path: str = "c10d.allreduce_"   # the door it came through (op name or wrapper)
     via: list = field(default_factory=list)   # lower-level ops seen inside an outer record
     checked: bool = True            # False: the tensors could not be read (counted only)
+    group: Optional[str] = None     # the issuing group's name when a wrapper knows it (SGLang: tp:0, attention_tp:0)
+    group_ranks: Optional[list] = None   # its global ranks when not the whole world (a sub-group reduce)
     inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
     out: Optional[torch.Tensor] = None
     inp_summary: Any = None
@@ -78,7 +80,8 @@ class CollectiveRecord:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
                 "group_size": self.group_size, "op": self.op, "kind": self.kind,
-                "path": "+".join([self.path] + list(dict.fromkeys(self.via))), "checked": self.checked}
+                "path": "+".join([self.path] + list(dict.fromkeys(self.via))), "checked": self.checked,
+                "group": self.group, "group_ranks": self.group_ranks}
 
     # an outer-level wrapper hands the result here
     def output(self, t: Optional[torch.Tensor]) -> None:

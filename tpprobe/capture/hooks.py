@@ -72,8 +72,15 @@ def _first_tensor(x):
     return None
 
 
+def is_owed(output) -> bool:
+    """SGLang 0.5.23's OwedOutput (a decoder layer's partial sum the next boundary reduces)."""
+    return type(output).__name__ in ("OwedOutput", "UnreducedOutput")
+
+
 def residual_stream(output) -> Optional[torch.Tensor]:
     """The stream leaving a decoder layer: hidden_states + residual (SGLang's convention)."""
+    if is_owed(output):
+        return None
     if isinstance(output, torch.Tensor):
         return output.clone()
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -123,6 +130,7 @@ class Tap:
         self.extensions = tuple(extensions)
         self._ext_handles: list = []
         self.stream_from_layer_output = True
+        self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "Tap":
@@ -156,6 +164,13 @@ class Tap:
                 seen.add(id(sub))
                 kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
                 self._hook(sub, HookHandle(kind, f"{name}.{sub_name}", idx), self._module_post)
+        if any(type(m).__module__.startswith("sglang.") for _, _, m in layers):
+            # SGLang's own decoder layers (a user's --model factory too): their output is an owed
+            # partial sum, so the stream is read where SGLang materializes it, and the reduces at
+            # GroupCoordinator level (tpprobe.sglang.stream / .audit)
+            from tpprobe.sglang.stream import sglang_extensions
+            self.extensions += tuple(e for e in sglang_extensions() if e not in self.extensions)
+            self.sglang_layers = True
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:
@@ -257,8 +272,8 @@ class Tap:
     def _layer_post(self, handle, args, output) -> None:
         name = layer_out(handle.index)
         self.layers_ran.add(handle.index)
-        if not self.stream_from_layer_output:
-            return
+        if not self.stream_from_layer_output or self.sglang_layers or is_owed(output):
+            return     # an owed output (SGLang's OwedOutput) is a handle, never a tensor to read
         if self.summarize is None and not self.keep(name):
             self.order.append(name)       # nothing to keep: do not even form hidden + residual
             return

@@ -161,10 +161,12 @@ class TensorEvidence:
         kind = meta.get("kind", "all_reduce")
         per = {}
         for j, r in enumerate(live):
-            exp = expected_output(kind, [ins[q] for q in live], j, len(live))
+            # a sub-group reduce (SGLang's attention-TP group under DP attention) involves its members only
+            members = [q for q in (self.records[r].meta["allreduces"][i].get("group_ranks") or live) if q in ins]
+            exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members))
             if exp is None:
                 return None
-            c = reduce_check(outs[r], list(ins.values()), exp, outs[r].dtype)
+            c = reduce_check(outs[r], [ins[q] for q in members], exp, outs[r].dtype)
             per[str(r)] = {"level": c["level"], "rel_norm": c["rel_norm"], "max_abs": c["max_abs"]}
         return per
 

@@ -43,6 +43,15 @@ EXPLAIN = {
                         "or a rank-specific capture path",
     "dims-mismatch": "the dims in the dump's meta contradict what the ranks hold (declared partial or sharded, "
                      "but every rank holds the same values): SGLang's comparator would unshard it wrongly",
+    "partial-capture": "an aux slot holds each rank's partial sum plus the residual: the capture read the stream "
+                       "before the owed all-reduce completed (SGLang defers each layer's reduce to the next "
+                       "layer's boundary and on GPUs fuses it into add+RMSNorm; sglang PR #28343)",
+    "capture-no-residual": "an aux slot holds a layer's output (hidden_states, the delta) without the residual "
+                           "stream the draft was trained on (SpecForge#431, sglang#39286)",
+    "id-contract": "the draft's configured layer ids and the target's capture rule select different tensors "
+                   "(sglang#25454, vllm#46788)",
+    "dp-gather-group": "under DP attention the aux states were gathered or reduced over the wrong group (the TP "
+                       "group instead of the attention-TP group; sglang PR #20492)",
     "capture-file": "a capture file is missing, truncated, corrupted or not in the manifest: re-run the "
                     "probe or copy the folder again",
 }
