@@ -5,8 +5,6 @@
 
   run     tests/test_readme.py runs it as written, in a fresh bash with the venv activated
           (the sweep tier runs the costly ones: `bash scripts/test.sh -m sweep`)
-  fault   a row of the fault table: run with --quiet, its exit code and verdict line must be the
-          README's (sweep tier)
   skip    not run, with the reason (installs, GPUs, a live server, placeholders like DIR)
 
 A command no rule classifies fails the test: a new README command needs a decision here.
@@ -14,7 +12,6 @@ A command no rule classifies fails the test: a new README command needs a decisi
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +28,7 @@ RULES = [
     (r"^bash ci/sglang-cpu/install\.sh", "skip", "", "installs the SGLang CPU tier (scripts/test.sh runs it)"),
     (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/test_reports.py renders the page"),
     (r"^pytest -m gpu", "skip", "", "needs a GPU"),
-    (r"^python scripts/fault_table\.py", "skip", "", "regenerates the fault table (the sweep tier checks every row)"),
+    (r"^python scripts/fault_table\.py", "skip", "", "regenerates the fault table (tests/test_faults.py checks it)"),
     (r"--backend sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
     (r"^python scripts/import_graph\.py$", "run", "fast", ""),
     (r"^block .*: tpprobe (probe|specforge|diff) ", "run", "fast", ""),
@@ -39,7 +36,7 @@ RULES = [
     (r"^tpprobe torchrun ", "run", "slow", ""),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
-    (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "fast", ""),
+    (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow", ""),   # fast tier: tests/test_cli.py
     (r"^(tpprobe|python) ", "skip-if-placeholder", "", "a template with placeholders (DIR, N, …), not a command"),
 ]
 
@@ -87,17 +84,6 @@ def commands(text: str | None = None) -> list[Command]:
     return out
 
 
-def fault_rows(text: str | None = None) -> list[dict]:
-    """The fault table: `--inject` cell (with its extra options), exit code, verdict line."""
-    text = README.read_text() if text is None else text
-    rows = []
-    for m in re.finditer(r"^\| (F\d+) \| `([^`]+)`([^|]*)\| (\d) \| (.+) \|$", text, re.M):
-        rows.append({"id": m.group(1), "args": ["--inject", m.group(2), *m.group(3).split()],
-                     "exit": int(m.group(4)), "verdict": m.group(5).strip()})
-    return rows
-
-
 if __name__ == "__main__":
     for c in commands():
         print(f"{c.cls:13} {c.cost:5} {c.text}" + (f"   ({c.reason})" if c.reason else ""))
-    print(f"{len(fault_rows())} fault-table rows", file=sys.stderr)
