@@ -355,8 +355,9 @@ def _bitwise(x: torch.Tensor, ref: torch.Tensor) -> bool:
 def nonfinite_count(t: torch.Tensor) -> int:
     if not t.dtype.is_floating_point or t.numel() == 0:
         return 0
-    if math.isfinite(float(t.sum(dtype=torch.float32))):
-        return 0             # one NaN or Inf makes the sum non-finite; a finite sum proves there is none
+    flat = _flat(t)
+    if all(math.isfinite(float(flat[i:i + CHUNK].sum(dtype=torch.float32))) for i in range(0, flat.numel(), CHUNK)):
+        return 0             # one NaN or Inf makes a sum non-finite; finite sums prove there is none
     return int((~torch.isfinite(t)).sum())
 
 
