@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/tpprobe-bench-dumper")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--skip-kimi", action="store_true")
+    ap.add_argument("--skip-verdicts", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="keep existing dumps in --dir")
     a = ap.parse_args()
     polars = os.environ.get("PYTHONPATH", "")
@@ -212,7 +213,9 @@ def main() -> None:
     # 1. verdicts
     S = lambda n, recs: {"tokens": n, "records": recs}  # noqa: E731
     tiny = base / "tiny"
-    if not (a.reuse and tiny.exists()):
+    if a.skip_verdicts:
+        pass
+    elif not (a.reuse and tiny.exists()):
         shutil.rmtree(tiny, ignore_errors=True)
         run_ranks("dumper_ranks:write", 2, {"base": str(tiny / "tp2"), "exps": {
             "partial": [S(16, [("input_ids", "input_ids", None), ("embed", "embed_part", "t h # tp:replicated")])],
@@ -233,6 +236,16 @@ def main() -> None:
             ("input_ids", "input_ids", None), ("embed", "embed", None), ("o_proj", "row_full", None),
             ("qkv", "full", None), ("h", "full", None)])]}}, 300)
     b, t = bare / "tp1" / "run", bare / "tp2" / "run"
+    if a.skip_verdicts:
+        pass
+    else:
+        _verdicts(a, results, tiny, b, t, base, cmp_env, tp_env)
+    _kimi_runs(a, results, base, cmp_env, tp_env, run_ranks)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "dumper_vs_comparator.json").write_text(json.dumps(results, indent=1))
+
+
+def _verdicts(a, results, tiny, b, t, base, cmp_env, tp_env) -> None:
     em = run_one(tpprobe_cmd("report", t, "--emit-dims"), tp_env)
     yml = base / "emitted-dims.yaml"
     yml.write_text(em["stdout"])
@@ -250,7 +263,8 @@ def main() -> None:
             "tpprobe report": tpprobe_verdict(run_one(tpprobe_cmd("report", t, "--json"), tp_env))}
         print(json.dumps({case: results["verdicts"][case]}, indent=1), flush=True)
 
-    # 2. Kimi width
+
+def _kimi_runs(a, results, base, cmp_env, tp_env, run_ranks) -> None:
     if not a.skip_kimi:
         kimi = base / "kimi"
         if not (a.reuse and (kimi / "tp2" / "run").exists()):
@@ -279,8 +293,6 @@ def main() -> None:
                                         "tpprobe diff": tpprobe_verdict(runs["tpprobe diff"]),
                                         "tpprobe report": tpprobe_verdict(runs["tpprobe report"])}}
         print(json.dumps(results["kimi"], indent=1), flush=True)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "dumper_vs_comparator.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ what tp=1 computes); `kind` says what this rank dumps of it:
               rank's vocab shard are zero (Σ over ranks = embed)
   row_part    a row-parallel matmul's partial sum: x[:, shard] @ w[shard] (Σ over ranks = row_full)
   row_full    x @ w, the reduced value
+  nan         the full tensor; on rank 1 token 2 holds a NaN and an Inf
   bump        the full tensor with token 3 scaled by 1.5 on every rank (wrong, but replicated)
   shard       this rank's slice of the last dim of the full tensor (what `h[tp]` declares)
   input_ids   the step's token ids
@@ -73,6 +74,11 @@ def _value(kind: str, name: str, ids: torch.Tensor, rows: slice, rank: int, tp: 
         full = full.float()
         if rank == 1 and full.shape[0] > 3:
             full[3] *= 1.01
+        return full
+    if kind == "nan":                         # rank 1: token 2 overflowed
+        if rank == 1 and full.shape[0] > 2:
+            full[2, 0] = float("nan")
+            full[2, 1] = float("inf")
         return full
     if kind == "bump":                        # every rank: token 3 is 1.5× (a material error, replicated)
         if full.shape[0] > 3:

@@ -40,6 +40,7 @@ TP2 = {
     "scale": [S(16, [("h", "scale", None)])],
     "sliced": [S(16, [("h", "full", None), ("qkv", "shard", None)])],
     "twice": [S(16, [("h", "full", "t h[tp:partial]")])],
+    "nan": [S(16, [("h", "nan", None)])],
     "tgt": [S(8, TARGET), S(8, TARGET)],                       # same tokens as the tp=1 base, two steps of 8
     "tgt_bad": [S(16, TARGET[:4] + [("h", "bump", None)])],
 }
@@ -131,6 +132,11 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
     code, rep = report(dumps / "tp2" / "scale")
     assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
     assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
+
+
+def test_nan_on_one_rank(dumps):
+    code, rep = report(dumps / "tp2" / "nan")
+    assert code == 1 and failures(rep) == [("non-finite", "h (step 0)", [1])]
 
 
 def test_tp_slice_and_false_partial_declaration(dumps):
