@@ -32,7 +32,7 @@ def _ids(text: str) -> list[int]:
 @app.command()
 def probe(
     nproc: Annotated[int, typer.Option("--nproc", help="local ranks to start (ignored under torchrun)")] = 2,
-    layers: Annotated[str, typer.Option("--layers", help="EAGLE-3 layer ids to capture; -1 = the embedding")] = "-1,1,3",
+    layers: Annotated[Optional[str], typer.Option("--layers", help="EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3; with --backend sglang the ids that capture the embedding and the streams leaving layers 1 and 3 under the architecture's rule, e.g. 0,2,4 for deepseek_v2)")] = None,
     num_layers: Annotated[int, typer.Option("--num-layers")] = 6,
     hidden: Annotated[int, typer.Option("--hidden")] = 64,
     heads: Annotated[int, typer.Option("--heads")] = 8,
@@ -42,10 +42,11 @@ def probe(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
     backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
-    arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
+    arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | qwen2 | qwen3 | qwen3_moe | deepseek_v2 (also deepseek_v3, kimi_k2, or the class name)")] = "llama",
     config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
+    dp_attention: Annotated[int, typer.Option("--dp-attention", help="with --backend sglang: attention-DP groups (SGLang's --enable-dp-attention --dp-size N); attention-TP = tp / N")] = 1,
     model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory")] = None,
-    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable)")] = None,
+    inject: Annotated[Optional[list[str]], typer.Option("--inject", help="break the built-in model on purpose (repeatable); with --backend sglang: fused-allreduce-capture | capture-no-residual | dp-attention-gather")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="capture folder (default: a fresh folder under ./tpprobe-runs)")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
     exchange: Annotated[str, typer.Option("--exchange", help="full | fingerprint")] = "full",
@@ -60,9 +61,14 @@ def probe(
     from .probe import ProbeOptions, run, validate
 
     _DEBUG["on"] = debug
-    opts = ProbeOptions(layers=_ids(layers), num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
+    if layers is None and backend == "sglang" and not model:
+        from .sglang.tiny import default_layer_ids
+        ids = default_layer_ids(arch, num_layers)
+    else:
+        ids = _ids("-1,1,3" if layers is None else layers)
+    opts = ProbeOptions(layers=ids, num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn,
                         vocab=vocab, tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch,
-                        config=config, model=model, inject=list(inject or []), out=out, timeout=timeout,
+                        config=config, dp_attention=dp_attention, model=model, inject=list(inject or []), out=out, timeout=timeout,
                         exchange=exchange, json_out=json_out, html=html, markdown=markdown, quiet=quiet,
                         nproc=nproc, debug=debug)
     if tdist.env_rank() is not None:          # a rank under torchrun / our own launcher
@@ -81,7 +87,8 @@ def options_argv(opts) -> list[str]:
     a = ["--layers", ",".join(map(str, opts.layers)), "--num-layers", str(opts.num_layers), "--hidden", str(opts.hidden),
          "--heads", str(opts.heads), "--ffn", str(opts.ffn), "--vocab", str(opts.vocab), "--tokens", str(opts.tokens),
          "--seed", str(opts.seed), "--dtype", opts.dtype, "--backend", opts.backend, "--arch", opts.arch,
-         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out)]
+         "--timeout", str(opts.timeout), "--exchange", opts.exchange, "--out", str(opts.out),
+         "--dp-attention", str(opts.dp_attention)]
     for flag, v in (("--config", opts.config), ("--model", opts.model), ("--html", opts.html),
                     ("--markdown", opts.markdown)):
         if v:
@@ -107,18 +114,6 @@ def report(
     _DEBUG["on"] = debug
     from .tools.offline import report_dir
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
-
-
-@app.command()
-def layers(
-    arch: Annotated[str, typer.Option("--arch", help="llama | deepseek_v2 (also deepseek_v3 / kimi)")] = "llama",
-    ids: Annotated[Optional[str], typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers")] = 61,
-) -> None:
-    """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
-    from .tools.layers import parse_ids, render_layers_table
-    from .report.terminal import console
-    render_layers_table(arch, parse_ids(ids) if ids else None, num_layers, console())
 
 
 @app.command("diff")
@@ -175,6 +170,11 @@ def accept(
         if markdown is not None:
             console().print(f"markdown: {markdown}")
     raise typer.Exit(rep["exit_code"])
+
+
+# -- commands in their own modules (one line each) ---------------------------------------------
+from .tools.layers_cli import layers_command  # noqa: E402
+app.command("layers")(layers_command)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -39,7 +39,26 @@ FAULTS = {
     "kill-rank": ("F14", "rank", True),
     "hang-rank": ("F14", "rank", True),
     "drop-last-id": ("F15", None, False),
+    # SGLang's own model only (--backend sglang): tpprobe.sglang.faults
+    "fused-allreduce-capture": ("F16", None, False),
+    "dp-attention-gather": ("F17", None, False),
+    "capture-no-residual": ("F18", None, False),
 }
+SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+
+
+def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
+    """Built-in faults need the built-in model; the serving faults need SGLang's (UsageError)."""
+    names = [s.partition("@")[0] for s in specs or []]
+    serving = [n for n in names if n in SGLANG_ONLY]
+    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY]
+    if model and names:
+        raise UsageError("--inject works on the built-in model and on --backend sglang, not on --model")
+    if backend == "sglang" and builtin:
+        raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend sglang inject "
+                         f"{', '.join(SGLANG_ONLY)}")
+    if backend != "sglang" and serving:
+        raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,11 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
     if not faults:
         return
     model = target.model
+    if all(f.name in SGLANG_ONLY for f in faults) and not isinstance(model, TPModel):
+        from .sglang.faults import inject
+        for f in faults:
+            inject(f.name, model)
+        return
     if not isinstance(model, TPModel):
         raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
     L = len(model.layers)

@@ -55,6 +55,7 @@ class ProbeOptions:
     backend: str = "auto"            # auto | gloo | nccl | sglang (SGLang's model on gloo/nccl)
     arch: str = "llama"              # with --backend sglang
     config: Optional[str] = None     # with --backend sglang: a real config.json, random weights
+    dp_attention: int = 1            # with --backend sglang: attention-DP groups (SGLang --enable-dp-attention)
     model: Optional[str] = None      # package.module:factory
     inject: list[str] = field(default_factory=list)
     out: Optional[str] = None
@@ -87,8 +88,9 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
     if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
-    if opts.arch not in ("llama", "deepseek_v2"):   # the tiny SGLang models tpprobe builds
-        raise UsageError(f"unknown --arch {opts.arch!r}: use llama or deepseek_v2 (with --backend sglang)")
+    from .sglang.tiny import ARCHES as SGLANG_ARCHES, canonical_arch
+    if canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
+        raise UsageError(f"unknown --arch {opts.arch!r}: use {', '.join(SGLANG_ARCHES)} (with --backend sglang)")
     ids = opts.layers
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")
@@ -103,8 +105,21 @@ def validate(opts: ProbeOptions, world: int) -> None:
             builtin_config(opts).validate(world)
     if opts.model is not None and ":" not in opts.model:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
-    if opts.inject and (opts.model or opts.backend == "sglang"):
-        raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
+    faults_mod.check_backend(opts.inject, opts.backend, opts.model)
+    if opts.dp_attention < 1:
+        raise UsageError(f"--dp-attention must be >= 1 (got {opts.dp_attention})")
+    if opts.dp_attention > 1:
+        if opts.backend != "sglang":
+            raise UsageError("--dp-attention runs SGLang's DP attention: add --backend sglang")
+        if world % opts.dp_attention or world == opts.dp_attention:
+            raise UsageError(f"--dp-attention {opts.dp_attention} needs a tp (--nproc, now {world}) it divides into "
+                             f"attention-TP groups of 2 or more ranks, e.g. --nproc 4 --dp-attention 2")
+    if "dp-attention-gather" in [f.partition("@")[0] for f in opts.inject] and opts.dp_attention < 2:
+        raise UsageError("--inject dp-attention-gather needs DP attention: add --nproc 4 --dp-attention 2")
+    if "dp-attention-gather" in [f.partition("@")[0] for f in opts.inject] and \
+            opts.tokens % (world // opts.dp_attention):
+        raise UsageError(f"--inject dp-attention-gather splits the tokens over the attention-TP group: use "
+                         f"--tokens divisible by {world // opts.dp_attention}")
     faults_mod.parse(opts.inject, world, opts.num_layers, ids)
 
 
@@ -115,7 +130,8 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
     if opts.backend == "sglang":
         from .sglang.tiny import build_target as sglang_target
         return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
+                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
+                             attn_dp=opts.dp_attention)
     from .model import build_builtin
     return build_builtin(ctx, builtin_config(opts, layer_ids))
 
@@ -361,8 +377,9 @@ def _settings(me: _Rank) -> dict:
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
-        from .tools.layers import ARCHES, expected_slots, plan
-        if target.arch in ARCHES:
+        from .sglang.tiny import ARCHES as SGLANG_ARCHES
+        from .tools.layers import expected_slots, plan
+        if target.arch in SGLANG_ARCHES:
             settings["expected_points"], settings["expected_ids"] = expected_slots(
                 plan(target.arch, target.model_layer_ids, target.num_layers))
     return settings

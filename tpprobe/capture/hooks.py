@@ -60,6 +60,8 @@ class AllReduceRecord:
     dtype: str
     group_size: int
     op: str
+    group: Optional[str] = None            # the issuing group's name when known (SGLang: tp:0, attention_tp:0)
+    group_ranks: Optional[list] = None     # global ranks of the group (None: the whole world)
     inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
     out: Optional[torch.Tensor] = None
     inp_summary: Any = None
@@ -69,7 +71,8 @@ class AllReduceRecord:
     def meta(self) -> dict:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
-                "group_size": self.group_size, "op": self.op}
+                "group_size": self.group_size, "op": self.op, "group": self.group,
+                "group_ranks": self.group_ranks}
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)$")
@@ -100,8 +103,15 @@ def _first_tensor(x):
     return None
 
 
+def is_owed(output) -> bool:
+    """SGLang 0.5.23's OwedOutput (a decoder layer's partial sum the next boundary reduces)."""
+    return type(output).__name__ in ("OwedOutput", "UnreducedOutput")
+
+
 def residual_stream(output) -> Optional[torch.Tensor]:
     """The stream leaving a decoder layer: hidden_states + residual (SGLang's convention)."""
+    if is_owed(output):
+        return None
     if isinstance(output, torch.Tensor):
         return output.clone()
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -139,6 +149,8 @@ class Tap:
         self.extensions = tuple(extensions)
         self._ext_handles: list = []
         self.stream_from_layer_output = True
+        self.audit_suppressed = 0                  # > 0 inside an audited higher-level reduce
+        self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "Tap":
@@ -167,6 +179,13 @@ class Tap:
                 seen.add(id(sub))
                 kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
                 self._hook(sub, HookHandle(kind, f"{name}.{sub_name}", idx), self._module_post)
+        if any(type(m).__module__.startswith("sglang.") for _, _, m in layers):
+            # SGLang's own decoder layers (a user's --model factory too): their output is an owed
+            # partial sum, so the stream is read where SGLang materializes it, and the reduces at
+            # GroupCoordinator level (tpprobe.sglang.stream / .audit)
+            from tpprobe.sglang.stream import sglang_extensions
+            self.extensions += tuple(e for e in sglang_extensions() if e not in self.extensions)
+            self.sglang_layers = True
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:
@@ -229,8 +248,8 @@ class Tap:
 
     def _layer_post(self, handle, args, output) -> None:
         name = f"layer.{handle.index}.out"
-        if not self.stream_from_layer_output:
-            return
+        if not self.stream_from_layer_output or self.sglang_layers or is_owed(output):
+            return     # an owed output (SGLang's OwedOutput) is a handle, never a tensor to read
         if self.summarize is None and not self.keep(name):
             self.order.append(name)       # nothing to keep: do not even form hidden + residual
             return
@@ -251,13 +270,34 @@ class Tap:
     # -- all-reduce audit -----------------------------------------------------------------
     def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         orig = self._orig[0]
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or self.audit_suppressed:
+            # audit_suppressed: an outer audited reduce (an SGLang GroupCoordinator) ends here
             return orig(tensor, op=op, group=group, async_op=async_op)
+
+        def call():
+            work = orig(tensor, op=op, group=group, async_op=async_op)
+            if async_op and work is not None:
+                work.wait()
+            return work, tensor
+
+        ranks = None
+        if group is not None and dist.get_world_size(group) != dist.get_world_size():
+            ranks = list(dist.get_process_group_ranks(group))
+        return self.audited_all_reduce(tensor, dist.get_world_size(group), str(op).split(".")[-1], None, call,
+                                       group_ranks=ranks)
+
+    def audited_all_reduce(self, tensor, group_size: int, op: str, group_name: Optional[str], call,
+                           group_ranks: Optional[list] = None):
+        """Record one all-reduce of `tensor` around `call() -> (result, output tensor)`: its input
+        before, its output after, the module that issued it. For extensions that audit a reduce at
+        a higher level (SGLang's GroupCoordinator.all_reduce); reduces issued inside `call` are not
+        recorded again."""
         seq = len(self.allreduces)
         module, layer, where, source = self._attribution(tensor)
         rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
                               shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-                              group_size=dist.get_world_size(group), op=str(op).split(".")[-1])
+                              group_size=group_size, op=op, group=group_name,
+                              group_ranks=None if group_ranks is None else [int(x) for x in group_ranks])
         keep = self.keep_ar or where == "embed"
         if keep:
             rec.inp = tensor.detach().clone()
@@ -267,16 +307,18 @@ class Tap:
         self.progress.collective = {"seq": seq, "module": module, "where": where,
                                     "shape": list(rec.shape), "since": time.time()}
         t0 = time.perf_counter()
-        work = orig(tensor, op=op, group=group, async_op=async_op)
-        if async_op and work is not None:
-            work.wait()
+        self.audit_suppressed += 1
+        try:
+            result, out = call()
+        finally:
+            self.audit_suppressed -= 1
         rec.seconds = time.perf_counter() - t0
         self.progress.collective = None
         if keep:
-            rec.out = tensor.detach().clone()
+            rec.out = out.detach().clone()
         if self.summarize is not None:
-            rec.out_summary = self.summarize(tensor)
-        return work
+            rec.out_summary = self.summarize(out)
+        return result
 
     def _attribution(self, tensor):
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"

@@ -144,11 +144,13 @@ class TensorEvidence:
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or len({tuple(v.shape) for v in ins.values()}) > 1:
             return None
-        total = sum(v.float() for v in ins.values())     # within_noise's precision; compare() redoes it in f64
         per = {}
         for r in live:
+            # a sub-group reduce (SGLang's attention-TP group under DP attention) sums its members only
+            members = [q for q in (self.records[r].meta["allreduces"][i].get("group_ranks") or live) if q in ins]
+            total = sum(ins[q].float() for q in members)     # within_noise's precision; compare() redoes it in f64
             c = within_noise(outs[r], total, outs[r].dtype) or \
-                compare(outs[r].double(), sum(v.double() for v in ins.values()), dtype=outs[r].dtype)
+                compare(outs[r].double(), sum(ins[q].double() for q in members), dtype=outs[r].dtype)
             per[str(r)] = {"level": c["level"] if c["level"] != "bitwise" else "exact",
                            "rel_diff": c.get("rel_diff", 0.0), "max_abs": c.get("max_abs", 0.0)}
         return per

@@ -41,6 +41,15 @@ EXPLAIN = {
     "rank-error": "a rank raised an error during the probe",
     "capture-mismatch": "ranks captured different points, shapes or dtypes: rank-dependent control flow "
                         "or a rank-specific capture path",
+    "partial-capture": "an aux slot holds each rank's partial sum plus the residual: the capture read the stream "
+                       "before the owed all-reduce completed (SGLang defers each layer's reduce to the next "
+                       "layer's boundary and on GPUs fuses it into add+RMSNorm; sglang PR #28343)",
+    "capture-no-residual": "an aux slot holds a layer's output (hidden_states, the delta) without the residual "
+                           "stream the draft was trained on (SpecForge#431, sglang#39286)",
+    "id-contract": "the draft's configured layer ids and the target's capture rule select different tensors "
+                   "(sglang#25454, vllm#46788)",
+    "dp-gather-group": "under DP attention the aux states were gathered or reduced over the wrong group (the TP "
+                       "group instead of the attention-TP group; sglang PR #20492)",
     "capture-file": "a capture file is missing, truncated, corrupted or not in the manifest: re-run the "
                     "probe or copy the folder again",
 }

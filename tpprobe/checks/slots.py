@@ -36,6 +36,11 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
         if bad_layout is not None:
             verdicts[r] = bad_layout
             continue
+        from .slot_causes import explain_rows
+        rows_cause = explain_rows(records, r, hidden, expected, settings) if expected and expected[0] else None
+        if rows_cause is not None:     # F17: the aux rows of every attention-DP group
+            verdicts[r] = rows_cause
+            continue
         match = ev.slot_match(r, hidden)
         if match is None:
             continue
@@ -43,6 +48,15 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
             rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
                          "expected": expected[i] if i < len(expected) else None, "matched": m,
                          "ok": i < len(expected) and m == expected[i]} for i, m in enumerate(match)]
+        if None in match:   # a serving-path cause the all-reduce audit can name (F16, F18)
+            from .noise import dtype_from_str
+            from .slot_causes import explain
+            i = match.index(None)
+            cause = explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,
+                            ids[i] if i < len(ids) else None, dtype_from_str(settings.get("dtype", "float32")))
+            if cause is not None:
+                verdicts[r] = cause
+                continue
         verdicts[r] = slot_verdict(ids, expected, match, L)
     # group identical verdicts
     by: dict[tuple, list[int]] = {}

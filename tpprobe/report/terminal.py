@@ -64,7 +64,7 @@ def render(report: dict, con: Console) -> None:
             s.add_row(str(row["slot"]), str(row["id"]), str(row["expected"]),
                       Text(str(row["matched"]), style="green" if row["ok"] else "bold red"))
         con.print(s)
-    if st.get("arch") in ("llama", "deepseek_v2") and st.get("layer_ids") is not None:
+    if st.get("arch") in ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2") and st.get("layer_ids") is not None:
         # what SGLang's own capture rules make of these ids on this architecture
         from ..tools.layers import layers_table, plan
         try:

@@ -17,7 +17,9 @@ Imported ONLY by the CPU test mode (tpprobe.sglang.tiny, the CPU tests). The liv
 3. MLA attention dispatch. For an extend without prefix the default ("triton") dispatch picks the
    MHA path, which expects a ragged-prefill backend; torch_native reads K/V back from the MLA
    latent cache -> shape mismatch. We register `torch_native` to the absorbed-MLA path.
-4. Config fields. transformers' DeepseekV3Config lacks `moe_layer_freq`, `topk_method`,
+4. DP attention's row copies (dp_attention.memcpy) use a triton kernel off the CPU engine: we
+   point them at SGLang's own memcpy_cpu.
+5. Config fields. transformers' DeepseekV3Config lacks `moe_layer_freq`, `topk_method`,
    `scoring_func`, which SGLang reads: `fill_deepseek_config()` sets DeepSeek-V3's values when
    missing. SGLang's CPU rope only supports deepseek_yarn (as real DeepSeek-V3 uses).
 
@@ -76,6 +78,14 @@ def patch_rope() -> None:
     rope_base._is_cpu = True
 
 
+def patch_dp_memcpy() -> None:
+    """DP attention's gather copies rows with a triton kernel unless SGLang's CPU engine is on;
+    use SGLang's own CPU copy (dp_attention.memcpy_cpu)."""
+    import sglang.srt.layers.dp_attention as dpa
+
+    dpa.memcpy_func = dpa.memcpy_cpu
+
+
 def register_mla_torch_native() -> None:
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry, _dispatch_mla_subtype)
@@ -105,4 +115,5 @@ def enable() -> None:
         warnings.simplefilter("ignore")  # AWQ/GGUF "only CUDA supports ..." import-time noise
         patch_rope()
         register_mla_torch_native()
+        patch_dp_memcpy()
     _ENABLED = True

@@ -23,9 +23,10 @@ from tpprobe.errors import UsageError
 
 
 def publish_parallel_state(rank: int, world_size: int, local_rank: int, backend: str,
-                           device: str = "cpu"):
+                           device: str = "cpu", attn_dp: int = 1):
     """Make SGLang's TP state = the current torch.distributed world. Returns the TP
-    GroupCoordinator. Idempotent within a process."""
+    GroupCoordinator. Idempotent within a process. attn_dp > 1: DP attention (SGLang's
+    --enable-dp-attention --dp-size attn_dp), attention-TP groups of world_size // attn_dp ranks."""
     if not dist.is_initialized():
         raise UsageError("torch.distributed must be initialized before SGLang's parallel state "
                          "is published (the probe calls init_process_group first)")
@@ -38,13 +39,20 @@ def publish_parallel_state(rank: int, world_size: int, local_rank: int, backend:
 
     if ps._WORLD is not None and ps._TP is not None:
         return get_parallel().tp_group
+    if attn_dp > 1 and world_size % attn_dp:
+        raise UsageError(f"--dp-attention {attn_dp} does not divide tp={world_size}")
+    extra = dict(dp_size=attn_dp, enable_dp_attention=True) if attn_dp > 1 else {}
     sa = ServerArgs(model_path="dummy", tp_size=world_size, device=device,
-                    disable_custom_all_reduce=True)
+                    disable_custom_all_reduce=True, **extra)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=local_rank,
                                     distributed_init_method="env://", backend=backend)
     ps.set_custom_all_reduce(False)
     ps.initialize_model_parallel()
+    if attn_dp > 1:
+        from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+        initialize_dp_attention(sa)
     tp = get_parallel().tp_group
     if tp.world_size != world_size or tp.rank_in_group != rank:
         raise RuntimeError(f"SGLang TP group is rank {tp.rank_in_group}/{tp.world_size}, "
@@ -52,7 +60,7 @@ def publish_parallel_state(rank: int, world_size: int, local_rank: int, backend:
     return tp
 
 
-def publish_for(ctx):
+def publish_for(ctx, attn_dp: int = 1):
     """publish_parallel_state from a tpprobe RankContext."""
     dev = ctx.device.type if isinstance(ctx.device, torch.device) else str(ctx.device)
-    return publish_parallel_state(ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend, dev)
+    return publish_parallel_state(ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend, dev, attn_dp)

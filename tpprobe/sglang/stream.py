@@ -65,11 +65,13 @@ def wrap_boundary_captures(layers, record: Callable[[int, torch.Tensor], None]) 
 
             return _orig(hidden_states, forward_batch, *a, capture=capture, **kw)
 
+        prev = b.__dict__.get("prepare")   # an injected fault's wrapper stays after the probe
         try:
             b.prepare = prepare          # an instance attribute shadows the bound method
         except (AttributeError, TypeError):
             continue
-        undo.append(_Undo(lambda b=b: b.__dict__.pop("prepare", None)))
+        undo.append(_Undo(lambda b=b, prev=prev: b.__dict__.__setitem__("prepare", prev)
+                          if prev is not None else b.__dict__.pop("prepare", None)))
     return undo
 
 
@@ -103,12 +105,11 @@ def moe_reduce_extension(tap) -> list:
     """Tap extension: register each decoder layer's MoE block output as a row-parallel output
     (matched by data_ptr when its owed all-reduce runs), and the row-parallel outputs summed into
     it (the shared expert's down_proj) as consumed by that block."""
-    import fnmatch
-
     handles = []
     for idx, layer in enumerate(decoder_layers(tap.model)):
         mlp = getattr(layer, "mlp", None)
-        if mlp is None or not fnmatch.fnmatchcase(type(mlp).__name__, "*MoE*"):
+        # DeepseekV2MoE, Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock, ...
+        if mlp is None or "moe" not in type(mlp).__name__.lower():
             continue
         name = next((n for n, m in tap.model.named_modules() if m is mlp), f"model.layers.{idx}.mlp")
 
@@ -127,5 +128,9 @@ def moe_reduce_extension(tap) -> list:
 
 
 def sglang_extensions() -> tuple:
-    """Every Tap extension an SGLang 0.5.23 model needs (for ProbeTarget.tap_extensions / the plugin)."""
-    return (residual_stream_extension, moe_reduce_extension)
+    """Every Tap extension an SGLang 0.5.23 model needs (for ProbeTarget.tap_extensions / the plugin):
+    the residual stream, the MoE block as one producer, and the all-reduce audit at
+    GroupCoordinator level (tpprobe.sglang.audit)."""
+    from tpprobe.sglang.audit import coordinator_audit_extension
+
+    return (residual_stream_extension, moe_reduce_extension, coordinator_audit_extension)

@@ -37,11 +37,44 @@ from tpprobe.errors import UsageError
 from tpprobe.sglang import INSTALL_HINT, SGLANG_VERSION, require
 from tpprobe.target import ProbeTarget, RankContext
 
-ARCHES = ("llama", "deepseek_v2")
+ARCHES = ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2")
 
 # HF model_type -> tpprobe arch
 _MODEL_TYPES = {"llama": "llama", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v2",
-                "kimi_k2": "deepseek_v2"}
+                "kimi_k2": "deepseek_v2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen2": "qwen2"}
+# tpprobe arch -> (SGLang model module, SGLang class)
+_SGLANG_CLASSES = {"llama": ("llama", "LlamaForCausalLM"),
+                   "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+                   "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                   "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                   "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+# arch -> names accepted by --arch (SGLang's class / HF model_type aliases)
+ARCH_ALIASES = {"llamaforcausallm": "llama", "deepseek_v3": "deepseek_v2", "kimi_k2": "deepseek_v2",
+                "kimi": "deepseek_v2", "deepseekv2forcausallm": "deepseek_v2",
+                "deepseekv3forcausallm": "deepseek_v2", "qwen3forcausallm": "qwen3",
+                "qwen3moeforcausallm": "qwen3_moe", "qwen2forcausallm": "qwen2"}
+
+
+def canonical_arch(arch: Optional[str]) -> Optional[str]:
+    """--arch as given -> the tiny-model arch (llama, deepseek_v2, qwen3, qwen3_moe, qwen2)."""
+    if arch is None:
+        return None
+    a = arch.strip().lower().replace("-", "_")
+    return ARCH_ALIASES.get(a, a)
+
+
+def default_layer_ids(arch: str, num_layers: int) -> list[int]:
+    """The probe's default ids for `arch`: those that capture the embedding and the streams leaving
+    layers 1 and 3 (HF hidden_states[0], [2], [4]) under that architecture's SGLang rule, i.e.
+    -1,1,3 where SGLang adds +1 (Llama, Qwen) and 0,2,4 where it uses the ids as given
+    (DeepSeek: +1 only when the first id is 1). Shorter for models of fewer layers."""
+    L = int(num_layers)
+    arch = canonical_arch(arch) or "llama"
+    cands = [[i for i in (-1, 1, 3) if i < L - 1], [i for i in (0, 2, 4) if i < L]]
+    for ids in cands:
+        if ids and not lid.plan(arch, ids, L).problems:
+            return ids
+    return cands[0] or [-1]
 
 
 def tiny_config(arch: str, num_layers: int, moe: bool = True):
@@ -54,6 +87,24 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
             rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32",
             architectures=["LlamaForCausalLM"])
+    common = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float32")
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, head_dim=8, architectures=["Qwen3ForCausalLM"])
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # every layer MoE: SGLang 0.5.23's Qwen3-MoE ignores mlp_only_layers (qwen3_moe.py:878)
+        return Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=32, num_experts=4,
+                              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                              norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
     if arch == "deepseek_v2":
         from transformers import DeepseekV3Config
 
@@ -126,7 +177,8 @@ def _hf_class(config):
     import transformers
 
     name = {"llama": "LlamaForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM"}[config.model_type]
+            "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.model_type]
     return getattr(transformers, name)
 
 
@@ -175,6 +227,7 @@ def hf_reference(arch: str, num_layers: int, tokens: int, seed: int,
 
 
 def _config(arch, num_layers, config_path, moe):
+    arch = canonical_arch(arch)
     if arch is not None and arch not in ARCHES:
         raise UsageError(f"--arch {arch!r} is not supported by the SGLang backend: "
                          f"use one of {', '.join(ARCHES)}")
@@ -201,6 +254,7 @@ class _Runtime:
     dtype: torch.dtype
     mla: bool
     capture: bool
+    attn_dp: int = 1
 
 
 def _forward_batch(rt: _Runtime):
@@ -244,6 +298,19 @@ def _forward_batch(rt: _Runtime):
     fb.extend_seq_lens = torch.tensor([n], dtype=torch.int32)
     fb.extend_seq_lens_cpu = [n]
     fb.extend_num_tokens = n
+    if rt.attn_dp > 1:
+        # DP attention: every attention-DP group runs the same n tokens (replicated batch), so
+        # every rank's capture is comparable; the FFN gathers the groups' rows (SUM_LEN padding)
+        from sglang.srt.layers.dp_attention import DpPaddingMode, set_dp_buffer_len_from_batch
+
+        fb.global_num_tokens_cpu = [n] * rt.attn_dp
+        fb.global_num_tokens_gpu = torch.tensor(fb.global_num_tokens_cpu, dtype=torch.int64)
+        fb.global_num_tokens_for_logprob_cpu = list(fb.global_num_tokens_cpu)
+        fb.global_num_tokens_for_logprob_gpu = fb.global_num_tokens_gpu.clone()
+        fb.global_dp_buffer_len = n * rt.attn_dp
+        fb.dp_padding_mode = DpPaddingMode.SUM_LEN
+        fb.is_extend_in_batch = True
+        set_dp_buffer_len_from_batch(fb)
     # FULL: the logits processor returns the (aux) hidden states of every token
     fb.capture_hidden_mode = CaptureHiddenMode.FULL if rt.capture else CaptureHiddenMode.NULL
     return fb, backend
@@ -256,6 +323,26 @@ def _run(rt: _Runtime):
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
         backend.init_forward_metadata(fb)
         return rt.model(rt.ids, fb.positions, fb)
+
+
+def unfuse_experts(weights):
+    """transformers 5 stores an MoE block's experts fused (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]); SGLang's Qwen3-MoE load_weights reads one checkpoint tensor per
+    expert (experts.{e}.gate_proj/up_proj/down_proj.weight), as real checkpoints have them."""
+    out = []
+    for k, v in weights:
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out += [(f"{base}{e}.gate_proj.weight", v[e, :inter].contiguous()),
+                        (f"{base}{e}.up_proj.weight", v[e, inter:].contiguous())]
+        elif k.endswith(".mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            out += [(f"{base}{e}.down_proj.weight", v[e].contiguous()) for e in range(v.shape[0])]
+        else:
+            out.append((k, v))
+    return out
 
 
 def packed_aux(result) -> Optional[torch.Tensor]:
@@ -272,7 +359,7 @@ def packed_aux(result) -> Optional[torch.Tensor]:
 
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
                  dtype: torch.dtype, layer_ids: Optional[list[int]],
-                 config_path: Optional[str] = None, moe: bool = True) -> ProbeTarget:
+                 config_path: Optional[str] = None, moe: bool = True, attn_dp: int = 1) -> ProbeTarget:
     """A tiny SGLang model on this rank, ready for the probe (see the module docstring).
 
     Needs torch.distributed already initialized with world size = tp (ctx.world_size).
@@ -292,7 +379,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         raise UsageError(f"layer ids {given} crash SGLang's {arch} forward ({plan.crash}); see "
                          f"`tpprobe layers --arch {arch} --ids {given} --num-layers {num_layers}`")
     heads = config.num_attention_heads
-    if heads % ctx.world_size:
+    if heads % (ctx.world_size // max(attn_dp, 1)):
         raise UsageError(f"{heads} attention heads do not split over tp={ctx.world_size}")
 
     from tpprobe.sglang import cpu_mode
@@ -300,26 +387,33 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
     cpu_mode.enable()
     from tpprobe.sglang.dist import publish_for
 
-    publish_for(ctx)
+    publish_for(ctx, attn_dp)
+    if attn_dp > 1:
+        from sglang.srt.layers.dp_attention import init_dp_gathered_buffer
+
+        init_dp_gathered_buffer(SimpleNamespace(hf_config=config, hidden_size=config.hidden_size,
+                                                dtype=dtype))
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     hf = seeded_hf_model(config, seed)
     weights = [(k, v.to(dtype)) for k, v in hf.state_dict().items()]
+    if arch == "qwen3_moe":
+        weights = unfuse_experts(weights)
     vocab = config.vocab_size
     del hf
     config.torch_dtype = dtype
+    import importlib
+
+    module, cls_name = _SGLANG_CLASSES[arch]
+    Cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls_name)
     with set_default_torch_dtype(dtype):
-        if arch == "llama":
-            from sglang.srt.models.llama import LlamaForCausalLM as Cls
-        else:
-            from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM as Cls
         model = Cls(config).eval()
     model.load_weights(weights)
     del weights
     if capture:
         model.set_eagle3_layers_to_capture(layer_ids)
     rt = _Runtime(model=model, config=config, ids=_input_ids(vocab, tokens, seed), dtype=dtype,
-                  mla=arch == "deepseek_v2", capture=capture)
+                  mla=arch == "deepseek_v2", capture=capture, attn_dp=attn_dp)
     mlps = [type(layer.mlp).__name__ for layer in model.model.layers]
     info = {
         "backend": f"sglang {SGLANG_VERSION} (CPU test mode, torch_native attention, EXTEND)",
@@ -330,6 +424,13 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         "sglang layers_to_capture": list(model.model.layers_to_capture) if capture else "off",
         "layer-id rule": plan.rule if plan else "capture off",
     }
+    if attn_dp > 1:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        info.update({"attn_dp": attn_dp, "attn_tp": par.attn_tp_size,
+                     "dp attention": f"{attn_dp} attention-DP groups of {par.attn_tp_size} ranks "
+                                     f"(attention_tp), FFN over tp:0; every group runs the same tokens"})
     # tpprobe.faults.apply reads `model.layers` even when nothing is injected; SGLang keeps them
     # at model.model.layers. A plain (unregistered) alias: named_modules/state_dict are unchanged.
     model.__dict__.setdefault("layers", model.model.layers)

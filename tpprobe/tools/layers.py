@@ -76,6 +76,14 @@ class LayerPlan:
     layers_to_capture: list[int]
     rows: list[LayerIdRow] = field(default_factory=list)
     crash: Optional[str] = None          # what SGLang's forward raises, if it does
+    source: str = "pinned SGLang 0.5.23 table (sglang not installed)"
+    sglang_class: str = ""
+
+    @property
+    def problems(self) -> list[str]:
+        """Ids that crash or capture nothing (tpprobe layers exits 1 on any)."""
+        out = [f"id {r.requested}: {r.status}" for r in self.rows if r.status in ("crash", "dropped", "duplicate")]
+        return out + ([f"crash: {self.crash}"] if self.crash and not out else [])
 
     @property
     def slot_hf_indices(self) -> list[int]:
@@ -90,11 +98,110 @@ class LayerPlan:
 def _what(layer: int, num_layers: int) -> str:
     if layer == 0:
         return "embedding output (= HF hidden_states[0])"
+    if layer == num_layers:
+        return (f"residual stream leaving the last layer, before the final norm (HF "
+                f"hidden_states[{layer}] is after it)")
     return f"residual stream entering layer {layer} = HF hidden_states[{layer}]"
 
 
+def plan_from_derived(arch: str, d) -> LayerPlan:
+    """A LayerPlan from what SGLang's own setter did (tpprobe.sglang.rules.Derived)."""
+    L = d.num_layers
+    ids = d.ids
+    ltc = list(d.layers_to_capture or [])
+    requested: list[Optional[int]] = [None] * len(ltc) if ids is None else list(ids)
+    if ids is not None and ltc == [i + 1 for i in ids]:
+        shift, how = 1, "+1 applied to every id"
+    elif ids is not None and ltc == list(ids):
+        shift, how = 0, "ids used as given (no +1)"
+    elif ids is None:
+        shift, how = 0, "ids not given: the model's default"
+    else:
+        shift, how = 0, f"ids mapped to {ltc}"
+    cond = ("the loop captures layers whose _is_layer_to_capture flag is set" if d.loop_uses_flags
+            else "the loop captures layer i when i in layers_to_capture")
+    extra = ("; point L (the last layer's output, pre-norm) is captured after the loop" if d.captures_last
+             else "; point L is never reached")
+    extra += ("; captures go into an AuxHiddenStatePacker sized for every id (a missing one raises)"
+              if d.packer else "")
+    rule = (f"{d.cls}.set_eagle3_layers_to_capture ({d.file}) -> layers_to_capture {ltc or d.flagged}: "
+            f"{how}; {cond}{extra}")
+    p = LayerPlan(arch=arch, family=d.cls, num_layers=L, ids=ids, shift=shift, rule=rule,
+                  layers_to_capture=ltc, source=f"derived from the installed SGLang ({d.file})",
+                  sglang_class=d.cls)
+    if d.set_error:
+        p.crash = f"SGLang's setter raises at server start: {d.set_error}"
+        for req, c in zip(requested, ltc or [None] * len(requested)):
+            p.rows.append(LayerIdRow(req, c if c is not None else -1, False, None, None, "nothing",
+                                     "crash", "set_eagle3_layers_to_capture raised"))
+        return p
+    captured = d.captured
+    seen: set[int] = set()
+    for req, c in zip(requested, ltc):
+        note = f"+1 applied ({req}->{c})" if req is not None and c == req + 1 else (
+            "no +1" if req is not None and c == req else "")
+        point = c
+        if d.loop_uses_flags and -L <= c < 0:
+            point = c + L
+            note += f"; negative id flags layer {point} through Python's negative index"
+        if point not in captured:
+            why = (f"layer {c} = output of the last layer: the loop (0..{L - 1}) never reaches it"
+                   if c == L else f"layer {c} is outside 0..{L - 1}: never reached")
+            p.rows.append(LayerIdRow(req, c, False, None, None, "nothing", "", f"{note}; {why}".strip("; ")))
+        elif point in seen:
+            p.rows.append(LayerIdRow(req, c, True, None, point, _what(point, L), "",
+                                     f"{note}; duplicate of an earlier id: captured once".strip("; ")))
+        else:
+            seen.add(point)
+            p.rows.append(LayerIdRow(req, c, True, captured.index(point), point, _what(point, L), "ok",
+                                     note.strip("; ")))
+    n_req = len(ltc)
+    if d.packer:
+        for r in p.rows:
+            if r.status == "":
+                r.status = "crash"
+        if any(r.status == "crash" for r in p.rows) or len(captured) < n_req:
+            for r in p.rows:
+                if r.status == "" or (r.slot is None and r.status != "crash"):
+                    r.status = "crash"
+            p.crash = (f"AuxHiddenStatePacker expects {n_req} captures, gets {len(captured)}: "
+                       f"RuntimeError 'captured {len(captured)} of {n_req} aux hidden states'")
+    elif not captured:
+        for r in p.rows:
+            r.status = "crash"
+        p.crash = ("no id captures anything: the forward returns no aux hidden states although "
+                   f"EAGLE-3 capture is on ({d.forward_of} in {d.file.split(':')[0]} gets no aux list)")
+    else:
+        for r in p.rows:
+            if r.status == "":
+                r.status = "dropped" if r.hf_index is None else "duplicate"
+    if captured and [r.hf_index for r in p.rows if r.slot is not None] != captured:
+        for r in p.rows:
+            if r.slot is not None:
+                r.note = (r.note + "; " if r.note else "") + "slots follow layer order, not the order of the ids"
+    return p
+
+
 def plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
-    """Apply SGLang 0.5.23's capture-id rules for `arch` to `ids` on a model of `num_layers`."""
+    """What SGLang does with `ids` on a model of `num_layers` layers of architecture `arch`.
+
+    With SGLang installed the rule is derived from its own code (tpprobe.sglang.rules runs the
+    architecture's `set_eagle3_layers_to_capture` and reads its capture condition); without it,
+    the pinned 0.5.23 table below (Llama and DeepSeek families) is the fallback."""
+    if int(num_layers) < 1:
+        raise UsageError(f"--num-layers must be >= 1, got {num_layers}")
+    from tpprobe.sglang import available
+
+    if available():
+        from tpprobe.sglang import rules
+
+        return plan_from_derived(arch, rules.derive(arch, ids, num_layers))
+    return _pinned_plan(arch, ids, num_layers)
+
+
+def _pinned_plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
+    """Apply SGLang 0.5.23's capture-id rules for `arch` to `ids` on a model of `num_layers`
+    (the pinned table: used only when SGLang is not installed)."""
     fam = family(arch)
     L = int(num_layers)
     if L < 1:

@@ -1,0 +1,124 @@
+"""SGLang as it serves, through the real CLI on real gloo ranks (SGLang's own classes on CPU):
+
+* the default command is healthy per architecture (the README's `--arch deepseek_v2` included):
+  the default ids are valid under each architecture's rule, zero failures, every slot as expected;
+* the all-reduce audit at GroupCoordinator level counts each of SGLang's 2L+1 reduces once, with
+  its group (a coordinator reduce ending in torch.distributed.all_reduce is not counted twice);
+* F16 `--inject fused-allreduce-capture` is named partial-capture at the aux slot, with the
+  all-reduce, module and layer whose owed sum the capture read too early;
+* F18 `--inject capture-no-residual` is named capture-no-residual at the aux slot;
+* DP attention (tp 4, attention-DP 2): healthy runs clean, each reduce checked against its own
+  group; F17 `--inject dp-attention-gather` is named dp-gather-group with the groups involved.
+
+Healthy runs of the other architectures are `sweep` (the captures themselves are proven equal to
+HF for qwen3 and qwen3_moe by tests/test_sglang_archs.py in the default run).
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_sglang_probe import failures, probe  # noqa: E402
+from tpprobe.sglang import INSTALL_HINT, available
+
+pytestmark = [pytest.mark.sglang,
+              pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
+
+L = 4   # test_sglang_probe.probe's --num-layers
+
+
+def _healthy(rep, arch):
+    assert failures(rep) == [], rep["findings"]
+    assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
+    ar = rep["allreduce"]
+    assert ar["incomplete"] == 0 and ar["checked"] == 2 * L + 1     # embedding + 2 per layer, once each
+    assert rep["settings"]["arch"] == arch
+
+
+def _audit_groups(out):
+    from tpprobe.capture.files import load_run
+
+    run = load_run(out)
+    return [(a["where"], a["group"], a["group_size"]) for a in run.records[0].meta["allreduces"]]
+
+
+def test_readme_deepseek_v2_default_command_is_healthy(tmp_path):
+    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "deepseek_v2")
+    assert code == 0, p.stderr[-3000:]
+    _healthy(rep, "deepseek_v2")
+    assert rep["settings"]["layer_ids"] == [0, 2]            # ids as given: HF hidden_states[0], [2]
+    assert [s["expected"] for s in rep["slots"]] == ["embed.out", "layer.1.out"]
+    groups = _audit_groups(tmp_path)
+    assert {g for _, g, _ in groups} == {"tp:0"} and all(n == 2 for _, _, n in groups)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2"])
+def test_default_command_is_healthy(tmp_path, arch):
+    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", arch)
+    assert code == 0, p.stderr[-3000:]
+    _healthy(rep, arch)
+    assert rep["settings"]["layer_ids"] == [-1, 1]           # +1: HF hidden_states[0], [2]
+
+
+def test_fused_allreduce_capture_is_a_partial_capture_at_its_slot(tmp_path):
+    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "qwen3_moe",
+                         "--inject", "fused-allreduce-capture")
+    assert code == 1, p.stderr[-3000:]
+    f = failures(rep)
+    assert [(x["kind"], x["where"]) for x in f] == [("partial-capture", "aux slot 1")], rep["findings"]
+    assert f[0]["ranks"] == [0, 1] and f[0]["evidence"]["all_ranks"]
+    # the owed sum is the MoE block's (layer 1's) reduce, issued at layer 2's boundary, over tp:0
+    assert "model.layers.1.mlp, layer 1, group tp:0, 2 ranks" in f[0]["detail"]
+    assert "partial sum" in f[0]["detail"] and "layer 1's output" in f[0]["detail"]
+    # the residual stream tpprobe observes is unchanged: no other failure, every reduce complete
+    assert rep["allreduce"]["incomplete"] == 0
+
+
+def test_capture_without_residual_is_named(tmp_path):
+    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "qwen3", "--inject", "capture-no-residual")
+    assert code == 1, p.stderr[-3000:]
+    f = failures(rep)
+    assert [(x["kind"], x["where"]) for x in f] == [("capture-no-residual", "aux slot 1")], rep["findings"]
+    assert "model.layers.1.mlp.down_proj, layer 1" in f[0]["detail"] and "without the residual" in f[0]["detail"]
+
+
+def _dp_probe(out, *extra):
+    return probe(out, "--backend", "sglang", "--arch", "qwen3", "--dp-attention", "2", "--tokens", "6",
+                 *extra, nproc=4, timeout=420)
+
+
+def _dp_clean_except_aux(out, rep):
+    # the stream and every reduce are right under DP attention: the embedding reduces over each
+    # attention-TP group, the FFN gathers over tp:0; a sub-group reduce is checked against its group
+    ar = rep["allreduce"]
+    assert ar["incomplete"] == 0 and ar["checked"] == 2 * L + 2, ar
+    assert rep["settings"]["attn_dp"] == 2 and rep["settings"]["attn_tp"] == 2
+    assert all(p["level"] in ("reference", "bitwise", "noise", "share") for p in rep["points"]
+               if p["name"] != "aux.packed"), rep["points"]
+    from tpprobe.capture.files import load_run
+
+    run = load_run(out)
+    for r, rec in run.records.items():
+        embed = rec.meta["allreduces"][0]
+        assert (embed["where"], embed["group"], embed["group_ranks"]) == \
+               ("embed", "attention_tp:0", [0, 1] if r < 2 else [2, 3])
+        assert {a["group"] for a in rec.meta["allreduces"][1:]} == {"tp:0"}
+
+
+def test_dp_attention_tp4_healthy(tmp_path):
+    code, rep, p = _dp_probe(tmp_path)
+    assert code == 0, p.stderr[-3000:]
+    assert failures(rep) == [] and rep["slots"] and all(s["ok"] for s in rep["slots"]), rep
+    _dp_clean_except_aux(tmp_path, rep)
+
+
+def test_dp_attention_gather_over_the_tp_group_is_named_with_its_groups(tmp_path):
+    code, rep, p = _dp_probe(tmp_path, "--inject", "dp-attention-gather")
+    assert code == 1, p.stderr[-3000:]
+    f = failures(rep)
+    assert [(x["kind"], x["where"]) for x in f] == [("dp-gather-group", "aux.packed")], rep["findings"]
+    assert f[0]["ranks"] == [0, 1, 2, 3]
+    assert "gathered over tp:0 (4 ranks) where the attention-TP group (2 ranks: [0, 1] and [2, 3])" in f[0]["detail"]
+    _dp_clean_except_aux(tmp_path, rep)
