@@ -1,7 +1,7 @@
 """`tpprobe accept`: the EAGLE-3 draft replayed on two feature sets (issue 22).
 
 Start at `test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix`: a small
-draft head is trained here, in seconds, on the built-in model's healthy aux features (real 2-rank
+draft head is trained (examples/accept_toy_draft.py), in seconds, on the built-in model's healthy aux features (real 2-rank
 gloo probe runs), saved as SpecForge saves a draft, and scored by the real CLI against captures of
 each catalogue fault that changes the aux input. `test_reimplementation_matches_sglangs_class`
 proves the torch engine equals SGLang's own LlamaForCausalLMEagle3 on the same weights.
@@ -16,80 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.accept_toy_draft import IDS, TOKENS, V, capture as _capture, train as _train
 from tests.ranks import ROOT, probe, run_cli
-from tpprobe.tools.accept import (KS, Draft, Eagle3Forward, accept_lengths, load_draft, run_accept,
-                                  write_draft)
-
-TOKENS = 192
-IDS = [-1, 1, 3]
-H, V = 64, 8      # vocab 8: no token alone names its position, so the draft needs every slot's context
+from tpprobe.tools.accept import accept_lengths, run_accept
 FAULTS = {  # --inject -> catalogue row (faults of the built-in model that change the aux input)
     "slice-capture": "F6", "capture-offset": "F7", "slot-order": "F8", "drop-embed-slot": "F8",
     "alias-capture": "F9", "embed-after-norm": "F13",
 }
-
-
-def _config(draft_vocab=None):
-    draft_vocab = draft_vocab or V
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-            "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4,
-            "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": False,
-            "target_hidden_size": H, "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": IDS}}
-
-
-def _init_weights(seed=0, draft_vocab=None):
-    draft_vocab = draft_vocab or V
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*s, scale=None):
-        return torch.randn(*s, generator=g) * (scale if scale is not None else s[-1] ** -0.5)
-    L = "layers.0."
-    return {"fc.weight": r(H, 3 * H), "embed_tokens.weight": torch.zeros(V, H),
-            L + "self_attn.q_proj.weight": r(H, 2 * H), L + "self_attn.k_proj.weight": r(H // 2, 2 * H),
-            L + "self_attn.v_proj.weight": r(H // 2, 2 * H), L + "self_attn.o_proj.weight": r(H, H),
-            L + "mlp.gate_proj.weight": r(128, H), L + "mlp.up_proj.weight": r(128, H),
-            L + "mlp.down_proj.weight": r(H, 128), L + "input_layernorm.weight": torch.ones(H),
-            L + "hidden_norm.weight": torch.ones(H), L + "post_attention_layernorm.weight": torch.ones(H),
-            "norm.weight": torch.ones(H), "lm_head.weight": r(draft_vocab, H)}
-
-
-def _capture(run_dir: Path):
-    from safetensors.torch import load_file
-    t = load_file(str(run_dir / "rank-000.safetensors"))
-    return t["aux.packed"], t["input_ids"].to(torch.int64)
-
-
-def _train(feats, ids, out: Path) -> Path:
-    """A draft trained on the healthy features: it learns the sequence's next-next tokens from the aux
-    features alone (its token embedding is zero, frozen, so it cannot shortcut through token t+1).
-    The draft vocabulary is a permutation of the target's, so d2t must be honoured to score it."""
-    perm = torch.randperm(V, generator=torch.Generator().manual_seed(7))      # draft index -> target id
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(V)
-    cfg = _config()
-    w = _init_weights()
-    d = Draft(path=out, config=cfg, weights=w, hidden=H, target_hidden=H, k=3, layer_ids=IDS, vocab=V,
-              draft_vocab=V, heads=8, kv_heads=4, head_dim=8, eps=1e-6, rope_theta=10000.0,
-              d2t=perm - torch.arange(V))
-    m = Eagle3Forward(d)
-    trainable = [p for n, p in m.p.items() if n != "embed_tokens__weight"]     # the embedding is the target's
-    opt = torch.optim.Adam(trainable, lr=1e-2)
-    T = ids.numel()
-    x, nxt, y = feats[: T - 2], ids[1: T - 1], inv[ids[2:]]
-    torch.manual_seed(0)
-    for step in range(800):
-        loss = torch.nn.functional.cross_entropy(m.logits(x, nxt), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 49 and (m.logits(x, nxt).argmax(-1) == y).float().mean() > 0.98:
-            break
-    ws = {n.replace("__", "."): p.detach().clone() for n, p in m.p.items()}
-    ws["d2t"] = (perm - torch.arange(V)).to(torch.int64)
-    ws["t2d"] = torch.ones(V, dtype=torch.bool)
-    return write_draft(out, ws, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +100,7 @@ def test_reimplementation_matches_sglangs_class(runs):
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]);"
         "from tpprobe.tools.accept import load_draft, Eagle3Forward, SGLangEagle3;"
-        "from tests.test_accept import _capture; from pathlib import Path;"
+        "from examples.accept_toy_draft import capture as _capture; from pathlib import Path;"
         "d = load_draft(sys.argv[2]); f, ids = _capture(Path(sys.argv[3]));"
         "a = Eagle3Forward(d).logits(f[:-1], ids[1:]).detach(); b = SGLangEagle3(d).logits(f[:-1], ids[1:]);"
         "print((a - b).abs().max().item(), a.abs().max().item(), bool((a.argmax(-1) == b.argmax(-1)).all()))")
@@ -211,3 +144,66 @@ def test_sources_of_other_tokens_are_refused(runs, tmp_path):
     cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
                   "--target", str(other), "--engine", "torch"])
     assert cp.returncode == 2 and "captured on other tokens" in cp.stderr, cp.stderr
+
+
+# ---- F16 and F18: serving faults on SGLang's own tiny Llama (issue 22 with h15's injections) -------
+SGLANG_FAULTS = {"fused-allreduce-capture": "F16", "capture-no-residual": "F18"}
+
+
+@pytest.fixture(scope="module")
+def sglang_runs(tmp_path_factory):
+    """Three probes of SGLang's LlamaForCausalLM (tp 2, gloo), started together: healthy, F16, F18.
+    The config is the tiny Llama's with vocab 8, so the draft must read the aux features."""
+    import os
+    import signal
+    pytest.importorskip("sglang")
+    base = tmp_path_factory.mktemp("accept-sglang")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "torch_dtype": "float32"}
+    (base / "config.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = {}
+    for name in ["healthy", *SGLANG_FAULTS]:
+        args = [sys.executable, "-m", "tpprobe", "probe", "--nproc", "2", "--out", str(base / name), "--quiet",
+                "--backend", "sglang", "--config", str(base / "config.json"), "--num-layers", "5",
+                "--layers", ",".join(map(str, IDS)), "--tokens", str(TOKENS), "--timeout", "240"]
+        if name != "healthy":
+            args += ["--inject", name]
+        procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                       env=env, start_new_session=True)
+    out = {}
+    for name, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(f"probe {name} did not finish")
+        rep = json.loads((base / name / "report.json").read_text())
+        kinds = [(f["kind"], f["where"]) for f in rep["findings"] if f["severity"] == "failure"]
+        want = {"healthy": [], "fused-allreduce-capture": [("partial-capture", "aux slot 1")],
+                "capture-no-residual": [("capture-no-residual", "aux slot 1")]}[name]
+        assert p.returncode == (0 if name == "healthy" else 1) and kinds == want, (name, kinds, err[-2000:])
+        out[name] = base / name
+    feats, ids = _capture(out["healthy"])
+    assert ids.max() < V and feats.shape[-1] == 3 * 64
+    out["draft"] = _train(feats, ids, base / "draft")
+    return out
+
+
+@pytest.mark.sglang
+def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs):
+    costs = {}
+    base = None
+    for inj in SGLANG_FAULTS:
+        rep = run_accept(sglang_runs["draft"], sglang_runs["healthy"], sglang_runs[inj], engine="torch", fix=True)
+        base, tgt = rep["rows"][0], rep["rows"][1]
+        costs[SGLANG_FAULTS[inj]] = (round(rep["cost"], 2), round(tgt["top1_agreement"], 3))
+        assert base["top1_agreement"] > 0.95 and base["accept_length"]["5"] > 5.0, base
+        assert tgt["usable"] and rep["exit_code"] == 1, (inj, rep["line"])
+        assert not rep["fix"]["explained"] and "does not explain it" in rep["line"], (inj, rep["line"])
+        costs[SGLANG_FAULTS[inj]] += (rep["line"],)
+    print("accept-length cost on SGLang's Llama:", json.dumps(costs, indent=1))
+    # measured (docs/accept.md): F16 1.63 (6.00 -> 4.37, top-1 87 %), F18 4.45 (6.00 -> 1.55, top-1 36 %)
+    assert costs["F16"][0] > 1.0 and costs["F18"][0] > 3.0, costs
