@@ -115,6 +115,7 @@ def test_reimplementation_matches_sglangs_class(runs):
     ("fc", "fc.weight is [64, 128] but the config says 3 aux slots"),
     ("vocab", "has no d2t map"),
     ("config", "no config.json there"),
+    ("small-vocab", "outside the draft's vocabulary [0, 4)"),
 ])
 def test_a_bad_draft_is_one_line_and_exit_2(runs, tmp_path, break_it, message):
     from safetensors.torch import load_file, save_file
@@ -128,6 +129,9 @@ def test_a_bad_draft_is_one_line_and_exit_2(runs, tmp_path, break_it, message):
         w.pop("d2t")
         cfg["draft_vocab_size"] = 6
         w["lm_head.weight"] = w["lm_head.weight"][:6].contiguous()
+    if break_it == "small-vocab":     # a draft of another model: the sequence's ids do not fit its vocabulary
+        w.pop("d2t")
+        cfg["vocab_size"] = cfg["draft_vocab_size"] = 4
     save_file(w, str(bad / "model.safetensors"))
     if break_it != "config":
         (bad / "config.json").write_text(json.dumps(cfg))
@@ -207,3 +211,22 @@ def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs)
     print("accept-length cost on SGLang's Llama:", json.dumps(costs, indent=1))
     # measured (docs/accept.md): F16 1.63 (6.00 -> 4.37, top-1 87 %), F18 4.45 (6.00 -> 1.55, top-1 36 %)
     assert costs["F16"][0] > 1.0 and costs["F18"][0] > 3.0, costs
+
+
+@pytest.mark.parametrize("case, message", [
+    ("tokens-from-bare", "holds no input_ids"),
+    ("short-target", "has 191 token rows, the token sequence from"),
+    ("missing-baseline", "no such file or folder"),
+])
+def test_bad_sources_are_one_line_and_exit_2(runs, tmp_path, case, message):
+    from safetensors.torch import save_file
+    feats, _ = _capture(runs["healthy"])
+    bare = tmp_path / "bare.safetensors"          # packed features without their token ids
+    save_file({"aux": (feats[:-1] if case == "short-target" else feats).contiguous()}, str(bare))
+    args = {"tokens-from-bare": ["--target", str(runs["healthy"]), "--tokens-from", str(bare)],
+            "short-target": ["--target", str(bare)],
+            "missing-baseline": ["--target", str(runs["healthy"])]}[case]
+    baseline = tmp_path / "nowhere" if case == "missing-baseline" else runs["healthy"]
+    cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(baseline), *args, "--engine", "torch"])
+    assert cp.returncode == 2 and message in cp.stderr, cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr

@@ -304,7 +304,7 @@ class SGLangEagle3:
         from types import SimpleNamespace
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
         rt = SimpleNamespace(ids=next_ids, model=self.model, config=SimpleNamespace(num_hidden_layers=1),
-                             dtype=torch.float32, mla=False, capture=False)
+                             dtype=torch.float32, mla=False, capture=False, attn_dp=1)
         from ..sglang.tiny import _forward_batch
         fb, backend = _forward_batch(rt)
         fb.spec_info = SimpleNamespace(hidden_states=feats.float())
@@ -414,6 +414,9 @@ def _sides(baseline, target, tokens_from, rank):
     b = load_side("baseline", baseline, rank)
     t = load_side("target", target, rank)
     tok = load_side("tokens", tokens_from, rank) if tokens_from else None
+    if tok is not None and tok.input_ids is None:
+        raise UsageError(f"--tokens-from {tokens_from}: it holds no input_ids; pass a capture folder or SpecForge "
+                         f"sample that records the token sequence")
     ids = None
     for s in ([tok] if tok else []) + [t, b]:
         if s is not None and s.input_ids is not None:
@@ -429,7 +432,7 @@ def _sides(baseline, target, tokens_from, rank):
             if not torch.equal(s.input_ids.reshape(-1).to(torch.int64), ids):
                 raise UsageError(f"{s.role} {s.path} was captured on other tokens than {src}: both sources must "
                                  f"hold the same sequence (the draft is scored on one token sequence)")
-        elif n != ids.numel():
+        if n != ids.numel():
             raise UsageError(f"{s.role} {s.path} has {n} token rows, the token sequence from {src} has "
                              f"{ids.numel()}: pass --tokens-from with the sequence these features were captured on")
     return b, t, ids, src
@@ -463,6 +466,9 @@ def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="aut
                rank=0, tolerance=0.05) -> dict:
     d = load_draft(draft, embed)
     b, t, ids, src = _sides(baseline, target, tokens_from, rank)
+    if ids.numel() and (int(ids.max()) >= d.vocab or int(ids.min()) < 0):
+        raise UsageError(f"the token sequence from {src} has ids up to {int(ids.max())}, outside the draft's "
+                         f"vocabulary [0, {d.vocab}): is this the draft of another model?")
     eng, eng_name = engine_for(d, engine)
     rows = [score(eng, d, "baseline", str(b.path), b.packed, ids),
             score(eng, d, "target", str(t.path), t.packed, ids)]
