@@ -74,7 +74,8 @@ def test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix(ru
             assert "with slots re-ordered as the matcher proposes" in rep["line"] and "0.00 remains" in rep["line"]
         elif inj == "slice-capture":
             assert not tgt["usable"] and "TP-sliced" in tgt["why"], tgt
-            assert tgt["accept_length"]["5"] == 1.0
+            assert tgt["accept_length"]["5"] == 1.0          # no draft token accepted: the target's own
+            assert rep["cost"] == pytest.approx(base["accept_length"]["5"] - 1.0), rep["line"]
         else:
             assert not rep["fix"]["explained"] and "does not explain it" in rep["line"], (inj, rep["line"])
     print("accept-length cost per fault:", json.dumps(costs))

@@ -379,7 +379,7 @@ class Scored:
     accepted: dict = field(default_factory=dict)     # k -> expected accepted draft tokens
 
     def accept_length(self, k: int = 5) -> float:
-        return 0.0 if not self.usable else 1.0 + (self.accepted.get(k) or 0.0)
+        return 1.0 if not self.usable else 1.0 + (self.accepted.get(k) or 0.0)   # no draft accepted: the target's own token
 
     def as_dict(self) -> dict:
         return {"label": self.label, "source": self.source, "usable": self.usable, "why": self.why,
