@@ -25,16 +25,41 @@ FAULTS = {  # --inject -> catalogue row (faults of the built-in model that chang
 }
 
 
+def _probe_together(base: Path, runs: dict, timeout: float = 600) -> dict:
+    """Start every probe at once (`tpprobe probe --nproc 2 --out base/NAME ARGS`), wait for all; returns
+    {name: (exit code, report.json, stderr)}. One launch each, in parallel: the lean way to get
+    several captures."""
+    import os
+    import signal
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = {name: subprocess.Popen([sys.executable, "-m", "tpprobe", "probe", "--nproc", "2", "--out",
+                                     str(base / name), "--quiet", *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
+             for name, args in runs.items()}
+    out = {}
+    for name, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            raise AssertionError(f"probe {name} did not finish in {timeout}s")
+        rep = base / name / "report.json"
+        out[name] = (p.returncode, json.loads(rep.read_text()) if rep.exists() else {}, err)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("accept")
+    common = ["--tokens", str(TOKENS), "--vocab", str(V), "--layers", ",".join(map(str, IDS)), "--timeout", "240"]
+    res = _probe_together(base, {name: common + ([] if name == "healthy" else ["--inject", name])
+                                 for name in ["healthy", *FAULTS]})
     out = {}
-    for name in ["healthy", *FAULTS]:
-        args = ["--tokens", str(TOKENS), "--vocab", str(V), "--layers", ",".join(map(str, IDS))]
-        if name != "healthy":
-            args += ["--inject", name]
-        code, rep, cp = probe(base / name, *args)
-        assert code == (0 if name == "healthy" else 1), cp.stderr[-2000:]
+    for name, (code, _, err) in res.items():
+        assert code == (0 if name == "healthy" else 1), (name, err[-2000:])
         out[name] = base / name
     feats, ids = _capture(out["healthy"])
     out["draft"] = _train(feats, ids, base / "draft")
@@ -159,8 +184,6 @@ SGLANG_FAULTS = {"fused-allreduce-capture": "F16", "capture-no-residual": "F18"}
 def sglang_runs(tmp_path_factory):
     """Three probes of SGLang's LlamaForCausalLM (tp 2, gloo), started together: healthy, F16, F18.
     The config is the tiny Llama's with vocab 8, so the draft must read the aux features."""
-    import os
-    import signal
     pytest.importorskip("sglang")
     base = tmp_path_factory.mktemp("accept-sglang")
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": 64,
@@ -168,28 +191,16 @@ def sglang_runs(tmp_path_factory):
            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
            "torch_dtype": "float32"}
     (base / "config.json").write_text(json.dumps(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = {}
-    for name in ["healthy", *SGLANG_FAULTS]:
-        args = [sys.executable, "-m", "tpprobe", "probe", "--nproc", "2", "--out", str(base / name), "--quiet",
-                "--backend", "sglang", "--config", str(base / "config.json"), "--num-layers", "5",
-                "--layers", ",".join(map(str, IDS)), "--tokens", str(TOKENS), "--timeout", "240"]
-        if name != "healthy":
-            args += ["--inject", name]
-        procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                       env=env, start_new_session=True)
+    common = ["--backend", "sglang", "--config", str(base / "config.json"), "--num-layers", "5",
+              "--layers", ",".join(map(str, IDS)), "--tokens", str(TOKENS), "--timeout", "240"]
+    res = _probe_together(base, {name: common + ([] if name == "healthy" else ["--inject", name])
+                                 for name in ["healthy", *SGLANG_FAULTS]})
     out = {}
-    for name, p in procs.items():
-        try:
-            _, err = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            raise AssertionError(f"probe {name} did not finish")
-        rep = json.loads((base / name / "report.json").read_text())
-        kinds = [(f["kind"], f["where"]) for f in rep["findings"] if f["severity"] == "failure"]
-        want = {"healthy": [], "fused-allreduce-capture": [("partial-capture", "aux slot 1")],
-                "capture-no-residual": [("capture-no-residual", "aux slot 1")]}[name]
-        assert p.returncode == (0 if name == "healthy" else 1) and kinds == want, (name, kinds, err[-2000:])
+    want = {"healthy": [], "fused-allreduce-capture": [("partial-capture", "aux slot 1")],
+            "capture-no-residual": [("capture-no-residual", "aux slot 1")]}
+    for name, (code, rep, err) in res.items():
+        kinds = [(f["kind"], f["where"]) for f in rep.get("findings", []) if f["severity"] == "failure"]
+        assert code == (0 if name == "healthy" else 1) and kinds == want[name], (name, kinds, err[-2000:])
         out[name] = base / name
     feats, ids = _capture(out["healthy"])
     assert ids.max() < V and feats.shape[-1] == 3 * 64
@@ -214,20 +225,20 @@ def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs)
     assert costs["F16"][0] > 1.0 and costs["F18"][0] > 3.0, costs
 
 
-@pytest.mark.parametrize("case, message", [
-    ("tokens-from-bare", "holds no input_ids"),
-    ("short-target", "has 191 token rows, the token sequence from"),
-    ("missing-baseline", "no such file or folder"),
-])
-def test_bad_sources_are_one_line_and_exit_2(runs, tmp_path, case, message):
+def test_bad_sources_are_refused_with_what_to_do(runs, tmp_path):
+    """In process (the CLI turns these errors into one line and exit 2, as the test above shows)."""
     from safetensors.torch import save_file
+    from tpprobe.errors import TPProbeError
     feats, _ = _capture(runs["healthy"])
-    bare = tmp_path / "bare.safetensors"          # packed features without their token ids
-    save_file({"aux": (feats[:-1] if case == "short-target" else feats).contiguous()}, str(bare))
-    args = {"tokens-from-bare": ["--target", str(runs["healthy"]), "--tokens-from", str(bare)],
-            "short-target": ["--target", str(bare)],
-            "missing-baseline": ["--target", str(runs["healthy"])]}[case]
-    baseline = tmp_path / "nowhere" if case == "missing-baseline" else runs["healthy"]
-    cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(baseline), *args, "--engine", "torch"])
-    assert cp.returncode == 2 and message in cp.stderr, cp.stderr
-    assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr
+    bare, short = tmp_path / "bare.safetensors", tmp_path / "short.safetensors"   # features without token ids
+    save_file({"aux": feats.contiguous()}, str(bare))
+    save_file({"aux": feats[:-1].contiguous()}, str(short))
+    d, h = runs["draft"], runs["healthy"]
+    for kw, message in [
+        (dict(baseline=h, target=h, tokens_from=bare), "holds no input_ids; pass a capture folder"),
+        (dict(baseline=h, target=short), "has 191 token rows, the token sequence from"),
+        (dict(baseline=tmp_path / "nowhere", target=h), "no such file or folder"),
+    ]:
+        with pytest.raises(TPProbeError, match=message) as e:
+            run_accept(d, engine="torch", **kw)
+        assert e.value.exit_code == 2 and "\n" not in str(e.value)
