@@ -226,7 +226,7 @@ def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs)
 
 
 def test_bad_sources_are_refused_with_what_to_do(runs, tmp_path):
-    """In process (the CLI turns these errors into one line and exit 2, as the test above shows)."""
+    """In process (the CLI turns these errors into one line and exit 2, as test_a_bad_draft_is_one_line_and_exit_2 shows)."""
     from safetensors.torch import save_file
     from tpprobe.errors import TPProbeError
     feats, _ = _capture(runs["healthy"])
