@@ -212,6 +212,41 @@ def diff(
     diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
                  threshold=threshold, json_out=json_out)
 
+@app.command("accept")
+def accept(
+    draft: Annotated[Path, typer.Option("--draft", help="EAGLE-3 draft checkpoint folder (config.json + safetensors, as SpecForge writes it)")],
+    baseline: Annotated[Path, typer.Option("--baseline", help="aux features the draft should see: capture folder, SpecForge sample, rank file")],
+    target: Annotated[Path, typer.Option("--target", help="aux features to judge (e.g. the serving capture), same kinds of input")],
+    tokens_from: Annotated[Optional[Path], typer.Option("--tokens-from", help="the target's token sequence (default: the target's, else the baseline's input_ids)")] = None,
+    fix: Annotated[bool, typer.Option("--fix", help="also score the target with its slots re-ordered by the slot matcher")] = False,
+    engine: Annotated[str, typer.Option("--engine", help="auto | sglang (SGLang's LlamaForCausalLMEagle3) | torch (tpprobe's re-implementation)")] = "auto",
+    embed: Annotated[Optional[Path], typer.Option("--embed", help="the target's embedding table, when the draft has none")] = None,
+    rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="accept-length difference (chain of 5) still called no cost")] = 0.05,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="also write a Markdown summary")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+) -> None:
+    """Run the EAGLE-3 draft on both feature sets and say what the target capture costs in accept length."""
+    _DEBUG["on"] = debug
+    import json as _json
+    from .tools.accept import markdown as md, render, run_accept
+    rep = run_accept(draft, baseline, target, tokens_from=tokens_from, fix=fix, engine=engine,
+                     embed=str(embed) if embed else None, rank=rank, tolerance=tolerance)
+    if markdown is not None:
+        if not markdown.parent.is_dir():
+            raise UsageError(f"--markdown {markdown}: folder {markdown.parent} does not exist")
+        markdown.write_text(md(rep))
+    if json_out:
+        print(_json.dumps(rep, indent=1))
+    else:
+        from .report.terminal import console
+        render(rep, console())
+        if markdown is not None:
+            console().print(f"markdown: {markdown}")
+    raise typer.Exit(rep["exit_code"])
+
+
 # `tpprobe layers` (every SGLang architecture, the draft/target contract): typer signature and body
 # in tools/layers_cli.py, which imports no torch and no sglang until it runs
 from .tools.layers_cli import layers_command  # noqa: E402
