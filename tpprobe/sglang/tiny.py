@@ -71,8 +71,11 @@ def default_layer_ids(arch: str, num_layers: int) -> list[int]:
     L = int(num_layers)
     arch = canonical_arch(arch) or "llama"
     cands = [[i for i in (-1, 1, 3) if i < L - 1], [i for i in (0, 2, 4) if i < L]]
+    # the pinned rule of the tiny model's family, so the launcher needs no sglang import; each rank
+    # then checks the ids against the rule derived from SGLang (build_target refuses a crash)
+    family = "deepseek_v2" if arch == "deepseek_v2" else "llama"
     for ids in cands:
-        if ids and not lid.plan(arch, ids, L).problems:
+        if ids and not lid._pinned_plan(family, ids, L).problems:
             return ids
     return cands[0] or [-1]
 
