@@ -170,7 +170,7 @@ def invariance(
 ) -> None:
     """Where bitwise equality across TP sizes and batch sizes breaks, and which collective breaks it."""
     from .exchange import dist as tdist
-    from .probe import ProbeOptions
+    from .options import ProbeOptions
     from .tools.invariance import InvarianceOptions, parse_reference, parse_sizes, rank_main, run as run_inv
 
     _DEBUG["on"] = debug

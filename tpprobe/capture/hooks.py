@@ -62,7 +62,7 @@ def find_modules(model: torch.nn.Module, embed: Optional[str] = None, layers: Op
     return (discover.embedding(model, embed) if embed else None), found
 
 
-def _first_tensor(x):
+def first_tensor(x):
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, (tuple, list)):
@@ -253,7 +253,7 @@ class Tap:
         return t if copied else t.detach().clone()
 
     def _embed_post(self, handle, args, output) -> None:
-        out = _first_tensor(output)
+        out = first_tensor(output)
         local = next((r for r in self.allreduces if r.where == "embed"), None)
         if local is None:  # no all-reduce ran inside the embedding: its local output is the output
             self._record("embed.local", out, copied=False)
@@ -283,9 +283,9 @@ class Tap:
         if handle.kind != "row":
             if handle.name.endswith(".input_layernorm") and self.layer_indices and handle.index == self.layer_indices[0]:
                 # a candidate for "the embedding slot was taken after a transform"
-                self._record(in_norm(handle.index), _first_tensor(output), copied=False)
+                self._record(in_norm(handle.index), first_tensor(output), copied=False)
             return
-        out = _first_tensor(output)
+        out = first_tensor(output)
         reduced_inside = any(r.source == handle.name for r in self.allreduces)
         self.row_outputs.append({"module": handle.name, "layer": handle.index,
                                  "ptr": out.data_ptr() if out is not None else None,

@@ -100,7 +100,7 @@ def parse_reference(text: Optional[str]) -> Optional[tuple[int, int]]:
 
 def validate(opts: InvarianceOptions) -> None:
     """Everything checkable before a process starts (raises UsageError)."""
-    from ..probe import validate as probe_validate
+    from ..build import validate as probe_validate
     p = opts.probe
     if opts.expect not in ("bitwise", "noise"):
         raise UsageError(f"unknown --expect {opts.expect!r}: use bitwise or noise")
@@ -130,8 +130,8 @@ def validate(opts: InvarianceOptions) -> None:
 
 
 def _builtin_cfg(opts: InvarianceOptions, layer_ids):
-    from ..probe import builtin_config
-    cfg = builtin_config(opts.probe, layer_ids)
+    from ..model import BuiltinConfig
+    cfg = BuiltinConfig.from_options(opts.probe, layer_ids)
     cfg.reduce, cfg.switch_bytes = opts.reduce, opts.switch_above
     return cfg
 
@@ -203,19 +203,19 @@ class _Recorder:
     def extension(self, tap) -> list:
         self.tap = tap
         undo = []
-        # all-reduces: the Tap audits them; its wrapper (installed after the extensions, as the bound
-        # method looked up then) is made to note where in the capture order each one ran
-        tap_ar = tap._all_reduce
+        # all-reduces: the Tap's collective audit records them (capture/audit.py); note where in the
+        # capture order each one began (its summaries are filled in when it ends)
+        audit = tap.auditor
+        begin = audit.begin
 
-        def ar(tensor, *a, **kw):
+        def noted(kind, path, inp, group_size, op="SUM", checked=True):
             pos = len(tap.order)
-            n = len(tap.allreduces)
-            work = tap_ar(tensor, *a, **kw)
-            if len(tap.allreduces) > n:
-                self.events.append((pos, "allreduce", tap.allreduces[n]))
-            return work
-        tap._all_reduce = ar
-        undo.append(_Undo(lambda: tap.__dict__.pop("_all_reduce", None)))
+            r = begin(kind, path, inp, group_size, op, checked)
+            if kind == "all_reduce":
+                self.events.append((pos, "allreduce", r))
+            return r
+        audit.begin = noted
+        undo.append(_Undo(lambda: audit.__dict__.pop("begin", None)))
         for mod in (dist, c10d):
             for name in _WRAPPED:
                 orig = getattr(mod, name, None)
@@ -264,8 +264,8 @@ class _Undo:
 
 
 def _first_tensor(x):
-    from ..capture.hooks import _first_tensor as ft
-    return ft(x)
+    from ..capture.hooks import first_tensor
+    return first_tensor(x)
 
 
 def _collective_input(op: str, args, kw) -> Optional[torch.Tensor]:
@@ -359,7 +359,8 @@ def run_config(target, batch: int, opts: InvarianceOptions, world: int) -> tuple
     rec = _Recorder(RowSelector(target.batch_layout if target.forward_batch else "packed", lens, idx),
                     opts.keep, opts.sites)
     t0 = time.time()
-    with torch.no_grad(), Tap(target.model, embed_pattern=p.embed_pattern, layer_pattern=p.layer_pattern,
+    # the batch's ids are not target.input_ids: the embedding is the first module taking integer ids
+    with torch.no_grad(), Tap(target.model, embed=p.embed or target.embed, layers=p.layer_list or target.layer_list,
                               keep=lambda n: False, keep_allreduce_tensors=False, summarize=rec.summarize,
                               extensions=(*target.tap_extensions, rec.extension)) as tap:
         tap.stream_from_layer_output = target.stream_from_layer_output
@@ -382,7 +383,7 @@ def run_config(target, batch: int, opts: InvarianceOptions, world: int) -> tuple
 
 
 def build(ctx, opts: InvarianceOptions):
-    from ..probe import build_target
+    from ..build import build_target
     p = opts.probe
     if p.model is None and p.backend != "sglang":
         from ..model import build_builtin
@@ -623,15 +624,15 @@ def _out_cell(c, R, key, rows) -> dict:
 
 def _propagated(table: list[dict], n: str, rname: str) -> None:
     """Downstream of the first break, rounding differences propagate and add up: a cell whose sketch
-    difference exceeds the probe's noise bound for one operation (NOISE_ULP[dtype] * eps / 8, as in
-    checks.evidence.fp_level) but stays within that bound * (layers since the first break + 1) -- each layer
+    difference exceeds the probe's noise bound for one operation (checks/noise.py rel_bound, as
+    checks.evidence.fp_level judges a sketch) but stays within that bound * (layers since the first break + 1) -- each layer
     re-rounds and passes on what it got (measured: fp32, 6 layers, tp 4: 2.4x the one-operation bound
     five layers on) -- is rounding noise that propagated, not a new break. A jump beyond it (a missing
     shard: ~0.5; a 1 % error in float32) stays material. The first break itself is always judged by
     the one-operation bound.
     Cells against the reference count from the first break against the reference; collective inputs
     compared with the same TP size at the reference's batch count from the first difference either way."""
-    from ..checks.noise import NOISE_ULP, dtype_from_str, eps_of
+    from ..checks.noise import dtype_from_str, rel_bound
     last_layer = max((e["layer"] for e in table if e.get("layer") is not None), default=0)
 
     def cells_of(e):
@@ -652,7 +653,7 @@ def _propagated(table: list[dict], n: str, rname: str) -> None:
             if cell["level"] != "material" or cell.get("rel") is None or not e.get("dtype"):
                 continue
             dt = dtype_from_str(e["dtype"])
-            bound = NOISE_ULP.get(dt, 64.0) * eps_of(dt) / 8 * (max(layer - start, 0) + 1)
+            bound = rel_bound(dt) * (max(layer - start, 0) + 1)
             if cell["rel"] <= bound:
                 cell.update(level="noise", propagated=True, bound=bound)
 
