@@ -304,14 +304,34 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
 
 
 # --------------------------------------------------------------------------- dispatch
+# CUDA tensors that took the torch path, by reason (the probe reports these: a GPU where the
+# fused kernel cannot build, e.g. 16-bit tensors before sm_90, says so instead of being slow quietly)
+TORCH_PATH: dict = {}
+
+
+def _torch_path(reason: str) -> None:
+    if reason not in TORCH_PATH and "sm_" in reason:
+        import sys
+        print(f"tpprobe: fingerprints take the torch path: {reason}", file=sys.stderr)
+    TORCH_PATH[reason] = TORCH_PATH.get(reason, 0) + 1
+
+
 def _triton_ok(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda" or os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+    if t.device.type != "cuda":
+        return False
+    if os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+        _torch_path("TPPROBE_FINGERPRINT_TORCH is set")
         return False
     try:
         from . import _triton_fingerprint as tf
-    except Exception:
+    except Exception as e:
+        _torch_path(f"triton does not import ({type(e).__name__})")
         return False
-    return tf.supported(t)
+    why = tf.unsupported_reason(tuple(t.shape), t.dtype, t.element_size(), t.is_contiguous(), t.data_ptr(),
+                                tf._cc(t.device))
+    if why:
+        _torch_path(why)
+    return not why
 
 
 def fingerprint(t: torch.Tensor, seed: int = 0, k: int = 32) -> Fingerprint:
