@@ -106,6 +106,12 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
             doing = f"{hb.get('phase', 'starting')}{': ' + hb['where'] if hb.get('where') else ''}"
             if hb.get("collective"):
                 doing += f", in all-reduce #{hb['collective']['seq']} ({hb['collective'].get('module')})"
+            if hb.get("done") is not None:     # NCCL: what its GPU completed (CUDA events)
+                doing += (f"; its GPU had completed all-reduce #{hb['done']}" if hb["done"] >= 0
+                          else "; its GPU had completed no all-reduce")
+            fr = _flight_text((liveness or {}).get("flight_recorder"))
+            if fr:
+                doing += f"; NCCL flight recorder: {fr}"
             state = info.get("state", "died or hung")
             roots.append(Finding(
                 "rank-timeout", hb.get("phase") or "startup", [r],
@@ -201,6 +207,20 @@ def _ar_text(a) -> str:
     if a is None:
         return "nothing"
     return f"one at {a[0]} of shape {list(a[1])} over {a[2]} ranks"
+
+
+def _flight_text(fr: Optional[dict]) -> str:
+    """Which collective sequence number each rank's NCCL reached, from the flight recorders."""
+    parts = []
+    for r, v in sorted((fr or {}).items(), key=lambda kv: int(kv[0])):
+        for g in (v.get("groups") or {}).values():
+            t = f"rank {r} completed seq {g['last_completed']}"
+            if g.get("first_open"):
+                o = g["first_open"]
+                t += f", seq {o['seq']} {o.get('op') or ''} {o.get('state') or ''}".rstrip()
+            parts.append(t)
+            break      # the default group (the model's) first
+    return "; ".join(parts)
 
 
 def _extra_collective_place(audit, ref_audit):

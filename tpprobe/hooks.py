@@ -79,8 +79,32 @@ class Progress:
     collective: Optional[dict] = None       # the all-reduce this rank is blocked in, if any
     since: float = field(default_factory=time.time)
     audit: Optional[list] = None            # this rank's all-reduce records so far (for stall posts)
+    # CUDA tensors: (seq, event recorded on the stream right after all-reduce #seq). The host does
+    # not block in an NCCL collective, so what the device completed is read from these events
+    events: list = field(default_factory=list, repr=False)
+    _done: int = -1
 
     changed: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def device_done(self) -> int:
+        """The last all-reduce the device completed (-1: none), from the events (never blocks; one
+        stream, so they complete in order)."""
+        ev = self.events
+        i = self._done + 1
+        while i < len(ev):
+            try:
+                if not ev[i][1].query():
+                    break
+            except Exception:
+                break
+            i += 1
+        self._done = i - 1
+        return ev[self._done][0] if self._done >= 0 else -1
+
+    def device_pending(self) -> Optional[int]:
+        """The first all-reduce issued on the device and not completed, if any."""
+        done = self.device_done()
+        return done + 1 if self.events and done + 1 <= self.events[-1][0] else None
 
     def set(self, phase: str, where: str = "") -> None:
         if phase != self.phase:
@@ -142,6 +166,7 @@ class Tap:
         self.captures: dict[str, torch.Tensor] = {}
         self.summaries: dict[str, Any] = {}
         self.order: list[str] = []                 # capture points in the order they fired
+        self.after: dict[str, int] = {}            # point -> all-reduces issued before it
         self.allreduces: list[AllReduceRecord] = []
         self.progress.audit = self.allreduces
         self.handles: list[HookHandle] = []
@@ -220,6 +245,7 @@ class Tap:
     def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
         if t is None:
             return
+        self.after[name] = len(self.allreduces)
         self.order.append(name)
         if self.keep(name):
             self.captures[name] = t if copied else t.detach().clone()
@@ -233,6 +259,7 @@ class Tap:
             self._record("embed.local", out, copied=False)
         else:
             self.order.append("embed.local")
+            self.after["embed.local"] = local.seq
             if local.inp is not None and self.keep("embed.local"):
                 self.captures["embed.local"] = local.inp
             if self.summarize is not None and local.inp_summary is not None:
@@ -249,6 +276,7 @@ class Tap:
             return
         if self.summarize is None and not self.keep(name):
             self.order.append(name)       # nothing to keep: do not even form hidden + residual
+            self.after[name] = len(self.allreduces)
             return
         self._record(name, residual_stream(output), copied=True)
 
@@ -286,6 +314,10 @@ class Tap:
         work = orig(tensor, op=op, group=group, async_op=async_op)
         if async_op and work is not None:
             work.wait()
+        if tensor.is_cuda:        # completes when the collective does (wait() ordered the stream)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.progress.events.append((seq, ev))
         rec.seconds = time.perf_counter() - t0
         self.progress.collective = None
         if keep:
@@ -309,6 +341,19 @@ class Tap:
                         layer, where = row["layer"], f"layer.{row['layer']}"
                     break
         return module, layer, where, source
+
+    def truncate_to_device(self, done: int) -> None:
+        """The device completed all-reduces up to #done and no further (a peer died or hung; the
+        communicator was aborted): keep what a blocking backend would have, the captures taken
+        before #done + 1 and its input, and drop what was computed from its unfinished output."""
+        cut = done + 1
+        for name in [n for n, k in self.after.items() if k > cut]:
+            self.captures.pop(name, None)
+            self.summaries.pop(name, None)
+        self.order = [n for n in self.order if self.after.get(n, 0) <= cut]
+        del self.allreduces[cut + 1:]
+        if len(self.allreduces) > cut:
+            self.allreduces[cut].out = self.allreduces[cut].out_summary = None
 
     def unreduced_rows(self) -> list[dict]:
         return [{"module": r["module"], "layer": r["layer"]} for r in self.row_outputs if not r["reduced"]]

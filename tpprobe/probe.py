@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import capture, checks, faults as faults_mod
+from . import dist as dist_mod
 from .dist import Channel, Watchdog, init, open_store, run_prefix
 from .errors import TPProbeError, UsageError
 from .findings import exit_code
@@ -207,6 +208,8 @@ class _Rank:
     target: Optional[ProbeTarget] = None
     layer_ids: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    flight: Optional[dict] = None     # this rank's NCCL flight recorder, read when a collective hung
+    device_ok: bool = True            # False: the stream stayed blocked even after the abort
 
     @property
     def keep_all(self) -> bool:
@@ -286,20 +289,52 @@ def _forward(me: _Rank):
             result = target.forward()
         except Exception as e:
             status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if me.ctx.device.type == "cuda":
+        status, error = _settle_device(me, tap, status, error)
     me.timings["forward_s"] = time.time() - t0
     return tap, result, status, error
+
+
+def _settle_device(me: _Rank, tap: Tap, status: str, error):
+    """NCCL: the host returns from the forward while the GPU may still wait in a collective a dead
+    or hung peer never joins. Wait for the stream with the deadline (polling an event, never
+    blocking); if it does not drain, read the flight recorder, abort the communicator (its kernels
+    return, nothing stays blocked) and keep only what was computed before the collective that
+    never completed, as a blocking backend would have."""
+    me.progress.set("device")
+    if dist_mod.wait_device(time.time() + max(1.0, me.opts.timeout - me.grace)):
+        return status, error
+    done = me.progress.device_done()
+    audit = tap.allreduces
+    stuck = audit[done + 1].meta() if done + 1 < len(audit) else {"seq": done + 1}
+    me.flight = dist_mod.flight_recorder()
+    aborted = dist_mod.abort_nccl()
+    me.device_ok = dist_mod.wait_device(time.time() + me.grace)
+    tap.truncate_to_device(done)
+    msg = (f"all-reduce #{stuck['seq']} ({stuck.get('module', '?')}) did not complete on the GPU within "
+           f"--timeout {me.opts.timeout:g}s: a peer died, hung or issued other collectives; the NCCL "
+           f"communicator was {aborted}")
+    return "error", error or msg
+
+
 
 
 def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict, dict]:
     """This rank's tensors and metadata (and, with --exchange fingerprint, its fingerprints)."""
     me.progress.set("write")
     target, ctx = me.target, me.ctx
+    if not me.device_ok:     # the stream is still blocked: no device-to-host copy may be issued
+        tap.captures.clear()
+        tap.summaries.clear()
+        for rec in tap.allreduces:
+            rec.inp = rec.out = rec.inp_summary = rec.out_summary = None
     packed = target.packed_aux(result) if status == "ok" and target.packed_aux is not None else None
     tensors = dict(tap.captures)
     for rec in tap.allreduces:
         if rec.inp is not None and rec.out is not None:
             tensors[f"allreduce.{rec.seq}.in"], tensors[f"allreduce.{rec.seq}.out"] = rec.inp, rec.out
-    tensors["input_ids"] = target.input_ids
+    if me.device_ok:
+        tensors["input_ids"] = target.input_ids
     aux_meta = {}
     if packed is not None:
         aux_meta = {"shape": list(packed.shape), "dtype": str(packed.dtype).replace("torch.", ""),
@@ -311,7 +346,7 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
                    if n in tensors or n in tap.summaries],
         "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
         "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices),
-        "aux": aux_meta, "params": replicated_param_hashes(target.model),
+        "aux": aux_meta, "params": replicated_param_hashes(target.model) if me.device_ok else {},
         "timings": dict(me.timings), "device": str(ctx.device), "hidden": target.hidden_size,
     }
     if not me.keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
@@ -392,6 +427,8 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     me.progress.set("report")
     ch, world = me.ch, me.ctx.world_size
     liveness = {"missing": {r: _missing_info(ch, r, posts) for r in range(world) if r not in posts}}
+    if me.ctx.backend == "nccl" and (liveness["missing"] or any(p["status"] != "ok" for p in posts.values())):
+        liveness["flight_recorder"] = _flight_recorders(me)
     settings = _settings(me)
     references = _references(me.opts) if me.target.arch == "builtin" else None
     t2 = time.time()
@@ -399,6 +436,8 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     from .report import build_report, emit
     report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,
                                                      "total_s": time.time() - me.t_start}, out=str(me.out))
+    if liveness.get("flight_recorder"):
+        report["flight_recorder"] = liveness["flight_recorder"]
     report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
                           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
     capture.write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
@@ -456,6 +495,15 @@ def _all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
             continue
         return False
     return bool(found)
+
+
+def _flight_recorders(me: _Rank) -> dict:
+    """Every live rank's NCCL flight recorder summary (its watchdog posts it on request): which
+    collective sequence number each rank's NCCL scheduled, started and completed."""
+    me.ch.post("fr-request", {}, rank=0)
+    got = me.ch.collect("fr", time.time() + min(2.0, me.grace), stop_early=lambda found: False)
+    got[0] = me.flight or dist_mod.flight_recorder() or {}
+    return {r: v for r, v in sorted(got.items()) if v}
 
 
 def _missing_info(ch: Channel, r: int, posts: dict) -> dict:
