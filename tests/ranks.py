@@ -45,12 +45,36 @@ def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None) -> subpro
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120) -> tuple[int, dict, subprocess.CompletedProcess]:
-    """`tpprobe probe --nproc N --out OUT --quiet ARGS`; returns (exit code, report.json, process)."""
-    cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout)
+def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120, backend: str = "",
+          torchrun: bool = False) -> tuple[int, dict, subprocess.CompletedProcess]:
+    """`tpprobe probe --nproc N --out OUT --quiet ARGS` (or under `torchrun --nproc-per-node N`);
+    returns (exit code, report.json, process)."""
+    args = (*args, "--backend", backend) if backend else args
+    if torchrun:
+        cp = run_torchrun(nproc, ["probe", "--out", str(out), "--quiet", *args], timeout=timeout)
+    else:
+        cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout)
     rep_path = Path(out) / "report.json"
     report = json.loads(rep_path.read_text()) if rep_path.exists() else {}
     return cp.returncode, report, cp
+
+
+def run_torchrun(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m tpprobe ARGS` (torch.distributed.run), its process group
+    killed on timeout."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "0",
+           "-m", "tpprobe", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"torchrun {' '.join(args)} did not finish in {timeout}s\nstderr:{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def failures(report: dict) -> list[dict]:

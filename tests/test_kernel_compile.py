@@ -101,16 +101,16 @@ def test_the_sm90_kernels_compile_for_every_shape():
     reasons = {why for _, _, why in torch_path}
     assert reasons == {"not contiguous", "odd byte count"}, reasons
     assert len(fused) > 1500
-    # other k (KP 4 / 8 / 16 / 64) and 1-D / 3-D tensors (no token flags)
-    extra = [((1024, 7168), dt) for dt in DTYPES] + [((6,), torch.bfloat16), ((2, 3, 128), torch.float16),
-                                                     ((65536 * 2,), torch.float32)]
+    # 1-D / 3-D tensors (no token flags), and the smallest and largest sketch (k 1 and 64: KP 4
+    # and 64; the probe's k is 32)
+    extra = [((6,), torch.bfloat16), ((2, 3, 128), torch.float16), ((65536 * 2,), torch.float32)]
     specs = specializations(90, fused)
-    for k in (1, 64):                 # the smallest and largest sketch (KP 4 / 16 and 64)
-        specs.update(specializations(90, extra, k=k))
     specs.update(specializations(90, extra))
+    for k in (1, 64):
+        specs.update(specializations(90, [((1024, 7168), torch.bfloat16)], k=k))
     # the sizes are runtime values: the whole grid causes a handful of specializations (one per
     # kernel, dtype, k and flag mode), so a new shape never means a new compile in a probe run
-    assert len(specs) <= 24, sorted(k[:2] for k in specs)
+    assert len(specs) <= 12, sorted(k[:2] for k in specs)
     assert compile_all(90, specs) == []
 
 

@@ -562,11 +562,15 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
     extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
              if p["t"].dim() == 2 and not p["flags"]}
 
-    def finish():
+    def finish(host_parts=None):
         # one D2H copy, then numpy on the host buffer (a few microseconds per op, where a
-        # torch op on small CPU tensors costs ten): the combine is exact integers / float64
-        host = buf.cpu().numpy()
-        ex = {i: v.cpu().numpy() for i, v in extra.items()}
+        # torch op on small CPU tensors costs ten): the combine is exact integers / float64.
+        # host_parts: finish.parts already copied by the caller (fingerprint.Deferred copies
+        # every launch of a forward in one transfer)
+        if host_parts is None:
+            host_parts = [v.cpu().numpy() for v in finish.parts]
+        host = host_parts[0]
+        ex = {i: v.astype(bool) for i, v in zip(extra, host_parts[1:])}
         hi = host[:ioff]
         hf = host[ioff:ioff + (foff + 1) // 2].view(np.float32)
         hflag = host[ioff + (foff + 1) // 2:].view(np.int32)
@@ -592,6 +596,7 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
                 sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed))
         return out
 
+    finish.parts = [buf, *(v.to(torch.int64) for v in extra.values())]
     return finish, buf
 
 

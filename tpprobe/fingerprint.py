@@ -355,6 +355,59 @@ def fingerprints(tensors: list, seed: int = 0, k: int = 32) -> list[Fingerprint]
     return out
 
 
+class Pending:
+    """A fingerprint launched on the GPU and not read yet (``Deferred.resolve`` fills ``fp``)."""
+    __slots__ = ("fp",)
+
+    def __init__(self):
+        self.fp = None
+
+
+class Deferred:
+    """Fingerprints for a whole forward with no host sync inside it: each CUDA tensor's kernels
+    are queued on the current stream when it is captured (stream order keeps the in-place
+    all-reduce from overwriting an input before it is read), and ``resolve()`` reads every
+    launch's partials with ONE device-to-host copy after the forward.  Tensors the fused kernel
+    does not take (CPU, odd layouts, pre-Hopper 16-bit) are fingerprinted at once."""
+
+    def __init__(self, seed: int, k: int):
+        self.seed, self.k = seed, k
+        self.items: list = []
+
+    def __call__(self, t: torch.Tensor):
+        if not _triton_ok(t):
+            return _fingerprint_torch(t, self.seed, self.k)
+        from . import _triton_fingerprint as tf
+        finish, _ = tf.launch([t.detach()], self.seed, self.k)
+        ph = Pending()
+        self.items.append((ph, finish))
+        return ph
+
+    def resolve(self) -> None:
+        if not self.items:
+            return
+        parts = [p for _, fin in self.items for p in fin.parts]
+        host = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()   # the one copy
+        i = 0
+        for ph, fin in self.items:
+            chunk, off = [], i
+            for p in fin.parts:
+                chunk.append(host[off:off + p.numel()])
+                off += p.numel()
+            i = off
+            ph.fp = fin(chunk)[0]
+        self.items = []
+
+    def drop(self) -> None:
+        """The stream stayed blocked (a dead peer's collective): never read these."""
+        self.items = []
+
+
+def resolved(x):
+    """A summary as stored by the Tap: a Pending is replaced by its fingerprint (None if dropped)."""
+    return x.fp if isinstance(x, Pending) else x
+
+
 # --------------------------------------------------------------------------- judging
 def _eps(dtype) -> float:
     if isinstance(dtype, str):

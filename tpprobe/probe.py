@@ -26,7 +26,7 @@ from .dist import Channel, Watchdog, init, open_store, run_prefix
 from .errors import TPProbeError, UsageError
 from .findings import exit_code
 from .hooks import Progress, Tap
-from .fingerprint import fingerprint
+from .fingerprint import Deferred, fingerprint, resolved
 from .model import BuiltinConfig
 from .target import ProbeTarget, RankContext
 
@@ -276,7 +276,8 @@ def _forward(me: _Rank):
     keep_ids = {checks.id_point(i) for i in me.layer_ids}
     keep = (lambda n: True) if me.keep_all else \
         (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
-    summarize = None if me.keep_all else (lambda t: fingerprint(t, seed=FP_SEED, k=FP_K))
+    # --exchange fingerprint: kernels queued during the forward, read after it in one copy
+    summarize = None if me.keep_all else Deferred(FP_SEED, FP_K)
     status, error, result = "ok", None, None
     t0 = time.time()
     me.progress.set("forward")
@@ -291,6 +292,11 @@ def _forward(me: _Rank):
             status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if me.ctx.device.type == "cuda":
         status, error = _settle_device(me, tap, status, error)
+    if summarize is not None:
+        summarize.resolve() if me.device_ok else summarize.drop()
+        tap.summaries = {n: resolved(v) for n, v in tap.summaries.items() if resolved(v) is not None}
+        for rec in tap.allreduces:
+            rec.inp_summary, rec.out_summary = resolved(rec.inp_summary), resolved(rec.out_summary)
     me.timings["forward_s"] = time.time() - t0
     return tap, result, status, error
 
@@ -354,6 +360,9 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
         if packed is not None:
             fps["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
         meta["fingerprints"] = fps
+        from .fingerprint import TORCH_PATH
+        if TORCH_PATH and ctx.device.type == "cuda":   # say why the fused kernel was not used
+            meta["fingerprint_torch_path"] = dict(TORCH_PATH)
         for m, rec in zip(meta["allreduces"], tap.allreduces):
             if rec.inp_summary is not None and rec.out_summary is not None:
                 m["in_fp"], m["out_fp"] = rec.inp_summary.to_json(), rec.out_summary.to_json()
@@ -440,6 +449,10 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
         report["flight_recorder"] = liveness["flight_recorder"]
     report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
                           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
+    torch_path = {r: p["meta"]["fingerprint_torch_path"] for r, p in posts.items()
+                  if p.get("meta", {}).get("fingerprint_torch_path")}
+    if torch_path:
+        report["exchange"]["fingerprint_torch_path"] = torch_path
     capture.write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
                                     "tool": report["tool"]}, [f for p in posts.values() for f in p["files"]])
     emit(report, me.out, me.opts)
