@@ -167,8 +167,8 @@ def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows, b
             m = m & (_pick4(tl.broadcast_to(rows, (BR, W)), BR, W) < nbrows)
         # the token of each row: rows // bpt by a multiply-high (bpt_m == 0: bpt is 1), so
         # the divisor is a runtime value and not one more specialization per hidden size
-        m = tl.cast(bpt_m, tl.int32).to(tl.uint32, bitcast=True)        # passed as an int32
-        rt = tl.where(bpt_m == 0, rows, (tl.umulhi(rows.to(tl.uint32), m) >> bpt_s).to(rows.dtype))
+        mg = tl.cast(bpt_m, tl.int32).to(tl.uint32, bitcast=True)       # passed as an int32
+        rt = tl.where(bpt_m == 0, rows, (tl.umulhi(rows.to(tl.uint32), mg) >> bpt_s).to(rows.dtype))
         tok = _pick4(tl.broadcast_to(rt, (BR, W)), BR, W)
         if not INTERP:
             # a predicated store in the tensor's own layout (tl.store would move the mask

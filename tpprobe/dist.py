@@ -121,17 +121,25 @@ def wait_device(deadline: float, poll: float = 0.005) -> bool:
     return True
 
 
-def abort_nccl() -> str:
-    """Abort the default group's NCCL communicator so no kernel stays blocked on a dead peer."""
-    try:
-        fn = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if fn is not None:
-            fn()
-        else:
-            dist.distributed_c10d._get_default_group().abort()
-        return "aborted"
-    except Exception as e:     # already torn down by the watchdog, or an older torch
-        return f"abort failed: {type(e).__name__}: {e}"
+def abort_nccl(timeout: float = 5.0) -> str:
+    """Abort the default group's NCCL communicator so no kernel stays blocked on a dead peer; in a
+    thread of its own, waited for at most ``timeout`` s (an abort that blocks never holds the report)."""
+    res = {"r": "abort did not return within %gs" % timeout}
+
+    def go():
+        try:
+            fn = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if fn is not None:
+                fn()
+            else:
+                dist.distributed_c10d._get_default_group().abort()
+            res["r"] = "aborted"
+        except Exception as e:     # already torn down by the watchdog, or an older torch
+            res["r"] = f"abort failed: {type(e).__name__}: {e}"
+    t = threading.Thread(target=go, daemon=True, name="tpprobe-nccl-abort")
+    t.start()
+    t.join(timeout)
+    return res["r"]
 
 
 def flight_recorder() -> Optional[dict]:

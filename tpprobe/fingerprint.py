@@ -383,7 +383,11 @@ class Deferred:
         self.items.append((ph, finish))
         return ph
 
-    def resolve(self) -> None:
+    def resolve(self, only=None) -> None:
+        """Read every launch (``only``: the ids of the Pendings still wanted; the others are never
+        read, e.g. those computed after a collective that never completed)."""
+        if only is not None:
+            self.items = [(ph, fin) for ph, fin in self.items if id(ph) in only]
         if not self.items:
             return
         parts = [p for _, fin in self.items for p in fin.parts]

@@ -173,8 +173,9 @@ def run(opts: ProbeOptions) -> int:
     watchdog.start()
     signal.signal(signal.SIGTERM, _on_sigterm)   # the launcher stops us when a peer died: finish the report
     code = 1
+    me_box: dict = {}
     try:
-        code = _run(opts, ctx, ch, progress, grace, t_start)
+        code = _run(opts, ctx, ch, progress, grace, t_start, me_box)
     finally:
         live.stop()
         progress.set("done")
@@ -182,6 +183,13 @@ def run(opts: ProbeOptions) -> int:
         watchdog.join(timeout=2)
         if ctx.rank == 0:
             ch.post("final", {"code": code}, rank=0)
+    if me_box.get("me") is not None and not me_box["me"].device_ok:
+        # the model's stream is held by a collective a dead peer never joins: NCCL's teardown would
+        # wait on it; the report is written, leave now
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     _shutdown(ctx)
     return code
 
@@ -209,15 +217,18 @@ class _Rank:
     layer_ids: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     flight: Optional[dict] = None     # this rank's NCCL flight recorder, read when a collective hung
-    device_ok: bool = True            # False: the stream stayed blocked even after the abort
+    device_ok: bool = True            # False: the model's stream is blocked (never sync it again)
+    params: Optional[dict] = None     # replicated-parameter hashes taken on a side stream
+    summarize: object = None
+    side: object = None
 
     @property
     def keep_all(self) -> bool:
         return self.opts.exchange == "full"
 
 
-def _run(opts, ctx, ch, progress, grace, t_start) -> int:
-    me = _Rank(opts, ctx, ch, progress, grace, t_start)
+def _run(opts, ctx, ch, progress, grace, t_start, box: dict) -> int:
+    me = box["me"] = _Rank(opts, ctx, ch, progress, grace, t_start)
     code = _prepare(me)
     if code:
         return code
@@ -277,7 +288,7 @@ def _forward(me: _Rank):
     keep = (lambda n: True) if me.keep_all else \
         (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
     # --exchange fingerprint: kernels queued during the forward, read after it in one copy
-    summarize = None if me.keep_all else Deferred(FP_SEED, FP_K)
+    summarize = me.summarize = None if me.keep_all else Deferred(FP_SEED, FP_K)
     status, error, result = "ok", None, None
     t0 = time.time()
     me.progress.set("forward")
@@ -293,7 +304,7 @@ def _forward(me: _Rank):
     if me.ctx.device.type == "cuda":
         status, error = _settle_device(me, tap, status, error)
     if summarize is not None:
-        summarize.resolve() if me.device_ok else summarize.drop()
+        summarize.resolve() if me.device_ok else summarize.drop()   # (resolved on the side stream)
         tap.summaries = {n: resolved(v) for n, v in tap.summaries.items() if resolved(v) is not None}
         for rec in tap.allreduces:
             rec.inp_summary, rec.out_summary = resolved(rec.inp_summary), resolved(rec.out_summary)
@@ -314,9 +325,26 @@ def _settle_device(me: _Rank, tap: Tap, status: str, error):
     audit = tap.allreduces
     stuck = audit[done + 1].meta() if done + 1 < len(audit) else {"seq": done + 1}
     me.flight = dist_mod.flight_recorder()
-    aborted = dist_mod.abort_nccl()
-    me.device_ok = dist_mod.wait_device(time.time() + me.grace)
     tap.truncate_to_device(done)
+    # what was computed before the stuck collective is complete: copy it to the host on a stream
+    # of its own (the model's stream is held behind the collective; this one waits on nothing)
+    me.device_ok = False
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for d in (tap.captures,):
+            for n in list(d):
+                d[n] = d[n].to("cpu")
+        for rec in tap.allreduces:
+            rec.inp = rec.inp.to("cpu") if rec.inp is not None else None
+            rec.out = rec.out.to("cpu") if rec.out is not None else None
+        me.target.input_ids = me.target.input_ids.to("cpu")
+        me.params = replicated_param_hashes(me.target.model)
+        if isinstance(me.summarize, Deferred):
+            keep = {id(v) for v in list(tap.summaries.values()) +
+                    [x for r in tap.allreduces for x in (r.inp_summary, r.out_summary)]}
+            me.summarize.resolve(only=keep)
+    me.side = side
+    aborted = dist_mod.abort_nccl(timeout=min(2.0, me.grace))
     msg = (f"all-reduce #{stuck['seq']} ({stuck.get('module', '?')}) did not complete on the GPU within "
            f"--timeout {me.opts.timeout:g}s: a peer died, hung or issued other collectives; the NCCL "
            f"communicator was {aborted}")
@@ -329,18 +357,12 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
     """This rank's tensors and metadata (and, with --exchange fingerprint, its fingerprints)."""
     me.progress.set("write")
     target, ctx = me.target, me.ctx
-    if not me.device_ok:     # the stream is still blocked: no device-to-host copy may be issued
-        tap.captures.clear()
-        tap.summaries.clear()
-        for rec in tap.allreduces:
-            rec.inp = rec.out = rec.inp_summary = rec.out_summary = None
     packed = target.packed_aux(result) if status == "ok" and target.packed_aux is not None else None
     tensors = dict(tap.captures)
     for rec in tap.allreduces:
         if rec.inp is not None and rec.out is not None:
             tensors[f"allreduce.{rec.seq}.in"], tensors[f"allreduce.{rec.seq}.out"] = rec.inp, rec.out
-    if me.device_ok:
-        tensors["input_ids"] = target.input_ids
+    tensors["input_ids"] = target.input_ids
     aux_meta = {}
     if packed is not None:
         aux_meta = {"shape": list(packed.shape), "dtype": str(packed.dtype).replace("torch.", ""),
@@ -352,7 +374,7 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
                    if n in tensors or n in tap.summaries],
         "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
         "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices),
-        "aux": aux_meta, "params": replicated_param_hashes(target.model) if me.device_ok else {},
+        "aux": aux_meta, "params": replicated_param_hashes(target.model) if me.params is None else me.params,
         "timings": dict(me.timings), "device": str(ctx.device), "hidden": target.hidden_size,
     }
     if not me.keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
@@ -514,7 +536,8 @@ def _flight_recorders(me: _Rank) -> dict:
     """Every live rank's NCCL flight recorder summary (its watchdog posts it on request): which
     collective sequence number each rank's NCCL scheduled, started and completed."""
     me.ch.post("fr-request", {}, rank=0)
-    got = me.ch.collect("fr", time.time() + min(2.0, me.grace), stop_early=lambda found: False)
+    alive = {r for r in range(me.ctx.world_size) if r != 0 and me.ch.get("meta", r) is not None}
+    got = me.ch.collect("fr", time.time() + min(1.5, me.grace), stop_early=lambda found: alive <= set(found))
     got[0] = me.flight or dist_mod.flight_recorder() or {}
     return {r: v for r, v in sorted(got.items()) if v}
 
