@@ -162,6 +162,9 @@ def replicated_param_hashes(model: torch.nn.Module) -> dict:
 # ---- the pipeline --------------------------------------------------------------------------------
 def run(opts: ProbeOptions) -> int:
     t_start = time.time()
+    if os.environ.get("TPPROBE_STACKS_AFTER"):   # diagnosis: every thread's stack if still running then
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["TPPROBE_STACKS_AFTER"]), exit=False)
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
     ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
     progress = Progress()
