@@ -5,13 +5,13 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTH
 OUT=${OUT:-.}
 run() {  # name, launcher, args...
   local name=$1 how=$2; shift 2
-  local t0=$(date +%s.%N)
+  local t0=$(date +%s)
   if [ "$how" = torchrun ]; then
     timeout 75 python3 -m torch.distributed.run --nproc-per-node 2 --master-port 0 -m tpprobe probe --out /tmp/dp/$name --quiet --backend nccl "$@" > /tmp/dp/$name.log 2>&1
   else
     timeout 75 python3 -m tpprobe probe --nproc 2 --out /tmp/dp/$name --quiet --backend nccl "$@" > /tmp/dp/$name.log 2>&1
   fi
-  echo "rc=$? wall=$(echo "$(date +%s.%N) - $t0" | bc)" >> /tmp/dp/$name.log
+  echo "rc=$? wall=$(( $(date +%s) - t0 ))" >> /tmp/dp/$name.log
 }
 rm -rf /tmp/dp; mkdir -p /tmp/dp
 run kill-probe probe --inject kill-rank@1 --timeout 15 &
