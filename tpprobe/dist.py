@@ -83,8 +83,10 @@ def _agree_backend(choice: str, rank: int, world: int, timeout: float) -> str:
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) it aborts the communicator without killing the
 # process that is writing the report (the default, 3, took the surviving rank down first).
 NCCL_PG_SLACK_S = 30.0
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            # the flight recorder's ring (TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.7)
+            ("TORCH_FR_BUFFER_SIZE" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
+             else "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000"}
 
 
 def init(backend: Optional[str], timeout: float, seed: int = 0) -> RankContext:

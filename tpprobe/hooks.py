@@ -151,12 +151,17 @@ def residual_stream(output) -> Optional[torch.Tensor]:
     return None
 
 
+class DeviceStalled(RuntimeError):
+    """The GPU did not complete an all-reduce within the deadline (a peer died or hung)."""
+
+
 class Tap:
     def __init__(self, model: torch.nn.Module, *, embed_pattern: str = "VocabParallelEmbedding",
                  layer_pattern: str = "*DecoderLayer", keep: Callable[[str], bool] = lambda n: True,
                  summarize: Optional[Callable[[torch.Tensor], Any]] = None,
                  keep_allreduce_tensors: bool = True, audit: bool = True,
-                 progress: Optional[Progress] = None, extensions: tuple = ()):
+                 progress: Optional[Progress] = None, extensions: tuple = (),
+                 device_lag: Optional[tuple[int, float]] = None):
         self.model = model
         self.embed_pattern, self.layer_pattern = embed_pattern, layer_pattern
         self.keep, self.summarize = keep, summarize
@@ -179,6 +184,14 @@ class Tap:
         # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
         self.extensions = tuple(extensions)
         self._ext_handles: list = []
+        # (collectives, seconds): CUDA only. Before issuing an all-reduce the host lets the GPU run
+        # at most `collectives` all-reduces behind it, waiting (polling an event) at most `seconds`.
+        # NCCL never blocks the host, so without a bound a forward whose peer died keeps queueing
+        # kernels behind the stuck collective until the launch queue is full and the host blocks
+        # in a kernel launch for good (seen on 2 H200s); with it the forward raises DeviceStalled,
+        # as a blocking backend's collective would, and the probe reports.
+        self.device_lag = device_lag
+        self.device_stalled = False
         self.stream_from_layer_output = True
 
     # -- install / remove -------------------------------------------------------------------
@@ -298,6 +311,8 @@ class Tap:
         if not isinstance(tensor, torch.Tensor):
             return orig(tensor, op=op, group=group, async_op=async_op)
         seq = len(self.allreduces)
+        if self.device_lag is not None and tensor.is_cuda:
+            self._bound_lag()
         module, layer, where, source = self._attribution(tensor)
         rec = AllReduceRecord(seq=seq, module=module, source=source, layer=layer, where=where,
                               shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
@@ -325,6 +340,20 @@ class Tap:
         if self.summarize is not None:
             rec.out_summary = self.summarize(tensor)
         return work
+
+    def _bound_lag(self) -> None:
+        lag, limit = self.device_lag
+        ev = self.progress.events
+        if len(ev) < lag or ev[-lag][1].query():
+            return
+        seq, e = ev[-lag]
+        t_end = time.time() + limit
+        while not e.query():
+            if time.time() > t_end:
+                self.device_stalled = True
+                raise DeviceStalled(f"all-reduce #{seq + 1 if seq + 1 < len(self.allreduces) else seq} did not "
+                                    f"complete on the GPU within {limit:g}s")
+            time.sleep(0.0001)
 
     def _attribution(self, tensor):
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"

@@ -298,7 +298,8 @@ def _forward(me: _Rank):
     target = me.target
     with torch.no_grad(), Tap(target.model, embed_pattern=me.opts.embed_pattern, layer_pattern=me.opts.layer_pattern,
                               keep=keep, keep_allreduce_tensors=me.keep_all, progress=me.progress,
-                              summarize=summarize, extensions=target.tap_extensions) as tap:
+                              summarize=summarize, extensions=target.tap_extensions,
+                              device_lag=(2, max(1.0, me.opts.timeout - me.grace))) as tap:
         tap.stream_from_layer_output = target.stream_from_layer_output
         try:
             result = target.forward()
@@ -322,7 +323,9 @@ def _settle_device(me: _Rank, tap: Tap, status: str, error):
     return, nothing stays blocked) and keep only what was computed before the collective that
     never completed, as a blocking backend would have."""
     me.progress.set("device")
-    if dist_mod.wait_device(time.time() + max(1.0, me.opts.timeout - me.grace)):
+    # the Tap already waited out the deadline at a collective (DeviceStalled): look once more only
+    wait = 0.2 if tap.device_stalled else max(1.0, me.opts.timeout - me.grace)
+    if dist_mod.wait_device(time.time() + wait):
         return status, error
     done = me.progress.device_done()
     audit = tap.allreduces
@@ -351,7 +354,7 @@ def _settle_device(me: _Rank, tap: Tap, status: str, error):
     msg = (f"all-reduce #{stuck['seq']} ({stuck.get('module', '?')}) did not complete on the GPU within "
            f"--timeout {me.opts.timeout:g}s: a peer died, hung or issued other collectives; the NCCL "
            f"communicator was {aborted}")
-    return "error", error or msg
+    return "error", msg if tap.device_stalled or not error else error
 
 
 
