@@ -1,13 +1,13 @@
 """The previous 16-bit fingerprint kernel (v2, commit 48d4c89), frozen here ONLY for the
 benchmark's side-by-side "before" row (bench/fingerprint_gpu.py).  It computes the previous
 hash and sketch definitions (64-bit lanes, 32 row-sign bits), so its results are not compared
-with anything: only its time is.  tpprobe itself uses tpprobe/_triton_fingerprint.py."""
+with anything: only its time is.  tpprobe itself uses tpprobe/exchange/_triton_fingerprint.py."""
 import torch
 import triton
 import triton.language as tl
 
-from tpprobe import fingerprint as F
-from tpprobe._triton_fingerprint import _mix_a, QA, SA
+from tpprobe.exchange import _hashdef as F
+from tpprobe.exchange._triton_fingerprint import _mix_a, QA, SA
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def launch_v2(tensors, seed=0, k=32, block_r=32, num_warps=4, progs_per_sm=2):
     """Launch v2 on 16-bit tensors (device work only, no host sync)."""
     nsm = torch.cuda.get_device_properties(tensors[0].device).multi_processor_count
     kp = max(32, triton.next_power_of_2(k))
-    salts = F._row_salts(seed, 2)
+    salts = F.row_salts(seed, 2)
     outs = []
     for t in tensors:
         bw = F.SKETCH_ROW * t.element_size() // 4

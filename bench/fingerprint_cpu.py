@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tpprobe.fingerprint import fingerprint  # noqa: E402
+from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
 
 
 def med(fn, n):

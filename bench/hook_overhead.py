@@ -23,9 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tpprobe import checks  # noqa: E402
-from tpprobe.fingerprint import fingerprint  # noqa: E402
-from tpprobe.hooks import Tap  # noqa: E402
+from tpprobe.capture.points import id_point
+from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
+from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel, input_ids  # noqa: E402
 from tpprobe.target import RankContext  # noqa: E402
 
@@ -73,7 +73,7 @@ def main():
     model.set_eagle3_layers_to_capture(layer_ids)
     ids = input_ids(cfg).to(dev)
     cuda = dev.type == "cuda"
-    keep_ids = {checks.id_point(i) for i in layer_ids}
+    keep_ids = {id_point(i) for i in layer_ids}
 
     def sync():
         if cuda:

@@ -29,9 +29,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.hook_overhead import weights_on  # noqa: E402
-from tpprobe import checks  # noqa: E402
-from tpprobe.fingerprint import Deferred, resolved  # noqa: E402
-from tpprobe.hooks import Progress, Tap  # noqa: E402
+from tpprobe.capture.points import id_point  # noqa: E402
+from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+from tpprobe.capture.hooks import Tap  # noqa: E402
+from tpprobe.capture.progress import Progress  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.target import RankContext  # noqa: E402
 
@@ -58,7 +59,7 @@ def worker(rank: int, a, port: int, q):
         model = out["model"]
         g = torch.Generator(device=dev).manual_seed(tokens)
         ids = torch.randint(0, a.vocab, (tokens,), generator=g, device=dev)
-        keep_ids = {checks.id_point(i) for i in layer_ids}
+        keep_ids = {id_point(i) for i in layer_ids}
 
         def run(v):
             torch.cuda.synchronize()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.ranks import spawn
-from tpprobe.hooks import Tap
+from tpprobe.capture.hooks import Tap
 from tpprobe.model import BuiltinConfig, build_builtin, reference_streams
 from tpprobe.target import RankContext
 

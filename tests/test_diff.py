@@ -135,8 +135,8 @@ def test_thresholds_parse(caps):
 
 
 def test_prefix_and_offset(caps, tmp_path):
-    from tpprobe.specforge import read_sample, write_sample
-    from tpprobe.capture import load_run
+    from tpprobe.tools.specforge import read_sample, write_sample
+    from tpprobe.capture.files import load_run
     t = load_run(caps["base"]).records[0].tensors
     write_sample(tmp_path / "pre.ckpt", t["input_ids"][:10], t["aux.packed"][:10])
     rc, res = jdiff(caps["base"], tmp_path / "pre.ckpt")
@@ -151,8 +151,8 @@ def test_prefix_and_offset(caps, tmp_path):
 
 
 def test_different_sequences_refused(caps, tmp_path):
-    from tpprobe.specforge import write_sample
-    from tpprobe.capture import load_run
+    from tpprobe.tools.specforge import write_sample
+    from tpprobe.capture.files import load_run
     t = load_run(caps["base"]).records[0].tensors
     ids = t["input_ids"].clone()
     ids[6] = (ids[6] + 1) % 131
@@ -165,7 +165,7 @@ def test_different_sequences_refused(caps, tmp_path):
 
 def test_specforge_sample_from_capture(caps, tmp_path):
     out = tmp_path / "rows_0-5000" / "data_0.ckpt"
-    r = subprocess.run([sys.executable, "-m", "tpprobe.specforge", str(caps["drop"]), str(out)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tpprobe.tools.specforge", str(caps["drop"]), str(out)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     d = torch.load(out, weights_only=True)
@@ -176,7 +176,7 @@ def test_specforge_sample_from_capture(caps, tmp_path):
     rc, res = jdiff(out, caps["drop"])
     assert rc == 0 and res["baseline"]["kind"] == "specforge"
     # the seed's case: training dump (embedding first) vs a serving capture without the embedding
-    from tpprobe.specforge import sample_from_capture
+    from tpprobe.tools.specforge import sample_from_capture
     sample = sample_from_capture(caps["base"], tmp_path / "train.ckpt")
     rc, res = jdiff(sample, caps["drop"])
     assert rc == 1
@@ -188,7 +188,7 @@ def test_specforge_sample_from_capture(caps, tmp_path):
 
 def test_bare_files(caps, tmp_path):
     from safetensors.torch import save_file
-    from tpprobe.capture import load_run
+    from tpprobe.capture.files import load_run
     t = load_run(caps["base"]).records[0].tensors
     save_file({"packed": t["aux.packed"].contiguous()}, str(tmp_path / "p.safetensors"))
     torch.save(t["aux.packed"].clone(), tmp_path / "p.pt")

@@ -11,8 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tpprobe.fingerprint import (Fingerprint, column_signs, fingerprint, fingerprints, row_signs,
-                                 sketch_close, sum_matches)
+from tpprobe.exchange.fingerprint import Fingerprint, column_signs, fingerprint, fingerprints, row_signs, sketch_close, sum_matches
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -85,7 +84,7 @@ def test_cuda_word_hash_changes_both_lanes(n, data):
     any one word changes both lanes; swapping the two words of a pair or words of different
     pairs, or appending a zero word, changes them too (odd counts are zero-padded, so shapes,
     compared separately, tell those apart)."""
-    from tpprobe.fingerprint import M32, _hash_words
+    from tpprobe.exchange.fingerprint import M32, _hash_words
     g = torch.Generator().manual_seed(n)
     w = torch.randint(0, 2 ** 32, (n,), generator=g, dtype=torch.int64)
     base = _hash_words(w, 0)
@@ -271,7 +270,7 @@ def test_json_round_trip_and_size():
 
 _CHILD = """
 import json, torch
-from tpprobe.fingerprint import fingerprint
+from tpprobe.exchange.fingerprint import fingerprint
 g = torch.Generator().manual_seed(1234)
 t = torch.randn(100, 300, generator=g).bfloat16()
 print(json.dumps(fingerprint(t, seed=99, k=24).to_json()))
@@ -288,7 +287,7 @@ def test_deterministic_across_processes():
 
 
 def test_chunking_invariance(monkeypatch):
-    import tpprobe.fingerprint as F
+    import tpprobe.exchange.fingerprint as F
     t = torch.randn(77, 333)
     a = fingerprint(t)
     monkeypatch.setattr(F, "_CHUNK_ROWS", 3)
@@ -314,8 +313,8 @@ def _has_triton_cuda():
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("shape", [(8192, 7168), (64, 256), (300, 130), (5, 100), (3, 7, 8), (1, 2)])
 def test_triton_matches_torch(dt, shape):
-    import tpprobe._triton_fingerprint as tf
-    from tpprobe.fingerprint import _fingerprint_torch
+    import tpprobe.exchange._triton_fingerprint as tf
+    from tpprobe.exchange.fingerprint import _fingerprint_torch
     g = torch.Generator(device="cuda").manual_seed(shape[0])
     t = (torch.randn(*shape, device="cuda", generator=g) * 2).to(dt)
     if t.dim() == 2 and shape[0] > 8:
@@ -350,8 +349,8 @@ def test_triton_matches_torch(dt, shape):
 def test_triton_configs_match_torch(cfg, dt):
     """The tuning knobs (tile rows, warps, programs per SM, register cap) change the schedule,
     never the result: odd tile counts, the pairs loop, the masked tail."""
-    import tpprobe._triton_fingerprint as tf
-    from tpprobe.fingerprint import _fingerprint_torch
+    import tpprobe.exchange._triton_fingerprint as tf
+    from tpprobe.exchange.fingerprint import _fingerprint_torch
     for shape in [(1000, 7168), (97, 384), (33, 256)]:
         t = (torch.randn(*shape, device="cuda") * 3).to(dt)
         t[5] = 0
@@ -365,7 +364,7 @@ def test_triton_configs_match_torch(cfg, dt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_nan_inf_counts(dt):
-    from tpprobe.fingerprint import _fingerprint_torch
+    from tpprobe.exchange.fingerprint import _fingerprint_torch
     t = torch.randn(300, 1024, device="cuda").to(dt)
     t[1, 2], t[3, 4], t[5, 6], t[7, 8] = float("nan"), float("inf"), -float("inf"), float("nan")
     f = fingerprint(t)
@@ -377,7 +376,7 @@ def test_triton_nan_inf_counts(dt):
 
 @pytest.mark.gpu
 def test_triton_nan_inf_and_dispatch():
-    from tpprobe.fingerprint import _fingerprint_torch
+    from tpprobe.exchange.fingerprint import _fingerprint_torch
     assert _has_triton_cuda()
     t = torch.randn(256, 512, device="cuda").bfloat16()
     t[1, 2] = float("nan")
@@ -405,7 +404,7 @@ _GRID = sorted({(n, h) for n in _GRID_TOKENS for h in (128, 7168)} |
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", DTYPES)
 def test_every_shape_matches_the_torch_path(dt):
-    from tpprobe.fingerprint import _fingerprint_torch
+    from tpprobe.exchange.fingerprint import _fingerprint_torch
     bad = []
     for n, h in _GRID:
         if n * h > 2 ** 28:

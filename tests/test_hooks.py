@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from tests.ranks import spawn
-from tpprobe.hooks import Tap
+from tpprobe.capture.hooks import Tap
 from tpprobe.model import BuiltinConfig, build_builtin
 from tpprobe.target import RankContext
 

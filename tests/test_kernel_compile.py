@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-import tpprobe._triton_fingerprint as tf  # noqa: E402
+import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
 from tpprobe.probe import FP_K, FP_SEED  # noqa: E402
 
 TOKENS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 127, 128, 129, 251, 256, 257, 509,
@@ -130,7 +130,7 @@ def test_sm80_builds_fp32_and_16_bit_takes_the_torch_path():
 def test_cuda_tensors_the_kernel_cannot_take_are_named(monkeypatch):
     """The dispatch on a pre-Hopper GPU: the torch path, and the reason recorded once (CPU test of
     the rule; the GPU tests run both paths on real tensors)."""
-    from tpprobe import fingerprint as F
+    from tpprobe.exchange import fingerprint as F
     monkeypatch.setattr(F, "TORCH_PATH", {})
     F._torch_path(tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (8, 0)))
     F._torch_path(tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (8, 0)))

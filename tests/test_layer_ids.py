@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from tpprobe.errors import UsageError
-from tpprobe.layer_ids import parse_ids, plan, render_layers_table
+from tpprobe.tools.layers import parse_ids, plan, render_layers_table
 
 
 def test_llama_plus_one_always():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.ranks import failures, probe, run_cli
-from tpprobe.capture import load_run
+from tpprobe.capture.files import load_run
 from tpprobe.model import BuiltinConfig, reference_streams
 
 # bf16 keeps 8 mantissa bits: over 6 layers sharded and unsharded sums drift by ~1% (measured)

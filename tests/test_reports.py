@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tpprobe import envinfo
-from tpprobe.html import cell_label, render_html, write_html
-from tpprobe.markdown import render_markdown, write_markdown
+from tpprobe.report import envinfo
+from tpprobe.report.labels import cell_label
+from tpprobe.report.html import render_html, write_html
+from tpprobe.report.markdown import render_markdown, write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
@@ -336,8 +337,8 @@ def test_topology_falls_back_to_nvidia_smi(monkeypatch):
 # ---- progress display ---------------------------------------------------------------------------------
 def test_progress_display_draws_phases_and_stays_quiet(monkeypatch):
     from rich.console import Console
-    from tpprobe.hooks import Progress
-    from tpprobe.live import LiveProgress, stop_all
+    from tpprobe.capture.progress import Progress
+    from tpprobe.exchange.live import LiveProgress, stop_all
     monkeypatch.setenv("NO_COLOR", "1")
     buf = io.StringIO()
     prog = Progress()

@@ -1,5 +1,5 @@
 """SGLang's own tiny Llama / DeepSeek-V2 on real gloo ranks: forwards equal HF, and every packed
-EAGLE-3 aux slot holds exactly the HF hidden state that tpprobe.layer_ids says it does.
+EAGLE-3 aux slot holds exactly the HF hidden state that tpprobe.tools.layers says it does.
 
 One process set per (arch, tp): the model is built once and re-told its ids between forwards.
 """
@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
 from sglang_ranks import run_ranks  # noqa: E402
 from tpprobe.errors import UsageError
-from tpprobe.layer_ids import plan
+from tpprobe.tools.layers import plan
 from tpprobe.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,

@@ -58,7 +58,7 @@ def _report(path):
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
-    from tpprobe.capture import load_run
+    from tpprobe.capture.files import load_run
 
     broken = arch == "llama"    # one process set per arch: llama also captures a broken step
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe",

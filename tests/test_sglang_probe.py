@@ -39,7 +39,7 @@ def failures(rep):
 
 
 def check_healthy(out, rep, arch, config_path=None):
-    from tpprobe.capture import load_run
+    from tpprobe.capture.files import load_run
     from tpprobe.sglang.tiny import hf_reference
 
     assert failures(rep) == [], rep["findings"]

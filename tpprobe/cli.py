@@ -56,7 +56,7 @@ def probe(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
-    from . import dist as tdist
+    from .exchange import dist as tdist
     from .probe import ProbeOptions, run, validate
 
     _DEBUG["on"] = debug
@@ -70,7 +70,7 @@ def probe(
     validate(opts, nproc)
     if opts.out is None:
         opts.out = time.strftime("tpprobe-runs/%Y%m%d-%H%M%S-") + os.urandom(2).hex()
-    from .capture import check_out_dir
+    from .capture.files import check_out_dir
     check_out_dir(Path(opts.out), 0)
     # one backend decision for every rank, made here and passed on (a rank never decides alone)
     dist_backend = tdist.choose_backend(None if opts.backend in ("auto", "sglang") else opts.backend, nproc)
@@ -112,7 +112,7 @@ def report(
 ) -> None:
     """Re-run the checks on a capture folder, offline, and print the report."""
     _DEBUG["on"] = debug
-    from .offline import report_dir
+    from .tools.offline import report_dir
     raise typer.Exit(report_dir(capture_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet))
 
 
@@ -123,14 +123,30 @@ def layers(
     num_layers: Annotated[int, typer.Option("--num-layers")] = 61,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
-    from .layer_ids import parse_ids, render_layers_table
-    from .report import console
+    from .tools.layers import parse_ids, render_layers_table
+    from .report.terminal import console
     render_layers_table(arch, parse_ids(ids) if ids else None, num_layers, console())
 
 
-# -- commands in their own modules (one line each) ---------------------------------------------
-from .diff import diff_command  # noqa: E402
-app.command("diff")(diff_command)
+@app.command("diff")
+def diff(
+    baseline: Annotated[Path, typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
+    target: Annotated[Path, typer.Argument(help="the run to check against the baseline (same kinds of input)")],
+    rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
+    all_ranks: Annotated[bool, typer.Option("--all-ranks", help="every rank of the capture folder(s)")] = False,
+    slots: Annotated[Optional[int], typer.Option("--slots", help="K: split a bare packed tensor into K slots")] = None,
+    hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
+    offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
+    threshold: Annotated[Optional[str], typer.Option(
+        "--threshold", help="rel diff a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
+                            "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+) -> None:
+    """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
+    from .tools.diff import diff_command    # torch is imported only when a command needs it
+    diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
+                 threshold=threshold, json_out=json_out, debug=debug)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

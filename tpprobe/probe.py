@@ -5,8 +5,6 @@ launch). It returns the exit code every rank agrees on: 0 healthy, 1 findings, 2
 """
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import importlib
 import json
 import os
@@ -20,13 +18,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import capture, checks, faults as faults_mod
-from . import dist as dist_mod
-from .dist import Channel, Watchdog, init, open_store, run_prefix
+from . import faults as faults_mod
+from .capture import files as capture
+from .capture.hooks import Tap
+from .capture.params import replicated_param_hashes
+from .capture.points import id_point
+from .capture.progress import Progress
+from .checks.findings import exit_code
+from .checks.run import run_checks
 from .errors import TPProbeError, UsageError
-from .findings import exit_code
-from .hooks import Progress, Tap
-from .fingerprint import Deferred, fingerprint, resolved
+from .exchange import dist as dist_mod
+from .exchange.dist import Channel, Watchdog, init, open_store, run_prefix
+from .exchange.fingerprint import Deferred, fingerprint, resolved
 from .model import BuiltinConfig
 from .target import ProbeTarget, RankContext
 
@@ -34,7 +37,6 @@ FP_SEED, FP_K = 0x7470, 32     # every rank sketches with the same signs
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-SHARDED_MODULES = ("*ParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "*MoE*", "*Experts*")
 
 _BUILTIN = BuiltinConfig()
 
@@ -138,27 +140,6 @@ def _user_target(ctx: RankContext, spec: str) -> ProbeTarget:
     return target
 
 
-def replicated_param_hashes(model: torch.nn.Module) -> dict:
-    """Hashes of parameters that are not known to be TP-sharded. `replicated` is True where the
-    model says so (norm layers, or a parameter marked `tp_replicated = True`), None where unknown
-    (a plain parameter of a user's module may be a shard: the checks then need a majority)."""
-    out = {}
-    for mname, m in model.named_modules():
-        if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in SHARDED_MODULES):
-            continue
-        known = True if fnmatch.fnmatchcase(type(m).__name__, "*Norm*") else None
-        for pname, p in m.named_parameters(recurse=False):
-            if getattr(p, "input_dim", None) is not None or getattr(p, "output_dim", None) is not None \
-                    or getattr(p, "tp_sharded", False):
-                continue
-            data = p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-            layer = next((int(x) for x in mname.split(".") if x.isdigit()), None)
-            out[f"{mname}.{pname}" if mname else pname] = {
-                "hash": hashlib.sha1(data).hexdigest(), "layer": layer,
-                "replicated": True if getattr(p, "tp_replicated", False) else known}
-    return out
-
-
 # ---- the pipeline --------------------------------------------------------------------------------
 def run(opts: ProbeOptions) -> int:
     t_start = time.time()
@@ -168,7 +149,7 @@ def run(opts: ProbeOptions) -> int:
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
     ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
     progress = Progress()
-    from .live import attach as live_display
+    from .exchange.live import attach as live_display
     live = live_display(progress, ctx.rank, quiet=opts.quiet or opts.json_out)
     ch = Channel(open_store(opts.timeout, run_prefix()), ctx.rank, ctx.world_size)
     watchdog = Watchdog(Channel(open_store(opts.timeout, run_prefix()), ctx.rank, ctx.world_size), progress,
@@ -278,7 +259,7 @@ def _prepare(me: _Rank) -> int:
         bad = [{"error": f"ranks {late} did not build the model within --timeout {opts.timeout:g}s", "code": 1}]
     if bad:
         if ctx.rank == 0:
-            from .report import error_line
+            from .report.terminal import error_line
             error_line(bad[0]["error"])
         return max(v.get("code", 2) for v in bad)
     return 0
@@ -287,7 +268,7 @@ def _prepare(me: _Rank) -> int:
 def _forward(me: _Rank):
     """One forward under the hooks. A peer that dies or a collective that times out ends the
     forward with status "error"; what was captured up to there is still reported."""
-    keep_ids = {checks.id_point(i) for i in me.layer_ids}
+    keep_ids = {id_point(i) for i in me.layer_ids}
     keep = (lambda n: True) if me.keep_all else \
         (lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm"))
     # --exchange fingerprint: kernels queued during the forward, read after it in one copy
@@ -388,14 +369,14 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
         if packed is not None:
             fps["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
         meta["fingerprints"] = fps
-        from .fingerprint import TORCH_PATH
+        from .exchange.fingerprint import TORCH_PATH
         if TORCH_PATH and ctx.device.type == "cuda":   # say why the fused kernel was not used
             meta["fingerprint_torch_path"] = dict(TORCH_PATH)
         for m, rec in zip(meta["allreduces"], tap.allreduces):
             if rec.inp_summary is not None and rec.out_summary is not None:
                 m["in_fp"], m["out_fp"] = rec.inp_summary.to_json(), rec.out_summary.to_json()
         if packed is not None:
-            from .evidence import match_slots, slot_candidates
+            from .checks.evidence import match_slots, slot_candidates
             cands = {n: tap.captures[n] if n in tap.captures else tap.summaries[n]
                      for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries}
             meta["slot_match"] = match_slots(packed, target.hidden_size, cands, me.opts.torch_dtype)
@@ -420,15 +401,15 @@ def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
     t1 = time.time()
     evidence, moved = None, {"sent": 0, "received": 0}
     if all_ok and not me.keep_all and world > 1:
-        from .evidence import FingerprintEvidence
-        from .exchange import exchange_fingerprint
+        from .checks.evidence import FingerprintEvidence
+        from .exchange.gather import exchange_fingerprint
         records, detail, moved = exchange_fingerprint(ctx, me.ch, tensors, meta, posts, me.opts.torch_dtype)
         if ctx.rank == 0:
             evidence = FingerprintEvidence(records, me.opts.torch_dtype, detail)
     else:
         records = _gather(me.opts, ctx, me.out, tensors, meta, posts, all_ok)
         if all_ok and world > 1:
-            from .exchange import gather_plan
+            from .exchange.gather import gather_plan
             sent = sum(_nbytes(shape, wire) for _, shape, wire, _ in gather_plan(posts))
             moved = {"sent": sent, "received": 0} if ctx.rank else {"sent": 0, "received": sent * (world - 1)}
     me.timings["exchange_s"] = time.time() - t1
@@ -452,7 +433,7 @@ def _settings(me: _Rank) -> dict:
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
-        from .layer_ids import ARCHES, expected_slots, plan
+        from .tools.layers import ARCHES, expected_slots, plan
         if target.arch in ARCHES:
             settings["expected_points"], settings["expected_ids"] = expected_slots(
                 plan(target.arch, target.model_layer_ids, target.num_layers))
@@ -469,8 +450,9 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     settings = _settings(me)
     references = _references(me.opts) if me.target.arch == "builtin" else None
     t2 = time.time()
-    result = checks.run_checks(records, settings, liveness, references, evidence=evidence)
-    from .report import build_report, emit
+    result = run_checks(records, settings, liveness, references, evidence=evidence)
+    from .report.model import build_report
+    from .report.emit import emit
     report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,
                                                      "total_s": time.time() - me.t_start}, out=str(me.out))
     if liveness.get("flight_recorder"):
@@ -567,7 +549,7 @@ def _gather(opts, ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok
     if ctx.world_size == 1:
         return {0: capture.RankRecord(0, meta, tensors)}
     if all_ok:
-        from .exchange import gather_full
+        from .exchange.gather import gather_full
         return gather_full(ctx, tensors, meta, posts)
     if ctx.rank != 0:
         return {}

@@ -112,7 +112,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     step = _STEPS["n"]
     if step >= s["max_steps"] or mode not in s["modes"] or _STEPS["bytes"] >= s["max_bytes"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
-    from tpprobe.hooks import Tap
+    from tpprobe.capture.hooks import Tap
     from tpprobe.sglang.stream import decoder_layers, sglang_extensions
 
     rank, world, tp_group = _tp()
@@ -156,8 +156,8 @@ def _aux(result, tokens: int):
 
 def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward):
     """This rank's tensors, metadata (the keys `tpprobe probe` writes) and run settings."""
-    from tpprobe.layer_ids import slots_from_layers_to_capture
-    from tpprobe.probe import replicated_param_hashes
+    from tpprobe.tools.layers import slots_from_layers_to_capture
+    from tpprobe.capture.params import replicated_param_hashes
 
     tensors: dict[str, torch.Tensor] = {k: v for k, v in tap.captures.items() if isinstance(v, torch.Tensor)}
     for a in tap.allreduces:
@@ -209,7 +209,7 @@ def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, mo
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
     (also when its own write failed), so one rank's error never hangs the others."""
     from tpprobe import __version__
-    from tpprobe.capture import write_manifest, write_rank
+    from tpprobe.capture.files import write_manifest, write_rank
 
     out = s["dir"] / f"step-{step:03d}"
     entries: list = []

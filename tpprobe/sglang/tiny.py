@@ -11,7 +11,7 @@ tensor SGLang hands the EAGLE-3 draft, for every token.
 
 Layer ids: `layer_ids` are passed VERBATIM to SGLang's `set_eagle3_layers_to_capture` (the ids a
 draft model's config names). What each one captures depends on the arch; see
-`tpprobe.layer_ids` (Llama: +1 always; DeepSeek: +1 only when the first id is 1). `None` means
+`tpprobe.tools.layers` (Llama: +1 always; DeepSeek: +1 only when the first id is 1). `None` means
 SGLang's default ids; `[]` turns capture off. Ids that would crash SGLang's forward raise
 UsageError before the model is built.
 
@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from tpprobe import layer_ids as lid
+from tpprobe.tools import layers as lid
 from tpprobe.errors import UsageError
 from tpprobe.sglang import INSTALL_HINT, SGLANG_VERSION, require
 from tpprobe.target import ProbeTarget, RankContext

@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .capture import RankRecord
-from .compare import dtype_from_str
+from ..capture.files import RankRecord
+from ..checks.noise import dtype_from_str
 
 _GROUP = None
 
@@ -77,8 +77,8 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
     """The reference rank broadcasts its tensor for each disagreeing point, one at a time; every
     rank computes its own statistics against it and posts only those. Returns (records on rank 0,
     detail {name: {rank: stats}}, bytes moved by this rank)."""
-    from .compare import compare
-    from .evidence import judge_dtype
+    from ..checks.noise import compare
+    from ..checks.evidence import judge_dtype
 
     group = probe_group()
     ref = min(posts)

@@ -1,6 +1,6 @@
 """What the checks measure, from full tensors or from fingerprints.
 
-The diagnosis in checks.py asks a few questions of the evidence: per capture point, how each rank
+The diagnosis in checks/ asks a few questions of the evidence: per capture point, how each rank
 compares to the reference rank; which ranks hold equal values; which token rows are non-zero;
 whether each audited all-reduce output is the sum of its inputs; which candidate each aux slot
 equals. `TensorEvidence` answers from every rank's tensors (`--exchange full`, and offline).
@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from .compare import NOISE_ULP, bitwise_equal, coarser, compare, eps_of, nonfinite, nonzero_rows, within_noise
-from .fingerprint import Fingerprint, fingerprint, sum_matches
+from .noise import NOISE_ULP, bitwise_equal, coarser, compare, eps_of, nonfinite, nonzero_rows, within_noise
+from ..exchange.fingerprint import Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")

@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError
-from .hooks import Progress
-from .target import RankContext
+from ..errors import UsageError
+from ..capture.progress import Progress
+from ..target import RankContext
 
 
 def env_rank() -> Optional[tuple[int, int, int]]:

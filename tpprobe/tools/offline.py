@@ -4,10 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .capture import load_run, point_set_mismatches
-from .checks import run_checks
-from .findings import FAILURE, Finding
-from .report import build_report, emit
+from ..capture.files import load_run, point_set_mismatches
+from ..checks.run import run_checks
+from ..checks.findings import FAILURE, Finding
+from ..report.model import build_report
+from ..report.emit import emit
 
 
 def fingerprint_evidence(records: dict, settings: dict):
@@ -16,8 +17,8 @@ def fingerprint_evidence(records: dict, settings: dict):
     with exact statistics from the tensors where both sides kept one. None for full captures."""
     if not records or not all("fingerprints" in r.meta for r in records.values()):
         return None
-    from .compare import compare, dtype_from_str
-    from .evidence import FingerprintEvidence, judge_dtype
+    from ..checks.noise import compare, dtype_from_str
+    from ..checks.evidence import FingerprintEvidence, judge_dtype
     dtype = dtype_from_str(settings.get("dtype", "float32"))
     ref = min(records)
     detail: dict = {}

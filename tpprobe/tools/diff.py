@@ -25,9 +25,10 @@ from typing import Annotated, Optional
 import torch
 import typer
 
-from .checks import _slot_verdict, point_label, point_layer, stream_order
-from .compare import coarser, compare
-from .errors import CaptureError, TPProbeError, UsageError
+from ..checks.slots import slot_verdict
+from ..capture.points import point_label, point_layer, stream_order
+from ..checks.noise import coarser, compare
+from ..errors import CaptureError, TPProbeError, UsageError
 from .specforge import EXPECTED, parse_sample, safe_torch_load
 
 SCHEMA = "tpprobe.diff/1"
@@ -102,7 +103,7 @@ def _from_rank_tensors(role, path, kind, tensors: dict, hidden=None, **kw) -> Si
 
 
 def _load_capture(role: str, path: Path, rank: int) -> Side:
-    from .capture import load_run
+    from ..capture.files import load_run
     run = load_run(path)
     return _side_of_run(role, run, rank)
 
@@ -404,7 +405,7 @@ def diff_sides(b: Side, t: Side, al: dict, thresholds: list[float], id_thr: floa
     verdict, kinds = _verdict(match, M, thresholds, tp, bp, nb, nt, ok)
     cause = None
     if not ok and bid and tid and all(bp) and all(tp):
-        v = _slot_verdict([point_layer(p) for p in bp], bp, tp, max(b.num_layers or 0, t.num_layers or 0) or None)
+        v = slot_verdict([point_layer(p) for p in bp], bp, tp, max(b.num_layers or 0, t.num_layers or 0) or None)
         if v is not None:
             cause = {"kind": v[0], "where": v[1], "detail": v[2]}
     return {"ok": ok, "verdict": verdict, "kinds": kinds, "cause": cause, "match": match,
@@ -529,7 +530,7 @@ def run_diff(baseline, target, rank: int = 0, all_ranks: bool = False, slots: Op
 def _rank_pairs(bp: Path, tp: Path, rank: int, all_ranks: bool) -> list[tuple[Side, Side]]:
     if not all_ranks:
         return [(load_side("baseline", bp, rank), load_side("target", tp, rank))]
-    from .capture import load_run
+    from ..capture.files import load_run
     runs = {p: load_run(p) for p in (bp, tp) if p.is_dir()}
     if not runs:
         raise UsageError("--all-ranks needs at least one capture folder (both are files)")
@@ -623,7 +624,7 @@ def diff_command(
     if json_out:
         sys.stdout.write(json.dumps(_clean(rep), indent=1, default=_jsonable, allow_nan=False) + "\n")
     else:
-        from .report import console
+        from ..report.terminal import console
         render(rep, console())
     raise typer.Exit(rep["exit_code"])
 

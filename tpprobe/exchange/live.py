@@ -1,6 +1,6 @@
 """Rank 0's progress display: which probe phase is running and for how long.
 
-It reads the `tpprobe.hooks.Progress` object the probe already updates at each phase
+It reads the `tpprobe.capture.progress.Progress` object the probe already updates at each phase
 (`progress.set(phase, where)`), so the pipeline needs no other call than start/stop. It stays
 invisible for phases shorter than `delay` seconds, draws nothing under --quiet / --json or when
 stdout is not a terminal, and is transient: it disappears before the report is rendered

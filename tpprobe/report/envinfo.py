@@ -12,7 +12,7 @@ import re
 import platform
 from typing import Optional
 
-from . import __version__
+from .. import __version__
 
 # nvidia-smi topo -m vocabulary for NVML's common-ancestor levels
 _TOPO = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}

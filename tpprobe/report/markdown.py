@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .envinfo import env_lines
-from .html import cell_label, verdict_items
+from .labels import cell_label, verdict_items
 
 MAX_LINES = 59
 ICON = {"failure": "🔴", "warning": "🟡", "info": "🔵", "ok": "🟢"}
@@ -88,7 +88,7 @@ def render_markdown(report: dict) -> str:
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    from .capture import atomic_write_bytes
+    from ..capture.files import atomic_write_bytes
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,44 +1,24 @@
-"""The rank-diff report: one dict (report.json), rendered to the terminal with rich.
+"""The terminal renderer: the report dict drawn with rich (rank 0 only).
 
-One render, many sinks: `render(report, console)` draws into any rich Console; the terminal,
-`--json` and the files under --out all come from the same dict. Rendered on rank 0 only.
+`render(report, console)` draws into any rich Console; `console()` is the terminal's.
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-from .findings import exit_code
+from .labels import cell_label, verdict_lines
 
-SCHEMA = "tpprobe.report/1"
 LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
                "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim", "share": "dim"}
 
 
-def environment() -> dict:
-    from .envinfo import environment as _environment
-    return _environment()
-
-
-def build_report(settings: dict, result: dict, timings: dict, out: Optional[str]) -> dict:
-    findings = result["findings"]
-    return {"schema": SCHEMA, "tool": f"tpprobe {__version__}", "settings": settings,
-            "environment": environment(), "timings": timings, "out": out,
-            "points": result["points"], "allreduce": result["allreduce"], "slots": result["slots"],
-            "ranks_missing": result.get("ranks_missing", []), "findings": findings,
-            "exit_code": exit_code(findings)}
-
-
 def console(stderr: bool = False) -> Console:
     # the progress display (rank 0) ends before anything is rendered to the terminal
-    from .live import stop_all
+    from ..exchange.live import stop_all
     stop_all()
     # rich follows the terminal's capabilities and NO_COLOR by itself
     return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
@@ -46,29 +26,6 @@ def console(stderr: bool = False) -> Console:
 
 def error_line(msg: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(Text(f"tpprobe: error: {msg}", style="bold red"))
-
-
-def verdict_lines(report: dict) -> list[str]:
-    lines = [f["line"] for f in report["findings"]]
-    return lines or ["HEALTHY: every capture point agrees across ranks and every all-reduce is complete"]
-
-
-def cell_label(s: Optional[dict]) -> str:
-    """The text of one capture point × rank cell (terminal, HTML and Markdown use the same words)."""
-    if not s:
-        return "—"
-    lv = s.get("level", "?")
-    if lv in ("reference", "bitwise", "share"):
-        label = {"reference": "ref", "bitwise": "bitwise", "share": "own share"}[lv]
-    elif lv == "shape":
-        label = f"shape {s.get('shape')}"
-    elif s.get("max_abs") is None:      # judged on fingerprints: the norm-wise relative difference
-        label = f"{lv} ~{s.get('rel_norm', 0):.2g} rel"
-    else:
-        label = f"{lv} {s['max_abs']:.2g}"
-    if s.get("nan") or s.get("inf"):
-        label += f" nan={s.get('nan')} inf={s.get('inf')}"
-    return label
 
 
 def _cell(s: dict) -> Text:
@@ -109,7 +66,7 @@ def render(report: dict, con: Console) -> None:
         con.print(s)
     if st.get("arch") in ("llama", "deepseek_v2") and st.get("layer_ids") is not None:
         # what SGLang's own capture rules make of these ids on this architecture
-        from .layer_ids import layers_table, plan
+        from ..tools.layers import layers_table, plan
         try:
             con.print(layers_table(plan(st["arch"], list(st["layer_ids"]), int(st["num_layers"]))))
         except Exception as e:   # a table is a courtesy: never let it break the report
@@ -132,22 +89,3 @@ def render(report: dict, con: Console) -> None:
     if report.get("out"):
         con.print(Text(f"captures and report.json: {report['out']}", style="dim"))
 
-
-def write_json(report: dict, path: Path) -> None:
-    from .capture import atomic_write_bytes
-    atomic_write_bytes(Path(path), json.dumps(report, indent=1, default=str).encode())
-
-
-def emit(report: dict, out: Optional[Path], opts) -> None:
-    if out is not None:
-        write_json(report, Path(out) / "report.json")
-    if getattr(opts, "json_out", False):
-        sys.stdout.write(json.dumps(report, indent=1, default=str) + "\n")
-    elif not getattr(opts, "quiet", False):
-        render(report, console())
-    if getattr(opts, "html", None):
-        from .html import write_html
-        write_html(report, Path(opts.html), capture_dir=out)
-    if getattr(opts, "markdown", None):
-        from .markdown import write_markdown
-        write_markdown(report, Path(opts.markdown))

@@ -27,7 +27,7 @@ A :class:`Fingerprint` holds
 
 The PyTorch path here is the reference (float64 sketch on CPU, float32 blocks
 on GPU).  CUDA tensors go through the fused Triton kernel in
-``tpprobe._triton_fingerprint`` when triton imports; it yields the identical
+``tpprobe.exchange._triton_fingerprint`` when triton imports; it yields the identical
 ``bit_hash`` / counts / bitmap and a sketch equal within float tolerance.
 """
 from __future__ import annotations
@@ -35,146 +35,16 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ._hashdef import (M32, QA, QB, SA, SKETCH_ROW, Fingerprint, column_signs, hash_hex, mix_a,  # noqa: F401
+                       row_signs)
 
 __all__ = ["Fingerprint", "fingerprint", "fingerprints", "sum_matches", "sketch_close",
            "SKETCH_ROW"]
 
-M32 = 0xFFFFFFFF
-M64 = (1 << 64) - 1
-SKETCH_ROW = 128          # sign pattern row width (elements): s_j(i) = a_j(i % 128) * b_(j%4)(i // 128)
-ROW_COPIES = 4            # row-sign copies: entry j uses copy j % 4
 _CHUNK_ROWS = 8192        # CPU path: rows of 128 elements per chunk (1 Mi elements)
-
-# lane constants (fixed: the bit hash is independent of the sketch seed)
-QA, SA = 0x9E3779B1, 0x6A09E667
-QB = 0x85EBCA77                   # odd: w -> w * QB is a bijection of 2^32
-
-
-# --------------------------------------------------------------------------- mixing
-def _mix_a(x):
-    """lowbias32 on a Python int or an int64 tensor holding uint32 values (bijection of 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & M32
-    return x ^ (x >> 16)
-
-
-def _fmix64(x: int) -> int:
-    """splitmix64 finalizer: a bijection of 2^64, so it spreads the lane sums
-    over all 64 bits without losing information."""
-    x &= M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def hash_hex(la: int, lb: int) -> str:
-    return f"{_fmix64(la):016x}{_fmix64(lb ^ 0x5851F42D4C957F2D):016x}"
-
-
-def _salt(seed: int, tag: int) -> int:
-    s = seed & M64
-    return _mix_a(_mix_a((s & M32) ^ 0x3C6EF372) ^ (s >> 32) ^ ((tag * 0xA54FF53A) & M32))
-
-
-def _col_salts(seed: int, groups: int) -> list[int]:
-    return [_salt(seed, 2 * g + 1) for g in range(groups)]
-
-
-def _row_salts(seed: int, groups: int) -> list[int]:
-    return [_salt(seed, 2 * g + 2) for g in range(groups)]
-
-
-def _sign_bits(idx: torch.Tensor, salts: list[int], k: int) -> torch.Tensor:
-    """[len(idx), k] float tensor of +-1: bit (j % 32) of mix_a((idx mod 2^32) ^ salt[j // 32])."""
-    idx = idx & M32
-    j = torch.arange(k, device=idx.device)
-    cols = []
-    for g, s in enumerate(salts):
-        h = _mix_a(idx ^ s)
-        jj = j[g * 32:(g + 1) * 32] - g * 32
-        cols.append((h[:, None] >> jj[None, :]) & 1)
-    bits = torch.cat(cols, dim=1)
-    return 1.0 - 2.0 * bits.to(torch.float64)
-
-
-_A_CACHE: dict = {}
-
-
-def column_signs(seed: int, k: int, device="cpu", dtype=torch.float64) -> torch.Tensor:
-    """The [128, k] +-1 matrix a_j(c) (exact in any float dtype)."""
-    key = (seed, k, str(device), dtype)
-    a = _A_CACHE.get(key)
-    if a is None:
-        a = _sign_bits(torch.arange(SKETCH_ROW, dtype=torch.int64), _col_salts(seed, (k + 31) // 32), k)
-        a = a.to(device=device, dtype=dtype)
-        _A_CACHE[key] = a
-    return a
-
-
-def row_signs(rows: torch.Tensor, seed: int, k: int) -> torch.Tensor:
-    """[len(rows), k] +-1 matrix b_(j % 4)(r) (float64): bit (j % 4) of mix_a(r ^ salt)."""
-    idx = rows.to(torch.int64) & M32
-    h = _mix_a(idx ^ _row_salts(seed, 1)[0])
-    j = torch.arange(k, device=idx.device) % ROW_COPIES
-    return 1.0 - 2.0 * ((h[:, None] >> j[None, :]) & 1).to(torch.float64)
-
-
-# --------------------------------------------------------------------------- dataclass
-@dataclass
-class Fingerprint:
-    shape: list
-    dtype: str
-    bit_hash: str
-    sketch: list = field(default_factory=list)
-    sumsq: float = 0.0
-    absmax: float = 0.0
-    n_nan: int = 0
-    n_inf: int = 0
-    row_nonzero: str = ""
-    seed: int = 0
-
-    @property
-    def k(self) -> int:
-        return len(self.sketch)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        # JSON has no inf/nan: encode as strings
-        for key in ("sumsq", "absmax"):
-            d[key] = _enc_float(d[key])
-        d["sketch"] = [_enc_float(v) for v in d["sketch"]]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Fingerprint":
-        d = dict(d)
-        for key in ("sumsq", "absmax"):
-            d[key] = float(d[key])
-        d["sketch"] = [float(v) for v in d["sketch"]]
-        d["shape"] = list(d["shape"])
-        return cls(**d)
-
-    def nonzero_rows(self) -> list[bool]:
-        """Decoded row_nonzero bitmap (one bool per token row)."""
-        if not self.row_nonzero:
-            return []
-        b = bytes.fromhex(self.row_nonzero)
-        n = self.shape[0]
-        return [bool((b[r >> 3] >> (r & 7)) & 1) for r in range(n)]
-
-
-def _enc_float(v):
-    v = float(v)
-    return v if math.isfinite(v) else repr(v)   # 'inf', '-inf', 'nan' -> float() reads them
 
 
 def _bitmap_hex(flags: torch.Tensor) -> str:
@@ -213,7 +83,7 @@ def _hash_words(w: torch.Tensor, q0: int) -> tuple[int, int]:
     w2 = w.view(-1, 2)
     p = (torch.arange(w2.shape[0], dtype=torch.int64, device=w.device) + q0 // 2) & M32
     u = ((w2[:, 0] ^ ((p * QA + SA) & M32)) + w2[:, 1] * QB) & M32
-    h = _mix_a(u)
+    h = mix_a(u)
     # each summand < 2^32 and a chunk has < 2^31 pairs: the int64 sum is exact
     return int(h.sum()) & M32, _xor_reduce(h)
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fingerprint as F
+from . import _hashdef as F
 
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -516,7 +516,7 @@ def calls(plans, bufs, seed: int, k: int, tune: dict, skip: int = 0, signs=None)
     """(kernel, grid, args, kwargs) of each launch, in order.  ``signs(kp)`` gives the column-sign
     matrix (a device tensor in launch(); anything with a data_ptr in the compile test)."""
     _, ipart, fpart, flagbuf = bufs
-    salt = F._row_salts(seed, 1)[0]
+    salt = F.row_salts(seed, 1)[0]
     out = []
     for p in plans:
         t = p["t"]

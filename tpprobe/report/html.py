@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .envinfo import env_lines
-from .report import cell_label          # the same words as the terminal table
+from .labels import cell_label, verdict_items   # the same words as the terminal table
 
 LEVEL_CLASS = {"bitwise": "ok", "exact": "ok", "reference": "ref", "noise": "noise", "material": "bad",
                "shape": "shape", "incomplete": "bad", "unchecked": "dim", "share": "dim", "missing": "dim"}
@@ -68,13 +68,6 @@ def _fmt(v) -> str:
 def _cell_title(s: dict) -> str:
     keys = ("max_abs", "mean_abs", "rel_diff", "ulp_max", "first_token", "bad_fraction", "nan_mismatch", "dtype", "shape")
     return "; ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s and s[k] is not None)
-
-
-def verdict_items(report: dict) -> list[dict]:
-    fs = report.get("findings") or []
-    if fs:
-        return fs
-    return [{"severity": "ok", "line": "HEALTHY: every capture point agrees across ranks and every all-reduce is complete"}]
 
 
 # ---- heatmaps ----------------------------------------------------------------------------------
@@ -319,7 +312,7 @@ def render_html(report: dict) -> str:
 def write_html(report: dict, path: Path, capture_dir: Optional[Path] = None) -> None:
     """Write the report as one self-contained HTML file (atomically). capture_dir is accepted for
     callers that have one; the heatmaps come from the report's per-token stats."""
-    from .capture import atomic_write_bytes
+    from ..capture.files import atomic_write_bytes
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import CaptureError, UsageError
+from ..errors import CaptureError, UsageError
 
 SCHEMA = "tpprobe.capture/1"
 MANIFEST = "manifest.json"

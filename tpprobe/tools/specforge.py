@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 EXPECTED = ("a SpecForge EAGLE-3 sample (a dict with input_ids, loss_mask, hidden_state, aux_hidden_state) "
@@ -116,8 +116,8 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
 
     hidden_state is the last captured layer's residual stream: the capture holds no final-norm
     output, so it is a stand-in (tpprobe diff compares aux_hidden_state only)."""
-    from .capture import load_run
-    from .checks import stream_order
+    from ..capture.files import load_run
+    from ..capture.points import stream_order
     run = load_run(capture_dir)
     if rank not in run.records:
         raise CaptureError(f"{capture_dir}: rank {rank} not readable (have {sorted(run.records)})")
@@ -128,11 +128,11 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
     return write_sample(out_path, t["input_ids"], t["aux.packed"], t[order[-1]] if order else None)
 
 
-if __name__ == "__main__":   # python -m tpprobe.specforge CAPTURE_DIR OUT.ckpt [RANK]
+if __name__ == "__main__":   # python -m tpprobe.tools.specforge CAPTURE_DIR OUT.ckpt [RANK]
     import sys
     a = sys.argv[1:]
     if len(a) not in (2, 3):
-        sys.exit("usage: python -m tpprobe.specforge CAPTURE_DIR OUT.ckpt [RANK]")
+        sys.exit("usage: python -m tpprobe.tools.specforge CAPTURE_DIR OUT.ckpt [RANK]")
     try:
         print(sample_from_capture(a[0], a[1], int(a[2]) if len(a) == 3 else 0))
     except CaptureError as e:

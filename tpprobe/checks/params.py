@@ -1,0 +1,30 @@
+"""Replicated parameters: a parameter every rank must hold alike (norm weights, anything marked
+replicated) whose hash differs on some ranks is a stale or wrong copy."""
+from __future__ import annotations
+
+from collections import Counter
+
+from .findings import Finding
+
+
+def param_divergence(records, live) -> list[Finding]:
+    params = {r: records[r].meta.get("params", {}) for r in live}
+    found = []
+    for name in params[live[0]]:
+        hashes = {r: params[r].get(name, {}).get("hash") for r in live}
+        if len(set(hashes.values())) > 1:
+            common, n_common = Counter(hashes.values()).most_common(1)[0]
+            known = params[live[0]][name].get("replicated", True)
+            if not known and n_common * 2 <= len(live):
+                continue   # maybe a shard: only a strict majority of equal copies proves it replicated
+            odd = [r for r, h in hashes.items() if h != common]
+            if len(odd) * 2 == len(live):      # a tie: call the ranks other than the lowest one's group odd
+                odd = [r for r in live if hashes[r] != hashes[live[0]]]
+            layer = params[live[0]][name].get("layer")
+            found.append(Finding("rank-divergence", f"{'layer ' + str(layer) + ' ' if layer is not None else ''}"
+                                 f"parameter {name}", odd,
+                                 detail=f"replicated parameter {name} differs on rank{'s' if len(odd) > 1 else ''} "
+                                        f"{', '.join(map(str, odd))} (a stale or wrong copy: every rank must hold "
+                                        f"the same values)"))
+            break
+    return found

@@ -1,0 +1,102 @@
+"""The checks, in order: from what every rank captured to a short list of findings.
+
+`run_checks(records, settings, liveness, references)` is the one entry point, used online (rank 0
+after the exchange) and offline (`tpprobe report DIR`). It measures, then diagnoses:
+
+  measure   cross-rank: every capture point of every rank against the reference rank
+            allreduce-complete: every audited all-reduce output against Σ_ranks of its inputs
+            layout: width, dtype, contiguity, finite values of the packed aux tensor and slots
+            slots: which candidate (embedding, a layer's stream, layer 0's input norm) each slot equals
+  diagnose  the root cause in model order; what follows from it is listed under it as
+            consequences, never as separate failures.
+
+Each family lives in its own module (liveness, collectives, crossrank, allreduce, stream, slots,
+layout, params, reference); this one only runs them in order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..capture.files import RankRecord, point_set_mismatches
+from .allreduce import allreduce_audit
+from .collectives import sequence_mismatch
+from .crossrank import cross_rank, point_names, rounding_noise
+from .evidence import TensorEvidence
+from .findings import FAILURE, Finding
+from .liveness import missing_rank_findings, rank_error_findings
+from .noise import dtype_from_str
+from .reference import reference_check
+from .slots import check_slots
+from .stream import diagnose_stream
+
+
+def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optional[dict] = None,
+               references: Optional[dict[str, torch.Tensor]] = None, evidence=None) -> dict:
+    world = settings["world_size"]
+    dtype = dtype_from_str(settings.get("dtype", "float32"))
+    ev = evidence or TensorEvidence(records, dtype)
+    live = sorted(records)
+    out: dict = {"points": [], "allreduce": {}, "slots": [], "findings": [], "ranks_missing": []}
+    findings: list[Finding] = []
+    roots: list[Finding] = []
+    if not live:
+        findings.append(Finding("rank-timeout", "the whole run", list(range(world)),
+                                detail="no rank's capture is available", evidence={"all_ranks": True}))
+        out["findings"] = [f.to_json() for f in findings]
+        return out
+    ref = live[0]
+
+    # ---- liveness: missing, stalled and failed ranks -------------------------------------------
+    missing = {int(r): v for r, v in (liveness or {}).get("missing", {}).items()}
+    out["ranks_missing"] = sorted(missing)
+    counts = {r: len(records[r].meta.get("allreduces", [])) for r in live}
+    roots += missing_rank_findings(missing, records, live, counts, (liveness or {}).get("flight_recorder"))
+    errors = {r: records[r].meta.get("error") for r in live if records[r].meta.get("status") == "error"}
+    if errors and not roots:
+        roots += rank_error_findings(errors)
+    complete = not missing and not errors
+
+    # ---- collective sequences ------------------------------------------------------------------
+    if complete:
+        roots += sequence_mismatch(records, live)
+
+    # ---- cross-rank on every capture point -----------------------------------------------------
+    names = point_names(records, live)
+    point_stats, out["points"] = cross_rank(ev, names, live, ref)
+
+    # ---- all-reduce completeness ---------------------------------------------------------------
+    ar = allreduce_audit(ev, records, live, world) if complete else {"checked": 0, "records": []}
+    ar["count_per_rank"] = {str(r): c for r, c in counts.items()}
+    out["allreduce"] = ar
+
+    # ---- root cause on the residual stream -----------------------------------------------------
+    if complete and not roots:
+        roots += diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references)
+
+    # ---- slots: what the draft model receives --------------------------------------------------
+    slot_findings, out["slots"] = check_slots(ev, records, live, settings) if complete else ([], [])
+    if complete and not roots and "aux.packed" in point_stats and not slot_findings:
+        bad = [r for r, s in point_stats["aux.packed"].items() if s["level"] in ("material", "shape")]
+        if bad:
+            roots.append(Finding("rank-divergence", "aux.packed", bad,
+                                 detail=f"the packed aux hidden state differs on ranks {bad} while the "
+                                        f"residual streams agree"))
+
+    # ---- consequences and noise ----------------------------------------------------------------
+    material = [n for n in names if any(s["level"] in ("material", "shape") for s in point_stats.get(n, {}).values())]
+    if roots:
+        roots[0].consequences = [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
+                                 f"differ" for n in material if n != roots[0].where][:64]
+    set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
+                    for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []
+    findings += roots + slot_findings + set_findings
+    explained = {f.where for f in findings} | ({"aux.packed"} if slot_findings else set())
+    findings += rounding_noise(names, point_stats, explained)
+    if references and complete and not any(f.severity == FAILURE for f in findings):
+        findings += reference_check(records[ref], references, dtype)
+    out["findings"] = [f.to_json() for f in findings]
+    return out
+
+

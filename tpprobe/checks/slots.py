@@ -1,0 +1,113 @@
+"""Slots: which candidate (the embedding, a layer's stream, layer 0's input norm) each slot of the
+packed aux hidden state equals, against what the layer ids ask for; the verdict names the
+mistake (offset by one layer, aliased, permuted, missing, transformed)."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from ..capture.points import id_point, point_label, point_layer
+from .findings import Finding
+from .layout import layout_verdict
+
+
+def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
+    ids: list[int] = settings.get("layer_ids") or []
+    hidden, world, L = settings["hidden"], settings["world_size"], settings.get("num_layers")
+    if settings.get("expected_points") is not None:
+        # arch-aware (SGLang's rules, tpprobe.tools.layers.expected_slots): one point per slot in slot
+        # order, then None for each id that captures nothing; expected_ids names the id of each
+        expected = list(settings["expected_points"])
+        ids = list(settings.get("expected_ids") or ids)[:len(expected)]
+        ids += [None] * (len(expected) - len(ids))
+    else:
+        expected = [id_point(i) for i in ids]
+    n_slots = sum(1 for e in expected if e is not None)
+    if not expected or not settings.get("model_packs_aux", True):
+        return [], []   # nothing to verify: the model does not pack aux hidden states itself
+    findings: list[Finding] = []
+    verdicts: dict[int, tuple] = {}
+    rows_out: list[dict] = []
+    for r in live:
+        rec = records[r]
+        width = ev.packed_width(r)
+        aux_meta = rec.meta.get("aux", {})
+        bad_layout = layout_verdict(width, aux_meta, settings.get("dtype"), ids, n_slots, hidden, world)
+        if bad_layout is not None:
+            verdicts[r] = bad_layout
+            continue
+        match = ev.slot_match(r, hidden)
+        if match is None:
+            continue
+        if r == live[0]:
+            rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
+                         "expected": expected[i] if i < len(expected) else None, "matched": m,
+                         "ok": i < len(expected) and m == expected[i]} for i, m in enumerate(match)]
+        verdicts[r] = slot_verdict(ids, expected, match, L)
+    # group identical verdicts
+    by: dict[tuple, list[int]] = {}
+    for r, v in verdicts.items():
+        if v is not None:
+            by.setdefault(v, []).append(r)
+    for (kind, where, detail), ranks in by.items():
+        findings.append(Finding(kind, where, sorted(ranks), detail=detail,
+                                evidence={"all_ranks": len(ranks) == world}))
+    return findings, rows_out
+
+
+def _pos(point: Optional[str]) -> Optional[float]:
+    if point is None:
+        return None
+    if point == "layer.0.in_norm":
+        return -0.5
+    return float(point_layer(point)) if point_layer(point) is not None else None
+
+
+def slot_verdict(ids, expected, match, L):
+    def lab(p):
+        return point_label(p) if p else "no candidate"
+
+    if len(match) < len(expected):
+        have = set(match)
+        lost = [i for i, e in zip(ids, expected) if e not in have]
+        if lost and all(m in expected for m in match):
+            why = []
+            for i in lost:
+                why.append(f"id {i} produced no capture" + (
+                    f": it maps to layer {i + 1} = num_layers, past the last layer, and is silently dropped"
+                    if L is not None and i + 1 >= L else ""))
+            return ("missing-capture", f"aux slot for id {lost[0]}" if len(lost) == 1 else f"aux slots for ids {lost}",
+                    "; ".join(why) + f" ({len(match)} of {len(expected)} slots present)")
+    if match == expected:
+        return None
+    wrong = [i for i, (m, e) in enumerate(zip(match, expected)) if m != e]
+    where = f"aux slot {wrong[0]}" if len(wrong) == 1 else f"aux slots {wrong}"
+    text = "; ".join(f"slot {i} (id {ids[i] if i < len(ids) else '?'}) equals {lab(match[i])}, expected "
+                     f"{lab(expected[i]) if i < len(expected) else 'nothing'}" for i in wrong)
+    dup = [m for m, c in Counter(m for m in match if m).items() if c > 1]
+    if dup:
+        last = max(dup, key=lambda m: _pos(m) or -9)
+        same = [i for i, m in enumerate(match) if m == last]
+        return ("aliased-capture", f"aux slots {same}", f"slots {same} all hold {lab(last)}: captured without clone() "
+                                          f"from a buffer that later layers overwrote")
+    if any(expected[i] == "embed.out" and match[i] in ("layer.0.in_norm",) for i in wrong):
+        i = next(i for i in wrong if expected[i] == "embed.out")
+        return ("transformed-capture", f"aux slot {i}", f"slot {i} equals {lab(match[i])}, expected the raw "
+                                                        f"embedding (the capture is taken after a transform)")
+    deltas = {(_pos(match[i]) - _pos(expected[i])) if match[i] and _pos(match[i]) is not None else None for i in wrong}
+    if len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0):
+        d = next(iter(deltas))
+        return ("capture-offset", where, f"{text}: one layer {'early' if d < 0 else 'late'} "
+                                         f"(the EAGLE-3 +1 was {'not applied' if d < 0 else 'applied twice'})")
+    if set(match) == set(expected) and None not in match and \
+            match == sorted(expected, key=lambda p: _pos(p) if _pos(p) is not None else 1e9):
+        return ("slot-mismatch", where, f"the ids {ids} are not in layer order, but the model appends each "
+                                        f"capture as its layer runs, so the slots follow layer order: {text}; "
+                                        f"give the ids in layer order (and train the draft on that order)")
+    if set(match) == set(expected):
+        return ("slot-mismatch", where, f"slots are permuted: {text}")
+    extra = [m for m in match if m not in expected]
+    msg = f"{text}"
+    if "embed.out" in expected and "embed.out" not in match:
+        msg += f"; the embedding slot is missing and {lab(extra[-1]) if extra else 'another layer'} was captured"
+    return ("slot-mismatch", where, msg)

@@ -1,0 +1,2 @@
+"""Report: model (the report.json dict), emit (its sinks), renderers (terminal, html, markdown) that
+share labels and never import each other, envinfo (the environment header)."""
