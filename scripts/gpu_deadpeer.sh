@@ -7,9 +7,9 @@ run() {  # name, launcher, args...
   local name=$1 how=$2; shift 2
   local t0=$(date +%s)
   if [ "$how" = torchrun ]; then
-    timeout 75 python3 -m torch.distributed.run --nproc-per-node 2 --master-port 0 -m tpprobe probe --out /tmp/dp/$name --quiet --backend nccl "$@" > /tmp/dp/$name.log 2>&1
+    timeout -k 2 75 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m tpprobe probe --out /tmp/dp/$name --quiet --backend nccl "$@" > /tmp/dp/$name.log 2>&1
   else
-    timeout 75 python3 -m tpprobe probe --nproc 2 --out /tmp/dp/$name --quiet --backend nccl "$@" > /tmp/dp/$name.log 2>&1
+    timeout -k 2 75 python3 -m tpprobe probe --nproc 2 --out /tmp/dp/$name --quiet --backend nccl "$@" > /tmp/dp/$name.log 2>&1
   fi
   echo "rc=$? wall=$(( $(date +%s) - t0 ))" >> /tmp/dp/$name.log
 }

@@ -25,16 +25,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tpprobe_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tpprobe", *args]
-
-
-def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """Run `python -m tpprobe ARGS` in its own process group; kill the whole group on timeout."""
+def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None, launcher=None) -> subprocess.CompletedProcess:
+    """Run `python -m tpprobe ARGS` (after `launcher`, e.g. torchrun's module and options) in its own
+    process group; kill the whole group on timeout."""
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
     e.update(env or {})
-    p = subprocess.Popen(tpprobe_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    cmd = [sys.executable, *(launcher or []), "-m", "tpprobe", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=cwd, env=e, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
@@ -43,6 +41,12 @@ def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None) -> subpro
         out, err = p.communicate()
         raise AssertionError(f"tpprobe {' '.join(args)} did not finish in {timeout}s\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def run_torchrun(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m tpprobe ARGS` (torch.distributed.run)."""
+    return run_cli(args, timeout, launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                            str(nproc)])
 
 
 def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120, backend: str = "",
