@@ -419,3 +419,34 @@ def test_every_shape_matches_the_torch_path(dt):
             if not ok:
                 bad.append((tuple(t.shape), t.is_contiguous()))
     assert bad == []
+
+
+@pytest.mark.gpu
+def test_fingerprint_mode_never_syncs_the_host_inside_the_forward():
+    """--exchange fingerprint's capture: every fingerprint queued during the forward with no
+    device-to-host copy or stream sync (CUDA's sync debug mode raises on one), all read after it
+    with one copy."""
+    from tpprobe.capture.hooks import Tap
+    from tpprobe.exchange.fingerprint import Deferred, _fingerprint_torch, resolved
+    from tpprobe.model import BuiltinConfig, TPModel, full_weights, input_ids
+    from tpprobe.target import RankContext
+    cfg = BuiltinConfig(num_layers=4, hidden=1024, heads=8, ffn=2048, vocab=512, tokens=17, dtype=torch.bfloat16)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="none")
+    model = TPModel(full_weights(cfg), ctx, cfg).cuda().eval()
+    ids = input_ids(cfg).cuda()
+    for sync_mode in (0, 2):          # a warm-up (compiles, caches the signs), then "error" on any sync
+        fp = Deferred(7, 32)
+        with torch.no_grad(), Tap(model, keep=lambda n: False, summarize=fp, keep_allreduce_tensors=False) as tap:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+            try:
+                model(ids)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        fp.resolve()
+    got = {n: resolved(v) for n, v in tap.summaries.items()}
+    assert len(got) >= 5 and all(f is not None for f in got.values())
+    with torch.no_grad(), Tap(model, keep=lambda n: True, keep_allreduce_tensors=False) as ref:
+        model(ids)
+    for n, t in ref.captures.items():
+        if n in got:
+            assert got[n].bit_hash == _fingerprint_torch(t, 7, 32).bit_hash, n
