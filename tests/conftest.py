@@ -11,7 +11,7 @@ def gpu_count() -> int:
 @pytest.fixture(params=[pytest.param("gloo"), pytest.param("nccl", marks=pytest.mark.gpu)])
 def backend(request) -> str:
     if request.param == "nccl" and gpu_count() < 2:
-        pytest.fail("the NCCL tier (-m gpu) needs a machine with at least 2 GPUs")
+        pytest.skip("NCCL at tp >= 2 needs 2 GPUs; this machine has fewer (the fingerprint GPU tests still run)")
     return request.param
 
 

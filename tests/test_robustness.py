@@ -89,7 +89,7 @@ def runs(tmp_path_factory, request):
     one after another there, each holding all the GPUs)."""
     backend = request.param
     if backend == "nccl" and gpu_count() < 2:
-        pytest.fail("the NCCL tier (-m gpu) needs a machine with at least 2 GPUs")
+        pytest.skip("NCCL at tp >= 2 needs 2 GPUs; this machine has fewer (the fingerprint GPU tests still run)")
     base = tmp_path_factory.mktemp(f"robust-{backend}")
     with ThreadPoolExecutor(max_workers=len(RUNS) if backend == "gloo" else 1) as pool:
         futs = {n: pool.submit(_probe, n, base, backend) for n in RUNS}
