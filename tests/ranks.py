@@ -63,24 +63,6 @@ def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120, backend: 
     return cp.returncode, report, cp
 
 
-def run_torchrun(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node N -m tpprobe ARGS` (torch.distributed.run), its process group
-    killed on timeout."""
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "0",
-           "-m", "tpprobe", *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError(f"torchrun {' '.join(args)} did not finish in {timeout}s\nstderr:{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
-
-
 def failures(report: dict) -> list[dict]:
     return [f for f in report.get("findings", []) if f["severity"] == "failure"]
 
