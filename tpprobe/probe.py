@@ -11,12 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from .build import build_with_faults, capture_size, run_settings, validate
 from .capture.files import check_out_dir, remove_if_empty, write_manifest, write_rank
 from .capture.hooks import Tap
-from .capture.points import kept_beside_fingerprints
 from .capture.progress import Progress
 from .capture.record import rank_record
 from .checks.evidence import FingerprintEvidence, add_fingerprints
@@ -24,10 +21,10 @@ from .checks.findings import exit_code
 from .checks.run import run_checks
 from .exchange.dist import (Channel, agree_out_dir, agree_ready, await_final, init, local_world, post_ready, shutdown,
                             start_channels)
-from .exchange.device import Settled, after_forward, leave_now, stacks_after_env
-from .exchange.fingerprint import PROBE_K, PROBE_SEED, Deferred
+from .exchange.device import Settled, leave_now, stacks_after_env
 from .exchange.gather import bytes_post, exchange_records, exchange_summary, post_meta
 from .exchange.liveness import collect_meta, liveness_of
+from .forward import forward_under_tap
 from .model import BuiltinConfig, reference_streams
 from .options import ProbeOptions
 from .report.emit import emit
@@ -133,27 +130,10 @@ def _build(me: _Rank) -> None:
 
 
 def _forward(me: _Rank):
-    """One forward under the hooks. A peer that dies or a collective that times out ends the
-    forward with status "error"; what was captured up to there is still reported."""
-    keep = (lambda n: True) if me.keep_all else kept_beside_fingerprints(me.layer_ids)
-    # --exchange fingerprint: kernels queued during the forward, read after it in one copy
-    summarize = None if me.keep_all else Deferred(PROBE_SEED, PROBE_K)
-    status, error, result = "ok", None, None
+    """One forward under the hooks (tpprobe/forward.py); what was captured is reported even when it failed."""
     t0 = time.time()
-    me.progress.set("forward")
-    target = me.target
-    with torch.no_grad(), Tap(target.model, embed=me.opts.embed or target.embed, input_ids=target.input_ids,
-                              layers=me.opts.layer_list or target.layer_list, keep=keep, progress=me.progress,
-                              keep_allreduce_tensors=me.keep_all, summarize=summarize,
-                              extensions=target.tap_extensions,
-                              device_lag=(2, max(1.0, me.opts.timeout - me.grace))) as tap:
-        tap.stream_from_layer_output = target.stream_from_layer_output
-        try:
-            result = target.forward()
-        except Exception as e:
-            status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    status, error, me.device = after_forward(tap, me.progress, target, summarize, me.opts.timeout, me.grace,
-                                             status, error, cuda=me.ctx.device.type == "cuda")
+    tap, result, status, error, me.device = forward_under_tap(me.target, me.opts, me.progress, me.layer_ids,
+                                                              me.keep_all, me.grace, me.ctx.device.type == "cuda")
     me.timings["forward_s"] = time.time() - t0
     return tap, result, status, error
 
