@@ -656,27 +656,3 @@ def fingerprint_batch(tensors, seed: int, k: int, **kw):
     finish, _ = launch(tensors, seed, k, **kw)
     return finish()
 
-
-def asm_signature(kernel: str, block_r: int, extra: dict):
-    """(signature, constexprs, divisible-by-16 args) to compile a kernel offline
-    (bench/kernel_asm.py): 3 x [8192, 7168] bf16, k = 32, 132 SMs x 3 programs."""
-    if kernel == "_fp32_kernel":
-        sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
-               "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "brows_per_token": "i32",
-               "iters": "i32", "salt_b0": "u32", "NPROG": "i32"}
-        const = dict(BLOCK_R=block_r, KP=32, DO_FLAGS=True)
-        const.update(extra)
-        for name in const:
-            sig[name] = "constexpr"
-        return sig, const, ("w_ptr", "a_ptr", "nwords")
-    if kernel != "_fp16_kernel":
-        raise ValueError(kernel)
-    sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
-           "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "nfull": "i32",
-           "ntiles": "i32", "salt_b0": "u32", "NPROG": "i32", "bpt_m": "i32", "bpt_s": "i32"}
-    const = dict(DT=0, BR=block_r, KP=32, DO_FLAGS=True, SPLIT=2, DEPTH=3, SKIP=0, INTERP=False)
-    div = ("w_ptr", "a_ptr", "fpart_ptr", "ipart_ptr", "flag_ptr")
-    const.update(extra)
-    for name in const:
-        sig[name] = "constexpr"
-    return sig, const, div
