@@ -24,15 +24,14 @@ import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-
 def asm_signature(kernel: str, block_r: int, extra: dict):
-    """(signature, constexprs, divisible-by-16 args) to compile a kernel offline
-    (bench/kernel_asm.py): 3 x [8192, 7168] bf16, k = 32, 132 SMs x 3 programs."""
+    """(signature, constexprs, divisible-by-16 args) to compile a kernel offline:
+    3 x [8192, 7168] bf16, k = 32, 132 SMs x 3 programs."""
     if kernel == "_fp32_kernel":
         sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
                "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "brows_per_token": "i32",
-               "iters": "i32", "salt_b0": "u32"}
-        const = dict(BLOCK_R=block_r, KP=32, NPROG=528, DO_FLAGS=True)
+               "iters": "i32", "salt_b0": "u32", "NPROG": "i32"}
+        const = dict(BLOCK_R=block_r, KP=32, DO_FLAGS=True)
         const.update(extra)
         for name in const:
             sig[name] = "constexpr"
@@ -41,15 +40,14 @@ def asm_signature(kernel: str, block_r: int, extra: dict):
         raise ValueError(kernel)
     sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
            "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "nfull": "i32",
-           "ntiles": "i32", "salt_b0": "u32"}
-    const = dict(DT=0, BR=block_r, KP=32, NPROG=396, BPT=56, DO_FLAGS=True, SPLIT=2, DEPTH=3,
-                 SKIP=0, INTERP=False)
-    div = ("w_ptr", "a_ptr", "fpart_ptr", "ipart_ptr", "flag_ptr", "nwords", "nbrows", "nfull",
-           "ntiles")
+           "ntiles": "i32", "salt_b0": "u32", "NPROG": "i32", "bpt_m": "i32", "bpt_s": "i32"}
+    const = dict(DT=0, BR=block_r, KP=32, DO_FLAGS=True, SPLIT=2, DEPTH=3, SKIP=0, INTERP=False)
+    div = ("w_ptr", "a_ptr", "fpart_ptr", "ipart_ptr", "flag_ptr")
     const.update(extra)
     for name in const:
         sig[name] = "constexpr"
     return sig, const, div
+
 
 def compile_kernel(fn, signature, constexprs, num_warps, num_stages=3, div=(), maxnreg=None):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div if n in fn.arg_names}

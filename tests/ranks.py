@@ -25,16 +25,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tpprobe_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tpprobe", *args]
-
-
-def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """Run `python -m tpprobe ARGS` in its own process group; kill the whole group on timeout."""
+def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None, launcher=None) -> subprocess.CompletedProcess:
+    """Run `python -m tpprobe ARGS` (after `launcher`, e.g. torchrun's module and options) in its own
+    process group; kill the whole group on timeout."""
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
     e.update(env or {})
-    p = subprocess.Popen(tpprobe_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    cmd = [sys.executable, *(launcher or []), "-m", "tpprobe", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=cwd, env=e, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
@@ -45,9 +43,21 @@ def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None) -> subpro
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120) -> tuple[int, dict, subprocess.CompletedProcess]:
-    """`tpprobe probe --nproc N --out OUT --quiet ARGS`; returns (exit code, report.json, process)."""
-    cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout)
+def run_torchrun(nproc: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m tpprobe ARGS` (torch.distributed.run)."""
+    return run_cli(args, timeout, launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                            str(nproc)])
+
+
+def probe(out: Path, *args: str, nproc: int = 2, timeout: float = 120, backend: str = "",
+          torchrun: bool = False) -> tuple[int, dict, subprocess.CompletedProcess]:
+    """`tpprobe probe --nproc N --out OUT --quiet ARGS` (or under `torchrun --nproc-per-node N`);
+    returns (exit code, report.json, process)."""
+    args = (*args, "--backend", backend) if backend else args
+    if torchrun:
+        cp = run_torchrun(nproc, ["probe", "--out", str(out), "--quiet", *args], timeout=timeout)
+    else:
+        cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout)
     rep_path = Path(out) / "report.json"
     report = json.loads(rep_path.read_text()) if rep_path.exists() else {}
     return cp.returncode, report, cp

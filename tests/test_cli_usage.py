@@ -35,6 +35,8 @@ CASES = {
     "nproc-over-heads": (["probe", "--nproc", "3"], "not divisible by 3 ranks"),
     "timeout-zero": (["probe", "--timeout", "0"], "--timeout must be > 0"),
     "backend": (["probe", "--backend", "mpi"], "unknown --backend 'mpi'"),
+    # decided once by the launcher, for every rank (this CI box has no GPU)
+    "nccl-without-gpus": (["probe", "--backend", "nccl", "--nproc", "2"], "--backend nccl needs a CUDA device"),
     "dtype": (["probe", "--dtype", "int3"], "unknown --dtype"),
     "exchange": (["probe", "--exchange", "half"], "unknown --exchange"),
     "fault": (["probe", "--inject", "explode"], "unknown fault 'explode'"),
@@ -147,3 +149,18 @@ def test_short_disk_is_refused_up_front_with_the_number(tmp_path):
         assert not any(n.startswith("rank-") for n in left), left
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_one_backend_for_every_rank(monkeypatch):
+    """The rule depends on the node (its GPUs against its ranks), never on the rank: 4 ranks on a
+    2-GPU node all run gloo, or an explicit nccl is one line and exit 2."""
+    import torch
+    from tpprobe.errors import UsageError
+    from tpprobe.exchange.dist import choose_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert choose_backend(None, 2) == choose_backend("auto", 2) == "nccl"
+    assert choose_backend(None, 4) == "gloo"
+    assert choose_backend("gloo", 2) == "gloo"
+    with pytest.raises(UsageError, match=r"4 ranks on this node, 2 GPU\(s\); run --nproc 2 or --backend gloo"):
+        choose_backend("nccl", 4)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import LAUNCHES, ranks_for
 from tests.ranks import failures
 from tests.ranks import probe as _probe
 
@@ -23,14 +24,15 @@ RUNS: dict = {}   # fault_table.key(inject, args) -> (exit code, report): every 
 
 
 def probe(out, *args, nproc: int = 2, **kw):
-    """tests.ranks.probe, remembering each --inject run for the README table."""
+    """tests.ranks.probe, remembering each --inject run on gloo via --nproc for the README table."""
     rc, rep, cp = _probe(out, *args, nproc=nproc, **kw)
-    if "--inject" in args:
+    if "--inject" in args and kw.get("backend", "gloo") in ("", "gloo") and not kw.get("torchrun"):
         rest = list(args)
         inject = rest.pop(rest.index("--inject") + 1)
         rest.remove("--inject")
         RUNS[fault_table.key(inject, ["--nproc", str(nproc), *rest])] = (rc, rep)
     return rc, rep, cp
+
 
 # (inject, nproc, extra args, kind, where, ranks)
 CASES = [
@@ -57,8 +59,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("inject,nproc,extra,kind,where,ranks", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
-def test_fault_is_named_exactly(tmp_path, inject, nproc, extra, kind, where, ranks):
-    rc, rep, cp = probe(tmp_path / "r", "--inject", inject, *extra, nproc=nproc)
+def test_fault_is_named_exactly(tmp_path, backend, inject, nproc, extra, kind, where, ranks):
+    rc, rep, cp = probe(tmp_path / "r", "--inject", inject, *extra, nproc=ranks_for(backend, nproc), backend=backend)
     assert rc == 1, cp.stderr[-3000:]
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
     assert got == [(kind, where, ranks)], rep.get("findings")
@@ -74,20 +76,40 @@ def test_one_or_two_ulp_on_one_rank_is_rounding_noise_not_a_failure(tmp_path, dt
     assert f["kind"] == "rounding-noise" and f["severity"] == "info" and f["ranks"] == [1]
 
 
-def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("backend,torchrun", LAUNCHES)
+def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path, backend, torchrun):
     t0 = time.time()
-    rc, rep, _ = probe(tmp_path / "r", "--inject", "hang-rank@1", "--timeout", "10")
+    rc, rep, cp = probe(tmp_path / "r", "--inject", "hang-rank@1", "--timeout", "10", backend=backend,
+                        torchrun=torchrun)
     took = time.time() - t0
-    assert rc == 1 and took < 10 + 15, took
+    assert rc == 1 and took < 10 + 15, (took, cp.stderr[-2000:])
     [f] = failures(rep)
     assert (f["kind"], f["ranks"]) == ("rank-timeout", [1]) and "hung" in f["detail"]
     assert rep["ranks_missing"] == [1]
+    assert rep["timings"]["total_s"] < 10 + 6, rep["timings"]
+    if backend == "nccl":   # the last collective each rank's GPU completed, and the flight recorder
+        assert "its GPU had completed" in f["detail"] or "flight recorder" in f["detail"], f["detail"]
 
 
-def test_a_killed_rank_leaves_the_live_ranks_capture_written(tmp_path):
-    rc, rep, _ = probe(tmp_path / "r", "--inject", "kill-rank@1", "--timeout", "15")
-    assert rc == 1 and rep["ranks_missing"] == [1]
+@pytest.mark.parametrize("backend,torchrun", LAUNCHES)
+def test_a_killed_rank_leaves_the_live_ranks_capture_written(tmp_path, backend, torchrun):
+    rc, rep, cp = probe(tmp_path / "r", "--inject", "kill-rank@1", "--timeout", "15", backend=backend,
+                        torchrun=torchrun)
+    assert rc == 1 and rep.get("ranks_missing") == [1], cp.stderr[-3000:]
+    [f] = failures(rep)
+    assert (f["kind"], f["ranks"]) == ("rank-timeout", [1]) and "died" in f["detail"]
+    assert rep["timings"]["total_s"] < 15 + 6, rep["timings"]
     assert (tmp_path / "r" / "rank-000.safetensors").exists() and (tmp_path / "r" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("backend,torchrun", LAUNCHES[2:])    # gloo and NCCL via --nproc: CASES
+def test_an_extra_collective_is_named_not_a_timeout(tmp_path, backend, torchrun):
+    rc, rep, cp = probe(tmp_path / "r", "--inject", "extra-collective@1", "--timeout", "20", backend=backend,
+                        torchrun=torchrun)
+    assert rc == 1, cp.stderr[-3000:]
+    [f] = failures(rep)
+    assert (f["kind"], f["where"], f["ranks"]) == ("collective-mismatch", "layer.3", [1]), rep["findings"]
+    assert "extra all-reduce" in f["detail"]
 
 
 def test_ids_out_of_layer_order_are_named_since_the_model_packs_in_layer_order(tmp_path):

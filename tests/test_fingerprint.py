@@ -390,3 +390,63 @@ def test_triton_nan_inf_and_dispatch():
     assert sum_matches(fingerprint(torch.stack(ins).float().sum(0).bfloat16()), fps, torch.bfloat16)[0]
     assert not sum_matches(fingerprint(torch.stack(ins[1:]).float().sum(0).bfloat16()), fps,
                            torch.bfloat16)[0]
+
+
+# every shape class of tests/test_kernel_compile.py, run: tokens 1..65536 with tile remainders
+# and primes against a few widths, every width (odd ones too) against a few token counts, the
+# three dtypes, contiguous and not (a transposed view takes the torch path, the same answer)
+_GRID_TOKENS = [1, 2, 3, 7, 16, 17, 31, 33, 47, 63, 64, 65, 127, 129, 251, 509, 1021, 4093, 8191, 16381, 65521, 65536]
+_GRID_HIDDEN = [64, 96, 100, 127, 128, 130, 384, 1000, 5120, 7168, 12288, 16384]
+_GRID = sorted({(n, h) for n in _GRID_TOKENS for h in (128, 7168)} |
+               {(n, h) for n in (1, 17, 63, 1031) for h in _GRID_HIDDEN})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", DTYPES)
+def test_every_shape_matches_the_torch_path(dt):
+    from tpprobe.exchange.fingerprint import _fingerprint_torch
+    bad = []
+    for n, h in _GRID:
+        if n * h > 2 ** 28:
+            continue                      # 65536 x 7168 and up: the sizes the 8192 x 7168 case covers
+        base = (torch.randn(n, h, device="cuda") * 2).to(dt)
+        for t in (base, base.t()):        # contiguous, and a transposed (non-contiguous) view
+            f = fingerprints([t], seed=3, k=32)[0]
+            r = _fingerprint_torch(t, 3, 32)
+            ok = (f.bit_hash == r.bit_hash and f.row_nonzero == r.row_nonzero and f.absmax == r.absmax
+                  and abs(f.sumsq - r.sumsq) <= 1e-5 * r.sumsq
+                  and max(abs(a - b) for a, b in zip(f.sketch, r.sketch)) <= 2e-6 * math.sqrt(r.sumsq))
+            if not ok:
+                bad.append((tuple(t.shape), t.is_contiguous()))
+    assert bad == []
+
+
+@pytest.mark.gpu
+def test_fingerprint_mode_never_syncs_the_host_inside_the_forward():
+    """--exchange fingerprint's capture: every fingerprint queued during the forward with no
+    device-to-host copy or stream sync (CUDA's sync debug mode raises on one), all read after it
+    with one copy."""
+    from tpprobe.capture.hooks import Tap
+    from tpprobe.exchange.fingerprint import Deferred, _fingerprint_torch, resolved
+    from tpprobe.model import BuiltinConfig, TPModel, full_weights, input_ids
+    from tpprobe.target import RankContext
+    cfg = BuiltinConfig(num_layers=4, hidden=1024, heads=8, ffn=2048, vocab=512, tokens=17, dtype=torch.bfloat16)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="none")
+    model = TPModel(full_weights(cfg), ctx, cfg).cuda().eval()
+    ids = input_ids(cfg).cuda()
+    for sync_mode in (0, 2):          # a warm-up (compiles, caches the signs), then "error" on any sync
+        fp = Deferred(7, 32)
+        with torch.no_grad(), Tap(model, keep=lambda n: False, summarize=fp, keep_allreduce_tensors=False) as tap:
+            torch.cuda.set_sync_debug_mode(sync_mode)
+            try:
+                model(ids)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        fp.resolve()
+    got = {n: resolved(v) for n, v in tap.summaries.items()}
+    assert len(got) >= 5 and all(f is not None for f in got.values())
+    with torch.no_grad(), Tap(model, keep=lambda n: True, keep_allreduce_tensors=False) as ref:
+        model(ids)
+    for n, t in ref.captures.items():
+        if n in got:
+            assert got[n].bit_hash == _fingerprint_torch(t, 7, 32).bit_hash, n

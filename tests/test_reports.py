@@ -294,6 +294,53 @@ def test_topology_from_nvml():
     assert parse(html).tables["topo"][1] == [("rank 0", ""), ("X", ""), ("NV18", ""), ("SYS", "")]
 
 
+class SwitchNVML(FakeNVML):
+    """An HGX board: every NVLink of GPUs 0 and 1 ends at an NVSwitch (remote PCI ids are the
+    switches'), as on the H200 machine where NVML's common ancestor said PHB."""
+    NVML_NVLINK_DEVICE_TYPE_SWITCH, NVML_P2P_CAPS_INDEX_NVLINK = 2, 3
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link):
+        return 2
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return self._Pci(f"00000000:{0xC0 + link % 4:02X}:00.0")
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return 30
+
+    def nvmlDeviceGetP2PStatus(self, a, b, cap):
+        return 0 if {a, b} == {0, 1} else 2
+
+
+SMI_TOPO = """\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\tSYS\t0-31\t0
+GPU1\tNV18\t X \tSYS\t0-31\t0
+GPU2\tSYS\tSYS\t X \t0-31\t0
+
+Legend:
+  X    = Self
+"""
+
+
+def test_topology_through_nvswitches_reads_nv18_not_phb(monkeypatch):
+    nv = SwitchNVML()
+    gpus = [{"rank": r, "name": "NVIDIA H200", "memory_gib": 140.4, "pci": nv.BUS[r], "index": r} for r in range(3)]
+    monkeypatch.setattr(envinfo, "_smi_topo", lambda: {})
+    topo = envinfo._topology(nv, [(0, 0), (1, 1), (2, 2)], gpus)
+    assert topo["matrix"][0] == ["X", "NV18", "PHB"], topo
+    assert "NV18 P2P (0-1)" in envinfo.env_lines({"gpus": gpus, "topology": topo})[3]
+
+
+def test_topology_falls_back_to_nvidia_smi(monkeypatch):
+    nv = SwitchNVML()
+    monkeypatch.setattr(SwitchNVML, "nvmlDeviceGetNvLinkState", lambda self, h, link: 0)   # NVML says nothing
+    gpus = [{"rank": r, "pci": nv.BUS[r], "index": r} for r in range(3)]
+    assert envinfo.parse_smi_topo(SMI_TOPO)[(0, 1)] == "NV18"
+    monkeypatch.setattr(envinfo, "_smi_topo", lambda: envinfo.parse_smi_topo(SMI_TOPO))
+    topo = envinfo._topology(nv, [(0, 0), (1, 1), (2, 2)], gpus)
+    assert topo["matrix"] == [["X", "NV18", "PHB"], ["NV18", "X", "PHB"], ["PHB", "PHB", "X"]]
+
+
 # ---- progress display ---------------------------------------------------------------------------------
 def test_progress_display_draws_phases_and_stays_quiet(monkeypatch):
     from rich.console import Console

@@ -71,6 +71,13 @@ def probe(**kw) -> None:
     from .capture.files import check_out_dir, remove_if_empty
     existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
+    # one backend decision for every rank, made here and passed on (a rank never decides alone)
+    dist_backend = tdist.choose_backend(None if opts.backend in ("auto", "sglang") else opts.backend, opts.nproc)
+    gpus = tdist.torch.cuda.device_count() if tdist.torch.cuda.is_available() else 0
+    if dist_backend == "gloo" and gpus and not (opts.quiet or opts.json_out):
+        print(f"tpprobe: {opts.nproc} ranks on {gpus} GPU(s): every rank runs on gloo (CPU); "
+              f"--nproc {gpus} runs NCCL", file=sys.stderr)
+    os.environ[tdist.BACKEND_ENV] = dist_backend
     from .launch import launch_local
     code = launch_local(opts.nproc, ["probe", *opts.to_argv()])
     if not existed:

@@ -11,12 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from .build import build_with_faults, capture_size, run_settings, validate
 from .capture.files import check_out_dir, remove_if_empty, write_manifest, write_rank
 from .capture.hooks import Tap
-from .capture.points import kept_beside_fingerprints
 from .capture.progress import Progress
 from .capture.record import rank_record
 from .checks.evidence import FingerprintEvidence, add_fingerprints
@@ -24,9 +21,10 @@ from .checks.findings import exit_code
 from .checks.run import run_checks
 from .exchange.dist import (Channel, agree_out_dir, agree_ready, await_final, init, local_world, post_ready, shutdown,
                             start_channels)
-from .exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
-from .exchange.gather import bytes_post, exchange_records, post_meta
-from .exchange.liveness import collect_meta, missing_info
+from .exchange.device import Settled, leave_now, stacks_after_env
+from .exchange.gather import bytes_post, exchange_records, exchange_summary, post_meta
+from .exchange.liveness import collect_meta, liveness_of
+from .forward import forward_under_tap
 from .model import BuiltinConfig, reference_streams
 from .options import ProbeOptions
 from .report.emit import emit
@@ -36,6 +34,7 @@ from .target import ProbeTarget, RankContext
 
 def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     t_start = time.time()
+    stacks_after_env()
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
     ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
     progress = Progress()
@@ -45,9 +44,9 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     # The elastic agent sends SIGTERM to every worker once one worker failed. We are already on our way
     # to report that failure (the dead peer breaks our collectives): keep going; SIGKILL follows later.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    code = 1
+    code, box = 1, {}
     try:
-        code = _run(opts, ctx, ch, progress, grace, t_start)
+        code = _run(opts, ctx, ch, progress, grace, t_start, box)
     finally:
         live.stop()
         progress.set("done")
@@ -55,6 +54,8 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
         watchdog.join(timeout=2)
         if ctx.rank == 0:
             ch.post("final", {"code": code}, rank=0)
+    if "me" in box and not box["me"].device.ok:
+        leave_now(code)       # the model's stream is held by a dead peer's collective: no NCCL teardown
     if not keep_group:      # keep_group: a caller that probes again on the same group (tests/test_zoo.py)
         shutdown(ctx)
     return code
@@ -74,14 +75,15 @@ class _Rank:
     target: Optional[ProbeTarget] = None
     layer_ids: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    device: Settled = field(default_factory=Settled)   # the GPU after the forward (exchange/device.py)
 
     @property
     def keep_all(self) -> bool:
         return self.opts.exchange == "full"
 
 
-def _run(opts, ctx, ch, progress, grace, t_start) -> int:
-    me = _Rank(opts, ctx, ch, progress, grace, t_start)
+def _run(opts, ctx, ch, progress, grace, t_start, box: dict) -> int:
+    me = box["me"] = _Rank(opts, ctx, ch, progress, grace, t_start)
     code = _prepare(me)
     if code:
         return code
@@ -128,23 +130,10 @@ def _build(me: _Rank) -> None:
 
 
 def _forward(me: _Rank):
-    """One forward under the hooks. A peer that dies or a collective that times out ends the
-    forward with status "error"; what was captured up to there is still reported."""
-    keep = (lambda n: True) if me.keep_all else kept_beside_fingerprints(me.layer_ids)
-    summarize = None if me.keep_all else (lambda t: fingerprint(t, seed=PROBE_SEED, k=PROBE_K))
-    status, error, result = "ok", None, None
+    """One forward under the hooks (tpprobe/forward.py); what was captured is reported even when it failed."""
     t0 = time.time()
-    me.progress.set("forward")
-    target = me.target
-    with torch.no_grad(), Tap(target.model, embed=me.opts.embed or target.embed, input_ids=target.input_ids,
-                              layers=me.opts.layer_list or target.layer_list, keep=keep, progress=me.progress,
-                              keep_allreduce_tensors=me.keep_all, summarize=summarize,
-                              extensions=target.tap_extensions) as tap:
-        tap.stream_from_layer_output = target.stream_from_layer_output
-        try:
-            result = target.forward()
-        except Exception as e:
-            status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    tap, result, status, error, me.device = forward_under_tap(me.target, me.opts, me.progress, me.layer_ids,
+                                                              me.keep_all, me.grace, me.ctx.device.type == "cuda")
     me.timings["forward_s"] = time.time() - t0
     return tap, result, status, error
 
@@ -156,7 +145,8 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
     packed = target.packed_aux(result) if status == "ok" and target.packed_aux is not None else None
     tensors, meta = rank_record(tap, rank=ctx.rank, world=ctx.world_size, input_ids=target.input_ids,
                                 model=target.model, packed=packed, status=status, error=error,
-                                timings=me.timings, device=ctx.device, extra={"hidden": target.hidden_size})
+                                timings=me.timings, device=ctx.device, extra={"hidden": target.hidden_size},
+                                params=me.device.params)
     if not me.keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
         add_fingerprints(meta, tap, packed, target.hidden_size, me.opts.torch_dtype)
     return tensors, meta
@@ -180,15 +170,16 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     """Rank 0: the checks, report.json, the manifest, and the report on the terminal."""
     me.progress.set("report")
     ch, world = me.ch, me.ctx.world_size
-    liveness = {"missing": {r: missing_info(ch, r, posts) for r in range(world) if r not in posts}}
+    liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
     settings = run_settings(me.opts, me.ctx, me.target, me.layer_ids)
     references = reference_streams(BuiltinConfig.from_options(me.opts)) if me.target.arch == "builtin" else None
     t2 = time.time()
     result = run_checks(records, settings, liveness, references, evidence=evidence)
     report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,
                                                      "total_s": time.time() - me.t_start}, out=str(me.out))
-    report["exchange"] = {"mode": me.opts.exchange, "bytes_per_rank": ch.collect("bytes", time.time() + me.grace),
-                          "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
+    if liveness.get("flight_recorder"):
+        report["flight_recorder"] = liveness["flight_recorder"]
+    report["exchange"] = exchange_summary(me.opts.exchange, ch, posts, tensors, time.time() + me.grace)
     # what only the live run knew (which rank died or hung, how long each phase took) stays with the files
     write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
                             "tool": report["tool"], "liveness": {str(r): v for r, v in liveness["missing"].items()},

@@ -141,8 +141,13 @@ class Audit:
 
     def __init__(self, attribute: Callable, keep: Callable[[str], bool] = lambda where: True,
                  summarize: Optional[Callable] = None, progress=None,
-                 copy: Optional[Callable[[str, torch.Tensor], Optional[torch.Tensor]]] = None):
+                 copy: Optional[Callable[[str, torch.Tensor], Optional[torch.Tensor]]] = None,
+                 before: Optional[Callable[[Optional[torch.Tensor]], None]] = None,
+                 after: Optional[Callable[["CollectiveRecord", Optional[torch.Tensor]], None]] = None):
         self.attribute, self.keep, self.summarize, self.progress = attribute, keep, summarize, progress
+        # before(inp): called before a collective is issued (may raise: the Tap's device-lag bound);
+        # after(rec, out): called once it has completed on the host's side (the Tap's CUDA event)
+        self.before, self.after = before, after
         # copy(name, t, where) -> a copy, or None when a byte budget refuses it (asked before copying)
         self.copy = copy or (lambda name, t, where: t.detach().clone())
         self.records: list[CollectiveRecord] = []
@@ -163,6 +168,8 @@ class Audit:
     # -- the one way to record a collective ------------------------------------------------------
     def begin(self, kind: str, path: str, inp: Optional[torch.Tensor], group_size: int, op: str = "SUM",
               checked: bool = True) -> CollectiveRecord:
+        if self.before is not None:
+            self.before(inp)
         module, layer, where, source = self.attribute(inp)
         t = inp if isinstance(inp, torch.Tensor) else None
         rec = CollectiveRecord(seq=len(self.records), module=module, source=source, layer=layer, where=where,
@@ -185,6 +192,8 @@ class Audit:
         rec.seconds = time.perf_counter() - getattr(rec, "_t0", time.perf_counter())
         if self.progress is not None:
             self.progress.collective = None
+        if self.after is not None:
+            self.after(rec, out)
         if not rec.checked or not isinstance(out, torch.Tensor):
             rec.checked = rec.checked and isinstance(out, torch.Tensor)
             return

@@ -66,7 +66,7 @@ class StaticFingerprints:
         self.tf = tf
         self.device = torch.device(device)
         self.seed, self.k = seed, k
-        self.knobs = tf._knobs()
+        self.knobs = tf.tuning()
         self.plans: list[dict] = []
         self.frozen = False
         self.cursor = 0
@@ -91,7 +91,7 @@ class StaticFingerprints:
             if not self.tf.supported(t):
                 raise GraphTapMismatch(f"slot {i}: tensor {tuple(t.shape)} {t.dtype} (contiguous "
                                        f"{t.is_contiguous()}) cannot be fingerprinted in place")
-            p = self.tf.plan(tuple(t.shape), t.dtype, t.device, self.k, self._foff, self._ioff,
+            p = self.tf.plan_one(tuple(t.shape), t.dtype, t.device, self.k, self._foff, self._ioff,
                              self._ntok, self.knobs)
             self._foff, self._ioff, self._ntok = self._foff + p["nf"], self._ioff + p["ni"], self._ntok + p["nt"]
             if self.side_stream:      # a 16-byte aligned slice of the dtype's staging buffer

@@ -22,6 +22,7 @@ Capture points (names used everywhere in tpprobe):
 from __future__ import annotations
 
 import fnmatch
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -90,6 +91,10 @@ def residual_stream(output) -> Optional[torch.Tensor]:
     return None
 
 
+class DeviceStalled(RuntimeError):
+    """The GPU did not complete an all-reduce within the deadline (a peer died or hung)."""
+
+
 class Tap:
     def __init__(self, model: torch.nn.Module, *, embed: Optional[str] = None, layers: Optional[str] = None,
                  input_ids: Optional[torch.Tensor] = None, keep: Callable[[str], bool] = lambda n: True,
@@ -97,7 +102,8 @@ class Tap:
                  keep_allreduce_tensors: bool = True, audit: bool = True,
                  progress: Optional[Progress] = None, extensions: tuple = (),
                  admit: Optional[Callable[[str, torch.Tensor], bool]] = None,
-                 sample_rows: Optional[int] = None):
+                 sample_rows: Optional[int] = None,
+                 device_lag: Optional[tuple[int, float]] = None):
         self.model = model
         self.embed_spec, self.layer_spec, self.input_ids = embed, layers, input_ids
         # admit(name, tensor): asked BEFORE a kept point is copied (a byte budget); sample_rows:
@@ -110,9 +116,11 @@ class Tap:
         self.captures: dict[str, torch.Tensor] = {}
         self.summaries: dict[str, Any] = {}
         self.order: list[str] = []                 # capture points in the order they fired
+        self.after: dict[str, int] = {}            # point -> collectives issued before it
         self.auditor = Audit(self._attribution,
                              keep=lambda where: self.keep_ar or (where == "embed" and self.keep("embed.local")),
-                             summarize=summarize, progress=self.progress, copy=self._audit_copy)
+                             summarize=summarize, progress=self.progress, copy=self._audit_copy,
+                             before=self._before_collective, after=self._after_collective)
         self.allreduces: list[CollectiveRecord] = self.auditor.records
         self.progress.audit = self.allreduces
         self.layer_how, self.layer_list, self.embed_how = "", "", ""
@@ -129,6 +137,14 @@ class Tap:
         # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
         self.extensions = tuple(extensions)
         self._ext_handles: list = []
+        # (collectives, seconds): CUDA only. Before issuing an all-reduce the host lets the GPU run
+        # at most `collectives` all-reduces behind it, waiting (polling an event) at most `seconds`.
+        # NCCL never blocks the host, so without a bound a forward whose peer died keeps queueing
+        # kernels behind the stuck collective until the launch queue is full and the host blocks
+        # in a kernel launch for good (seen on 2 H200s); with it the forward raises DeviceStalled,
+        # as a blocking backend's collective would, and the probe reports.
+        self.device_lag = device_lag
+        self.device_stalled = False
         self.stream_from_layer_output = True
         self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
 
@@ -238,6 +254,7 @@ class Tap:
     def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
         if t is None:
             return
+        self.after[name] = len(self.allreduces)
         self.order.append(name)
         if self.keep(name) and self._admitted(name, t):
             self.captures[name] = self._copy(t, copied)
@@ -259,6 +276,7 @@ class Tap:
             self._record("embed.local", out, copied=False)
         else:
             self.order.append("embed.local")
+            self.after["embed.local"] = local.seq
             if local.inp is not None and self.keep("embed.local"):
                 self.captures["embed.local"] = local.inp
             if self.summarize is not None and local.inp_summary is not None:
@@ -276,6 +294,7 @@ class Tap:
             return     # an owed output (SGLang's OwedOutput) is a handle, never a tensor to read
         if self.summarize is None and not self.keep(name):
             self.order.append(name)       # nothing to keep: do not even form hidden + residual
+            self.after[name] = len(self.allreduces)
             return
         self._record(name, residual_stream(output), copied=True)
 
@@ -303,6 +322,31 @@ class Tap:
             name = "embed.local"
         return self._copy(t) if self._admitted(name, t) else None
 
+    def _before_collective(self, inp) -> None:
+        if self.device_lag is not None and isinstance(inp, torch.Tensor) and inp.is_cuda:
+            self._bound_lag()
+
+    def _after_collective(self, rec: CollectiveRecord, out) -> None:
+        t = out if isinstance(out, torch.Tensor) else None
+        if t is not None and t.is_cuda:    # completes when the collective does (wait() ordered the stream)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.progress.events.append((rec.seq, ev))
+
+    def _bound_lag(self) -> None:
+        lag, limit = self.device_lag
+        ev = self.progress.events
+        if len(ev) < lag or ev[-lag][1].query():
+            return
+        seq, e = ev[-lag]
+        t_end = time.time() + limit
+        while not e.query():
+            if time.time() > t_end:
+                self.device_stalled = True
+                raise DeviceStalled(f"all-reduce #{seq + 1 if seq + 1 < len(self.allreduces) else seq} did not "
+                                    f"complete on the GPU within {limit:g}s")
+            time.sleep(0.0001)
+
     def _attribution(self, tensor):
         module = self._stack[-1][0] if self._stack else "<outside hooked modules>"
         layer = next((idx for _, kind, idx in reversed(self._stack) if kind == "layer"), None)
@@ -319,6 +363,19 @@ class Tap:
                         layer, where = row["layer"], layer_place(row["layer"])
                     break
         return module, layer, where, source
+
+    def truncate_to_device(self, done: int) -> None:
+        """The device completed all-reduces up to #done and no further (a peer died or hung; the
+        communicator was aborted): keep what a blocking backend would have, the captures taken
+        before #done + 1 and its input, and drop what was computed from its unfinished output."""
+        cut = done + 1
+        for name in [n for n, k in self.after.items() if k > cut]:
+            self.captures.pop(name, None)
+            self.summaries.pop(name, None)
+        self.order = [n for n in self.order if self.after.get(n, 0) <= cut]
+        del self.allreduces[cut + 1:]
+        if len(self.allreduces) > cut:
+            self.allreduces[cut].out = self.allreduces[cut].out_summary = None
 
     def unreduced_rows(self) -> list[dict]:
         return [{"module": r["module"], "layer": r["layer"]} for r in self.row_outputs if not r["reduced"]]

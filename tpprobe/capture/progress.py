@@ -16,8 +16,32 @@ class Progress:
     collective: Optional[dict] = None       # the all-reduce this rank is blocked in, if any
     since: float = field(default_factory=time.time)
     audit: Optional[list] = None            # this rank's all-reduce records so far (for stall posts)
+    # CUDA tensors: (seq, event recorded on the stream right after all-reduce #seq). The host does
+    # not block in an NCCL collective, so what the device completed is read from these events
+    events: list = field(default_factory=list, repr=False)
+    _done: int = -1
 
     changed: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def device_done(self) -> int:
+        """The last all-reduce the device completed (-1: none), from the events (never blocks; one
+        stream, so they complete in order)."""
+        ev = self.events
+        i = self._done + 1
+        while i < len(ev):
+            try:
+                if not ev[i][1].query():
+                    break
+            except Exception:
+                break
+            i += 1
+        self._done = i - 1
+        return ev[self._done][0] if self._done >= 0 else -1
+
+    def device_pending(self) -> Optional[int]:
+        """The first all-reduce issued on the device and not completed, if any."""
+        done = self.device_done()
+        return done + 1 if self.events and done + 1 <= self.events[-1][0] else None
 
     def set(self, phase: str, where: str = "") -> None:
         if phase != self.phase:

@@ -38,10 +38,12 @@ def point_meta(name: str, t: Optional[torch.Tensor], fp=None) -> dict:
 
 def rank_record(tap, *, rank: int, world: int, input_ids: torch.Tensor, model: torch.nn.Module,
                 packed: Optional[torch.Tensor] = None, status: str = "ok", error: Optional[str] = None,
-                timings: Optional[dict] = None, device=None, extra: Optional[dict] = None) -> tuple[dict, dict]:
+                timings: Optional[dict] = None, device=None, extra: Optional[dict] = None,
+                params: Optional[dict] = None) -> tuple[dict, dict]:
     """(tensors, meta) of one forward under `tap`: the kept capture points, the audited
     collectives' inputs and outputs, the tokens, the packed aux tensor; `extra` adds keys of the
-    caller's own (the probe's hidden size, the plugin's step and forward mode)."""
+    caller's own (the probe's hidden size, the plugin's step and forward mode); `params`: the
+    replicated-parameter hashes when already taken (on a side stream, the model's being blocked)."""
     tensors = {n: t for n, t in tap.captures.items() if isinstance(t, torch.Tensor)}
     for rec in tap.allreduces:
         if rec.inp is not None and rec.out is not None:
@@ -55,7 +57,7 @@ def rank_record(tap, *, rank: int, world: int, input_ids: torch.Tensor, model: t
                    if n in tensors or n in tap.summaries],
         "allreduces": [r.meta() for r in tap.allreduces], "unreduced_rows": tap.unreduced_rows(),
         "embed_module": tap.embed_name, "layers_hooked": len(tap.layer_indices), "coverage": tap.coverage(),
-        "aux": aux_meta(packed), "params": replicated_param_hashes(model),
+        "aux": aux_meta(packed), "params": replicated_param_hashes(model) if params is None else params,
         "timings": dict(timings or {}), "device": str(device if device is not None else input_ids.device),
         **(extra or {}),
     }

@@ -18,7 +18,7 @@ import torch
 from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
                     within_noise)
 from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
-from ..exchange.fingerprint import PROBE_K, PROBE_SEED, Fingerprint, fingerprint, sum_matches
+from ..exchange.fingerprint import PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
@@ -278,6 +278,8 @@ def add_fingerprints(meta: dict, tap, packed: Optional[torch.Tensor], hidden: in
     if packed is not None:
         fps["aux.packed"] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
     meta["fingerprints"] = fps
+    if TORCH_PATH and str(meta.get("device", "")).startswith("cuda"):   # why the fused kernel was not used
+        meta["fingerprint_torch_path"] = dict(TORCH_PATH)
     for m, rec in zip(meta["allreduces"], tap.allreduces):
         if rec.inp_summary is not None and rec.out_summary is not None:
             m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)

@@ -2,11 +2,28 @@
 never issued, or that failed with an error. Each becomes one root finding."""
 from __future__ import annotations
 
+from typing import Optional
+
 from .collectives import extra_collective_place
 from .findings import Finding
 
 
-def missing_rank_findings(missing: dict, records: dict, live: list[int], counts: dict[int, int]) -> list[Finding]:
+def flight_text(fr: Optional[dict]) -> str:
+    """Which collective sequence number each rank's NCCL reached, from the flight recorders."""
+    parts = []
+    for r, v in sorted((fr or {}).items(), key=lambda kv: int(kv[0])):
+        for g in (v.get("groups") or {}).values():
+            t = f"rank {r} completed seq {g['last_completed']}"
+            if g.get("first_open"):
+                o = g["first_open"]
+                t += f", seq {o['seq']} {o.get('op') or ''} {o.get('state') or ''}".rstrip()
+            parts.append(t)
+            break      # the default group (the model's) first
+    return "; ".join(parts)
+
+
+def missing_rank_findings(missing: dict, records: dict, live: list[int], counts: dict[int, int],
+                          flight_recorder: Optional[dict] = None) -> list[Finding]:
     """One finding per missing rank: a collective-mismatch when it blocked in an all-reduce the
     live ranks never issued, else a rank-timeout with what its last heartbeat said."""
     ref = live[0]
@@ -34,6 +51,12 @@ def missing_rank_findings(missing: dict, records: dict, live: list[int], counts:
             doing = f"{hb.get('phase', 'starting')}{': ' + hb['where'] if hb.get('where') else ''}"
             if hb.get("collective"):
                 doing += f", in all-reduce #{hb['collective']['seq']} ({hb['collective'].get('module')})"
+            if hb.get("done") is not None:     # NCCL: what its GPU completed (CUDA events)
+                doing += (f"; its GPU had completed all-reduce #{hb['done']}" if hb["done"] >= 0
+                          else "; its GPU had completed no all-reduce")
+            fr = flight_text(flight_recorder)
+            if fr:
+                doing += f"; NCCL flight recorder: {fr}"
             state = info.get("state", "died or hung")
             roots.append(Finding(
                 "rank-timeout", hb.get("phase") or "startup", [r],

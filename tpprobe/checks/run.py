@@ -53,7 +53,7 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     missing = {int(r): v for r, v in (liveness or {}).get("missing", {}).items()}
     out["ranks_missing"] = sorted(missing)
     counts = {r: len(records[r].meta.get("allreduces", [])) for r in live}
-    roots += missing_rank_findings(missing, records, live, counts)
+    roots += missing_rank_findings(missing, records, live, counts, (liveness or {}).get("flight_recorder"))
     errors = {r: records[r].meta.get("error") for r in live if records[r].meta.get("status") == "error"}
     if errors and not roots:
         roots += rank_error_findings(errors)

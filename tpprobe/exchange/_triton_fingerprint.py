@@ -139,9 +139,8 @@ def _side(w, q, s0, s1, s2, s3, S, acc_s, acc_x, nwords, BR: tl.constexpr, W: tl
 
 
 @triton.jit
-def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows,
-          BR: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr,
-          BPT: tl.constexpr, DO_FLAGS: tl.constexpr, MASKED: tl.constexpr, SKIP: tl.constexpr,
+def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows, bpt_m, bpt_s,
+          BR: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr, DO_FLAGS: tl.constexpr, MASKED: tl.constexpr, SKIP: tl.constexpr,
           INTERP: tl.constexpr):
     """One tile of BR sign rows: wt = the SPLIT sides' words ([BR, W] each, side i = words
     i*W .. i*W + W - 1 of each row), SS their accumulators."""
@@ -151,7 +150,7 @@ def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows,
     s1 = _sgn(hr, 1)
     s2 = _sgn(hr, 2)
     s3 = _sgn(hr, 3)
-    q = t.to(tl.int64) * (BR * 64) + off
+    q = tl.cast(t, tl.int64) * (BR * 64) + off
     L, acc_s, acc_x, nz = _side(wt[0], q, s0, s1, s2, s3, SS[0], acc_s, acc_x, nwords, BR, W, DT,
                                 MASKED, SKIP, INTERP)
     if SPLIT == 2:
@@ -166,7 +165,11 @@ def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows,
         m = nz != 0
         if MASKED:
             m = m & (_pick4(tl.broadcast_to(rows, (BR, W)), BR, W) < nbrows)
-        tok = _pick4(tl.broadcast_to(rows // BPT, (BR, W)), BR, W)
+        # the token of each row: rows // bpt by a multiply-high (bpt_m == 0: bpt is 1), so
+        # the divisor is a runtime value and not one more specialization per hidden size
+        mg = tl.cast(bpt_m, tl.int32).to(tl.uint32, bitcast=True)       # passed as an int32
+        rt = tl.where(bpt_m == 0, rows, (tl.umulhi(rows.to(tl.uint32), mg) >> bpt_s).to(rows.dtype))
+        tok = _pick4(tl.broadcast_to(rt, (BR, W)), BR, W)
         if not INTERP:
             # a predicated store in the tensor's own layout (tl.store would move the mask
             # through shared memory to a layout of its choosing)
@@ -181,7 +184,7 @@ def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows,
 @triton.jit
 def _ld(base, t, nfull, TW: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, CHECK: tl.constexpr):
     """The SPLIT sides of full tile t (all zero, nothing read, when CHECK and t >= nfull)."""
-    p = base + t.to(tl.int64) * TW
+    p = base + tl.cast(t, tl.int64) * TW
     if CHECK:
         ok = t < nfull
         a = tl.load(p, mask=ok, other=0).to(tl.uint32, bitcast=True)
@@ -222,11 +225,13 @@ def _proj(S, a_ptr, w0: tl.constexpr, W: tl.constexpr, KP: tl.constexpr):
     return tl.sum(zl * alo + zh * ahi, axis=0)
 
 
-@triton.jit
+# The sizes are runtime values, never specialised (no constant 1, no divisibility by 16): one
+# binary per dtype / k / flags takes every shape (tests/test_kernel_compile.py compiles them all).
+# Their loads and stores need no size hints: full tiles are unmasked or masked by a scalar.
+@triton.jit(do_not_specialize=["nwords", "nbrows", "nfull", "ntiles", "salt_b0", "NPROG", "bpt_m", "bpt_s"])
 def _fp16_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr,
-                 nwords, nbrows, nfull, ntiles, salt_b0,
-                 DT: tl.constexpr, BR: tl.constexpr, KP: tl.constexpr, NPROG: tl.constexpr,
-                 BPT: tl.constexpr, DO_FLAGS: tl.constexpr, SPLIT: tl.constexpr = 2,
+                 nwords, nbrows, nfull, ntiles, salt_b0, NPROG, bpt_m, bpt_s,
+                 DT: tl.constexpr, BR: tl.constexpr, KP: tl.constexpr, DO_FLAGS: tl.constexpr, SPLIT: tl.constexpr = 2,
                  DEPTH: tl.constexpr = 2, SKIP: tl.constexpr = 0, INTERP: tl.constexpr = False):
     """16-bit tensors (bf16 / fp16) read as 32-bit words, sign rows of 64 words.
 
@@ -258,10 +263,10 @@ def _fp16_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr,
         for _ in range(pid, nfull - NPROG, 2 * NPROG):          # tiles t, t + NPROG: full
             wb = _ld(base, t + NPROG, nfull, TW, W, SPLIT, False)
             SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
-                                     nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+                                     nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, False, SKIP, INTERP)
             wa = _ld(base, t + 2 * NPROG, nfull, TW, W, SPLIT, True)
             SS, acc_s, acc_x = _tile(wb, t + NPROG, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr,
-                                     nwords, nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+                                     nwords, nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, False, SKIP, INTERP)
             t += 2 * NPROG
     else:
         wa = _ld(base, t, nfull, TW, W, SPLIT, True)
@@ -269,32 +274,34 @@ def _fp16_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr,
         for _ in range(pid, nfull - 2 * NPROG, 3 * NPROG):      # tiles t .. t + 2 NPROG: full
             wc = _ld(base, t + 2 * NPROG, nfull, TW, W, SPLIT, False)
             SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
-                                     nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+                                     nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, False, SKIP, INTERP)
             wa = _ld(base, t + 3 * NPROG, nfull, TW, W, SPLIT, True)
             SS, acc_s, acc_x = _tile(wb, t + NPROG, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr,
-                                     nwords, nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+                                     nwords, nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, False, SKIP, INTERP)
             wb = _ld(base, t + 4 * NPROG, nfull, TW, W, SPLIT, True)
             SS, acc_s, acc_x = _tile(wc, t + 2 * NPROG, off, rows_l, sb0, SS, acc_s, acc_x,
-                                     flag_ptr, nwords, nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS,
+                                     flag_ptr, nwords, nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS,
                                      False, SKIP, INTERP)
             t += 3 * NPROG
         if t + NPROG < nfull:      # two full tiles left (already loaded): the first one here
             SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
-                                     nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+                                     nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, False, SKIP, INTERP)
             wa = wb
             t += NPROG
     if t < nfull:        # one full tile left (already loaded)
         SS, acc_s, acc_x = _tile(wa, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
-                                 nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, False, SKIP, INTERP)
+                                 nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, False, SKIP, INTERP)
     if (nfull < ntiles) & (pid == nfull % NPROG):       # the one partial tile, masked
-        q = nfull.to(tl.int64) * TW + off
+        # tl.cast, not .to: an int argument equal to 1 arrives as a Python int (Triton
+        # specialises it to a constant), which has no .to
+        q = tl.cast(nfull, tl.int64) * TW + off
         a = tl.load(w_ptr + q, mask=q < nwords, other=0).to(tl.uint32, bitcast=True)
         if SPLIT == 2:
             wt = (a, tl.load(w_ptr + q + W, mask=q + W < nwords, other=0).to(tl.uint32, bitcast=True))
         else:
             wt = (a,)
         SS, acc_s, acc_x = _tile(wt, nfull, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords,
-                                 nbrows, BR, W, SPLIT, DT, BPT, DO_FLAGS, True, SKIP, INTERP)
+                                 nbrows, bpt_m, bpt_s, BR, W, SPLIT, DT, DO_FLAGS, True, SKIP, INTERP)
     # epilogue: project Z on the column signs; one row of partials per program
     L = SS[0]
     sk = _proj(L, a_ptr, 0, W, KP)
@@ -319,9 +326,9 @@ def _fp16_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr,
     tl.store(ibase + 2, tl.cast(0, tl.int64))
     tl.store(ibase + 3, tl.cast(0, tl.int64))
 
-@triton.jit
+@triton.jit(do_not_specialize=["nbrows", "brows_per_token", "iters", "salt_b0", "NPROG"])
 def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, brows_per_token,
-                 iters, salt_b0, BLOCK_R: tl.constexpr, KP: tl.constexpr, NPROG: tl.constexpr,
+                 iters, salt_b0, NPROG, BLOCK_R: tl.constexpr, KP: tl.constexpr,
                  DO_FLAGS: tl.constexpr):
     """fp32 tensors: tiles of BLOCK_R sign rows x 128 words, grid-stride; the sketch as
     Y = X_tile @ A (ieee fp32 dot, A = the +-1 column signs), weighed by the row signs."""
@@ -373,10 +380,46 @@ def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, b
     tl.store(ibase + 3, tl.sum(acc_inf, axis=0).to(tl.int64))
 
 
+# 16-bit tensors need sm_90's max.u16x2 (PTX ISA 8.0); the fp32 kernel builds from sm_80 on
+MIN_CC = {torch.bfloat16: (9, 0), torch.float16: (9, 0), torch.float32: (8, 0)}
+
+
+def unsupported_reason(shape, dtype, element_size: int, contiguous: bool, data_ptr: int,
+                       cc: tuple) -> str:
+    """Why a tensor of this layout takes the torch path on a GPU of compute capability ``cc``
+    ("" when the fused kernel takes it)."""
+    n = math.prod(shape)
+    if dtype not in _DT:
+        return f"{str(dtype).replace('torch.', '')}: no kernel for this dtype"
+    if tuple(cc) < MIN_CC[dtype]:
+        return (f"{str(dtype).replace('torch.', '')} on sm_{cc[0]}{cc[1]}: the kernel needs "
+                f"sm_{MIN_CC[dtype][0]}{MIN_CC[dtype][1]} (max.u16x2)")
+    if not contiguous:
+        return "not contiguous"
+    if n == 0:
+        return "empty"
+    if (n * element_size) % 4:
+        return "odd byte count"
+    if data_ptr % 16:
+        return "not 16-byte aligned"
+    if n * element_size // 4 >= 2 ** 31 - 2 ** 20:
+        return "over 2^31 words"
+    return ""
+
+
+_CC: dict = {}
+
+
+def device_cc(device) -> tuple:
+    d = torch.device(device).index or 0
+    if d not in _CC:
+        _CC[d] = torch.cuda.get_device_capability(d)
+    return _CC[d]
+
+
 def supported(t: torch.Tensor) -> bool:
-    return (t.is_cuda and t.dtype in _DT and t.is_contiguous() and t.numel() > 0
-            and (t.numel() * t.element_size()) % 4 == 0 and t.data_ptr() % 16 == 0
-            and t.numel() * t.element_size() // 4 < 2 ** 31 - 2 ** 20)
+    return t.is_cuda and not unsupported_reason(tuple(t.shape), t.dtype, t.element_size(), t.is_contiguous(),
+                                                t.data_ptr(), device_cc(t.device))
 
 
 _A: dict = {}
@@ -415,55 +458,116 @@ def _env(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def _knobs(block_r=None, num_warps=None, progs_per_sm=None, maxnreg=None, split=None, depth=None) -> dict:
+def tuning(block_r=None, num_warps=None, progs_per_sm=None, maxnreg=None, split=None, depth=None):
     return dict(block_r=block_r or _env("TPPROBE_FP_BLOCK_R", 16),
                 num_warps=num_warps or _env("TPPROBE_FP_WARPS", 4),
                 progs_per_sm=progs_per_sm or _env("TPPROBE_FP_PROGS", 3),
                 maxnreg=maxnreg if maxnreg is not None else _env("TPPROBE_FP_MAXNREG", 144),
-                split=split or _env("TPPROBE_FP_SPLIT", 2), depth=depth or _env("TPPROBE_FP_DEPTH", 3))
+                split=split or _env("TPPROBE_FP_SPLIT", 2),
+                depth=depth or _env("TPPROBE_FP_DEPTH", 3))
+
+_tuning, _cc = tuning, device_cc     # the names tests and bench/ use
 
 
-def plan(shape, dtype, device, k: int, foff: int, ioff: int, toff: int, knobs: dict) -> dict:
-    """Where one tensor's partials go in a batch buffer (offsets in float32 / int64 / int32 token
-    flags), and its launch geometry; depends on (shape, dtype, device) only, so a CUDA-graph tap
-    can lay out its static buffer before the forward it captures."""
-    kp = _kp(k, dtype)
-    n = math.prod(shape)
-    esize = torch.empty(0, dtype=dtype).element_size()
-    nwords = n * esize // 4
-    nbrows = -(-n // F.SKETCH_ROW)
-    br = knobs["block_r"] if dtype != torch.float32 else 16
-    ntiles = -(-nbrows // br)
-    nprog = max(1, min(ntiles, knobs["progs_per_sm"] * _nsm(device)))
-    flags = len(shape) == 2 and shape[1] % F.SKETCH_ROW == 0 and shape[1] > 0
-    return dict(shape=list(shape), dtype=dtype, kp=kp, br=br, nwords=nwords, nbrows=nbrows,
-                ntiles=ntiles, nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=toff,
-                nf=nprog * (kp + 2), ni=nprog * 4, nt=shape[0] if flags else 0)
+def plan(tensors, k: int, nsm: int, block_r: int, progs_per_sm: int, **_) -> tuple[list, int, int, int]:
+    """Per tensor: the sizes launch() passes its kernel; and the partial buffers' sizes
+    (int64 words, float32 words, token flags).  Needs only shape, dtype and element size, so the
+    CI test (tests/test_kernel_compile.py) plans meta tensors of any size exactly as launch() does."""
+    plans = []
+    foff = ioff = ntok = 0
+    for t in tensors:
+        kp = _kp(k, t.dtype)
+        n = t.numel()
+        nwords = n * t.element_size() // 4
+        nbrows = -(-n // F.SKETCH_ROW)
+        br = block_r if t.dtype != torch.float32 else 16
+        ntiles = -(-nbrows // br)
+        nprog = max(1, min(ntiles, progs_per_sm * nsm))
+        flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
+        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, kp=kp, br=br, nwords=nwords, nbrows=nbrows,
+                          ntiles=ntiles, nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=ntok))
+        # every slice 16-byte aligned: one pointer specialization, whatever the shapes
+        foff += -(-nprog * (kp + 2) // 4) * 4
+        ioff += nprog * 4
+        if flags:
+            ntok += -(-t.shape[0] // 4) * 4
+    return plans, ioff, foff, ntok
+
+
+def plan_one(shape, dtype, device, k: int, foff: int, ioff: int, toff: int, knobs: dict) -> dict:
+    """``plan`` of one tensor known by (shape, dtype, device) only, its partials at the given
+    offsets; with its sizes nf / ni / nt (float32 / int64 / token-flag words).  A CUDA-graph tap
+    (capture/graph_tap.py) lays out its static buffer with it before the forward it captures."""
+    [p], ni, nf, nt = plan([torch.empty(tuple(shape), dtype=dtype, device="meta")], k, _nsm(device), **knobs)
+    del p["t"]
+    p.update(foff=foff, ioff=ioff, toff=toff, nf=nf, ni=ni, nt=nt)
+    return p
+
+
+def buffer_words(ioff: int, foff: int, ntok: int) -> int:
+    return max(ioff + (foff + 1) // 2 + (ntok + 1) // 2, 1)
+
+
+def split_buffer(buf, ioff: int, foff: int):
+    """(int64 partials, float32 partials, int32 token flags) views of one batch buffer, device
+    tensor or host numpy array alike: [int64 partials | float32 partials | int32 token flags]."""
+    nf64 = (foff + 1) // 2
+    if isinstance(buf, np.ndarray):
+        return buf[:ioff], buf[ioff:ioff + nf64].view(np.float32), buf[ioff + nf64:].view(np.int32)
+    return buf[:ioff], buf[ioff:ioff + nf64].view(torch.float32), buf[ioff + nf64:].view(torch.int32)
+
+
+def buffers(ioff: int, foff: int, ntok: int, device):
+    """One buffer: [int64 partials | float32 partials | int32 token flags]."""
+    buf = torch.empty(buffer_words(ioff, foff, ntok), dtype=torch.int64, device=device)
+    return (buf, *split_buffer(buf, ioff, foff))
+
+
+def _divmagic(d: int) -> tuple[int, int]:
+    """(m, s) with n // d == umulhi(n, m) >> s for every 0 <= n < 2^31 (m as the int32 of its
+    bits); (0, 0) for d == 1."""
+    if d == 1:
+        return 0, 0
+    lg = (d - 1).bit_length()
+    m = (1 << (31 + lg)) // d + 1          # < 2^32; passed as the int32 of the same bits
+    return m - (1 << 32) if m >= 1 << 31 else m, lg - 1
+
+
+def calls(plans, bufs, seed: int, k: int, tune: dict, skip: int = 0, signs=None):
+    """(kernel, grid, args, kwargs) of each launch, in order.  ``signs(kp)`` gives the column-sign
+    matrix (a device tensor in launch(); anything with a data_ptr in the compile test)."""
+    _, ipart, fpart, flagbuf = bufs
+    salt = F.row_salts(seed, 1)[0]
+    out = []
+    for p in plans:
+        t = p["t"]
+        words = t.view(-1).view(torch.int32)
+        flag = flagbuf[p["toff"]:] if p["flags"] else flagbuf
+        bpt = (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1
+        a = signs(p["kp"])
+        if t.dtype == torch.float32:
+            out.append((_fp32_kernel, (p["nprog"],),
+                        (words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"], bpt,
+                         -(-p["ntiles"] // p["nprog"]), salt, p["nprog"]),
+                        dict(BLOCK_R=p["br"], KP=p["kp"], DO_FLAGS=p["flags"], num_warps=4)))
+            continue
+        kw = {"maxnreg": tune["maxnreg"]} if tune["maxnreg"] and not _INTERP else {}
+        out.append((_fp16_kernel, (p["nprog"],),
+                    (words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"],
+                     p["nwords"] // (p["br"] * 64), p["ntiles"], salt, p["nprog"], *_divmagic(bpt)),
+                    dict(DT=_DT[t.dtype], BR=p["br"], KP=p["kp"],
+                         DO_FLAGS=p["flags"], SPLIT=tune["split"], DEPTH=tune["depth"], SKIP=skip,
+                         INTERP=_INTERP, num_warps=tune["num_warps"], **kw)))
+    return out
 
 
 def launch_one(p: dict, t: torch.Tensor, ipart, fpart, flagbuf, seed: int, k: int, knobs: dict,
                skip: int = 0) -> None:
     """One kernel launch writing tensor t's partials at plan p's offsets (no allocation, no sync:
     the token-flag words must be zero before, which the caller does once per batch)."""
-    words = t.view(-1).view(torch.int32)
-    flag = flagbuf[p["toff"]:] if p["flags"] else flagbuf
-    bpt = (t.shape[1] // F.SKETCH_ROW) if p["flags"] else 1
-    a = _signs(seed, k, p["kp"], t.device)
-    salt = F.row_salts(seed, 1)[0]
-    if t.dtype == torch.float32:
-        _fp32_kernel[(p["nprog"],)](
-            words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"], bpt,
-            -(-p["ntiles"] // p["nprog"]), salt, BLOCK_R=p["br"], KP=p["kp"], NPROG=p["nprog"],
-            DO_FLAGS=p["flags"], num_warps=4)
-        return
-    maxnreg = knobs["maxnreg"]
-    kw = {"maxnreg": maxnreg} if maxnreg and not _INTERP else {}
-    _fp16_kernel[(p["nprog"],)](
-        words, a, fpart[p["foff"]:], ipart[p["ioff"]:], flag, p["nwords"], p["nbrows"],
-        p["nwords"] // (p["br"] * 64), p["ntiles"], salt,
-        DT=_DT[t.dtype], BR=p["br"], KP=p["kp"], NPROG=p["nprog"], BPT=bpt,
-        DO_FLAGS=p["flags"], SPLIT=knobs["split"], DEPTH=knobs["depth"], SKIP=skip, INTERP=_INTERP,
-        num_warps=knobs["num_warps"], **kw)
+    for kern, grid, args, kw in calls([dict(p, t=t)], (None, ipart, fpart, flagbuf), seed, k, knobs, skip,
+                                      signs=lambda kp: _signs(seed, k, kp, t.device)):
+        kern[grid](*args, **kw)
 
 
 def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tensor=None) -> F.Fingerprint:
@@ -494,19 +598,6 @@ def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tens
         sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
 
 
-def split_buffer(buf, ioff: int, foff: int):
-    """(int64 partials, float32 partials, int32 token flags) views of one batch buffer, device
-    tensor or host numpy array alike: [int64 partials | float32 partials | int32 token flags]."""
-    nf64 = (foff + 1) // 2
-    if isinstance(buf, np.ndarray):
-        return buf[:ioff], buf[ioff:ioff + nf64].view(np.float32), buf[ioff + nf64:].view(np.int32)
-    return buf[:ioff], buf[ioff:ioff + nf64].view(torch.float32), buf[ioff + nf64:].view(torch.int32)
-
-
-def buffer_words(ioff: int, foff: int, ntok: int) -> int:
-    return max(ioff + (foff + 1) // 2 + (ntok + 1) // 2, 1)
-
-
 def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None,
            maxnreg=None, split=None, depth=None, skip: int = 0):
     """Launch the kernels for a batch; returns (host-side finisher, device buffer).  Nothing here
@@ -515,32 +606,33 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
     16 / 4 / 3 / 144 / 2 / 3, the fastest on the H200 in bench/fingerprint_gpu.py --tune; or
     TPPROBE_FP_BLOCK_R, _WARPS, _PROGS, _MAXNREG, _SPLIT, _DEPTH in the environment); ``skip``
     leaves stages out (benchmark ablations only: wrong results)."""
-    knobs = _knobs(block_r, num_warps, progs_per_sm, maxnreg, split, depth)
-    plans = []
-    foff = ioff = ntok = 0
-    for t in tensors:
-        p = plan(tuple(t.shape), t.dtype, t.device, k, foff, ioff, ntok, knobs)
-        plans.append(p)
-        foff, ioff, ntok = foff + p["nf"], ioff + p["ni"], ntok + p["nt"]
-    buf = torch.empty(buffer_words(ioff, foff, ntok), dtype=torch.int64, device=tensors[0].device)
-    ipart, fpart, flagbuf = split_buffer(buf, ioff, foff)
+    tune = tuning(block_r, num_warps, progs_per_sm, maxnreg, split, depth)
+    dev = tensors[0].device
+    plans, ioff, foff, ntok = plan(tensors, k, _nsm(dev), **tune)
+    bufs = buffers(ioff, foff, ntok, dev)
+    buf, flagbuf = bufs[0], bufs[3]
     if ntok:
         flagbuf.zero_()
-    for p, t in zip(plans, tensors):
-        launch_one(p, t, ipart, fpart, flagbuf, seed, k, knobs, skip)
+    for kern, grid, args, kw in calls(plans, bufs, seed, k, tune, skip,
+                                      signs=lambda kp: _signs(seed, k, kp, dev)):
+        kern[grid](*args, **kw)
     # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
-    extra = {i: (t != 0).any(dim=1) for i, (p, t) in enumerate(zip(plans, tensors))
-             if t.dim() == 2 and not p["flags"]}
+    extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)
+             if p["t"].dim() == 2 and not p["flags"]}
 
-    def finish():
+    def finish(host_parts=None):
         # one D2H copy, then numpy on the host buffer (a few microseconds per op, where a
-        # torch op on small CPU tensors costs ten): the combine is exact integers / float64
-        host = buf.cpu().numpy()
-        hi, hf, hflag = split_buffer(host, ioff, foff)
-        return [combine_one(p, hi, hf, hflag, seed, k,
-                            rows_extra=extra[i].cpu().numpy() if i in extra else None, tensor=t)
-                for i, (p, t) in enumerate(zip(plans, tensors))]
+        # torch op on small CPU tensors costs ten): the combine is exact integers / float64.
+        # host_parts: finish.parts already copied by the caller (fingerprint.Deferred copies
+        # every launch of a forward in one transfer)
+        if host_parts is None:
+            host_parts = [v.cpu().numpy() for v in finish.parts]
+        ex = {i: v.astype(bool) for i, v in zip(extra, host_parts[1:])}
+        hi, hf, hflag = split_buffer(host_parts[0], ioff, foff)
+        return [combine_one(p, hi, hf, hflag, seed, k, rows_extra=ex.get(i), tensor=p["t"])
+                for i, p in enumerate(plans)]
 
+    finish.parts = [buf, *(v.to(torch.int64) for v in extra.values())]
     return finish, buf
 
 
@@ -563,3 +655,4 @@ def _nonfinite_stats(t: torch.Tensor):
 def fingerprint_batch(tensors, seed: int, k: int, **kw):
     finish, _ = launch(tensors, seed, k, **kw)
     return finish()
+

@@ -44,30 +44,135 @@ def env_rank() -> Optional[tuple[int, int, int]]:
         raise UsageError("RANK / WORLD_SIZE / LOCAL_RANK must be integers (set by torchrun)")
 
 
-def choose_backend(requested: Optional[str], local_rank: int) -> str:
+BACKEND_ENV = "TPPROBE_DIST_BACKEND"     # the launcher's one decision, passed to every rank
+
+
+def choose_backend(requested: Optional[str], local_world: int) -> str:
+    """One rule for every rank of a node (it depends on the node, never on the rank): NCCL when
+    each of the node's ranks has its own GPU, else gloo; an explicit nccl that cannot hold is a
+    usage error."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested and requested != "auto":
         if requested not in ("gloo", "nccl"):
             raise UsageError(f"unknown --backend {requested!r}: use gloo, nccl or auto")
-        if requested == "nccl" and not torch.cuda.is_available():
-            raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
+        if requested == "nccl" and gpus < local_world:
+            raise UsageError(f"--backend nccl needs one GPU per rank: {local_world} ranks on this node, "
+                             f"{gpus} GPU(s); run --nproc {gpus} or --backend gloo" if gpus else
+                             "--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
         return requested
-    # one code path for CPU and GPU: NCCL when every rank has its own CUDA device
-    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
-        return "nccl"
-    return "gloo"
+    return "nccl" if gpus and gpus >= local_world else "gloo"
+
+
+def _agree_backend(choice: str, rank: int, world: int, timeout: float) -> str:
+    """Under torchrun (no launcher of ours): every rank posts its node's choice to the agent's
+    store and all take the same one (gloo if any node cannot run NCCL)."""
+    try:
+        ch = Channel(open_store(timeout, run_prefix()), rank, world)
+        ch.post("backend", {"backend": choice})
+        got = ch.collect("backend", time.time() + timeout)
+    except Exception:
+        return choice
+    if len(got) < world:
+        raise UsageError(f"ranks {sorted(set(range(world)) - set(got))} did not start within --timeout "
+                         f"{timeout:g}s (no backend agreed)")
+    return "gloo" if any(v["backend"] == "gloo" for v in got.values()) else "nccl"
+
+
+# The NCCL process group's own timeout is deliberately LONGER than the probe's device deadline
+# (--timeout): the probe notices a stuck collective first (CUDA events), reads the flight recorder,
+# aborts the communicator and writes the report; the watchdog is only the backstop, and with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) it aborts the communicator without killing the
+# process that is writing the report (the default, 3, took the surviving rank down first).
+NCCL_PG_SLACK_S = 30.0
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            # the flight recorder's ring (TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.7)
+            ("TORCH_FR_BUFFER_SIZE" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
+             else "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000"}
 
 
 def init(backend: Optional[str], timeout: float, seed: int = 0) -> RankContext:
     rank, world, local = env_rank() or (0, 1, 0)
-    backend = choose_backend(backend, local)
+    decided = os.environ.get(BACKEND_ENV)
+    if decided in ("gloo", "nccl"):
+        backend = decided
+    else:
+        backend = choose_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            backend = _agree_backend(backend, rank, world, timeout)
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
+        for k, v in NCCL_ENV.items():
+            os.environ.setdefault(k, v)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
+        pg_timeout = timeout + NCCL_PG_SLACK_S if backend == "nccl" else timeout
+        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout),
                                 **({"device_id": device} if backend == "nccl" else {}))
     return RankContext(rank=rank, world_size=world, local_rank=local, device=device,
                        backend=backend, group=None, seed=seed)
+
+
+def wait_device(deadline: float, poll: float = 0.005) -> bool:
+    """Has the current CUDA stream drained by ``deadline`` (time.time())?  Polls an event: the
+    host never blocks on a stream that a dead peer's collective holds."""
+    ev = torch.cuda.Event()
+    ev.record()
+    while not ev.query():
+        if time.time() >= deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+def abort_nccl(timeout: float = 5.0) -> str:
+    """Abort the default group's NCCL communicator so no kernel stays blocked on a dead peer; in a
+    thread of its own, waited for at most ``timeout`` s (an abort that blocks never holds the report)."""
+    res = {"r": "abort did not return within %gs" % timeout}
+
+    def go():
+        try:
+            fn = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if fn is not None:
+                fn()
+            else:
+                dist.distributed_c10d._get_default_group().abort()
+            res["r"] = "aborted"
+        except Exception as e:     # already torn down by the watchdog, or an older torch
+            res["r"] = f"abort failed: {type(e).__name__}: {e}"
+    t = threading.Thread(target=go, daemon=True, name="tpprobe-nccl-abort")
+    t.start()
+    t.join(timeout)
+    return res["r"]
+
+
+def flight_recorder() -> Optional[dict]:
+    """PyTorch's NCCL Flight Recorder, summarised: for each process group, the last collective
+    sequence number this rank's NCCL scheduled, started and completed, and the first one not
+    completed.  None when unavailable (gloo, no buffer)."""
+    try:
+        import pickle
+        raw = torch._C._distributed_c10d._dump_nccl_trace(True, False, False)
+        dump = pickle.loads(raw)
+    except Exception:
+        return None
+    groups: dict = {}
+    for e in dump.get("entries", []):
+        if e.get("is_p2p"):
+            continue
+        g = groups.setdefault(str(e.get("process_group", ["?"])[0] if isinstance(e.get("process_group"), (list, tuple))
+                                  else e.get("process_group")), {"last_completed": -1, "last_started": -1,
+                                                                  "last_scheduled": -1, "first_open": None})
+        seq = int(e.get("collective_seq_id", -1))
+        state = e.get("state")
+        g["last_scheduled"] = max(g["last_scheduled"], seq)
+        if state in ("started", "completed"):
+            g["last_started"] = max(g["last_started"], seq)
+        if state == "completed":
+            g["last_completed"] = max(g["last_completed"], seq)
+        elif g["first_open"] is None or seq < g["first_open"]["seq"]:
+            g["first_open"] = {"seq": seq, "op": e.get("profiling_name"), "state": state,
+                               "sizes": e.get("input_sizes")}
+    return {"version": dump.get("version"), "groups": groups} if groups else None
 
 
 def open_store(timeout: float, prefix: str):
@@ -135,14 +240,38 @@ class Watchdog(threading.Thread):
         self.ch, self.progress, self.stall, self.interval = channel, progress, stall, interval
         self.done = threading.Event()
         self.stall_posted = False
+        self.fr_posted = False
+        self._pending: Optional[tuple] = None     # (seq, when first seen pending)
+
+    def _device_collective(self, p: Progress) -> Optional[dict]:
+        """The all-reduce the device is blocked in: the first one not completed, pending for as long
+        as the watchdog has seen it so (CUDA events, not host timestamps), while the host no longer
+        issues work (the forward has returned, or a later pending one would replace it)."""
+        seq = p.device_pending()
+        if seq is None:
+            self._pending = None
+            return None
+        if self._pending is None or self._pending[0] != seq:
+            self._pending = (seq, time.time())
+        audit = p.audit or []
+        meta = audit[seq].meta() if seq < len(audit) else {"seq": seq}
+        return {**meta, "since": self._pending[1], "from": "cuda-event"}
 
     def run(self) -> None:
         while not self.done.is_set():
             try:
                 p = self.progress
-                self.ch.post("hb", {"t": time.time(), "phase": p.phase, "where": p.where,
-                                    "collective": p.collective})
-                c = p.collective
+                hb = {"t": time.time(), "phase": p.phase, "where": p.where, "collective": p.collective}
+                if p.events:
+                    c = self._device_collective(p)
+                    hb["issued"], hb["done"] = len(p.audit or []), p.device_done()
+                    hb["collective"] = hb["collective"] or c
+                else:
+                    c = p.collective
+                self.ch.post("hb", hb)
+                if self.ch.get("fr-request", 0) is not None and not self.fr_posted:
+                    self.ch.post("fr", flight_recorder() or {})
+                    self.fr_posted = True
                 if c and not self.stall_posted and time.time() - c["since"] > self.stall:
                     audit = [a.meta() for a in list(p.audit or [])]
                     self.ch.post("stall", {"t": time.time(), "collective": c, "where": p.where, "audit": audit})

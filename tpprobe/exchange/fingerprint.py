@@ -175,14 +175,34 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
 
 
 # --------------------------------------------------------------------------- dispatch
+# CUDA tensors that took the torch path, by reason (the probe reports these: a GPU where the
+# fused kernel cannot build, e.g. 16-bit tensors before sm_90, says so instead of being slow quietly)
+TORCH_PATH: dict = {}
+
+
+def _torch_path(reason: str) -> None:
+    if reason not in TORCH_PATH and "sm_" in reason:
+        import sys
+        print(f"tpprobe: fingerprints take the torch path: {reason}", file=sys.stderr)
+    TORCH_PATH[reason] = TORCH_PATH.get(reason, 0) + 1
+
+
 def _triton_ok(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda" or os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+    if t.device.type != "cuda":
+        return False
+    if os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+        _torch_path("TPPROBE_FINGERPRINT_TORCH is set")
         return False
     try:
         from . import _triton_fingerprint as tf
-    except Exception:
+    except Exception as e:
+        _torch_path(f"triton does not import ({type(e).__name__})")
         return False
-    return tf.supported(t)
+    why = tf.unsupported_reason(tuple(t.shape), t.dtype, t.element_size(), t.is_contiguous(), t.data_ptr(),
+                                tf.device_cc(t.device))
+    if why:
+        _torch_path(why)
+    return not why
 
 
 def fingerprint(t: torch.Tensor, seed: int = 0, k: int = 32) -> Fingerprint:
@@ -204,6 +224,63 @@ def fingerprints(tensors: list, seed: int = 0, k: int = 32) -> list[Fingerprint]
         if out[i] is None:
             out[i] = _fingerprint_torch(t, seed, k)
     return out
+
+
+class Pending:
+    """A fingerprint launched on the GPU and not read yet (``Deferred.resolve`` fills ``fp``)."""
+    __slots__ = ("fp",)
+
+    def __init__(self):
+        self.fp = None
+
+
+class Deferred:
+    """Fingerprints for a whole forward with no host sync inside it: each CUDA tensor's kernels
+    are queued on the current stream when it is captured (stream order keeps the in-place
+    all-reduce from overwriting an input before it is read), and ``resolve()`` reads every
+    launch's partials with ONE device-to-host copy after the forward.  Tensors the fused kernel
+    does not take (CPU, odd layouts, pre-Hopper 16-bit) are fingerprinted at once."""
+
+    def __init__(self, seed: int, k: int):
+        self.seed, self.k = seed, k
+        self.items: list = []
+
+    def __call__(self, t: torch.Tensor):
+        if not _triton_ok(t):
+            return _fingerprint_torch(t, self.seed, self.k)
+        from . import _triton_fingerprint as tf
+        finish, _ = tf.launch([t.detach()], self.seed, self.k)
+        ph = Pending()
+        self.items.append((ph, finish))
+        return ph
+
+    def resolve(self, only=None) -> None:
+        """Read every launch (``only``: the ids of the Pendings still wanted; the others are never
+        read, e.g. those computed after a collective that never completed)."""
+        if only is not None:
+            self.items = [(ph, fin) for ph, fin in self.items if id(ph) in only]
+        if not self.items:
+            return
+        parts = [p for _, fin in self.items for p in fin.parts]
+        host = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()   # the one copy
+        i = 0
+        for ph, fin in self.items:
+            chunk, off = [], i
+            for p in fin.parts:
+                chunk.append(host[off:off + p.numel()])
+                off += p.numel()
+            i = off
+            ph.fp = fin(chunk)[0]
+        self.items = []
+
+    def drop(self) -> None:
+        """The stream stayed blocked (a dead peer's collective): never read these."""
+        self.items = []
+
+
+def resolved(x):
+    """A summary as stored by the Tap: a Pending is replaced by its fingerprint (None if dropped)."""
+    return x.fp if isinstance(x, Pending) else x
 
 
 # --------------------------------------------------------------------------- judging

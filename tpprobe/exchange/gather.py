@@ -173,3 +173,15 @@ def exchange_records(ctx, ch, out: Path, tensors: dict, meta: dict, posts: dict,
     moved = full_gather_bytes(ctx.rank, ctx.world_size, posts) if all_ok and ctx.world_size > 1 \
         else {"sent": 0, "received": 0}
     return records, {}, moved
+
+
+def exchange_summary(mode: str, ch, posts: dict, tensors: dict, deadline: float) -> dict:
+    """The report's "exchange" part: the mode, bytes each rank moved, bytes captured, and which
+    ranks' CUDA fingerprints took the torch path and why."""
+    out = {"mode": mode, "bytes_per_rank": ch.collect("bytes", deadline),
+           "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
+    torch_path = {r: p["meta"]["fingerprint_torch_path"] for r, p in posts.items()
+                  if p.get("meta", {}).get("fingerprint_torch_path")}
+    if torch_path:
+        out["fingerprint_torch_path"] = torch_path
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from .dist import Channel
+from .dist import Channel, flight_recorder
 
 # a rank whose last heartbeat is older than this is taken as dead (the watchdog posts every ~0.5 s)
 DEAD_AFTER_S = 3.0
@@ -48,3 +48,22 @@ def missing_info(ch: Channel, r: int, posts: dict) -> dict:
 def collect_meta(ch: Channel, world: int, deadline: float) -> dict:
     """Every rank's metadata post, until the deadline or until every missing rank is explained."""
     return ch.collect("meta", deadline, stop_early=lambda found: all_missing_explained(ch, found, world))
+
+
+def flight_recorders(ch: Channel, world: int, grace: float, own: dict | None = None) -> dict:
+    """Rank 0: every live rank's NCCL flight recorder summary (its watchdog posts it on request):
+    which collective sequence number each rank's NCCL scheduled, started and completed."""
+    ch.post("fr-request", {}, rank=0)
+    alive = {r for r in range(world) if r != 0 and ch.get("meta", r) is not None}
+    got = ch.collect("fr", time.time() + min(1.5, grace), stop_early=lambda found: alive <= set(found))
+    got[0] = own or flight_recorder() or {}
+    return {r: v for r, v in sorted(got.items()) if v}
+
+
+def liveness_of(ch: Channel, world: int, posts: dict, grace: float, backend: str, own_flight=None) -> dict:
+    """Rank 0: why each missing rank is missing and, over NCCL when a rank is missing or failed,
+    every live rank's flight recorder."""
+    live = {"missing": {r: missing_info(ch, r, posts) for r in range(world) if r not in posts}}
+    if backend == "nccl" and (live["missing"] or any(p["status"] != "ok" for p in posts.values())):
+        live["flight_recorder"] = flight_recorders(ch, world, grace, own_flight)
+    return live

@@ -8,6 +8,7 @@ LOCAL_RANK, as the probe assigns them (`cuda:LOCAL_RANK`).
 from __future__ import annotations
 
 import os
+import re
 import platform
 from typing import Optional
 
@@ -145,18 +146,32 @@ def _topology(nv, handles: list, gpus: list) -> dict:
         return b.lower()[-12:]
 
     nvlinks = {r: {} for r, _ in handles}
+    active = {r: 0 for r, _ in handles}         # active links of each GPU
+    to_switch = {r: 0 for r, _ in handles}      # ... of them ending at an NVSwitch (HGX boards)
+    switch_type = getattr(nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
     max_links = getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)
     for r, h in handles:
         for link in range(max_links):
             try:
                 if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
                     continue
+            except Exception:
+                continue
+            active[r] += 1
+            try:
+                if nv.nvmlDeviceGetNvLinkRemoteDeviceType(h, link) == switch_type:
+                    to_switch[r] += 1
+                    continue
+            except Exception:
+                pass
+            try:
                 remote = norm(_dec(nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId))
             except Exception:
                 continue
             for r2, b in bus.items():
                 if r2 != r and b and norm(b) == remote:
                     nvlinks[r][r2] = nvlinks[r].get(r2, 0) + 1
+    smi = None
     ranks = [r for r, _ in handles]
     matrix, pairs = [], []
     for i, (ra, ha) in enumerate(handles):
@@ -166,6 +181,13 @@ def _topology(nv, handles: list, gpus: list) -> dict:
                 row.append("X")
                 continue
             k = nvlinks[ra].get(rb, 0)
+            if not k and to_switch[ra] and to_switch[rb] and _p2p(nv, ha, hb, "NVML_P2P_CAPS_INDEX_NVLINK") != "not supported":
+                # through NVSwitches: the link nvidia-smi shows is NV<links of each GPU> (NV18, H100/H200)
+                k = min(to_switch[ra], to_switch[rb])
+            if not k:
+                smi = _smi_topo() if smi is None else smi
+                got = smi.get((_index(gpus, i), _index(gpus, j)), "")
+                k = int(got[2:]) if got.startswith("NV") and got[2:].isdigit() else 0
             if k:
                 link = f"NV{k}"
             else:
@@ -185,6 +207,49 @@ def _topology(nv, handles: list, gpus: list) -> dict:
                               "meaning": f"{k} NVLink(s)" if k else _TOPO_WORDS.get(link, "unknown")})
         matrix.append(row)
     return {"ranks": ranks, "matrix": matrix, "pairs": pairs}
+
+
+def _p2p(nv, ha, hb, cap: str) -> Optional[str]:
+    try:
+        st = nv.nvmlDeviceGetP2PStatus(ha, hb, getattr(nv, cap))
+        return "ok" if st == nv.NVML_P2P_STATUS_OK else "not supported"
+    except Exception:
+        return None
+
+
+def _index(gpus: list, i: int) -> int:
+    g = gpus[i] if i < len(gpus) else {}
+    return int(g.get("index", g.get("rank", i)))
+
+
+def _smi_topo() -> dict:
+    """{(gpu i, gpu j): "NV18" | "PHB" | ...} from `nvidia-smi topo -m` ({} when it cannot run):
+    the fallback when NVML names no NVLink between two GPUs."""
+    import shutil
+    import subprocess
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return {}
+    try:
+        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=10).stdout
+    except Exception:
+        return {}
+    return parse_smi_topo(out)
+
+
+def parse_smi_topo(text: str) -> dict:
+    rows = [ln.split() for ln in text.splitlines() if ln.strip()]
+    head = next((r for r in rows if r and r[0].startswith("GPU")), None)
+    if head is None:
+        return {}
+    cols = [c for c in head if re.fullmatch(r"GPU\d+", c)]
+    out = {}
+    for r in rows:
+        if r and re.fullmatch(r"GPU\d+", r[0]) and len(r) > len(cols):
+            i = int(r[0][3:])
+            for j, c in enumerate(cols):
+                out[(i, int(c[3:]))] = r[1 + j]
+    return out
 
 
 def environment() -> dict:

@@ -1,0 +1,148 @@
+"""The probe's overhead at tp 2 over NCCL, measured side by side in one run (issue 14).
+
+    python bench/nccl_overhead.py [--nproc 2] [--hidden 7168] [--num-layers 4] [--dtype bfloat16]
+        [--prefill 8192] [--decode 1,8,64] [--iters 7] [--decode-iters 30] [--out DIR]
+
+Starts --nproc ranks (one GPU each, NCCL, the built-in model, weights drawn on the GPU) and times
+one forward per variant, alternating the variants (so drift hits all alike), median of N:
+  off          the bare forward, no hooks
+  installed    Tap installed (every hook and the all-reduce audit, with CUDA progress events),
+               keeping nothing
+  full         what `--exchange full` keeps: a copy of every point and every all-reduce's in/out
+  fingerprint  what `--exchange fingerprint` does: the 3 EAGLE-3 slots (and embed.*) kept, every
+               other point and every audited all-reduce's in/out fingerprinted by the fused kernel,
+               queued during the forward and read with ONE device-to-host copy after it
+Each timing runs from a synchronised start to the end of the forward's work on the device (and,
+for fingerprint, the host having its fingerprints).  Rank 0 writes nccl_overhead.json to --out.
+Targets (issue 14): fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.hook_overhead import weights_on  # noqa: E402
+from tpprobe.capture.points import id_point  # noqa: E402
+from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+from tpprobe.capture.hooks import Tap  # noqa: E402
+from tpprobe.capture.progress import Progress  # noqa: E402
+from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.target import RankContext  # noqa: E402
+
+VARIANTS = ["off", "installed", "full", "fingerprint"]
+
+
+def worker(rank: int, a, port: int, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(rank))
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    dtype = getattr(torch, a.dtype)
+    layer_ids = [-1, 1, 3]
+    out = {"rows": []}
+    for tokens, iters in [(a.prefill, a.iters)] + [(n, a.decode_iters) for n in a.decode]:
+        cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
+                            vocab=a.vocab, tokens=tokens, dtype=dtype, layer_ids=layer_ids)
+        ctx = RankContext(rank=rank, world_size=a.nproc, local_rank=rank, device=dev, backend="nccl")
+        if "model" not in out:
+            with torch.no_grad():
+                out["model"] = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
+            out["model"].set_eagle3_layers_to_capture(layer_ids)
+        model = out["model"]
+        g = torch.Generator(device=dev).manual_seed(tokens)
+        ids = torch.randint(0, a.vocab, (tokens,), generator=g, device=dev)
+        keep_ids = {id_point(i) for i in layer_ids}
+
+        def run(v):
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                if v == "off":
+                    model(ids)
+                elif v == "installed":
+                    with Tap(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()):
+                        model(ids)
+                elif v == "full":
+                    with Tap(model, keep=lambda n: True, keep_allreduce_tensors=True, progress=Progress()):
+                        model(ids)
+                else:
+                    fp = Deferred(0x7470, 32)
+                    keep = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
+                    with Tap(model, keep=keep, summarize=fp, keep_allreduce_tensors=False,
+                             progress=Progress()) as tap:
+                        model(ids)
+                    fp.resolve()
+                    _ = [resolved(s).to_json() for s in tap.summaries.values()]
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        for v in VARIANTS * 2:          # warm-up (the kernels compile once)
+            run(v)
+        times = {v: [] for v in VARIANTS}
+        for i in range(iters):
+            for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+                times[v].append(run(v))
+        med = {v: statistics.median(times[v]) for v in VARIANTS}
+        out["rows"].append({"phase": "prefill" if tokens == a.prefill else "decode", "tokens": tokens,
+                            "iters": iters, **{f"{v}_ms": med[v] * 1e3 for v in VARIANTS},
+                            **{f"{v}_x": med[v] / med["off"] for v in VARIANTS[1:]},
+                            "all_ms": {v: [t * 1e3 for t in times[v]] for v in VARIANTS}})
+    if rank == 0:
+        q.put({"rows": out["rows"], "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nproc": a.nproc, "hidden": a.hidden,
+               "num_layers": a.num_layers, "ffn": 2 * a.hidden, "dtype": a.dtype, "heads": a.heads})
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--heads", type=int, default=56)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--decode", default="1,8,64")
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--decode-iters", type=int, default=30)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    a.decode = [int(x) for x in a.decode.split(",") if x]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, a, port, q)) for r in range(a.nproc)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=540)
+    for p in procs:
+        p.join(timeout=30)
+    res["bench"] = "nccl_overhead"
+    res["targets"] = {"fingerprint_x prefill": "<= 1.05", "fingerprint_x decode": "<= 1.3"}
+    print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
+          f"{a.num_layers} layers, {a.dtype}; median ms (x off)")
+    print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in VARIANTS))
+    for r in res["rows"]:
+        cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in VARIANTS[1:]]
+        print(f"{r['phase']:<8} {r['tokens']:>6} " + " ".join(cells))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "nccl_overhead.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The backend the multi-rank tests run on: the same test bodies on gloo (CPU, the default suite)
+and on NCCL (`pytest -m gpu` on a GPU machine, as many ranks as it has GPUs)."""
+import pytest
+import torch
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(params=[pytest.param("gloo"), pytest.param("nccl", marks=pytest.mark.gpu)])
+def backend(request) -> str:
+    if request.param == "nccl" and gpu_count() < 2:
+        pytest.skip("NCCL at tp >= 2 needs 2 GPUs; this machine has fewer (the fingerprint GPU tests still run)")
+    return request.param
+
+
+def ranks_for(backend: str, nproc: int) -> int:
+    """The ranks a case runs on: NCCL needs one GPU per rank; a case that needs more GPUs than
+    the machine has is skipped on it, saying so (it ran on gloo in CI)."""
+    if backend == "nccl" and nproc > gpu_count():
+        pytest.skip(f"needs {nproc} GPUs for NCCL, this machine has {gpu_count()} (runs on gloo in CI)")
+    return nproc
+
+
+# (backend, under torchrun): gloo through `tpprobe probe --nproc` in CI; NCCL through both
+# launchers on the GPU machine
+LAUNCHES = [pytest.param("gloo", False, id="gloo"),
+            pytest.param("nccl", False, marks=pytest.mark.gpu, id="nccl"),
+            pytest.param("nccl", True, marks=pytest.mark.gpu, id="nccl-torchrun")]

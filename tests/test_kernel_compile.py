@@ -1,0 +1,140 @@
+"""The fused fingerprint kernels compile for every shape the probe can hand them, with no GPU.
+
+A Triton kernel is compiled once per *specialization*: its constexprs, and for each runtime
+argument whether it equals 1 (then it is a constant), is divisible by 16, or is a 16-byte-aligned
+pointer.  A shape that produces a specialization nobody compiled can break at run time (16 to 63
+bf16 tokens once did: ``nfull`` equal to 1 arrived as a Python int).  This test plans every shape
+exactly as ``_triton_fingerprint.launch`` does (``plan`` / ``calls``, on meta tensors: nothing is
+allocated), asks Triton's own binder which specialization each launch causes, and compiles each
+distinct one with Triton's compiler for sm_90 (the H100 / H200) and sm_80 (the A100), as
+bench/kernel_asm.py does.  Shapes: tokens 1 to 65536 (tile remainders and primes), hidden 64 to
+16384 (odd widths), fp32 / bf16 / fp16, contiguous and not.  The GPU tests that run the same
+shapes against the torch path are in tests/test_fingerprint.py (``-m gpu``).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is pinned in ci/sglang-cpu; CI installs it")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
+from tpprobe.exchange.fingerprint import PROBE_K as FP_K, PROBE_SEED as FP_SEED  # noqa: E402
+
+TOKENS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 127, 128, 129, 251, 256, 257, 509,
+          1021, 1024, 1031, 2039, 4093, 4096, 8191, 8192, 16381, 16384, 32749, 65521, 65536]
+HIDDEN = [64, 96, 100, 127, 128, 130, 384, 1000, 1024, 2048, 4096, 5120, 7168, 8192, 12288, 16384]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GPUS = {90: 132, 80: 108}          # compute capability -> SMs (H100/H200, A100)
+
+
+class _Ptr:
+    """What Triton's binder reads of a tensor argument: its dtype and address."""
+
+    def __init__(self, t: torch.Tensor, base: int = 0):
+        self.dtype = t.dtype
+        self.ptr = base + t.storage_offset() * t.element_size()
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _arg(x):
+    return _Ptr(x) if isinstance(x, torch.Tensor) else x
+
+
+def specializations(cc: int, shapes, k: int = FP_K, seed: int = FP_SEED) -> dict:
+    """{specialization key: (kernel, signature, constexprs, attrs, options, first shape)}."""
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    binders = {}
+    out = {}
+    tune = tf._tuning()
+    for shape, dtype in shapes:
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        plans, ioff, foff, ntok = tf.plan([t], k, GPUS[cc], **tune)
+        bufs = tf.buffers(ioff, foff, ntok, "meta")
+        for kern, grid, args, kw in tf.calls(plans, bufs, seed, k, tune,
+                                             signs=lambda kp: torch.empty(128, kp, device="meta")):
+            if kern not in binders:
+                binders[kern] = create_function_from_signature(kern.signature, kern.params, backend)
+            bound, spec, opts = binders[kern](*map(_arg, args), **kw)
+            options, sig, const, attrs = kern._pack_args(backend, kw, bound, spec, opts)
+            key = (kern.__name__, repr(spec), repr(sorted(options.__dict__.items())))
+            out.setdefault(key, (kern, sig, const, attrs, options, (shape, dtype)))
+    return out
+
+
+def compile_all(cc: int, specs: dict) -> list:
+    errors = []
+    for key, (kern, sig, const, attrs, options, first) in specs.items():
+        try:
+            triton.compile(ASTSource(kern, sig, const, attrs), target=GPUTarget("cuda", cc, 32),
+                           options=options.__dict__)
+        except Exception as e:     # noqa: BLE001 - reported with the shape that caused it
+            errors.append(f"sm_{cc} {first}: {type(e).__name__}: {e}")
+    return errors
+
+
+def kernel_shapes(cc: int):
+    """Every (shape, dtype) of the grid that the fused kernel takes on sm_cc; and the rest, with
+    the reason each takes the torch path."""
+    fused, torch_path = [], []
+    for dt in DTYPES:
+        esz = torch.empty((), dtype=dt).element_size()
+        for n in TOKENS:
+            for h in HIDDEN:
+                for contiguous in (True, False):
+                    why = tf.unsupported_reason((n, h), dt, esz, contiguous, 0, (cc // 10, cc % 10))
+                    (torch_path if why else fused).append(((n, h), dt, why))
+    return [(s, d) for s, d, _ in fused], torch_path
+
+
+def test_the_sm90_kernels_compile_for_every_shape():
+    fused, torch_path = kernel_shapes(90)
+    # the grid covers the layouts the kernel refuses, each for its reason
+    reasons = {why for _, _, why in torch_path}
+    assert reasons == {"not contiguous", "odd byte count"}, reasons
+    assert len(fused) > 1500
+    # 1-D / 3-D tensors (no token flags), and the smallest and largest sketch (k 1 and 64: KP 4
+    # and 64; the probe's k is 32)
+    extra = [((6,), torch.bfloat16), ((2, 3, 128), torch.float16), ((65536 * 2,), torch.float32)]
+    specs = specializations(90, fused)
+    specs.update(specializations(90, extra))
+    for k in (1, 64):
+        specs.update(specializations(90, [((1024, 7168), torch.bfloat16)], k=k))
+    # the sizes are runtime values: the whole grid causes a handful of specializations (one per
+    # kernel, dtype, k and flag mode), so a new shape never means a new compile in a probe run
+    assert len(specs) <= 12, sorted(k[:2] for k in specs)
+    assert compile_all(90, specs) == []
+
+
+def test_sm80_builds_fp32_and_16_bit_takes_the_torch_path():
+    """Before Hopper the 16-bit kernel cannot build (max.u16x2 is sm_90 PTX): those tensors take
+    the torch path and the probe says so; the fp32 kernel builds on sm_80 for every shape."""
+    fused, torch_path = kernel_shapes(80)
+    assert fused and all(dt == torch.float32 for _, dt in fused)
+    bf16 = [why for (s, dt, why) in torch_path if dt == torch.bfloat16]
+    assert bf16 and all("sm_80" in w and "sm_90" in w for w in bf16)
+    assert compile_all(80, specializations(80, fused)) == []
+    # the rule is the compiler's: the 16-bit kernel really fails to build for sm_80
+    errors = compile_all(80, specializations(80, [((64, 7168), torch.bfloat16)]))
+    assert len(errors) == 1 and "u16x2" in errors[0], errors
+
+
+def test_cuda_tensors_the_kernel_cannot_take_are_named(monkeypatch):
+    """The dispatch on a pre-Hopper GPU: the torch path, and the reason recorded once (CPU test of
+    the rule; the GPU tests run both paths on real tensors)."""
+    from tpprobe.exchange import fingerprint as F
+    monkeypatch.setattr(F, "TORCH_PATH", {})
+    F._torch_path(tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (8, 0)))
+    F._torch_path(tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (8, 0)))
+    assert F.TORCH_PATH == {"bfloat16 on sm_80: the kernel needs sm_90 (max.u16x2)": 2}
+    assert tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (9, 0)) == ""
+    assert tf.unsupported_reason((3, 7), torch.bfloat16, 2, True, 0, (9, 0)) == "odd byte count"
+    assert math.prod((3, 7)) == 21
