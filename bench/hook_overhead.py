@@ -33,7 +33,7 @@ FP_SEED, FP_K = 0, 32
 
 
 def weights_on(cfg: BuiltinConfig, device) -> dict:
-    from tpprobe.capture.graph_probe import device_weights
+    from tpprobe.graph_probe import device_weights
     return device_weights(cfg, device)
 
 

@@ -63,7 +63,7 @@ def _cases(tp):
 
 
 def _run_cases(ctx, tp):
-    from tpprobe.capture.graph_probe import graph_probe_rank
+    from tpprobe.graph_probe import graph_probe_rank
     out = []
     for inject, tokens, *_, side in _cases(tp):
         r = graph_probe_rank(ctx, _cfg(), [inject] if inject else [], tokens, side_stream=side)
@@ -151,7 +151,7 @@ def test_graph_replay_fingerprints_equal_eager_at_every_point(tp):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_healthy_graph_replay_has_no_findings(tp):
-    from tpprobe.capture.graph_probe import graph_findings
+    from tpprobe.graph_probe import graph_findings
     metas, _, settings = _results(tp)
     for m, s in zip(metas, settings):
         if s["inject"]:
@@ -163,7 +163,7 @@ def test_healthy_graph_replay_has_no_findings(tp):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_faults_in_the_graphed_model_are_named_exactly(tp):
-    from tpprobe.capture.graph_probe import graph_findings
+    from tpprobe.graph_probe import graph_findings
     metas, _, settings = _results(tp)
     expect = {(c[0], c[1]): c[2:5] for c in _cases(tp) if c[0]}
     seen = 0
@@ -186,7 +186,7 @@ def test_static_slots_equal_the_torch_path(dt, side):
     import math
 
     from tpprobe.exchange.fingerprint import _fingerprint_torch
-    from tpprobe.capture.graph_tap import StaticFingerprints
+    from tpprobe.exchange.graph_tap import StaticFingerprints
     ts = [torch.randn(n, 7168, device="cuda").to(dt) for n in (1, 8, 64)] + \
         [torch.randn(8, 3 * 7168, device="cuda").to(dt)]
     slots = StaticFingerprints("cuda", seed=3, k=32, side_stream=side)

@@ -135,6 +135,8 @@ def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
     if not isinstance(target, ProbeTarget):
         raise UsageError(f"--model {spec}: the factory returned {type(target).__name__}, expected "
                          f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")
+    if any(type(m).__module__.startswith("sglang.") for m in target.model.modules()):
+        import tpprobe.sglang.stream  # noqa: F401  registers SGLang's layer extensions with the Tap
     return target
 
 

@@ -95,6 +95,12 @@ class DeviceStalled(RuntimeError):
     """The GPU did not complete an all-reduce within the deadline (a peer died or hung)."""
 
 
+# layer families that need model-specific extensions: module prefix -> () -> extensions. Filled by
+# the family's own package when it is imported (tpprobe.sglang.stream: "sglang."), so the Tap
+# never imports a model family itself.
+LAYER_EXTENSIONS: dict = {}
+
+
 class Tap:
     def __init__(self, model: torch.nn.Module, *, embed: Optional[str] = None, layers: Optional[str] = None,
                  input_ids: Optional[torch.Tensor] = None, keep: Callable[[str], bool] = lambda n: True,
@@ -180,13 +186,13 @@ class Tap:
                 seen.add(id(sub))
                 kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
                 self._hook(sub, HookHandle(kind, f"{name}.{sub_name}", idx), self._module_post)
-        if any(type(m).__module__.startswith("sglang.") for _, _, m in layers):
-            # SGLang's own decoder layers (a user's --model factory too): their output is an owed
-            # partial sum, so the stream is read where SGLang materializes it, and the reduces at
-            # GroupCoordinator level (tpprobe.sglang.stream / .audit)
-            from tpprobe.sglang.stream import sglang_extensions
-            self.extensions += tuple(e for e in sglang_extensions() if e not in self.extensions)
-            self.sglang_layers = True
+        for prefix, factory in LAYER_EXTENSIONS.items():
+            if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
+                # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
+                # owed partial sum, so the stream is read where SGLang materializes it, and the reduces
+                # at GroupCoordinator level (tpprobe.sglang.stream registers itself here)
+                self.extensions += tuple(e for e in factory() if e not in self.extensions)
+                self.sglang_layers = True
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:

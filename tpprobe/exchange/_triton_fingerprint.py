@@ -431,7 +431,7 @@ def _kp(k: int, dtype) -> int:
     return max(16 if dtype == torch.float32 else 4, triton.next_power_of_2(k))
 
 
-def _signs(seed: int, k: int, kp: int, device) -> torch.Tensor:
+def sign_table(seed: int, k: int, kp: int, device) -> torch.Tensor:
     """[128, kp] float32 column signs a_j(c), zero columns past k."""
     key = (seed, k, kp, str(device))
     v = _A.get(key)
@@ -497,7 +497,7 @@ def plan(tensors, k: int, nsm: int, block_r: int, progs_per_sm: int, **_) -> tup
 def plan_one(shape, dtype, device, k: int, foff: int, ioff: int, toff: int, knobs: dict) -> dict:
     """``plan`` of one tensor known by (shape, dtype, device) only, its partials at the given
     offsets; with its sizes nf / ni / nt (float32 / int64 / token-flag words).  A CUDA-graph tap
-    (capture/graph_tap.py) lays out its static buffer with it before the forward it captures."""
+    (exchange/graph_tap.py) lays out its static buffer with it before the forward it captures."""
     [p], ni, nf, nt = plan([torch.empty(tuple(shape), dtype=dtype, device="meta")], k, _nsm(device), **knobs)
     del p["t"]
     p.update(foff=foff, ioff=ioff, toff=toff, nf=nf, ni=ni, nt=nt)
@@ -566,7 +566,7 @@ def launch_one(p: dict, t: torch.Tensor, ipart, fpart, flagbuf, seed: int, k: in
     """One kernel launch writing tensor t's partials at plan p's offsets (no allocation, no sync:
     the token-flag words must be zero before, which the caller does once per batch)."""
     for kern, grid, args, kw in calls([dict(p, t=t)], (None, ipart, fpart, flagbuf), seed, k, knobs, skip,
-                                      signs=lambda kp: _signs(seed, k, kp, t.device)):
+                                      signs=lambda kp: sign_table(seed, k, kp, t.device)):
         kern[grid](*args, **kw)
 
 
@@ -614,7 +614,7 @@ def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_s
     if ntok:
         flagbuf.zero_()
     for kern, grid, args, kw in calls(plans, bufs, seed, k, tune, skip,
-                                      signs=lambda kp: _signs(seed, k, kp, dev)):
+                                      signs=lambda kp: sign_table(seed, k, kp, dev)):
         kern[grid](*args, **kw)
     # token-row flags for 2-D tensors whose width is not a multiple of 128: torch
     extra = {i: (p["t"] != 0).any(dim=1) for i, p in enumerate(plans)

@@ -43,7 +43,7 @@ world_size, dtype, hidden, num_layers and the slot expectations derived from the
 same cross-rank checks offline.
 
 Not covered: forwards SGLang replays from a CUDA graph run no Python, so the plugin neither captures
-nor counts them (the graph taps, `tpprobe.capture.graph_tap`, are not wired into CudaGraphRunner).
+nor counts them (the graph taps, `tpprobe.exchange.graph_tap`, are not wired into CudaGraphRunner).
 
 SGLang 0.5.23 decoder layers return an opaque `OwedOutput` (the MLP's partial sum, reduced at the
 next layer's input), so a forward hook on a layer cannot see the residual stream: the extension

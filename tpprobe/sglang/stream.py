@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tpprobe.capture.hooks import LAYER_EXTENSIONS
 from tpprobe.capture.points import layer_out
 
 
@@ -136,3 +137,7 @@ def sglang_extensions() -> tuple:
     from tpprobe.sglang.audit import coordinator_audit_extension
 
     return (residual_stream_extension, moe_reduce_extension, coordinator_audit_extension)
+
+
+# the Tap adds these extensions by itself wherever it finds SGLang's layers (a --model factory too)
+LAYER_EXTENSIONS["sglang."] = sglang_extensions

@@ -75,7 +75,7 @@ def default_layer_ids(arch: str, num_layers: int) -> list[int]:
     # then checks the ids against the rule derived from SGLang (build_target refuses a crash)
     family = "deepseek_v2" if arch == "deepseek_v2" else "llama"
     for ids in cands:
-        if ids and not lid._pinned_plan(family, ids, L).problems:
+        if ids and not lid.pinned_plan(family, ids, L).problems:
             return ids
     return cands[0] or [-1]
 
@@ -260,7 +260,7 @@ class _Runtime:
     attn_dp: int = 1
 
 
-def _forward_batch(rt: _Runtime, seqs: Optional[list] = None):
+def extend_batch(rt: _Runtime, seqs: Optional[list] = None):
     """An EXTEND ForwardBatch of `seqs` (default: the probe's one prompt), packed one after the
     other as SGLang's scheduler packs a prefill batch: request i owns row i+1 of the req->token
     table and KV slots after request i-1's (row 0 / slot 0 are the padding row and slot)."""
@@ -332,7 +332,7 @@ def _forward_batch(rt: _Runtime, seqs: Optional[list] = None):
 def _run(rt: _Runtime, seqs: Optional[list] = None):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    fb, backend = _forward_batch(rt, seqs)
+    fb, backend = extend_batch(rt, seqs)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
         backend.init_forward_metadata(fb)
         return rt.model(fb.input_ids, fb.positions, fb)

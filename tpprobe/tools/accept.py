@@ -305,8 +305,8 @@ class SGLangEagle3:
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
         rt = SimpleNamespace(ids=next_ids, model=self.model, config=SimpleNamespace(num_hidden_layers=1),
                              dtype=torch.float32, mla=False, capture=False, attn_dp=1)
-        from ..sglang.tiny import _forward_batch
-        fb, backend = _forward_batch(rt)
+        from ..sglang.tiny import extend_batch
+        fb, backend = extend_batch(rt)
         fb.spec_info = SimpleNamespace(hidden_states=feats.float())
         with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
             backend.init_forward_metadata(fb)

@@ -205,10 +205,10 @@ def plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
         from tpprobe.sglang import rules
 
         return plan_from_derived(arch, rules.derive(arch, ids, num_layers))
-    return _pinned_plan(arch, ids, num_layers)
+    return pinned_plan(arch, ids, num_layers)
 
 
-def _pinned_plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
+def pinned_plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
     """Apply SGLang 0.5.23's capture-id rules for `arch` to `ids` on a model of `num_layers`
     (the pinned table: used only when SGLang is not installed)."""
     fam = family(arch)

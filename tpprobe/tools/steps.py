@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import UsageError
 from ..report.emit import emit
@@ -30,9 +30,9 @@ def find_steps(root: Path) -> list[tuple[str, int, Path]]:
     return sorted(out, key=lambda x: (x[1], x[0]))
 
 
-def report_steps(root: Path, json_out: bool = False, html: Optional[str] = None,
-                 markdown: Optional[str] = None, quiet: bool = False) -> int:
-    from .offline import check_dir
+def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool = False,
+                 html: Optional[str] = None, markdown: Optional[str] = None, quiet: bool = False) -> int:
+    """check_dir(step folder) -> that step's report (tools/offline.py's, passed in: no import cycle)."""
 
     steps = find_steps(root)
     if not steps:

@@ -44,8 +44,8 @@ import time
 
 import torch
 
-from ..exchange.fingerprint import Fingerprint
-from .hooks import Tap
+from .fingerprint import Fingerprint
+from ..capture.hooks import Tap
 
 __all__ = ["StaticFingerprints", "GraphTap", "GraphTapMismatch", "graph_meta"]
 
@@ -59,7 +59,7 @@ class StaticFingerprints:
     every forward (eager or replayed) at the same offsets."""
 
     def __init__(self, device, seed: int = 0, k: int = 32, side_stream: bool = False):
-        from ..exchange import _triton_fingerprint as tf
+        from . import _triton_fingerprint as tf
 
         if not 1 <= k <= 64:
             raise ValueError("k must be in 1..64")
@@ -149,7 +149,7 @@ class StaticFingerprints:
         if self.side_stream:
             self.side = torch.cuda.Stream(self.device)
         for p in self.plans:
-            tf._signs(self.seed, self.k, p["kp"], self.device)
+            tf.sign_table(self.seed, self.k, p["kp"], self.device)
         self.frozen = True
         self.cursor = 0
 

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from .graph_tap import GraphTap, StaticFingerprints, graph_meta
-from .hooks import Tap
+from .exchange.graph_tap import GraphTap, StaticFingerprints, graph_meta
+from .capture.hooks import Tap
 
 FP_SEED, FP_K = 0, 32
 
@@ -77,7 +77,7 @@ class GraphedForward:
 
 def eager_fingerprints(model, ids) -> tuple[Tap, object]:
     """The same forward, eager, under the ordinary Tap with the dynamic fingerprint path."""
-    from ..exchange.fingerprint import fingerprint
+    from .exchange.fingerprint import fingerprint
 
     with torch.no_grad(), Tap(model, keep=lambda n: False, keep_allreduce_tensors=False,
                               summarize=lambda t: fingerprint(t, seed=FP_SEED, k=FP_K)) as tap:
@@ -121,8 +121,8 @@ def device_weights(cfg, device) -> dict:
 
 def build_on_device(ctx, cfg):
     """`model.build_builtin` with the weights drawn on the rank's device."""
-    from ..model import TPModel, input_ids
-    from ..target import ProbeTarget
+    from .model import TPModel, input_ids
+    from .target import ProbeTarget
 
     cfg.validate(ctx.world_size)
     model = TPModel(device_weights(cfg, ctx.device), ctx, cfg).to(ctx.device).eval()
@@ -136,10 +136,10 @@ def build_on_device(ctx, cfg):
 def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int = 123,
                      side_stream: bool = True) -> dict:
     """One rank: build (+ faults), capture with taps, replay new ids, read, compare with eager."""
-    from .. import faults as faults_mod
-    from ..checks.evidence import match_slots, slot_candidates
-    from ..exchange.fingerprint import Fingerprint
-    from .params import replicated_param_hashes
+    from . import faults as faults_mod
+    from .checks.evidence import match_slots, slot_candidates
+    from .exchange.fingerprint import Fingerprint
+    from .capture.params import replicated_param_hashes
 
     flt = faults_mod.parse(faults, ctx.world_size, cfg.num_layers, list(cfg.layer_ids))
     layer_ids = faults_mod.adjust_layer_ids(flt, list(cfg.layer_ids), cfg.num_layers)
@@ -166,7 +166,7 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
         fps = {n: Fingerprint.from_json(f) for n, f in meta["fingerprints"].items()}
         cands = {n: fps[n] for n in slot_candidates(list(fps)) if n in fps}
         meta["slot_match"] = match_slots(packed, c.hidden, cands, c.dtype)
-        from ..exchange.fingerprint import fingerprint
+        from .exchange.fingerprint import fingerprint
         meta["fingerprints"]["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
     settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": str(c.dtype).replace("torch.", ""),
                 "layer_ids": layer_ids, "num_layers": c.num_layers, "hidden": c.hidden, "tokens": tokens,
@@ -178,10 +178,10 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
 
 def graph_findings(metas: dict[int, dict], settings: dict) -> list[dict]:
     """run_checks on the ranks' graph-replay metadata (fingerprints only, as `tpprobe report`)."""
-    from ..checks.evidence import FingerprintEvidence
-    from ..checks.noise import dtype_from_str
-    from ..checks.run import run_checks
-    from .files import RankRecord
+    from .checks.evidence import FingerprintEvidence
+    from .checks.noise import dtype_from_str
+    from .checks.run import run_checks
+    from .capture.files import RankRecord
 
     records = {r: RankRecord(r, m, {}) for r, m in metas.items()}
     ev = FingerprintEvidence(records, dtype_from_str(settings["dtype"]), {})
