@@ -104,7 +104,7 @@ def measure(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = N
     a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
     d = (a0 - b0).abs()
     nb = float(torch.linalg.vector_norm(b0))
-    rel_norm = float(torch.linalg.vector_norm(d)) / nb if nb > 0 else (0.0 if float(d.max(initial=0)) == 0 else math.inf)
+    rel_norm = float(torch.linalg.vector_norm(d)) / nb if nb > 0 else (0.0 if d.numel() == 0 or float(d.max()) == 0 else math.inf)
     rn_b = torch.linalg.vector_norm(b0, dim=-1)
     rn_d = torch.linalg.vector_norm(d, dim=-1)
     scale = float(rn_b.max()) if rn_b.numel() else 0.0
