@@ -17,7 +17,7 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-PLACEHOLDERS = re.compile(r"\b(DIR|BASELINE|TARGET|CAPTURE|OUT\.ckpt|NAME|COMMAND|N|F)\b|pkg\.module|\[|\|")
+PLACEHOLDERS = re.compile(r"\b(DUMPDIR|B_DUMPDIR|T_DUMPDIR|DRAFT|DIR|BASELINE|TARGET|CAPTURE|OUT\.ckpt|NAME|COMMAND|N|F)\b|pkg\.module|\[|\|")
 
 # (pattern, class, cost, reason); first match wins. cost: "fast" runs in the default tier, "slow" in sweep
 RULES = [
@@ -34,6 +34,8 @@ RULES = [
     (r"^block .*: tpprobe (probe|specforge|diff) ", "run", "fast", ""),
     (r"^tpprobe probe --inject [a-z-]+(@\d+)?( --\S+ \S+)*$", "run", "slow", ""),
     (r"^tpprobe torchrun ", "run", "slow", ""),
+    (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+$", "run", "slow", ""),
+    (r"^tpprobe accept$", "skip", "", "the command's name in prose; tests/test_accept.py and examples/accept_toy_draft.py run it"),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow", ""),   # fast tier: tests/test_cli.py
