@@ -209,6 +209,7 @@ def sglang_runs(tmp_path_factory):
 
 
 @pytest.mark.sglang
+@pytest.mark.sweep      # three SGLang probes and a draft: the measured costs are in docs/accept.md
 def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs):
     costs = {}
     base = None
