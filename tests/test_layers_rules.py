@@ -70,11 +70,11 @@ def test_rules_as_sglang_applies_them(rules, name, ids, L, ltc, slots, crash):
 
 
 def test_pinned_fallback_agrees_with_the_derived_rule(rules):
-    from tpprobe.tools.layers import _pinned_plan
+    from tpprobe.tools.layers import pinned_plan
 
     for arch in ("llama", "deepseek_v2"):
         for ids in (None, [-1, 1, 3], [1, 3, 7], [0, 2, 5], [2, 2], [7], [4, 0]):
-            a, b = _pinned_plan(arch, ids, 8), _derive(rules, arch, ids, 8)
+            a, b = pinned_plan(arch, ids, 8), _derive(rules, arch, ids, 8)
             assert (a.layers_to_capture, a.slot_hf_indices, bool(a.crash)) == \
                    (b.layers_to_capture, b.slot_hf_indices, bool(b.crash)), (arch, ids)
 
