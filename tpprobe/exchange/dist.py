@@ -150,9 +150,15 @@ def flight_recorder() -> Optional[dict]:
     sequence number this rank's NCCL scheduled, started and completed, and the first one not
     completed.  None when unavailable (gloo, no buffer)."""
     try:
+        import io
         import pickle
+
+        class _PlainOnly(pickle.Unpickler):   # the dump is plain dicts/lists/str/int: build no object
+            def find_class(self, module, name):
+                raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
         raw = torch._C._distributed_c10d._dump_nccl_trace(True, False, False)
-        dump = pickle.loads(raw)
+        dump = _PlainOnly(io.BytesIO(raw)).load()
     except Exception:
         return None
     groups: dict = {}
