@@ -86,7 +86,7 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path, backend, torc
     [f] = failures(rep)
     assert (f["kind"], f["ranks"]) == ("rank-timeout", [1]) and "hung" in f["detail"]
     assert rep["ranks_missing"] == [1]
-    assert rep["timings"]["total_s"] < 10 + 6, rep["timings"]
+    assert rep["timings"]["total_s"] - rep["timings"]["start_s"] < 10 + 6, rep["timings"]
     if backend == "nccl":   # the last collective each rank's GPU completed, and the flight recorder
         assert "its GPU had completed" in f["detail"] or "flight recorder" in f["detail"], f["detail"]
 
@@ -98,7 +98,7 @@ def test_a_killed_rank_leaves_the_live_ranks_capture_written(tmp_path, backend, 
     assert rc == 1 and rep.get("ranks_missing") == [1], cp.stderr[-3000:]
     [f] = failures(rep)
     assert (f["kind"], f["ranks"]) == ("rank-timeout", [1]) and "died" in f["detail"]
-    assert rep["timings"]["total_s"] < 15 + 6, rep["timings"]
+    assert rep["timings"]["total_s"] - rep["timings"]["start_s"] < 15 + 6, rep["timings"]
     assert (tmp_path / "r" / "rank-000.safetensors").exists() and (tmp_path / "r" / "manifest.json").exists()
 
 

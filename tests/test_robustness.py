@@ -22,8 +22,8 @@ from tpprobe.capture.files import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 8            # --timeout of the fault runs
-# The tight bound is the ranks' own clock (report.json timings.total_s: from a rank's start to the
-# verdict) < TIMEOUT + 6. The wall-clock bound only guards against a hang: it also holds the
+# The tight bound is the ranks' own clock (report.json timings: total_s - start_s, from every rank
+# ready to the verdict) < TIMEOUT + 6. The wall-clock bound only guards against a hang: it also holds the
 # launcher's and the ranks' interpreter + torch start-up, slow on a shared 2-core box.
 MARGIN = 60
 MODELS = "tests.test_robustness_models"
@@ -105,8 +105,10 @@ def kinds(rep: dict) -> dict[str, list[int]]:
 
 def assert_bounded(r: dict) -> None:
     assert r["wall"] < TIMEOUT + MARGIN, f"took {r['wall']:.1f} s with --timeout {TIMEOUT}"
-    # the ranks' own clock: from their start to the verdict, within the timeout plus the grace
-    assert r["report"]["timings"]["total_s"] < TIMEOUT + 6, r["report"]["timings"]
+    # the ranks' own clock: from every rank ready to the verdict, within the timeout plus the grace
+    # (start_s is the launch: interpreter, init and the wait for the slowest peer to start)
+    tm = r["report"]["timings"]
+    assert 0 < tm["start_s"] < tm["total_s"] and tm["total_s"] - tm["start_s"] < TIMEOUT + 6, tm
 
 
 def assert_live_ranks_kept(r: dict, dead: int, world: int, capsys) -> None:
@@ -122,8 +124,12 @@ def assert_live_ranks_kept(r: dict, dead: int, world: int, capsys) -> None:
     assert r["report"]["ranks_missing"] == [dead]
     rc, off = offline(r["out"], capsys)
     assert rc == 1, off
-    missing = [f for f in off["findings"] if f["kind"] == "capture-file" and f["severity"] == "failure"]
-    assert missing and missing[0]["ranks"] == [dead] and f"rank {dead}" in missing[0]["line"], off["findings"]
+    # the folder keeps the live run's diagnosis of the missing rank (manifest liveness), not a
+    # bare "no file": the same first failure, the same rank, and no capture-file finding for it
+    live = [(f["kind"], f["ranks"]) for f in r["report"]["findings"] if f["severity"] == "failure"]
+    got = [(f["kind"], f["ranks"]) for f in off["findings"] if f["severity"] == "failure"]
+    assert got and got[0] == live[0] and got[0][1] == [dead], (live, off["findings"])
+    assert not [f for f in off["findings"] if f["kind"] == "capture-file" and f["severity"] == "failure"]
     healthy = {p["name"]: p["per_rank"] for p in off["points"]}
     assert all(str(q) in healthy["embed.out"] for q in run.records)
 

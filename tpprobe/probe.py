@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from .build import build_with_faults, capture_size, run_settings, validate
+from .capture.audit import prepare as prepare_audit
 from .capture.files import check_out_dir, remove_if_empty, write_manifest, write_rank
 from .capture.hooks import Tap
 from .capture.progress import Progress
@@ -107,6 +108,9 @@ def _prepare(me: _Rank) -> int:
     opts, ctx, ch = me.opts, me.ctx, me.ch
     post_ready(ch, ctx.rank, opts.debug, lambda: _build(me))
     bad = agree_ready(ch, ctx.world_size, opts.timeout)
+    # init, build and the wait for the slowest peer to start (the launcher's skew, not the probe's):
+    # the probe's own clock, forward to verdict, is total_s - start_s
+    me.timings["start_s"] = time.time() - me.t_start
     if bad and ctx.rank == 0:
         from .report.terminal import error_line
         error_line(bad[0]["error"])
@@ -124,6 +128,7 @@ def _build(me: _Rank) -> None:
     t0 = time.time()
     me.target, me.layer_ids = build_with_faults(ctx, opts)
     me.timings["build_s"] = time.time() - t0
+    prepare_audit()
     est = capture_size(me.target, me.layer_ids, opts)
     if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
         check_out_dir(me.out, est * local_world())

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import discover
 from .audit import Audit, CollectiveRecord
@@ -312,8 +313,11 @@ class Tap:
             return
         out = first_tensor(output)
         reduced_inside = any(r.source == handle.name for r in self.allreduces)
+        # the storage is held weakly: a later tensor at the same address, once this output was
+        # freed, is not this output (the allocator reuses addresses, differently on every rank)
         self.row_outputs.append({"module": handle.name, "layer": handle.index,
                                  "ptr": out.data_ptr() if out is not None else None,
+                                 "storage": StorageWeakRef(out.untyped_storage()) if out is not None else None,
                                  "reduced": reduced_inside})
 
     # -- collective audit -----------------------------------------------------------------
@@ -361,9 +365,12 @@ class Tap:
         source = next((name for name, kind, _ in reversed(self._stack) if kind == "row"), None)
         if source is None and isinstance(tensor, torch.Tensor):
             # reduced after the row-parallel module returned (reduce_results=False)
-            ptr = tensor.data_ptr()
+            ptr, storage = tensor.data_ptr(), None
             for row in reversed(self.row_outputs):
                 if row["ptr"] == ptr and not row["reduced"]:
+                    storage = storage or StorageWeakRef(tensor.untyped_storage())
+                    if row["storage"].expired() or row["storage"] != storage:
+                        continue
                     row["reduced"], source = True, row["module"]
                     if not in_embed and row["layer"] is not None:
                         layer, where = row["layer"], layer_place(row["layer"])

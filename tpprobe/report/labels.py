@@ -109,8 +109,8 @@ def slot_fault_first(report: dict) -> bool:
     return bool(first) and (str(first["where"]).startswith("aux slot") or first["kind"] == "tp-sliced")
 
 
-PHASES = (("build_s", "model build"), ("forward_s", "forward"), ("exchange_s", "exchange"),
-          ("check_s", "checks"), ("total_s", "total"))
+PHASES = (("build_s", "model build"), ("start_s", "every rank ready at"), ("forward_s", "forward"),
+          ("exchange_s", "exchange"), ("check_s", "checks"), ("total_s", "total"))
 
 
 def timing_text(report: dict) -> str:
