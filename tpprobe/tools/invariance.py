@@ -396,9 +396,13 @@ def rank_main(opts: InvarianceOptions) -> int:
     from ..exchange.dist import init
     p = opts.probe
     out = Path(p.out)
-    ctx = init(None if p.backend in ("auto", "sglang") else p.backend, p.timeout, p.seed)
-    code = 0
+    import faulthandler
+    faulthandler.enable()       # a rank that dies in native code (NCCL, a kernel) still says where
+    rank = int(os.environ.get("RANK", "0"))
+    code, ctx = 0, None
     try:
+        # inside the try: a rank whose process group cannot start writes why (never "wrote nothing")
+        ctx = init(None if p.backend in ("auto", "sglang") else p.backend, p.timeout, p.seed)
         if ctx.world_size not in opts.tp or len(opts.tp) != 1:
             raise UsageError("the rank side runs one TP size: --tp N with N = the number of ranks")
         target = build(ctx, opts)
@@ -420,17 +424,18 @@ def rank_main(opts: InvarianceOptions) -> int:
             from ..capture.files import atomic_save_tensors
             atomic_save_tensors(out / f"rank{ctx.rank}.safetensors", {k: v.contiguous() for k, v in kept.items()}, {})
     except UsageError as e:
-        doc, code = {"tp": ctx.world_size, "rank": ctx.rank, "error": str(e), "code": 2}, 2
+        doc, code = {"tp": opts.tp[0], "rank": rank, "error": str(e), "code": 2}, 2
     except Exception as e:   # a bug or a broken model on this rank: its traceback, then a one-line cause
         import traceback
         traceback.print_exc()
-        doc, code = {"tp": ctx.world_size, "rank": ctx.rank, "code": 1,
-                     "error": f"rank {ctx.rank} of tp {ctx.world_size} failed: {type(e).__name__}: {e}"}, 1
+        doc, code = {"tp": opts.tp[0], "rank": rank, "code": 1,
+                     "error": f"rank {rank} of tp {opts.tp[0]} failed"
+                              f"{'' if ctx else ' to start its process group'}: {type(e).__name__}: {e}"}, 1
     from ..capture.files import atomic_write_bytes
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / f"rank{ctx.rank}.json", json.dumps(doc).encode())
+    atomic_write_bytes(out / f"rank{rank}.json", json.dumps(doc).encode())
     try:
-        if ctx.world_size > 1:
+        if ctx is not None and ctx.world_size > 1:
             dist.destroy_process_group()
     except Exception:
         pass
@@ -479,7 +484,8 @@ def run(opts: InvarianceOptions) -> int:
             err = next((x for x in errs if x is not None), None)
             if err is not None and err.get("code") == 2:
                 raise UsageError(err["error"])
-            why = err["error"] if err else f"rank(s) {[r for r, x in enumerate(docs) if x is None]} wrote nothing"
+            why = err["error"] if err else (f"rank(s) {[r for r, x in enumerate(docs) if x is None]} died without "
+                                            f"a word (killed, or a crash in native code: their stderr above says where)")
             raise RankFailure(f"the tp {tp} run failed (exit {code}): {why}; its output is in {d}")
         runs[tp] = docs
         if tp > 1 and not opts.sites:     # the modules that issued collectives: tp 1 records their outputs
