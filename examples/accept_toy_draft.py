@@ -4,9 +4,10 @@ costs it. Used by tests/test_accept.py (which imports `train` from here) and run
     python -m examples.accept_toy_draft [WORKDIR]
 
 It probes the built-in model twice (healthy, and `--inject slot-order`, catalogue F8) with a small
-vocabulary and embedding rows at a trained model's scale (`--embed-std 0.01`), trains a draft head on the healthy run's aux features in a few seconds (draft hidden
-64, vocab 8, a zero token embedding so it must read the aux features), saves it as SpecForge saves
-a draft, and runs `tpprobe accept --fix` on the two captures. See docs/accept.md.
+vocabulary and embedding rows at a trained model's scale (`--embed-std 0.01`), trains a draft head
+on the healthy run's aux features in a few seconds (draft hidden 64, vocab 8, a zero token
+embedding so it must read the aux features), saves it as SpecForge saves a draft, and runs
+`tpprobe accept --fix` on the two captures. See docs/accept.md.
 """
 from __future__ import annotations
 
