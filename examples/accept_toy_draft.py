@@ -4,9 +4,10 @@ costs it. Used by tests/test_accept.py (which imports `train` from here) and run
     python -m examples.accept_toy_draft [WORKDIR]
 
 It probes the built-in model twice (healthy, and `--inject slot-order`, catalogue F8) with a small
-vocabulary, trains a draft head on the healthy run's aux features in a few seconds (draft hidden
-64, vocab 8, a zero token embedding so it must read the aux features), saves it as SpecForge saves
-a draft, and runs `tpprobe accept --fix` on the two captures. See docs/accept.md.
+vocabulary and embedding rows at a trained model's scale (`--embed-std 0.01`), trains a draft head
+on the healthy run's aux features in a few seconds (draft hidden 64, vocab 8, a zero token
+embedding so it must read the aux features), saves it as SpecForge saves a draft, and runs
+`tpprobe accept --fix` on the two captures. See docs/accept.md.
 """
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ import torch
 H, V = 64, 8      # vocab 8: no token alone names its position, so the draft needs every slot's context
 IDS = [-1, 1, 3]
 TOKENS = 192
+EMBED_STD = 0.01  # the built-in model's embedding rows at a trained model's scale (its default, 1.0, is
+#                   what a norm leaves almost unchanged: then F13 `embed-after-norm` would cost nothing)
+
+
+def probe_args() -> list[str]:
+    """The built-in model every capture here is taken from (`tpprobe probe` options)."""
+    return ["--tokens", str(TOKENS), "--vocab", str(V), "--layers", ",".join(map(str, IDS)),
+            "--embed-std", str(EMBED_STD)]
 
 
 def config(hidden: int = H, vocab: int = V, ids=IDS) -> dict:
@@ -92,7 +101,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     work = Path(argv[0]) if argv else Path(tempfile.mkdtemp(prefix="tpprobe-accept-"))
     work.mkdir(parents=True, exist_ok=True)
-    common = ["--tokens", str(TOKENS), "--vocab", str(V), "--layers", ",".join(map(str, IDS)), "--quiet"]
+    common = [*probe_args(), "--quiet"]
     for name, extra in (("healthy", []), ("slot-order", ["--inject", "slot-order"])):
         subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "2", "--out", str(work / name),
                         *common, *extra], check=False)

@@ -34,6 +34,7 @@ CASES = {
     "nproc-over-vocab": (["probe", "--nproc", "4", "--vocab", "3"], "--vocab (3) is smaller than the 4 ranks"),
     "nproc-over-heads": (["probe", "--nproc", "3"], "not divisible by 3 ranks"),
     "timeout-zero": (["probe", "--timeout", "0"], "--timeout must be > 0"),
+    "embed-std-zero": (["probe", "--embed-std", "0"], "--embed-std must be a positive number (got 0.0)"),
     "backend": (["probe", "--backend", "mpi"], "unknown --backend 'mpi'"),
     # decided once by the launcher, for every rank (this CI box has no GPU)
     "nccl-without-gpus": (["probe", "--backend", "nccl", "--nproc", "2"], "--backend nccl needs a CUDA device"),

@@ -116,7 +116,7 @@ def device_weights(cfg, device) -> dict:
                "qkv": rnd(3 * h, h, scale=h ** -0.5), "o": rnd(h, h, scale=h ** -0.5),
                "gate_up": rnd(2 * f, h, scale=h ** -0.5), "down": rnd(h, f, scale=f ** -0.5)}
               for _ in range(cfg.num_layers)]
-    return {"embed": rnd(cfg.vocab, h, scale=1.0), "layers": layers, "norm": 1 + rnd(h, scale=0.1)}
+    return {"embed": rnd(cfg.vocab, h, scale=cfg.embed_std), "layers": layers, "norm": 1 + rnd(h, scale=0.1)}
 
 
 def build_on_device(ctx, cfg):

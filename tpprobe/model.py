@@ -37,6 +37,10 @@ class BuiltinConfig:
     vocab: int = BUILTIN["vocab"]
     tokens: int = BUILTIN["tokens"]
     seed: int = BUILTIN["seed"]
+    # the embedding rows' standard deviation: 1.0 by default (the probe's noise calibration was
+    # measured there); trained Llama/DeepSeek embeddings are of order 0.01, so a capture taken after
+    # the first norm (F13) rescales the embedding slot ~100x, as `--embed-std 0.01` shows
+    embed_std: float = BUILTIN["embed_std"]
     dtype: torch.dtype = torch.float32
     layer_ids: list[int] = field(default_factory=lambda: list(BUILTIN["layer_ids"]))
     # how row-parallel outputs are reduced: "default" (the backend's all-reduce) or "ordered" (TP-
@@ -50,6 +54,7 @@ class BuiltinConfig:
         """The built-in model `tpprobe probe` builds from its options (ProbeOptions)."""
         return cls(num_layers=opts.num_layers, hidden=opts.hidden, heads=opts.heads, ffn=opts.ffn,
                    vocab=opts.vocab, tokens=opts.tokens, seed=opts.seed, dtype=opts.torch_dtype,
+                   embed_std=opts.embed_std,
                    **({"layer_ids": layer_ids} if layer_ids is not None else {}))
 
     def validate(self, world_size: int) -> None:
@@ -57,6 +62,8 @@ class BuiltinConfig:
             raise UsageError(f"--num-layers must be >= 1 (got {self.num_layers})")
         if self.tokens < 1:
             raise UsageError(f"--tokens must be >= 1 (got {self.tokens})")
+        if not self.embed_std > 0 or math.isinf(self.embed_std):
+            raise UsageError(f"--embed-std must be a positive number (got {self.embed_std})")
         if self.hidden < 8 or self.hidden % self.heads:
             raise UsageError(f"--hidden ({self.hidden}) must be >= 8 and a multiple of the head "
                              f"count ({self.heads})")
@@ -318,7 +325,7 @@ def full_weights(cfg: BuiltinConfig) -> dict:
             "qkv": rnd(3 * h, h, scale=h ** -0.5), "o": rnd(h, h, scale=h ** -0.5),
             "gate_up": rnd(2 * f, h, scale=h ** -0.5), "down": rnd(h, f, scale=f ** -0.5),
         })
-    return {"embed": rnd(cfg.vocab, h, scale=1.0), "layers": layers, "norm": 1 + rnd(h, scale=0.1)}
+    return {"embed": rnd(cfg.vocab, h, scale=cfg.embed_std), "layers": layers, "norm": 1 + rnd(h, scale=0.1)}
 
 
 def input_ids(cfg: BuiltinConfig) -> torch.Tensor:
@@ -354,6 +361,7 @@ def build_builtin(ctx: RankContext, cfg: BuiltinConfig) -> ProbeTarget:
         packed_aux=lambda result: result[1], model_layer_ids=list(cfg.layer_ids),
         info={"vocab": cfg.vocab, "heads": cfg.heads, "ffn": cfg.ffn, "seed": cfg.seed,
               **({"reduce": cfg.reduce} if cfg.reduce != "default" else {}),
+              **({"embed_std": cfg.embed_std} if cfg.embed_std != BUILTIN["embed_std"] else {}),
               **({"switch_bytes": cfg.switch_bytes} if cfg.switch_bytes is not None else {})},
         forward_batch=lambda seqs: model(torch.cat([s.to(ctx.device) for s in seqs]),
                                          seq_lens=[int(s.numel()) for s in seqs]),

@@ -23,7 +23,7 @@ from .fault_names import inject_help
 
 # the built-in model's shape (model.BuiltinConfig's defaults, declared here once)
 BUILTIN = {"num_layers": 6, "hidden": 64, "heads": 8, "ffn": 128, "vocab": 131, "tokens": 16, "seed": 0,
-           "layer_ids": (-1, 1, 3)}
+           "layer_ids": (-1, 1, 3), "embed_std": 1.0}
 
 
 class Dtype(str, Enum):
@@ -101,6 +101,9 @@ class ProbeOptions:
     ffn: int = opt("--ffn", BUILTIN["ffn"], "built-in model: MLP width (divisible by the ranks)")
     vocab: int = opt("--vocab", BUILTIN["vocab"],
                      "built-in model: vocabulary (131 is not divisible by tp: shards are padded)")
+    embed_std: float = opt("--embed-std", BUILTIN["embed_std"],
+                           "built-in model: standard deviation of the embedding rows (trained Llama/DeepSeek "
+                           "embeddings are of order 0.01; at 1.0 a norm barely changes them)")
     tokens: int = opt("--tokens", BUILTIN["tokens"], "tokens in the one forward")
     seed: int = opt("--seed", BUILTIN["seed"], "seed of the weights and token ids")
     dtype: str = opt("--dtype", "float32", "the model's dtype (default: float32, or the torch_dtype of --config)",
