@@ -142,7 +142,7 @@ def test_shapes_dtypes_and_wide_rows():
     assert fast_level(ref, ref.float()) is None                  # two dtypes: compare() decides
     assert fast_level(ref[:2], ref) is None
     assert fast_level(ref.double(), ref.double()) is None         # no integer view
-    big = torch.randn(3, 5_000_000).to(torch.bfloat16)
+    big = torch.randn(2, 2_200_000).to(torch.bfloat16)             # float32 margin < 0.5 above ~2.1M columns
     assert fast_level(big, big.clone())["level"] == "bitwise"
     k = torch.zeros(big.shape, dtype=torch.int64); k[0, 0] = 1
     assert fast_level(_step(big, k), big) is None                 # rows too wide for the float32 margin
