@@ -1,7 +1,7 @@
 """tpprobe vs SGLang's comparator on identical SGLang dumper folders (issue 17).
 
     PYTHONPATH=/tmp/polars .venv/bin/python bench/dumper_vs_comparator.py [--tokens 8192] [--hidden 7168]
-        [--dir DIR] [--out DIR] [--skip-kimi]
+        [--dir DIR] [--out DIR] [--skip-kimi] [--skip-verdicts] [--reuse] [--repeat 3] [--skip-comparator]
 
 The comparator needs `polars`, which tpprobe's environment does not have and must not get. Install
 it to a side folder for this benchmark only and pass it on PYTHONPATH (only the comparator's
@@ -30,11 +30,17 @@ below for the large one): a baseline run at tp 1 and a target run at tp 2, the s
    baseline), mlp_out (target: two dense partial sums, dims `t h[tp:partial]`). Each command runs
    in a fresh process (page cache warm: one untimed raw read first) and is timed wall-clock with
    its peak RSS (wait4's ru_maxrss):
-     raw         python: torch.load(weights_only=True) of every file, one at a time
+     raw         python: torch.load(weights_only=True) of every file, one at a time (raw target: the
+                 target folder's files only, what `report T` reads)
+     raw mmap    the same with mmap=True and one pass over every byte (uint8 max): the floor for a
+                 reader that maps the files, as tpprobe does
      comparator  sglang.srt.debug_utils.comparator's run(parse_args([--baseline-path B --target-path T ...]))
      tpprobe     tpprobe.cli.main(["diff", B, T, "--json"]) / main(["report", T, "--json"])
    Each is reported twice: the work alone (after the imports, timed inside the process) and the
-   whole process (interpreter start and imports included), both as × the raw read.
+   whole process (interpreter start and imports included), each in wall-clock seconds and in CPU
+   seconds (user + system: less sensitive to a busy machine), all as × the raw read of the same
+   files (diff: both folders; report: the target's). --repeat N rounds (default 3), each side by
+   side; the comparator (~1 min, 3.9 GB) runs in the first round only (--skip-comparator: never).
    Targets (issue 17): tpprobe ≤ 1.2 × raw and ≤ 1 GB peak RSS, no false alarm on the noise.
 Writes dumper_vs_comparator.json to --out.
 """
@@ -100,7 +106,7 @@ def run_one(cmd: list[str], env: dict | None = None) -> dict:
     wrapper = ("import os,sys,json,time,subprocess;t=time.perf_counter();p=subprocess.Popen(sys.argv[1:],"
                "stdout=open(os.environ['BENCH_OUT'],'wb'),stderr=open(os.environ['BENCH_ERR'],'wb'));"
                "_,st,ru=os.wait4(p.pid,0);print(json.dumps({'wall_s':time.perf_counter()-t,"
-               "'rc':os.waitstatus_to_exitcode(st),'maxrss_mb':ru.ru_maxrss/1024}))")
+               "'rc':os.waitstatus_to_exitcode(st),'maxrss_mb':ru.ru_maxrss/1024,'cpu_s':ru.ru_utime+ru.ru_stime}))")
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         e = dict(os.environ)
@@ -113,40 +119,49 @@ def run_one(cmd: list[str], env: dict | None = None) -> dict:
         res["stderr"] = Path(f"{tmp}/err").read_text(errors="replace")[-1500:]
     res["cmd"] = " ".join(cmd[3:])
     res["work_s"] = work_s(res)
+    res["work_cpu_s"] = work_s(res, cpu=True)
     return res
 
 
 # every command runs in a fresh interpreter through one of these: imports first, then the work is timed
 # (WORK_S on stderr); the wrapper around it times the whole process and reads its peak RSS
 RAW = ("import sys,time,torch,pathlib\n"
-       "t = time.perf_counter()\n"
+       "t, c = time.perf_counter(), time.process_time()\n"
        "for d in sys.argv[1:]:\n"
        "    for f in sorted(pathlib.Path(d).glob('*.pt')):\n"
        "        x = torch.load(str(f), weights_only=True); del x\n"
-       "sys.stderr.write(f'WORK_S={time.perf_counter() - t}\\n')\n")
+       "sys.stderr.write(f'WORK_S={time.perf_counter() - t} {time.process_time() - c}\\n')\n")
+RAWMAP = ("import sys,time,torch,pathlib\n"
+          "t, c = time.perf_counter(), time.process_time()\n"
+          "for d in sys.argv[1:]:\n"
+          "    for f in sorted(pathlib.Path(d).glob('*.pt')):\n"
+          "        x = torch.load(str(f), weights_only=True, mmap=True)['value']\n"
+          "        x.contiguous().reshape(-1).view(torch.uint8).max(); del x\n"
+          "sys.stderr.write(f'WORK_S={time.perf_counter() - t} {time.process_time() - c}\\n')\n")
 CMP = ("import sys,time\n"
        "from sglang.srt.debug_utils.comparator.entrypoint import parse_args, run\n"
        "a = parse_args(sys.argv[1:])\n"
-       "t = time.perf_counter()\n"
+       "t, c = time.perf_counter(), time.process_time()\n"
        "try:\n"
        "    rc = run(a)\n"
        "finally:\n"
-       "    sys.stderr.write(f'WORK_S={time.perf_counter() - t}\\n')\n"
+       "    sys.stderr.write(f'WORK_S={time.perf_counter() - t} {time.process_time() - c}\\n')\n"
        "sys.exit(rc)\n")
 TPP = ("import sys,time\n"
        "from tpprobe.cli import main\n"
        "import tpprobe.tools.dumper\n"
-       "t = time.perf_counter()\n"
+       "t, c = time.perf_counter(), time.process_time()\n"
        "try:\n"
        "    main(sys.argv[1:])\n"
        "finally:\n"
-       "    sys.stderr.write(f'WORK_S={time.perf_counter() - t}\\n')\n")
+       "    sys.stderr.write(f'WORK_S={time.perf_counter() - t} {time.process_time() - c}\\n')\n")
 
 
-def work_s(res: dict):
+def work_s(res: dict, cpu: bool = False):
+    """The work's wall seconds (or CPU seconds, user + system, with cpu) as the script printed them."""
     for line in reversed(res["stderr"].splitlines()):
         if line.startswith("WORK_S="):
-            return float(line[7:])
+            return float(line[7:].split()[1 if cpu else 0])
     return None
 
 
@@ -202,6 +217,8 @@ def main() -> None:
     ap.add_argument("--skip-kimi", action="store_true")
     ap.add_argument("--skip-verdicts", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="keep existing dumps in --dir")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of the Kimi-width timings (each side by side)")
+    ap.add_argument("--skip-comparator", action="store_true", help="time tpprobe and the raw reads only")
     a = ap.parse_args()
     polars = os.environ.get("PYTHONPATH", "")
     cmp_env = {"PYTHONPATH": polars}
@@ -278,21 +295,42 @@ def _kimi_runs(a, results, base, cmp_env, tp_env, run_ranks) -> None:
         size = sum(f.stat().st_size for f in files)
         raw = [sys.executable, "-c", RAW, str(b), str(t)]
         run_one(raw)                                      # page cache warm, untimed
-        runs = {"raw": run_one(raw),
-                "comparator": run_one(comparator_cmd(b, t), cmp_env),
-                "tpprobe diff": run_one(tpprobe_cmd("diff", b, t, "--json"), tp_env),
-                "tpprobe report": run_one(tpprobe_cmd("report", t, "--json"), tp_env)}
-        rw, rk = runs["raw"]["wall_s"], runs["raw"]["work_s"]
-        results["kimi"] = {"files": len(files), "bytes": size, "tokens": a.tokens, "hidden": a.hidden,
-                           "runs": {k: {"process_s": round(v["wall_s"], 2), "process_x_raw": round(v["wall_s"] / rw, 2),
-                                        "work_s": round(v["work_s"], 2) if v["work_s"] else None,
-                                        "work_x_raw": round(v["work_s"] / rk, 2) if v["work_s"] else None,
-                                        "maxrss_mb": round(v["maxrss_mb"]), "rc": v["rc"], "args": v["cmd"]}
-                                    for k, v in runs.items()},
-                           "verdicts": {"comparator": comparator_verdict(runs["comparator"]),
-                                        "tpprobe diff": tpprobe_verdict(runs["tpprobe diff"]),
-                                        "tpprobe report": tpprobe_verdict(runs["tpprobe report"])}}
-        print(json.dumps(results["kimi"], indent=1), flush=True)
+        results["kimi"] = {"files": len(files), "bytes": size, "tokens": a.tokens, "hidden": a.hidden, "repeats": [],
+                           "cpus": os.cpu_count(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+        for rep in range(a.repeat):
+            # side by side in one round; `report T` reads the target's files only, so its ratio is
+            # taken against a raw read of those (raw target); `diff` reads both folders (raw)
+            runs = {"raw": run_one(raw), "raw target": run_one([sys.executable, "-c", RAW, str(t)]),
+                    "raw mmap": run_one([sys.executable, "-c", RAWMAP, str(b), str(t)]),
+                    "raw mmap target": run_one([sys.executable, "-c", RAWMAP, str(t)])}
+            if not a.skip_comparator and rep == 0:
+                runs["comparator"] = run_one(comparator_cmd(b, t), cmp_env)
+            runs["tpprobe diff"] = run_one(tpprobe_cmd("diff", b, t, "--json"), tp_env)
+            runs["tpprobe report"] = run_one(tpprobe_cmd("report", t, "--json"), tp_env)
+            results["kimi"]["repeats"].append(_round(runs, os.getloadavg()))
+            print(json.dumps(results["kimi"]["repeats"][-1], indent=1), flush=True)
+
+
+def _round(runs: dict, load) -> dict:
+    """One round's rows; each × raw against the raw read of the same files (report: the target's)."""
+    out = {"loadavg": [round(x, 2) for x in load], "runs": {}, "verdicts": {}}
+    for k, v in runs.items():
+        base = "raw target" if k in ("tpprobe report", "raw target") else "raw"
+        mbase = "raw mmap target" if base == "raw target" else "raw mmap"
+        rw, rk, mk = runs[base]["wall_s"], runs[base]["work_s"], runs[mbase]["work_s"]
+        out["runs"][k] = {"process_s": round(v["wall_s"], 2), "process_x_raw": round(v["wall_s"] / rw, 2),
+                          "work_s": round(v["work_s"], 3) if v["work_s"] else None,
+                          "work_x_raw": round(v["work_s"] / rk, 2) if v["work_s"] else None,
+                          "work_x_raw_mmap": round(v["work_s"] / mk, 2) if v["work_s"] else None,
+                          "work_cpu_s": round(v["work_cpu_s"], 3) if v["work_cpu_s"] else None,
+                          "work_cpu_x_raw": round(v["work_cpu_s"] / runs[base]["work_cpu_s"], 2) if v["work_cpu_s"] else None,
+                          "process_cpu_s": round(v["cpu_s"], 2),
+                          "process_cpu_x_raw": round(v["cpu_s"] / runs[base]["cpu_s"], 2),
+                          "against": base, "maxrss_mb": round(v["maxrss_mb"]), "rc": v["rc"], "args": v["cmd"]}
+    for k in ("comparator", "tpprobe diff", "tpprobe report"):
+        if k in runs:
+            out["verdicts"][k] = (comparator_verdict if k == "comparator" else tpprobe_verdict)(runs[k])
+    return out
 
 
 if __name__ == "__main__":

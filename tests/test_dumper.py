@@ -234,3 +234,19 @@ def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
         peak[0] = 0
         rep = D.report_data(dumps / "tp2" / exp)
         assert rep["coverage"]["checked"] > 0 and peak[0] <= 2, (exp, peak[0])
+
+
+def test_load_maps_new_files_and_reads_old_ones_whole(tmp_path):
+    """Files are memory-mapped (weights_only still); a file in torch's legacy format, which cannot be
+    mapped, is read whole, with the same values."""
+    from tpprobe.tools import dumper as D
+    v = torch.arange(12.).reshape(3, 4).to(torch.bfloat16)
+    new, old = tmp_path / "step=0___rank=0___dump_index=1___name=h.pt", tmp_path / "step=0___rank=1___dump_index=1___name=h.pt"
+    torch.save({"value": v, "meta": {"dims": "t h"}}, new)
+    torch.save({"value": v, "meta": {"dims": "t h"}}, old, _use_new_zipfile_serialization=False)
+    a, meta = D.load(new)
+    b, _ = D.load(old)
+    assert meta == {"dims": "t h"} and torch.equal(a, v) and torch.equal(b, v)
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else None
+    if maps is not None:                        # mapped while its tensor lives (Linux)
+        assert str(new) in maps and str(old) not in maps

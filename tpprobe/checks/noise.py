@@ -273,3 +273,110 @@ def rel_l2(rel_diff: float) -> float:
     contradicted a large max abs diff; messages show this one."""
     import math
     return math.sqrt(max(0.0, 2.0 * float(rel_diff)))
+
+
+# ---- the same verdict, fast: for large tensors of one dtype (the dumper's report and diff) -------------
+# integer view, magnitude mask, the magnitude bits of +Inf (at or above: Inf / NaN)
+INT_VIEW = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+            torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
+PROOF_CHUNK = 1 << 20          # elements per chunk (whole token rows); the buffers below are this size
+_U32 = 2.0 ** -24              # float32 unit roundoff
+_WS: dict = {}                 # reused chunk buffers (a fresh one costs a page fault per 4 KiB); one caller at a time
+
+
+def _buf(slot: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    t = _WS.get(slot)
+    if t is None or t.numel() < n or t.dtype != dtype:
+        t = _WS[slot] = torch.empty(max(n, 1), dtype=dtype)
+    return t[:n]
+
+
+def has_nonfinite(t: torch.Tensor) -> bool:
+    """Any NaN or Inf in t (from the bits, in chunks: no float copy)."""
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return False
+    if t.dtype not in INT_VIEW:
+        return not bool(torch.isfinite(t).all())
+    it, mag, inf = INT_VIEW[t.dtype]
+    flat = t.contiguous().reshape(-1).view(it)
+    for i in range(0, flat.numel(), PROOF_CHUNK):
+        c = flat[i:i + PROOF_CHUNK]
+        s = _buf("s", c.numel(), it)
+        torch.bitwise_and(c, mag, out=s)
+        if int(s.max()) >= inf:
+            return True
+    return False
+
+
+def fast_level(x: torch.Tensor, ref: torch.Tensor, context: str = CROSS_RANK) -> Optional[dict]:
+    """compare()'s verdict on x against ref when it can be shown cheaply, else None (then compare()
+    decides). Only for one shape and one float dtype with an integer view (bf16, fp16, fp32), judged
+    in that dtype. It says "bitwise" for identical bytes, and "noise" only where compare() says noise:
+
+      elements  both finite, one sign, and |bits(x) - bits(ref)| = k <= ulp_bound: k representable
+                steps, each at most one ULP of the larger magnitude; compare()'s spacing is that ULP or
+                the RMS's (never smaller), so its ULP count is <= k. NaN/Inf, a sign change (±0
+                included) or a larger k: None.
+      rel_norm, row_rel  from float32 row norms of x - ref (exact in float32: two values of one sign
+                within k steps), accepted only below bound × (1 - margin), the margin covering float32
+                rounding of a sum of squares over a row (tests/test_noise_fast.py checks the edges).
+
+    Work per element: a memcmp; then, only if the bytes differ, integer passes over the views and
+    two float32 conversions into reused buffers."""
+    if tuple(x.shape) != tuple(ref.shape) or x.dtype != ref.dtype or x.dtype not in INT_VIEW:
+        return None
+    it, mag, inf = INT_VIEW[x.dtype]
+    xa, ra = _rows(x.contiguous()).view(it), _rows(ref.contiguous()).view(it)
+    if torch.equal(xa, ra):
+        return {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0, "rel_norm": 0.0, "row_rel_max": 0.0,
+                "ulp_max": 0.0, "first_token": None, "nan_mismatch": 0}
+    kb = int(ulp_bound(x.dtype, context))
+    rows, cols = xa.shape
+    margin = 1.0 - 4.0 * (cols + 4) * _U32
+    if margin < 0.5 or xa.numel() == 0:
+        return None
+    step = max(1, PROOF_CHUNK // max(cols, 1))
+    nb, na, nd = [], [], []
+    k_max, n_diff, max_abs = 0, 0, 0.0
+    for i in range(0, rows, step):
+        a, b = xa[i:i + step], ra[i:i + step]
+        n, shp = a.numel(), a.shape
+        s, d = _buf("s", n, it).view(shp), _buf("d", n, it).view(shp)
+        torch.bitwise_and(b, mag, out=s)
+        if int(s.max()) >= inf - kb:
+            return None                 # NaN/Inf in ref, or x within reach of them
+        torch.bitwise_xor(a, b, out=s)
+        if int(s.min()) < 0:
+            return None                 # a sign bit differs somewhere
+        torch.sub(a, b, out=d)          # one sign: no overflow, the count of steps between magnitudes
+        lo, hi = (int(v) for v in torch.aminmax(d))
+        if lo < -kb or hi > kb:
+            return None
+        fb = _buf("fb", n, torch.float32).view(shp)
+        fb.copy_(b.view(x.dtype))
+        nb.append(torch.linalg.vector_norm(fb, dim=-1))
+        if lo == 0 and hi == 0:
+            na.append(nb[-1])
+            nd.append(torch.zeros_like(nb[-1]))
+            continue
+        fa = _buf("fa", n, torch.float32).view(shp)
+        fa.copy_(a.view(x.dtype))
+        na.append(torch.linalg.vector_norm(fa, dim=-1))
+        fa.sub_(fb)
+        nd.append(torch.linalg.vector_norm(fa, dim=-1))
+        lo_f, hi_f = torch.aminmax(fa)
+        max_abs = max(max_abs, -float(lo_f), float(hi_f))
+        k_max = max(k_max, -lo, hi)
+        n_diff += int(torch.count_nonzero(d))
+    rb, ra_, rd = (torch.cat(v).double() for v in (nb, na, nd))
+    syy, sxx, sdd = float((rb * rb).sum()), float((ra_ * ra_).sum()), float((rd * rd).sum())
+    if syy <= 0.0:
+        return None
+    rel_norm = math.sqrt(sdd / syy)
+    scale = float(rb.max())
+    row_rel = float((rd / rb.clamp_min(max(scale * 1e-3, 1e-300))).max())
+    if rel_norm > rel_bound(x.dtype, context) * margin or row_rel > row_bound(x.dtype, context) * margin:
+        return None
+    return {"level": "noise", "max_abs": max_abs, "rel_diff": max(0.0, sdd / (sxx + syy)), "rel_norm": rel_norm,
+            "row_rel_max": row_rel, "ulp_max": float(k_max), "differing": n_diff, "first_token": None,
+            "nan_mismatch": 0, "by": f"proof: ≤ {k_max} ULP, rel {rel_norm:.1e}, worst row {row_rel:.1e}"}

@@ -7,17 +7,18 @@ tp_size, …), dims (when the caller gave them), …}}`. A folder is a dumper fo
 files carry step, rank and name in their names (or it has exactly one such subfolder, as SGLang's
 comparator accepts).
 
-Loading is safe and streamed: `torch.load(weights_only=True)`, one file at a time; a
-group (one name, step and tag set) holds the reference rank's record and one other record at a
-time, so memory is bounded by two records, not the folder.
+Loading is safe and streamed: `torch.load(weights_only=True)`, one file at a time, memory-mapped
+(`mmap=True`: the values are read from the page cache where they are used, not copied first;
+a file that cannot be mapped is read whole); a group (one name, step and tag set) holds the
+reference rank's record and one other record at a time, so memory is bounded by two records, not
+the folder.
 
-Numbers: every comparison goes through tpprobe's one noise rule (`compare()`, imported once below).
-Two shortcuts decide the common cases without computing its statistics, and both are implied by
-it: bitwise equality, and the noise proof (same dtype; every element finite and within
-ulp_bound(dtype) representable steps of its counterpart: each step is ≤ eps·max(|x|, tiny), so
-that is inside compare()'s element bound whenever RMS ≥ tiny, the smallest
-normal, which is checked). Anything the proof cannot show is judged by
-compare() itself, over chunks of token rows (its tensor scale then is the chunk's RMS).
+Numbers: every comparison goes through tpprobe's one noise rule (tpprobe/checks/noise.py): its fast
+path `fast_level()` decides bitwise equality (a memcmp) and proves rounding noise from the bits in
+chunks of token rows (same dtype; every element finite, of one sign and within ulp_bound
+representable steps; rel_norm and the worst row below their bounds with a rounding margin);
+anything it cannot show is judged by `compare()` itself, over chunks of token rows (its tensor
+scale then is the chunk's RMS).
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ import re
 import sys
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..checks.noise import coarser, compare, rel_bound, row_bound, ulp_bound   # THE noise rule
+from ..checks.noise import INT_VIEW, coarser, compare, fast_level, has_nonfinite   # THE noise rule
 from ..errors import CaptureError, UsageError
 from ..checks.findings import FAILURE, INFO, WARNING, Finding, exit_code
 
@@ -45,7 +47,6 @@ NON_IDENTITY = {"step", "rank", "dump_index", "name", "recompute_status",
                 "pp_rank", "tp_rank", "cp_rank", "ep_rank", "etp_rank"}
 EXPECTED = ("an SGLang dumper folder (files step=S___rank=R___dump_index=I___name=N….pt written by "
             "sglang.srt.debug_utils.dumper, or a folder holding exactly one such folder)")
-CHUNK = 1 << 22           # elements per chunk of the ULP proof
 COMPARE_CHUNK = 1 << 20   # elements per compare() call on the slow path
 LEVEL_ORDER = ["reference", "share", "bitwise", "noise", "material", "shape"]
 
@@ -166,7 +167,12 @@ def load(f: DumpFile) -> tuple:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            data = torch.load(str(path), map_location="cpu", weights_only=True)
+            try:       # mapped: the bytes are read where they are compared, not copied first
+                data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError:
+                raise
+            except Exception:      # not mappable (an old format, a pipe): read it whole; its errors are said below
+                data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CaptureError(f"{path}: refused: it holds pickled objects other than tensors and plain containers, "
@@ -235,11 +241,6 @@ def token_dim(dims) -> int:
 
 
 # ---- numbers (through the one noise rule) --------------------------------------------------------
-_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x0080, 0x7F80),
-         torch.float16: (torch.int16, 0x7FFF, 0x0400, 0x7C00),
-         torch.float32: (torch.int32, 0x7FFFFFFF, 0x00800000, 0x7F800000)}
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1)
 
@@ -254,50 +255,11 @@ def measure(x: torch.Tensor, ref: torch.Tensor, judge: Optional[torch.dtype] = N
         n = int((x.reshape(-1) != ref.reshape(-1).to(x.dtype)).sum()) if x.numel() else 0
         return {"level": "material", "max_abs": None, "rel_diff": None, "differing": n,
                 "first_token": _first_row(x != ref.to(x.dtype))}
-    if x.dtype != ref.dtype or x.dtype not in _BITS or (judge is not None and judge != x.dtype):
-        return _compare_chunked(x, ref, judge)
-    it = _BITS[x.dtype][0]
-    bound = int(ulp_bound(x.dtype))
-    xa, ra = _rows2d(x).contiguous().view(it), _rows2d(ref).contiguous().view(it)
-    rows, cols = xa.shape
-    step = max(1, CHUNK // max(cols, 1))
-    ulp_max, n_diff, max_abs, sdd, sxx, syy, row_rel = 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0
-    for i in range(0, rows, step):
-        a, b = xa[i:i + step], ra[i:i + step]
-        fb = b.view(x.dtype).float()
-        nb_rows = torch.linalg.vector_norm(fb, dim=-1)
-        syy += float(torch.dot(fb.reshape(-1), fb.reshape(-1)))
-        if torch.equal(a, b):
-            sxx += float(torch.dot(fb.reshape(-1), fb.reshape(-1)))
-            continue
-        d = a - b        # representable steps apart: exact within one sign; a sign change lands far outside ±bound
-        lo_d, hi_d = (int(v) for v in torch.aminmax(d))
-        if lo_d < -bound or hi_d > bound:
-            return _compare_chunked(x, ref, judge)          # some element is more than bound steps away
-        fa = a.view(x.dtype).float()
-        dd = fa - fb
-        m = float(torch.linalg.vector_norm(dd, float("inf")))
-        if not math.isfinite(m):
-            return _compare_chunked(x, ref, judge)          # NaN/Inf that differ: compare() decides
-        ulp_max, max_abs = max(ulp_max, -lo_d, hi_d), max(max_abs, m)
-        sdd += float(torch.dot(dd.reshape(-1), dd.reshape(-1)))
-        sxx += float(torch.dot(fa.reshape(-1), fa.reshape(-1)))
-        n_diff += int(torch.count_nonzero(d))
-        scale = max(float(nb_rows.max()) * 1e-3, 1e-300)
-        row_rel = max(row_rel, float((torch.linalg.vector_norm(dd, dim=-1) / nb_rows.clamp_min(scale)).max()))
-    if n_diff == 0:
-        return {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0, "ulp_max": 0.0}
-    # each step between neighbours of one sign is <= one ULP at the element's scale, so the element
-    # bound of the one noise rule holds; the whole-tensor and worst-row bounds are checked here too,
-    # and anything outside them goes to compare() itself
-    rel_norm = math.sqrt(sdd / syy) if syy > 0 else math.inf
-    if math.sqrt(syy / max(rows * cols, 1)) < torch.finfo(x.dtype).tiny or rel_norm > rel_bound(x.dtype) \
-            or row_rel > row_bound(x.dtype):
-        return _compare_chunked(x, ref, judge)
-    rel = 0.0 if sxx + syy <= 0 else max(0.0, sdd / (sxx + syy))   # = 1 - 2Σxy/(Σx²+Σy²)
-    return {"level": "noise", "max_abs": max_abs, "rel_diff": rel, "rel_norm": rel_norm, "row_rel_max": row_rel,
-            "ulp_max": float(ulp_max), "differing": n_diff, "first_token": None,
-            "by": f"proof: ≤ {bound} ULP, rel {rel_norm:.1e}, worst row {row_rel:.1e}"}
+    if judge is None or judge == x.dtype:
+        fast = fast_level(x, ref)      # bitwise, or noise proved from the bits; None: compare() decides
+        if fast is not None:
+            return fast
+    return _compare_chunked(x, ref, judge)
 
 
 def _first_row(mask: torch.Tensor) -> Optional[int]:
@@ -350,18 +312,15 @@ def _compare_chunked(x: torch.Tensor, ref: torch.Tensor, judge) -> dict:
 def _bitwise(x: torch.Tensor, ref: torch.Tensor) -> bool:
     if x.shape != ref.shape or x.dtype != ref.dtype:
         return False
-    if x.dtype in _BITS:
-        it = _BITS[x.dtype][0]
+    if x.dtype in INT_VIEW:
+        it = INT_VIEW[x.dtype][0]
         return torch.equal(_flat(x).view(it), _flat(ref).view(it))
     return torch.equal(x, ref)
 
 
 def nonfinite_count(t: torch.Tensor) -> int:
-    if not t.dtype.is_floating_point or t.numel() == 0:
+    if not has_nonfinite(t):       # from the bits, in chunks
         return 0
-    flat = _flat(t)
-    if all(math.isfinite(float(flat[i:i + CHUNK].sum(dtype=torch.float32))) for i in range(0, flat.numel(), CHUNK)):
-        return 0             # one NaN or Inf makes a sum non-finite; finite sums prove there is none
     return int((~torch.isfinite(t)).sum())
 
 
@@ -641,9 +600,23 @@ def _span(steps) -> str:
     return f"{s[0]}-{s[-1]}" if len(s) > 2 and s == list(range(s[0], s[-1] + 1)) else ", ".join(map(str, s))
 
 
+@contextmanager
+def one_thread():
+    """torch on one thread for the passes over the records: each is memory-bound and short (a chunk of
+    rows), and on a busy machine intra-op threads wait on each other (bench/dumper_vs_comparator.py
+    on the 2-core dev box under load: diff 9.7 s with 2 threads, 2.2 s with one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def report_data(path) -> dict:
     run = scan(path)
-    res = check_run(run)
+    with one_thread():
+        res = check_run(run)
     groups: list[GroupResult] = res["groups"]
     findings = _merge_findings(groups)
     noisy = [g for g in groups if g.read == "replicated" and any(s.get("level") == "noise" for s in g.per_rank.values())]
@@ -872,6 +845,11 @@ def _ids_by_step(run: DumpRun) -> dict[int, torch.Tensor]:
 
 
 def diff_data(bpath, tpath) -> dict:
+    with one_thread():
+        return _diff_data(bpath, tpath)
+
+
+def _diff_data(bpath, tpath) -> dict:
     b, t = scan(bpath), scan(tpath)
     bids, tids = _ids_by_step(b), _ids_by_step(t)
     names_b, names_t = b.names(), t.names()
