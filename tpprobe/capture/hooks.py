@@ -311,14 +311,16 @@ class Tap:
                 # a candidate for "the embedding slot was taken after a transform"
                 self._record(in_norm(handle.index), first_tensor(output), copied=False)
             return
-        out = first_tensor(output)
-        reduced_inside = any(r.source == handle.name for r in self.allreduces)
-        # the storage is held weakly: a later tensor at the same address, once this output was
-        # freed, is not this output (the allocator reuses addresses, differently on every rank)
-        self.row_outputs.append({"module": handle.name, "layer": handle.index,
+        self.add_row_output(handle.name, handle.index, first_tensor(output))
+
+    def add_row_output(self, module: str, layer: Optional[int], out: Optional[torch.Tensor]) -> None:
+        """A module's output that holds a partial sum until a reduce (row-parallel, an MoE block).
+        Its storage is held weakly: a later tensor at the same address, once this output was freed,
+        is not this output (the allocator reuses addresses, differently on every rank)."""
+        self.row_outputs.append({"module": module, "layer": layer,
                                  "ptr": out.data_ptr() if out is not None else None,
                                  "storage": StorageWeakRef(out.untyped_storage()) if out is not None else None,
-                                 "reduced": reduced_inside})
+                                 "reduced": any(r.source == module for r in self.allreduces)})
 
     # -- collective audit -----------------------------------------------------------------
     def collective(self, kind: str, path: str, inp, group_size: int, op: str = "SUM"):
@@ -369,7 +371,7 @@ class Tap:
             for row in reversed(self.row_outputs):
                 if row["ptr"] == ptr and not row["reduced"]:
                     storage = storage or StorageWeakRef(tensor.untyped_storage())
-                    if row["storage"].expired() or row["storage"] != storage:
+                    if row["storage"] is None or row["storage"].expired() or row["storage"] != storage:
                         continue
                     row["reduced"], source = True, row["module"]
                     if not in_embed and row["layer"] is not None:

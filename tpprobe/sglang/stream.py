@@ -123,8 +123,7 @@ def moe_reduce_extension(tap) -> list:
             for row in tap.row_outputs:      # summed into this block's output: reduced with it
                 if row["module"].startswith(_name + ".") and not row["reduced"]:
                     row["reduced"], row["into"] = True, _name
-            tap.row_outputs.append({"module": _name, "layer": _idx, "ptr": out.data_ptr(),
-                                    "reduced": any(r.source == _name for r in tap.allreduces)})
+            tap.add_row_output(_name, _idx, out)
 
         handles.append(mlp.register_forward_hook(post))
     return handles
