@@ -3,7 +3,13 @@ rank that full mode (checks.noise.compare on the tensors) and fingerprint mode (
 fp_level on the k=32 sketches) call material in >= 99 % of seeded trials, per dtype and fault shape;
 and the largest 1-2 ULP rounding noise both still call noise.
 
-    python bench/detection_curve.py [--tokens 64] [--hidden 512] [--trials 100]
+    python bench/detection_curve.py [--tokens 64] [--hidden 512] [--trials 100] [--k 32]
+    python bench/detection_curve.py --spread 2000 [--k 32]
+
+--spread N: instead, the spread of the sketch's estimate of rel_norm (estimate / true value, bf16,
+N seeded trials) for a 1 % error in a random direction and for 1 ULP on half the elements: the
+quantiles noise.SKETCH_SLACK is set from. --k: sketch entries (the probe uses PROBE_K = 32; the
+kernels take up to 64), to see what a larger sketch would buy.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import argparse
 
 import torch
 
-from tpprobe.checks.evidence import fp_level
+from tpprobe.checks.evidence import fp_level, fp_rel
 from tpprobe.checks.noise import compare
 from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
 
@@ -40,10 +46,28 @@ def fault(x: torch.Tensor, kind: str, rel: float, g: torch.Generator) -> torch.T
     return y.to(x.dtype)
 
 
-def detected(x, y, dtype):
+def detected(x, y, dtype, k=PROBE_K):
     full = compare(y, x, dtype=dtype)["level"] == "material"
-    fa, fb = fingerprint(y, seed=PROBE_SEED, k=PROBE_K), fingerprint(x, seed=PROBE_SEED, k=PROBE_K)
+    fa, fb = fingerprint(y, seed=PROBE_SEED, k=k), fingerprint(x, seed=PROBE_SEED, k=k)
     return full, fp_level(fa, fb, dtype) == "material"
+
+
+def spread(a) -> None:
+    dtype = torch.bfloat16
+    print(f"tensor [{a.tokens}, {a.hidden}] bf16, k={a.k}, {a.spread} seeded trials: the sketch's estimate "
+          f"of rel_norm / the true rel_norm")
+    for kind, rel in (("noise", 1e-2), ("1 ULP on 1/2", 0.0)):
+        r = []
+        for t in range(a.spread):
+            g = torch.Generator().manual_seed(1000 * t + 7)
+            x = (torch.randn(a.tokens, a.hidden, generator=g) * 2.0).to(dtype)
+            y = fault(x, kind, rel, g)
+            est = fp_rel(fingerprint(y, seed=PROBE_SEED, k=a.k), fingerprint(x, seed=PROBE_SEED, k=a.k))
+            r.append(est / compare(y, x, dtype=dtype)["rel_norm"])
+        q = torch.tensor(r).sort().values
+        at = lambda p: float(q[min(len(q) - 1, int(p * len(q)))])  # noqa: E731
+        print(f"{kind:12} " + "  ".join(f"q{p:g} {at(p):.3f}" for p in (0.001, 0.01, 0.5, 0.99, 0.999))
+              + f"  sd {float(q.std()):.3f}")
 
 
 def main():
@@ -51,8 +75,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--k", type=int, default=PROBE_K, help="sketch entries (the probe: PROBE_K)")
+    ap.add_argument("--spread", type=int, default=0, help="trials: print the sketch estimate's spread instead")
     a = ap.parse_args()
-    print(f"tensor [{a.tokens}, {a.hidden}], {a.trials} seeded trials per cell; smallest relative error "
+    if a.spread:
+        return spread(a)
+    print(f"tensor [{a.tokens}, {a.hidden}], {a.trials} seeded trials per cell, k={a.k}; smallest relative error "
           f"detected in >= 99 % of trials (full | fingerprint)")
     print(f"{'dtype':9} {'fault':12} {'full':>9} {'fingerprint':>12}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -65,7 +93,7 @@ def main():
                 for t in range(a.trials):
                     g = torch.Generator().manual_seed(1000 * t + 7)
                     x = (torch.randn(a.tokens, a.hidden, generator=g) * 2.0).to(dtype)
-                    f, p = detected(x, fault(x, kind, rel, g), dtype)
+                    f, p = detected(x, fault(x, kind, rel, g), dtype, a.k)
                     hit[0] += f
                     hit[1] += p
                 if ulp:

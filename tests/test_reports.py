@@ -233,6 +233,55 @@ def test_markdown_stays_under_60_lines_for_big_reports(faulty):
     assert rep["findings"][0]["line"] in md and "more capture points" in md and "</details>" in md
 
 
+# ---- coverage (part of the verdict) in every renderer ------------------------------------------------
+SKIP2_REDUCES = "layers 0–1: 2 on every rank; layer 2: 1 on every rank; layers 3–5: 2 on every rank"
+
+
+def _terminal_text(rep: dict) -> str:
+    from rich.console import Console
+
+    from tpprobe.report.terminal import render
+    con = Console(record=True, width=400, color_system=None)
+    render(rep, con)
+    return re.sub(r"\s+", " ", con.export_text())
+
+
+def test_coverage_in_html_and_markdown_of_a_real_run(faulty):
+    rep, doc, md = faulty["report"], parse(faulty["html"]), faulty["md"]
+    n = sum(rep["coverage"]["paths"].values())
+    rows = {r[0][0]: r[1] for r in doc.tables["coverage"]}
+    assert rows == {"embedding": ("embed_tokens (found by structure)", ""),
+                    "decoder layers": ("6 of 6 hooked (structure: layers, TPDecoderLayer)", ""),
+                    "reduces per layer and rank": (SKIP2_REDUCES, ""),
+                    "through": (f"c10d.allreduce_ ×{n}", "")}, rows
+    html = faulty["html"]
+    assert html.index('id="verdict"') < html.index('id="coverage"') < html.index('id="points"')
+    line = next(l for l in md.splitlines() if l.startswith("Coverage: "))
+    assert line == (f"Coverage: embedding embed_tokens (found by structure) · decoder layers 6 of 6 hooked (structure: "
+                    f"layers, TPDecoderLayer) · reduces per layer and rank: {SKIP2_REDUCES} · through c10d.allreduce_ ×{n}.")
+    assert f"coverage: {line[len('Coverage: '):-1]}" in _terminal_text(rep)
+
+
+def test_coverage_with_a_missing_rank_says_per_layer_what_each_rank_issued(faulty):
+    rep = copy.deepcopy(faulty["report"])
+    rep["points"] = rep["points"][:2]      # (fewer heatmaps: images are tested above)
+    rep["ranks_missing"] = [1]      # rank 1 never reported: its counts are not there
+    for v in rep["coverage"]["reduces_per_place"].values():
+        v.pop("1", None)
+    rep["coverage"]["reduces_per_place"]["layer.4"] = {}
+    want = "layers 0–1: 2 on rank 0; layer 2: 1 on rank 0; layer 3: 2 on rank 0; layer 4: none; layer 5: 2 on rank 0; rank 1: no record"
+    assert f"reduces per layer and rank: {want} · through" in _terminal_text(rep)
+    assert f"reduces per layer and rank: {want} · through" in render_markdown(rep)
+    rows = {r[0][0]: r[1] for r in parse(render_html(rep)).tables["coverage"]}
+    assert rows["reduces per layer and rank"] == (want, "")
+    # ranks that issued different counts at one layer: each count with its ranks
+    rep["settings"]["world_size"], rep["ranks_missing"] = 4, [2]
+    rep["coverage"]["reduces_per_place"] = {f"layer.{k}": {"0": 2, "1": 2 - (k == 3), "3": 2} for k in range(6)}
+    rows = {r[0][0]: r[1] for r in parse(render_html(rep)).tables["coverage"]}
+    assert rows["reduces per layer and rank"][0] == ("layers 0–2: 2 on each of ranks 0, 1, 3; layer 3: 2 on ranks 0, 3, "
+                                                     "1 on rank 1; layers 4–5: 2 on each of ranks 0, 1, 3; rank 2: no record")
+
+
 # ---- environment ----------------------------------------------------------------------------------
 def test_environment_on_cpu_never_fails(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)      # nvidia-ml-py missing: still fine

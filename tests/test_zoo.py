@@ -96,7 +96,10 @@ def test_zoo_tp2_float32_plus_stale_params_drift_and_opaque_paths(tmp_path):
         ("moe-stale-router", "tests.zoo.moe:stale_router", f32, "full"),
         # F21: one rank's stream off by 1 % (bf16) / 0.1 % (fp32) from layer 2 on: a failure, never noise
         ("gptj-drift-bf16", "tests.zoo.gptj:nudge", {**bf16, "ZOO_SCALE": "1.01"}, "full"),
-        ("gptj-drift-bf16-fp", "tests.zoo.gptj:nudge", {**bf16, "ZOO_SCALE": "1.02"}, "fingerprint"),
+        ("gptj-drift-bf16-fp", "tests.zoo.gptj:nudge", {**bf16, "ZOO_SCALE": "1.01"}, "fingerprint"),
+        # and 1 % in a random direction, judged on the k=32 sketch alone (layer 2 is not kept)
+        ("gptj-noise-bf16-fp", "tests.zoo.drift:sweep", {**bf16, "ZOO_FAULT": "noise:0.01", "ZOO_RANK": "1",
+                                                         "ZOO_LAYER": "2", "ZOO_SEED": "7"}, "fingerprint"),
         ("gptj-drift-fp32", "tests.zoo.gptj:nudge", {**f32, "ZOO_SCALE": "1.001"}, "full"),
         # F20: a reduce the audit can count but not read; a dropped one; no reduce visible at all
         ("opaque-custom-op", "tests.zoo.opaque:custom_op", f32, "full"),
@@ -108,7 +111,7 @@ def test_zoo_tp2_float32_plus_stale_params_drift_and_opaque_paths(tmp_path):
     assert _got(results["megatron-stale-bias"]) == [
         ("rank-divergence", "layer 2 parameter encoder.layers.2.mlp.dense_4h_to_h.bias", [1])]
     assert _got(results["moe-stale-router"]) == [("rank-divergence", "layer 2 parameter stack.2.moe.router.weight", [1])]
-    for name in ("gptj-drift-bf16", "gptj-drift-bf16-fp", "gptj-drift-fp32"):
+    for name in ("gptj-drift-bf16", "gptj-drift-bf16-fp", "gptj-noise-bf16-fp", "gptj-drift-fp32"):
         assert _got(results[name]) == [("rank-divergence", "layer.2.out", [1])], (name, results[name]["findings"])
     op = results["opaque-custom-op"]
     assert op["code"] == 0 and [(f["kind"], f["severity"]) for f in op["findings"]] == [("coverage", "warning")]

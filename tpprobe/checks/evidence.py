@@ -45,11 +45,13 @@ def fp_measure(a: Fingerprint, b: Fingerprint, dtype: torch.dtype) -> dict:
     sketch's estimate, or the exact lower bound | ||a|| - ||b|| | / max(||a||, ||b||) from the sums of
     squares when larger: a drift that scales the stream is measured exactly, not estimated) and a
     lower bound of the worst element's difference (|absmax(a) - absmax(b)|)."""
-    rel = fp_rel(a, b)
+    est, exact = fp_rel(a, b), 0.0
     na, nb = math.sqrt(max(a.sumsq, 0.0)), math.sqrt(max(b.sumsq, 0.0))
     if math.isfinite(na) and math.isfinite(nb) and max(na, nb) > 0:
-        rel = max(rel, abs(na - nb) / max(na, nb))
-    m = {"from": "fingerprint", "rel_norm": rel, "nan_mismatch": int((a.n_nan, a.n_inf) != (b.n_nan, b.n_inf))}
+        exact = abs(na - nb) / max(na, nb)
+    # the rule judges the two apart (noise.SKETCH_SLACK: the estimate spreads, the bound does not)
+    m = {"from": "fingerprint", "rel_norm": max(est, exact), "sketch_rel": est, "norm_rel": exact,
+         "nan_mismatch": int((a.n_nan, a.n_inf) != (b.n_nan, b.n_inf))}
     if dtype.is_floating_point and math.isfinite(a.absmax) and math.isfinite(b.absmax):
         spacing = float(ulp_of(torch.tensor(max(abs(a.absmax), abs(b.absmax)), dtype=torch.float64), dtype))
         m["ulp_max"] = abs(a.absmax - b.absmax) / spacing if spacing > 0 else 0.0

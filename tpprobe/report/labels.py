@@ -72,23 +72,89 @@ def audit_text(ar: dict, missing: Optional[list] = None) -> str:
     return text
 
 
-def coverage_text(cov: dict, num_layers=None) -> str:
-    """What was hooked and audited, in one line (part of the verdict: checks/coverage.py)."""
-    if not cov or not cov.get("known"):
-        return ""
-    emb = f"embedding {cov['embed']} ({cov.get('embed_how')})" if cov.get("embed") else "embedding NOT FOUND"
-    L = f"{cov.get('layers_found')} of {num_layers}" if num_layers is not None else str(cov.get("layers_found"))
-    layers = f"layers {L} ({cov.get('layer_how')}: {cov.get('layer_list') or '-'}, {', '.join(cov.get('layer_classes') or [])})"
+def _ranks(rs) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
+
+
+def _layer_span(ks: list[int]) -> str:
+    return f"layer {ks[0]}" if len(ks) == 1 else f"layers {ks[0]}–{ks[-1]}"
+
+
+MAX_LAYER_GROUPS = 6
+
+
+def reduces_text(cov: dict, world: int, missing=()) -> str:
+    """Per layer, how many reduces each rank issued that the audit saw: runs of layers with the same
+    counts share a line, e.g. "layers 0–2: 2 on each of ranks 0, 1, 3; layer 3: 1 on each of ranks 0, 1,
+    3; layers 4–5: none; rank 2: no record" (rank 2 missing)."""
     places = cov.get("reduces_per_place") or {}
-    per = sorted({tuple(sorted(v.items())) for w, v in places.items() if w.startswith("layer.")})
-    red = ("reduces per layer and rank: " + "; ".join(", ".join(f"rank {r}: {n}" for r, n in p) for p in per[:3])
-           if per else "no reduce audited in any layer")
-    paths = ", ".join(f"{p} ×{n}" for p, n in (cov.get("paths") or {}).items()) or "none"
-    unread = cov.get("unreadable_paths") or {}
-    text = f"{emb} · {layers} · {red} · through {paths}"
-    if unread:
-        text += " · NOT READABLE: " + ", ".join(f"{p} ×{n}" for p, n in unread.items())
+    per = {int(w.split(".")[1]): v for w, v in places.items()
+           if w.startswith("layer.") and w.split(".")[1].lstrip("-").isdigit()}
+    if not per:
+        return "no reduce audited in any layer"
+    missing = sorted(int(r) for r in missing)
+    ranks = [r for r in range(max(world, 1)) if r not in missing] or sorted({int(r) for v in per.values() for r in v})
+
+    def counts(v: dict) -> str:
+        by: dict[int, list[int]] = {}
+        for r in ranks:
+            by.setdefault(int(v.get(str(r), 0)), []).append(r)
+        if len(by) == 1:
+            n = next(iter(by))
+            if n == 0:
+                return "none"
+            if not missing:
+                return f"{n} on every rank"
+            return f"{n} on {_ranks(ranks)}" if len(ranks) == 1 else f"{n} on each of {_ranks(ranks)}"
+        return ", ".join(f"{n} on {_ranks(rs)}" for n, rs in sorted(by.items(), reverse=True))
+
+    layers = range(min(min(per), 0), max(max(per) + 1, cov.get("layers_found") or 0))
+    groups: list[tuple[list[int], str]] = []
+    for k in layers:
+        c = counts(per.get(k, {}))
+        if groups and groups[-1][1] == c and groups[-1][0][-1] == k - 1:
+            groups[-1][0].append(k)
+        else:
+            groups.append(([k], c))
+    text = "; ".join(f"{_layer_span(ks)}: {c}" for ks, c in groups[:MAX_LAYER_GROUPS])
+    if len(groups) > MAX_LAYER_GROUPS:
+        text += f"; … {len(groups) - MAX_LAYER_GROUPS} more runs of layers in report.json (coverage)"
+    if missing:
+        text += f"; {_ranks(missing)}: no record"
     return text
+
+
+def coverage_parts(report: dict) -> list[tuple[str, str, bool]]:
+    """What was hooked and audited (part of the verdict: checks/coverage.py), as (what, text, bad)
+    rows: the embedding, the decoder layers, the reduces per layer and rank, the paths they took."""
+    cov = report.get("coverage") or {}
+    if not cov.get("known"):
+        return []
+    st = report.get("settings") or {}
+    L = st.get("num_layers")
+    found, ran = cov.get("layers_found"), cov.get("layers_ran")
+    emb = (f"{cov['embed']} (found by {cov.get('embed_how')})", False) if cov.get("embed") else ("NOT FOUND", True)
+    hooked = f"{found} of {L} hooked" if L is not None else f"{found} hooked"
+    if ran is not None and found and ran < found:
+        hooked += f", {ran} ran"
+    layers = (f"{hooked} ({cov.get('layer_how')}: {cov.get('layer_list') or '-'}, "
+              f"{', '.join(cov.get('layer_classes') or [])})")
+    red = reduces_text(cov, int(st.get("world_size") or 1), report.get("ranks_missing") or ())
+    paths = ", ".join(f"{p} ×{n}" for p, n in (cov.get("paths") or {}).items()) or "none"
+    rows = [("embedding", emb[0], emb[1]),
+            ("decoder layers", layers, not found or (L is not None and found != L) or (ran is not None and ran < found)),
+            ("reduces per layer and rank", red, red.startswith("no reduce")),
+            ("through", paths, False)]
+    unread = cov.get("unreadable_paths") or {}
+    if unread:
+        rows.append(("NOT READABLE", ", ".join(f"{p} ×{n}" for p, n in unread.items()), True))
+    return rows
+
+
+def coverage_text(report: dict) -> str:
+    """The coverage in one line (the terminal's; Markdown's)."""
+    return " · ".join(f"{what} {text}" if what != "reduces per layer and rank" else f"{what}: {text}"
+                      for what, text, _ in coverage_parts(report))
 
 
 def slot_values_differ(report: dict, row: dict) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .envinfo import env_lines
-from .labels import cell_label, verdict_items
+from .labels import cell_label, coverage_text, verdict_items
 
 MAX_LINES = 59
 ICON = {"failure": "🔴", "warning": "🟡", "info": "🔵", "ok": "🟢"}
@@ -37,6 +37,9 @@ def render_markdown(report: dict) -> str:
     if len(items) > 8:
         verdict.append(f"- … {len(items) - 8} more findings in report.json")
     verdict.append("")
+    cov = coverage_text(report)
+    if cov:
+        verdict += [f"Coverage: {_md(cov)}.", ""]
     from .labels import audit_text, missing_allreduces, slot_values_differ
     ar = report.get("allreduce") or {}
     tail = []

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .labels import audit_text, cell_label, coverage_text, missing_allreduces, slot_values_differ, timing_text, verdict_lines
+from .labels import audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces, slot_values_differ, timing_text, verdict_lines
 
 LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
                "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim", "share": "dim"}
@@ -50,9 +50,10 @@ def render(report: dict, con: Console) -> None:
             row.append(_cell(s) if s else Text("missing" if r in report["ranks_missing"] else "—", style="dim"))
         t.add_row(*row)
     con.print(t)
-    cov = coverage_text(report.get("coverage") or {}, report["settings"].get("num_layers"))
+    cov = coverage_text(report)
     if cov:
-        con.print(Text("coverage: " + cov, style="bold red" if "NOT" in cov or "no reduce" in cov else ""))
+        bad = any(b for _, _, b in coverage_parts(report))
+        con.print(Text("coverage: " + cov, style="bold red" if bad else ""))
     ar = report["allreduce"]
     if ar:
         con.print(Text("all-reduce audit: " + audit_text(ar, missing_allreduces(report)),
