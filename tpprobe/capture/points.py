@@ -127,6 +127,20 @@ def point_label(name: str) -> str:
     return f"layer {p.layer}'s output" if p.layer is not None else name
 
 
+def point_short(name: Optional[str]) -> str:
+    """A table cell's name for a point: "embedding", "layer K", "layer K input norm" ("?" for none)."""
+    if name is None:
+        return "?"
+    p = parse(name)
+    if name == EMBED_OUT:
+        return "embedding"
+    if p.kind == SHARE:
+        return "embedding share"
+    if p.kind == IN_NORM:
+        return f"layer {p.layer} input norm"
+    return f"layer {p.layer}" if p.layer is not None else name
+
+
 def stream_order(names) -> list[str]:
     """embed.out, then layer.K.out in K order (the residual stream in model order)."""
     layers = sorted((parse(n).layer, n) for n in names if parse(n).is_stream and n != EMBED_OUT)
