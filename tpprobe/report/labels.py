@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..capture.points import is_layer_place
+
 HEALTHY_LINE = "HEALTHY: every capture point agrees across ranks and every all-reduce is complete"
 
 
@@ -80,7 +82,7 @@ def coverage_text(cov: dict, num_layers=None) -> str:
     L = f"{cov.get('layers_found')} of {num_layers}" if num_layers is not None else str(cov.get("layers_found"))
     layers = f"layers {L} ({cov.get('layer_how')}: {cov.get('layer_list') or '-'}, {', '.join(cov.get('layer_classes') or [])})"
     places = cov.get("reduces_per_place") or {}
-    per = sorted({tuple(sorted(v.items())) for w, v in places.items() if w.startswith("layer.")})
+    per = sorted({tuple(sorted(v.items())) for w, v in places.items() if is_layer_place(w)})
     red = ("reduces per layer and rank: " + "; ".join(", ".join(f"rank {r}: {n}" for r, n in p) for p in per[:3])
            if per else "no reduce audited in any layer")
     paths = ", ".join(f"{p} ×{n}" for p, n in (cov.get("paths") or {}).items()) or "none"

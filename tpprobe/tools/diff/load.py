@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ...capture.points import stream_order
+from ...capture.points import AUX_PACKED, EMBED_OUT, in_norm, layer_streams, stream_order
 from ...errors import CaptureError, UsageError
 from ..specforge import EXPECTED, parse_sample, safe_torch_load
 
@@ -53,9 +53,9 @@ class Side:
         if self.layer_ids is not None:
             bits.append(f"ids {self.layer_ids}")
         if self.streams:
-            outs = sum(1 for n in self.streams if n.startswith("layer.") and n.endswith(".out"))
-            parts = (["the embedding"] if "embed.out" in self.streams else []) + [f"{outs} layer outputs"] \
-                + (["layer 0's input norm"] if "layer.0.in_norm" in self.streams else [])
+            outs = len(layer_streams(self.streams))
+            parts = (["the embedding"] if EMBED_OUT in self.streams else []) + [f"{outs} layer outputs"] \
+                + (["layer 0's input norm"] if in_norm(0) in self.streams else [])
             bits.append("streams: " + ", ".join(parts))
         return f"{self.path} ({', '.join(bits)})"
 
@@ -74,13 +74,13 @@ def _packed2d(path: Path, what: str, t) -> torch.Tensor:
 
 
 def _from_rank_tensors(role, path, kind, tensors: dict, hidden=None, **kw) -> Side:
-    if "aux.packed" not in tensors:
-        raise CaptureError(f"{path}: no 'aux.packed' tensor; expected a capture taken with EAGLE-3 layer ids "
+    if AUX_PACKED not in tensors:
+        raise CaptureError(f"{path}: no {AUX_PACKED!r} tensor; expected a capture taken with EAGLE-3 layer ids "
                            f"(tpprobe probe --layers, or the SGLang plugin with an EAGLE-3 draft)")
-    streams = {n: tensors[n] for n in ["embed.out", "layer.0.in_norm"] + stream_order(tensors)[1:] if n in tensors}
-    if hidden is None and "embed.out" in tensors:
-        hidden = int(tensors["embed.out"].shape[-1])
-    return Side(role, path, kind, _packed2d(path, "aux.packed", tensors["aux.packed"]),
+    streams = {n: tensors[n] for n in [EMBED_OUT, in_norm(0)] + stream_order(tensors)[1:] if n in tensors}
+    if hidden is None and EMBED_OUT in tensors:
+        hidden = int(tensors[EMBED_OUT].shape[-1])
+    return Side(role, path, kind, _packed2d(path, AUX_PACKED, tensors[AUX_PACKED]),
                 input_ids=tensors.get("input_ids"), streams=streams, hidden=hidden, **kw)
 
 
@@ -114,7 +114,7 @@ def _load_file(role: str, path: Path) -> Side:
             t = load_file(str(path))
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CaptureError(f"{path}: not a readable safetensors file ({str(e)[:120]}); expected {EXPECTED}")
-        if "aux.packed" in t:
+        if AUX_PACKED in t:
             return _from_rank_tensors(role, path, "rank-file", t)
         if "aux_hidden_state" in t:
             return _from_sample(role, path, parse_sample(path, t))

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ...capture.points import point_label, point_layer, point_short
+from ...capture.points import point_label, point_layer, point_position, point_short
 from ...checks.slots import slot_verdict
 from .compare import pair_stats, rel_diff
 from .load import Side
@@ -139,7 +139,7 @@ def _verdict(match, M, thr, tp, bp, nb, nt, ok) -> tuple[str, list[str]]:
         txt = f"target slot {j} has no match"
         if tp[j] and e is not None and bp[e]:
             txt += f": {_label(tp[j])} was captured where {_label(bp[e])} (baseline slot {e}) was expected"
-            lt, lb = _pos(tp[j]), _pos(bp[e])
+            lt, lb = point_position(tp[j]), point_position(bp[e])
             if lt is not None and lb is not None and abs(lt - lb) == 1:
                 txt += f", one layer {'early' if lt < lb else 'late'} (off by one)"
                 kinds.append("off-by-one")
@@ -172,10 +172,3 @@ def _verdict(match, M, thr, tp, bp, nb, nt, ok) -> tuple[str, list[str]]:
     if not kinds:
         kinds.append("mismatch")
     return "MISMATCH: " + "; ".join(parts), sorted(set(kinds), key=kinds.index)
-
-
-def _pos(p):
-    if p == "layer.0.in_norm":
-        return -0.5
-    return point_layer(p) if p else None
-
