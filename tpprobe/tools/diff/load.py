@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ...capture.points import AUX_PACKED, EMBED_OUT, in_norm, layer_streams, stream_order
+from ...capture.points import AUX_PACKED, EMBED_OUT, in_norm, layer_streams
 from ...errors import CaptureError, UsageError
 from ..specforge import EXPECTED, parse_sample, safe_torch_load
 
@@ -77,7 +77,7 @@ def _from_rank_tensors(role, path, kind, tensors: dict, hidden=None, **kw) -> Si
     if AUX_PACKED not in tensors:
         raise CaptureError(f"{path}: no {AUX_PACKED!r} tensor; expected a capture taken with EAGLE-3 layer ids "
                            f"(tpprobe probe --layers, or the SGLang plugin with an EAGLE-3 draft)")
-    streams = {n: tensors[n] for n in [EMBED_OUT, in_norm(0)] + stream_order(tensors)[1:] if n in tensors}
+    streams = {n: tensors[n] for n in [EMBED_OUT, in_norm(0)] + layer_streams(tensors) if n in tensors}
     if hidden is None and EMBED_OUT in tensors:
         hidden = int(tensors[EMBED_OUT].shape[-1])
     return Side(role, path, kind, _packed2d(path, AUX_PACKED, tensors[AUX_PACKED]),
