@@ -67,7 +67,6 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
     return findings, rows_out
 
 
-
 def slot_verdict(ids, expected, match, L):
     def lab(p):
         return point_label(p) if p else "no candidate"
