@@ -333,7 +333,7 @@ def _rows(rec: _Recorder, tap, world: int) -> list[dict]:
 
 def _site_layer(site: str) -> Optional[int]:
     """The decoder layer of a module path (model.layers.3.mlp.down_proj: 3); None outside the layers."""
-    m = re.search(r"(?:^|\.)(?:layers|layer)\.(\d+)(?:\.|$|#)", name)
+    m = re.search(r"(?:^|\.)(?:layers|layer)\.(\d+)(?:\.|$|#)", site)
     return int(m.group(1)) if m else None
 
 
