@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 from typer.exceptions import Abort, Exit, TyperException
 
-from .errors import TPProbeError
+from .errors import TPProbeError, UsageError
 from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
