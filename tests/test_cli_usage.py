@@ -45,6 +45,7 @@ CASES = {
     "fault-arg": (["probe", "--inject", "kill-rank"], "needs @R"),
     "out-unwritable": (["probe", "--out", "{file}/sub"], "cannot write to --out"),
     "report-missing": (["report", "{tmp}/nothing-here"], "not a folder"),
+    "report-emit-dims": (["report", "{tmp}", "--emit-dims"], "--emit-dims reads SGLang dumper folders"),
     "model-no-colon": (["probe", "--model", "nocolon"], "must be package.module:factory"),
     "arch": (["probe", "--arch", "gpt-j"], "arch"),
     "model-missing": (["probe", "--nproc", "1", "--timeout", "20", "--model", "tests.no_such_module:f"],

@@ -203,6 +203,18 @@ def test_bare_files(caps, tmp_path):
     assert r.returncode == 2 and "not divisible by --slots 5" in r.stderr
 
 
+def test_rank_file_without_the_embedding_keeps_every_layer_stream(caps, tmp_path):
+    """A rank file with no embed.out (embedding not found, or refused by the plugin's budget): every
+    layer's stream still names the slots (layer 0's output was once dropped with the embedding)."""
+    from safetensors.torch import save_file
+    from tpprobe.capture.files import load_run
+    t = {k: v.contiguous() for k, v in load_run(caps["base"]).records[0].tensors.items() if k != "embed.out"}
+    save_file(t, str(tmp_path / "noembed.safetensors"))
+    rc, res = jdiff(caps["base"], tmp_path / "noembed.safetensors")
+    assert rc == 0 and res["target"]["streams"] == 9        # layer.0..7.out and layer 0's input norm
+    assert "streams: 8 layer outputs, layer 0's input norm)" in res["target_text"]
+
+
 @pytest.mark.parametrize("content,expect", [
     (b"this is not a tensor file at all", "unknown file type"),
     (b"PK\x03\x04garbage-zip", "not a readable torch.save file"),

@@ -73,6 +73,21 @@ def test_renderers_never_import_each_other_and_the_model_imports_none():
     assert bad == []
 
 
+# tools/diff/ by concern, in order: each module imports only those before it; the renderer none of them
+DIFF_ORDER = ["load", "tokens", "compare", "match", "render", "command"]
+
+
+def test_the_diff_package_points_one_way_and_its_renderer_reads_only_the_report():
+    pkg = "tpprobe.tools.diff"
+    assert sorted(m for m in MODS if m.startswith(pkg + ".")) == sorted(f"{pkg}.{m}" for m in DIFF_ORDER)
+    bad = []
+    for i, m in enumerate(DIFF_ORDER):
+        allowed = set() if m == "render" else {f"{pkg}.{x}" for x in DIFF_ORDER[:i]}
+        bad += [f"{m} -> {t}" for t, _, _, _ in GRAPH[f"{pkg}.{m}"]
+                if (t == pkg or t.startswith(pkg + ".")) and t not in allowed]
+    assert bad == []
+
+
 # room -> rooms it must never import (the arrows point the other way)
 FORBIDDEN = {
     "capture": {"exchange", "checks", "report", "tools", "sglang", "probe", "cli", "options"},

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 from typer.exceptions import Abort, Exit, TyperException
 
-from .errors import TPProbeError
+from .errors import TPProbeError, UsageError
 from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -215,7 +215,7 @@ def diff(
 ) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
     _DEBUG["on"] = debug
-    from .tools.diff import diff_command    # torch is imported only when a command needs it
+    from .tools.diff.command import diff_command    # torch is imported only when a command needs it
     diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
                  threshold=threshold, json_out=json_out)
 

@@ -17,6 +17,7 @@ import torch
 
 from .exchange.graph_tap import GraphTap, StaticFingerprints, graph_meta
 from .capture.hooks import Tap
+from .capture.points import AUX_PACKED, allreduce_in, allreduce_out
 
 FP_SEED, FP_K = 0, 32
 
@@ -89,10 +90,10 @@ def compare_points(meta: dict, tap: Tap) -> dict:
     """Graph-replay fingerprints against the eager ones: per point, equal hash / equal sketch."""
     eager = {n: f.to_json() for n, f in tap.summaries.items()}
     for a in tap.allreduces:
-        eager[f"allreduce.{a.seq}.in"], eager[f"allreduce.{a.seq}.out"] = a.inp_summary.to_json(), a.out_summary.to_json()
+        eager[allreduce_in(a.seq)], eager[allreduce_out(a.seq)] = a.inp_summary.to_json(), a.out_summary.to_json()
     graph = dict(meta["fingerprints"])
     for a in meta["allreduces"]:
-        graph[f"allreduce.{a['seq']}.in"], graph[f"allreduce.{a['seq']}.out"] = a["in_fp"], a["out_fp"]
+        graph[allreduce_in(a["seq"])], graph[allreduce_out(a["seq"])] = a["in_fp"], a["out_fp"]
     rows = {}
     for n in sorted(set(eager) | set(graph)):
         e, g = eager.get(n), graph.get(n)
@@ -167,7 +168,7 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
         cands = {n: fps[n] for n in slot_candidates(list(fps)) if n in fps}
         meta["slot_match"] = match_slots(packed, c.hidden, cands, c.dtype)
         from .exchange.fingerprint import fingerprint
-        meta["fingerprints"]["aux.packed"] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
+        meta["fingerprints"][AUX_PACKED] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
     settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": str(c.dtype).replace("torch.", ""),
                 "layer_ids": layer_ids, "num_layers": c.num_layers, "hidden": c.hidden, "tokens": tokens,
                 "arch": "builtin", "model": "builtin", "inject": list(faults), "model_packs_aux": True,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .capture.points import layer_out
+from .capture.points import EMBED_OUT, layer_out
 from .errors import UsageError
 from .options import BUILTIN
 from .target import ProbeTarget, RankContext
@@ -342,7 +342,7 @@ def reference_streams(cfg: BuiltinConfig, weights: dict | None = None, dtype=Non
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         h = model.embed_tokens(ids)
-        out["embed.out"] = h.clone()
+        out[EMBED_OUT] = h.clone()
         r = None
         for k, layer in enumerate(model.layers):
             h, r = layer(h, r)

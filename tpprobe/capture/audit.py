@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .points import allreduce_in, allreduce_out
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "unknown")
 REDUCES = ("all_reduce", "reduce_scatter", "unknown")       # kinds that sum partial results
 _OPS = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
@@ -185,7 +187,7 @@ class Audit:
                                group_size=group_size, op=op, kind=kind, path=path, checked=checked and t is not None)
         if rec.checked:
             if self.keep(where):
-                rec.inp = self.copy(f"allreduce.{rec.seq}.in", t, where)
+                rec.inp = self.copy(allreduce_in(rec.seq), t, where)
             if self.summarize is not None:
                 rec.inp_summary = self._summ(t, kind, group_size, is_input=True)
         self.records.append(rec)
@@ -205,7 +207,7 @@ class Audit:
             rec.checked = rec.checked and isinstance(out, torch.Tensor)
             return
         if self.keep(rec.where) and rec.inp is not None:
-            rec.out = self.copy(f"allreduce.{rec.seq}.out", out, rec.where)
+            rec.out = self.copy(allreduce_out(rec.seq), out, rec.where)
             if rec.out is None:
                 rec.inp = None            # both or neither: the budget refused the output
         if self.summarize is not None:

@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import discover
 from .audit import Audit, CollectiveRecord
-from .points import in_norm, layer_out, layer_place
+from .points import AR_OUT, EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, in_norm, layer_out, layer_place, parse
 from .progress import Progress
 
 
@@ -125,7 +125,7 @@ class Tap:
         self.order: list[str] = []                 # capture points in the order they fired
         self.after: dict[str, int] = {}            # point -> collectives issued before it
         self.auditor = Audit(self._attribution,
-                             keep=lambda where: self.keep_ar or (where == "embed" and self.keep("embed.local")),
+                             keep=lambda where: self.keep_ar or (where == EMBED_PLACE and self.keep(EMBED_LOCAL)),
                              summarize=summarize, progress=self.progress, copy=self._audit_copy,
                              before=self._before_collective, after=self._after_collective)
         self.allreduces: list[CollectiveRecord] = self.auditor.records
@@ -224,7 +224,7 @@ class Tap:
                 self._embed_post(handle, args, output)
             else:                       # not the embedding: what it issued was not the embedding's
                 for r in self.allreduces:
-                    if r.where == "embed":
+                    if r.where == EMBED_PLACE:
                         r.where = "other"
 
         handle.handles += [module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
@@ -278,17 +278,17 @@ class Tap:
 
     def _embed_post(self, handle, args, output) -> None:
         out = first_tensor(output)
-        local = next((r for r in self.allreduces if r.where == "embed"), None)
+        local = next((r for r in self.allreduces if r.where == EMBED_PLACE), None)
         if local is None:  # no all-reduce ran inside the embedding: its local output is the output
-            self._record("embed.local", out, copied=False)
+            self._record(EMBED_LOCAL, out, copied=False)
         else:
-            self.order.append("embed.local")
-            self.after["embed.local"] = local.seq
-            if local.inp is not None and self.keep("embed.local"):
-                self.captures["embed.local"] = local.inp
+            self.order.append(EMBED_LOCAL)
+            self.after[EMBED_LOCAL] = local.seq
+            if local.inp is not None and self.keep(EMBED_LOCAL):
+                self.captures[EMBED_LOCAL] = local.inp
             if self.summarize is not None and local.inp_summary is not None:
-                self.summaries["embed.local"] = local.inp_summary
-        self._record("embed.out", out, copied=False)
+                self.summaries[EMBED_LOCAL] = local.inp_summary
+        self._record(EMBED_OUT, out, copied=False)
 
     def record_point(self, name: str, t: Optional[torch.Tensor], copied: bool = False) -> None:
         """For extensions: record a capture point (copied=False makes the Tap clone it)."""
@@ -328,10 +328,10 @@ class Tap:
         return self.auditor.collective(kind, path, inp, group_size, op)
 
     def _audit_copy(self, name: str, t: torch.Tensor, where: str) -> Optional[torch.Tensor]:
-        if where == "embed" and not self.keep_ar:
-            if name.endswith(".out"):        # admitted with its input (embed.local): both or neither
+        if where == EMBED_PLACE and not self.keep_ar:
+            if parse(name).kind == AR_OUT:   # admitted with its input (embed.local): both or neither
                 return self._copy(t)
-            name = "embed.local"
+            name = EMBED_LOCAL
         return self._copy(t) if self._admitted(name, t) else None
 
     def _before_collective(self, inp) -> None:

@@ -8,8 +8,9 @@
     allreduce.N.in    the input / output of the N-th audited all-reduce (kind "allreduce_in" / "allreduce_out", seq N)
     input_ids         the tokens                                       (kind "input_ids")
 
-Names are made here (`layer_out(k)`, `allreduce_in(n)`, `id_point(layer_id)`) and read here
-(`parse(name)`); no other module splits a capture-point name. The string stays the on-disk key
+Names are made here (`layer_out(k)`, `allreduce_in(n)`, `id_point(layer_id)`, `layer_place(k)`) and
+read here (`parse(name)`, `point_layer`, `place_layer`); no other module splits or spells a
+capture-point name: they use the constants and helpers below. The string stays the on-disk key
 (rank-NNN.safetensors, rank-NNN.json), so capture folders are unchanged.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ EMBED_OUT = "embed.out"
 EMBED_LOCAL = "embed.local"
 AUX_PACKED = "aux.packed"
 INPUT_IDS = "input_ids"
+EMBED_PLACE = "embed"        # an all-reduce place (`layer_place`), not a capture point
 
 STREAM, SHARE, IN_NORM, AUX, AR_IN, AR_OUT, TOKENS, OTHER = (
     "stream", "share", "in_norm", "aux", "allreduce_in", "allreduce_out", "input_ids", "other")
@@ -97,8 +99,22 @@ def allreduce_out(seq: int) -> str:
 def layer_place(layer: Optional[int]) -> str:
     """The `where` of an all-reduce record: "embed", "layer.K" or "other"."""
     if layer == -1:
-        return "embed"
+        return EMBED_PLACE
     return f"layer.{layer}" if layer is not None else "other"
+
+
+def place_layer(where) -> Optional[int]:
+    """The layer of an all-reduce place (`layer_place`'s inverse): "embed" -1, "layer.K" K, else None."""
+    if where == EMBED_PLACE:
+        return -1
+    parts = str(where).split(".")
+    return _int(parts[1]) if len(parts) == 2 and parts[0] == "layer" else None
+
+
+def is_layer_place(where) -> bool:
+    """A decoder layer's place ("layer.K"), not the embedding's or another."""
+    k = place_layer(where)
+    return k is not None and k >= 0
 
 
 def id_point(layer_id: int) -> str:
@@ -116,6 +132,17 @@ def point_layer(name: str) -> Optional[int]:
     return parse(name).layer
 
 
+def point_position(name: Optional[str]) -> Optional[float]:
+    """Where a point sits in model order (`Point.position`); None for no point."""
+    return parse(name).position if name else None
+
+
+def decoder_layer(name: str) -> Optional[int]:
+    """The decoder layer a point belongs to (layer.K.*: K); None for the embedding and the rest."""
+    k = parse(name).layer
+    return k if k is not None and k >= 0 else None
+
+
 def point_label(name: str) -> str:
     p = parse(name)
     if name == EMBED_OUT:
@@ -125,6 +152,20 @@ def point_label(name: str) -> str:
     if p.kind == IN_NORM:
         return f"layer {p.layer}'s input norm output"
     return f"layer {p.layer}'s output" if p.layer is not None else name
+
+
+def point_short(name: Optional[str]) -> str:
+    """A table cell's name for a point: "embedding", "layer K", "layer K input norm" ("?" for none)."""
+    if name is None:
+        return "?"
+    p = parse(name)
+    if name == EMBED_OUT:
+        return "embedding"
+    if p.kind == SHARE:
+        return "embedding share"
+    if p.kind == IN_NORM:
+        return f"layer {p.layer} input norm"
+    return f"layer {p.layer}" if p.layer is not None else name
 
 
 def stream_order(names) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..capture.points import AUX_PACKED, allreduce_in, allreduce_out
 from .noise import compare
 
 
@@ -37,7 +38,7 @@ def explain_rows(records, r: int, hidden: int, expected: list, settings: dict) -
     """(kind, where, detail) when rank r's packed aux holds the rows of every attention-DP group
     (each n-row block equal to the stream it should hold): gathered over the TP group (F17)."""
     rec = records[r]
-    packed = rec.tensors.get("aux.packed")
+    packed = rec.tensors.get(AUX_PACKED)
     first = next((e for e in expected if e), None)
     S = rec.tensors.get(first) if first else None
     if packed is None or S is None or packed.shape[0] == S.shape[0] or packed.shape[0] % S.shape[0]:
@@ -56,7 +57,7 @@ def explain_rows(records, r: int, hidden: int, expected: list, settings: dict) -
     groups = [list(range(g * attn, (g + 1) * attn)) for g in range(world // attn)] if dp > 1 else []
     tp = next((a.get("group") for a in rec.meta.get("allreduces", []) if a.get("group_ranks") is None
                and a.get("group")), "the TP group")
-    return ("dp-gather-group", "aux.packed",
+    return ("dp-gather-group", AUX_PACKED,
             f"the packed aux has {k} × {n} rows: every slot holds the rows of {k} attention-DP groups (block j "
             f"= group j's tokens), gathered over {tp} ({world} ranks) where the attention-TP group "
             f"({attn} ranks: {' and '.join(map(str, groups)) if groups else 'attention_tp'}) was meant; the draft "
@@ -72,13 +73,13 @@ def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Opti
     found: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
     for n, r in enumerate(live):
         rec = records[r]
-        packed, S = rec.tensors.get("aux.packed"), rec.tensors.get(expected)
+        packed, S = rec.tensors.get(AUX_PACKED), rec.tensors.get(expected)
         if packed is None or S is None or packed.shape[-1] < (slot + 1) * hidden:
             return None
         s = packed[..., slot * hidden:(slot + 1) * hidden].float()
         here = {"partial-capture": set(), "capture-no-residual": set()}
         for a in rec.meta.get("allreduces", []):
-            i, o = rec.tensors.get(f"allreduce.{a['seq']}.in"), rec.tensors.get(f"allreduce.{a['seq']}.out")
+            i, o = rec.tensors.get(allreduce_in(a["seq"])), rec.tensors.get(allreduce_out(a["seq"]))
             if i is None or o is None or tuple(o.shape) != tuple(s.shape):
                 continue
             if _close(s, o.float(), dtype):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..capture.points import is_layer_place
 from .findings import FAILURE, WARNING, Finding
 
 REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
@@ -64,7 +65,7 @@ def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
                            evidence=all_r))
     places = cov.get("reduces_per_place", {})
     n_reduce = sum(sum(v.values()) for v in places.values())
-    n_layer = sum(sum(v.values()) for w, v in places.items() if w.startswith("layer."))
+    n_layer = sum(sum(v.values()) for w, v in places.items() if is_layer_place(w))
     if world > 1 and cov.get("audit", True) and found and n_layer == 0:
         seen = f"{n_reduce} outside them" if n_reduce else "none anywhere"
         out.append(Finding("coverage", "collective audit", list(live), detail=(
@@ -85,5 +86,5 @@ def expected_reduces(records, live) -> dict:
     """The typical number of reduces per decoder layer (the most common count over layers)."""
     cov = summary(records, live).get("reduces_per_place", {})
     ref = str(live[0])
-    counts = [v.get(ref, 0) for w, v in cov.items() if w.startswith("layer.")]
+    counts = [v.get(ref, 0) for w, v in cov.items() if is_layer_place(w)]
     return {"typical": Counter(counts).most_common(1)[0][0] if counts else 0, "per_place": cov}

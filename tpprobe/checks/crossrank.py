@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .evidence import LEVELS
 from .findings import INFO, Finding
-from ..capture.points import point_layer
+from ..capture.points import AUX_PACKED, point_layer
 
 
 def point_names(records: dict, live: list[int]) -> list[str]:
@@ -14,9 +14,9 @@ def point_names(records: dict, live: list[int]) -> list[str]:
         for p in records[r].meta.get("points", []):
             if p["name"] not in names:
                 names.append(p["name"])
-    if "aux.packed" not in names and any("aux.packed" in records[r].tensors or records[r].meta.get("aux")
-                                         for r in live):
-        names.append("aux.packed")
+    if AUX_PACKED not in names and any(AUX_PACKED in records[r].tensors or records[r].meta.get("aux")
+                                       for r in live):
+        names.append(AUX_PACKED)
     return names
 
 

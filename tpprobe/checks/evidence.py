@@ -17,11 +17,12 @@ import torch
 
 from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
                     within_noise)
-from ..capture.points import SHARE, allreduce_in, allreduce_out, layer_streams, parse
+from ..capture.points import (AUX_PACKED, EMBED_LOCAL, EMBED_OUT, SHARE, allreduce_in, allreduce_out, in_norm,
+                              layer_streams, parse)
 from ..exchange.fingerprint import PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint, fingerprint, sum_matches
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
-SLOT_CANDIDATES = ("embed.out", "layer.0.in_norm", "embed.local")
+SLOT_CANDIDATES = (EMBED_OUT, in_norm(0), EMBED_LOCAL)
 
 
 def layer_points(names) -> list[str]:
@@ -174,7 +175,7 @@ class TensorEvidence:
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         rec = self.records[r]
-        packed = rec.tensors.get("aux.packed")
+        packed = rec.tensors.get(AUX_PACKED)
         if packed is None or rec.meta.get("slot_match") is not None:
             # matched on the rank, against every candidate (a fingerprint capture keeps few tensors)
             return rec.meta.get("slot_match")
@@ -183,7 +184,7 @@ class TensorEvidence:
         return match_slots(packed, hidden, cands, self.dtype)
 
     def packed_width(self, r: int) -> Optional[int]:
-        p = self.records[r].tensors.get("aux.packed")
+        p = self.records[r].tensors.get(AUX_PACKED)
         if p is not None:
             return p.shape[-1]
         shape = self.records[r].meta.get("aux", {}).get("shape")
@@ -278,7 +279,7 @@ def add_fingerprints(meta: dict, tap, packed: Optional[torch.Tensor], hidden: in
     which candidate each aux slot equals (measured here, where the tensors are)."""
     fps = {n: f.to_json() for n, f in tap.summaries.items()}
     if packed is not None:
-        fps["aux.packed"] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
+        fps[AUX_PACKED] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
     meta["fingerprints"] = fps
     if TORCH_PATH and str(meta.get("device", "")).startswith("cuda"):   # why the fused kernel was not used
         meta["fingerprint_torch_path"] = dict(TORCH_PATH)

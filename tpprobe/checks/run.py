@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..capture.files import RankRecord, point_set_mismatches
+from ..capture.points import AUX_PACKED
 from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
 from .coverage import coverage_findings, summary as coverage_summary
@@ -80,10 +81,10 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
 
     # ---- slots: what the draft model receives --------------------------------------------------
     slot_findings, out["slots"] = check_slots(ev, records, live, settings) if complete else ([], [])
-    if complete and not roots and "aux.packed" in point_stats and not slot_findings:
-        bad = [r for r, s in point_stats["aux.packed"].items() if s["level"] in ("material", "shape")]
+    if complete and not roots and AUX_PACKED in point_stats and not slot_findings:
+        bad = [r for r, s in point_stats[AUX_PACKED].items() if s["level"] in ("material", "shape")]
         if bad:
-            roots.append(Finding("rank-divergence", "aux.packed", bad,
+            roots.append(Finding("rank-divergence", AUX_PACKED, bad,
                                  detail=f"the packed aux hidden state differs on ranks {bad} while the "
                                         f"residual streams agree"))
 
@@ -98,7 +99,7 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     out["coverage"] = coverage_summary(records, live)
     cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
     findings += roots + slot_findings + set_findings + cov_findings
-    explained = {f.where for f in findings} | ({"aux.packed"} if slot_findings else set())
+    explained = {f.where for f in findings} | ({AUX_PACKED} if slot_findings else set())
     findings += rounding_noise(names, point_stats, explained)
     if references and complete and not any(f.severity == FAILURE for f in findings):
         findings += reference_check(records[ref], references, dtype)

@@ -4,9 +4,8 @@ mistake (offset by one layer, aliased, permuted, missing, transformed)."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
 
-from ..capture.points import id_point, parse, point_label
+from ..capture.points import EMBED_OUT, id_point, in_norm, point_label, point_position
 from .findings import Finding
 from .layout import layout_verdict
 from .noise import dtype_from_str
@@ -68,10 +67,6 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
     return findings, rows_out
 
 
-def _pos(point: Optional[str]) -> Optional[float]:
-    return parse(point).position if point is not None else None
-
-
 def slot_verdict(ids, expected, match, L):
     def lab(p):
         return point_label(p) if p else "no candidate"
@@ -95,21 +90,22 @@ def slot_verdict(ids, expected, match, L):
                      f"{lab(expected[i]) if i < len(expected) else 'nothing'}" for i in wrong)
     dup = [m for m, c in Counter(m for m in match if m).items() if c > 1]
     if dup:
-        last = max(dup, key=lambda m: _pos(m) or -9)
+        last = max(dup, key=lambda m: point_position(m) or -9)
         same = [i for i, m in enumerate(match) if m == last]
         return ("aliased-capture", f"aux slots {same}", f"slots {same} all hold {lab(last)}: captured without clone() "
                                           f"from a buffer that later layers overwrote")
-    if any(expected[i] == "embed.out" and match[i] in ("layer.0.in_norm",) for i in wrong):
-        i = next(i for i in wrong if expected[i] == "embed.out")
+    if any(expected[i] == EMBED_OUT and match[i] == in_norm(0) for i in wrong):
+        i = next(i for i in wrong if expected[i] == EMBED_OUT)
         return ("transformed-capture", f"aux slot {i}", f"slot {i} equals {lab(match[i])}, expected the raw "
                                                         f"embedding (the capture is taken after a transform)")
-    deltas = {(_pos(match[i]) - _pos(expected[i])) if match[i] and _pos(match[i]) is not None else None for i in wrong}
+    deltas = {(point_position(match[i]) - point_position(expected[i]))
+              if match[i] and point_position(match[i]) is not None else None for i in wrong}
     if len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0):
         d = next(iter(deltas))
         return ("capture-offset", where, f"{text}: one layer {'early' if d < 0 else 'late'} "
                                          f"(the EAGLE-3 +1 was {'not applied' if d < 0 else 'applied twice'})")
     if set(match) == set(expected) and None not in match and \
-            match == sorted(expected, key=lambda p: _pos(p) if _pos(p) is not None else 1e9):
+            match == sorted(expected, key=lambda p: point_position(p) if point_position(p) is not None else 1e9):
         return ("slot-mismatch", where, f"the ids {ids} are not in layer order, but the model appends each "
                                         f"capture as its layer runs, so the slots follow layer order: {text}; "
                                         f"give the ids in layer order (and train the draft on that order)")
@@ -117,6 +113,6 @@ def slot_verdict(ids, expected, match, L):
         return ("slot-mismatch", where, f"slots are permuted: {text}")
     extra = [m for m in match if m not in expected]
     msg = f"{text}"
-    if "embed.out" in expected and "embed.out" not in match:
+    if EMBED_OUT in expected and EMBED_OUT not in match:
         msg += f"; the embedding slot is missing and {lab(extra[-1]) if extra else 'another layer'} was captured"
     return ("slot-mismatch", where, msg)

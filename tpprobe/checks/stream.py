@@ -7,7 +7,8 @@ from collections import Counter
 
 import torch
 
-from ..capture.points import AUX, layer_place, parse, point_label, point_layer, stream_order
+from ..capture.points import (AUX, EMBED_OUT, EMBED_PLACE, is_layer_place, layer_place, parse, point_label,
+                              point_layer, stream_order)
 from .crossrank import classes
 from .findings import Finding
 from .params import param_divergence
@@ -30,14 +31,14 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         return pf
     layer = point_layer(first)
     all_r = {"all_ranks": True}
-    if first == "embed.out":
-        if not any(a["where"] == "embed" for r in live for a in records[r].meta.get("allreduces", [])):
-            rows = torch.stack([ev.rows_nonzero("embed.out", r) for r in live])
+    if first == EMBED_OUT:
+        if not any(a["where"] == EMBED_PLACE for r in live for a in records[r].meta.get("allreduces", [])):
+            rows = torch.stack([ev.rows_nonzero(EMBED_OUT, r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
             evid = {"rows_nonzero_on_one_rank": single, **all_r,
-                    "missing_allreduce": {"where": "embed", "module": _embed_module(records, live)}}
-            if references and "embed.out" in references:
-                evid["sum_over_ranks_vs_reference"] = ev.sum_vs("embed.out", live, references["embed.out"])
+                    "missing_allreduce": {"where": EMBED_PLACE, "module": _embed_module(records, live)}}
+            if references and EMBED_OUT in references:
+                evid["sum_over_ranks_vs_reference"] = ev.sum_vs(EMBED_OUT, live, references[EMBED_OUT])
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
                             detail=f"embedding output is each rank's partial sum: no all-reduce ran in the "
                                    f"embedding; {single:.0%} of token rows are non-zero on exactly one rank"
@@ -60,12 +61,12 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         mod = unreduced[0]["module"]
         ranks = sorted({r for r in live for u in records[r].meta.get("unreduced_rows", []) if u["module"] == mod})
         n_here = Counter(a["where"] for a in records[live[0]].meta.get("allreduces", []))
-        typical = Counter(n for w, n in n_here.items() if w.startswith("layer.")).most_common(1)
+        typical = Counter(n for w, n in n_here.items() if is_layer_place(w)).most_common(1)
         others = f" (other layers: {typical[0][0]})" if typical else ""
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
-                        detail=f"{mod} output was never all-reduced: {n_here.get(f'layer.{layer}', 0)} all-reduce(s) "
+                        detail=f"{mod} output was never all-reduced: {n_here.get(layer_place(layer), 0)} all-reduce(s) "
                                f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
-                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": f"layer.{layer}", "module": mod},
+                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": layer_place(layer), "module": mod},
                                   **({"all_ranks": True} if len(ranks) == world else {})})]
     # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
     # row-parallel module, the block itself, a hook, a reduce-scatter)

@@ -46,6 +46,7 @@ import torch
 
 from .fingerprint import Fingerprint
 from ..capture.hooks import Tap
+from ..capture.points import layer_out
 
 __all__ = ["StaticFingerprints", "GraphTap", "GraphTapMismatch", "graph_meta"]
 
@@ -217,7 +218,7 @@ class GraphTap(Tap):
         """The stream leaving the layer, formed in the static scratch (no allocation)."""
         if not self.stream_from_layer_output:
             return
-        name = f"layer.{handle.index}.out"
+        name = layer_out(handle.index)
         if isinstance(output, torch.Tensor):
             s = output
         elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):

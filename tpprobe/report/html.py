@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 from typing import Optional
 
+from ..capture.points import place_layer
 from .envinfo import env_lines
 from .labels import cell_label, verdict_items   # the same words as the terminal table
 
@@ -191,11 +192,9 @@ def _points_table(report: dict, world: int) -> str:
 
 
 def _where_layer(where) -> int:
-    """The layer of an audit place: "embed" is -1, "layer.K" is K."""
-    try:
-        return -1 if where == "embed" else int(str(where).split(".")[1])
-    except (IndexError, ValueError):
-        return 1 << 30
+    """The layer of an audit place: "embed" is -1, "layer.K" is K, any other after every layer."""
+    k = place_layer(where)
+    return k if k is not None else 1 << 30
 
 
 def _allreduce(report: dict, world: int) -> str:

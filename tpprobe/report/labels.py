@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..capture.points import is_layer_place, place_layer
+
 HEALTHY_LINE = "HEALTHY: every capture point agrees across ranks and every all-reduce is complete"
 
 
@@ -88,8 +90,7 @@ def reduces_text(cov: dict, world: int, missing=()) -> str:
     counts share a line, e.g. "layers 0–2: 2 on each of ranks 0, 1, 3; layer 3: 1 on each of ranks 0, 1,
     3; layers 4–5: none; rank 2: no record" (rank 2 missing)."""
     places = cov.get("reduces_per_place") or {}
-    per = {int(w.split(".")[1]): v for w, v in places.items()
-           if w.startswith("layer.") and w.split(".")[1].lstrip("-").isdigit()}
+    per = {place_layer(w): v for w, v in places.items() if is_layer_place(w)}
     if not per:
         return "no reduce audited in any layer"
     missing = sorted(int(r) for r in missing)

@@ -214,7 +214,7 @@ def _aux(result, tokens: int):
 def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
     """This rank's kept tensors (under the byte budget), metadata (the one rank record `tpprobe probe`
     writes too, with every point's fingerprint and each all-reduce's in_fp / out_fp) and run settings."""
-    from tpprobe.capture.points import AUX_PACKED, INPUT_IDS
+    from tpprobe.capture.points import AUX_PACKED, EMBED_OUT, INPUT_IDS
     from tpprobe.capture.record import aux_meta, rank_record
     from tpprobe.checks.evidence import add_fingerprints, match_slots, slot_candidates
     from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
@@ -258,7 +258,7 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
     L = len(tap.layer_indices)
     points, ids = slots_from_layers_to_capture(ltc, L) if aux is not None else ([], [])
     fps = meta["fingerprints"]
-    dtype = getattr(torch, fps["embed.out"]["dtype"]) if "embed.out" in fps else next(iter(model.parameters())).dtype
+    dtype = getattr(torch, fps[EMBED_OUT]["dtype"]) if EMBED_OUT in fps else next(iter(model.parameters())).dtype
     run_settings = {
         "world_size": world, "backend": "sglang (live server, plugin)",
         "dtype": str(dtype).replace("torch.", ""), "hidden": hidden, "num_layers": L, "tokens": tokens,

@@ -410,7 +410,7 @@ def score(engine, d: Draft, label: str, source: str, packed: torch.Tensor, ids: 
 
 # ---- the command -------------------------------------------------------------------------------
 def _sides(baseline, target, tokens_from, rank):
-    from .diff import align, load_side
+    from .diff.load import load_side
     b = load_side("baseline", baseline, rank)
     t = load_side("target", target, rank)
     tok = load_side("tokens", tokens_from, rank) if tokens_from else None
@@ -440,7 +440,10 @@ def _sides(baseline, target, tokens_from, rank):
 
 def _fixed(b, t, d: Draft):
     """B's slots re-ordered by the diff's slot matcher; (packed, how, explained)."""
-    from .diff import align, default_threshold, diff_sides, split_slots
+    from .diff.compare import default_threshold
+    from .diff.load import split_slots
+    from .diff.match import diff_sides
+    from .diff.tokens import align
     split_slots(b, d.target_hidden, None, t)
     split_slots(t, d.target_hidden, None, b)
     al = align(b, t, None)

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ..capture.points import EMBED_LOCAL, decoder_layer
 from ..errors import RankFailure, UsageError
 
 SCHEMA = "tpprobe.invariance/1"
@@ -316,22 +317,23 @@ def _rows(rec: _Recorder, tap, world: int) -> list[dict]:
                     open_coll.pop(site)["out"] = p["out"]
                 elif world == 1 and site in rec.sites:  # tp 1: the module's output stands for the collective
                     rows.append({"key": key_for(site), "kind": "collective", "op": None, "site": site,
-                                 "module": site, "layer": _layer_of(site), "in": None, "out": p["out"]})
+                                 "module": site, "layer": _site_layer(site), "in": None, "out": p["out"]})
 
     order = list(tap.order)
     for i, name in enumerate(order):
         emit_events(i)
-        if name == "embed.local":             # the embedding's all-reduce input: a shard, in its row
+        if name == EMBED_LOCAL:               # the embedding's all-reduce input: a shard, in its row
             continue
         cap = tap.summaries.get(name)
         if cap is not None:
-            rows.append({"key": name, "kind": "point", "layer": _layer_of(name), "out": cap})
+            rows.append({"key": name, "kind": "point", "layer": decoder_layer(name), "out": cap})
     emit_events(len(order))
     return rows
 
 
-def _layer_of(name: str) -> Optional[int]:
-    m = re.search(r"(?:^|\.)(?:layers|layer)\.(\d+)(?:\.|$|#)", name)
+def _site_layer(site: str) -> Optional[int]:
+    """The decoder layer of a module path (model.layers.3.mlp.down_proj: 3); None outside the layers."""
+    m = re.search(r"(?:^|\.)(?:layers|layer)\.(\d+)(?:\.|$|#)", site)
     return int(m.group(1)) if m else None
 
 

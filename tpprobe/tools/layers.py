@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tpprobe.capture.points import EMBED_OUT, layer_out
+from tpprobe.capture.points import EMBED_OUT, id_point, layer_out
 from tpprobe.errors import UsageError
 
 SGLANG_VERSION = "0.5.23"
@@ -110,7 +110,7 @@ def point_of(layer: int, num_layers: int) -> str:
     report's rows are named so)."""
     if not 0 <= layer < num_layers:
         return "-"
-    return "embed.out" if layer == 0 else f"layer.{layer - 1}.out"
+    return id_point(layer - 1)       # the entry of layer L is layer L-1's output (-1: the embedding)
 
 
 def plan_from_derived(arch: str, d) -> LayerPlan:

@@ -118,13 +118,13 @@ def sample_from_capture(capture_dir, out_path, rank: int = 0) -> Path:
     hidden_state is the last captured layer's residual stream: the capture holds no final-norm
     output, so it is a stand-in (tpprobe diff compares aux_hidden_state only)."""
     from ..capture.files import check_file_path, load_run
-    from ..capture.points import stream_order
+    from ..capture.points import AUX_PACKED, INPUT_IDS, stream_order
     check_file_path(Path(out_path), "sample")   # before any work
     run = load_run(capture_dir)
     if rank not in run.records:
         raise CaptureError(f"{capture_dir}: rank {rank} not readable (have {sorted(run.records)})")
     t = run.records[rank].tensors
-    if "aux.packed" not in t or "input_ids" not in t:
+    if AUX_PACKED not in t or INPUT_IDS not in t:
         raise CaptureError(f"{capture_dir}: rank {rank} has no aux.packed / input_ids to write a sample from")
     order = stream_order(t)
-    return write_sample(out_path, t["input_ids"], t["aux.packed"], t[order[-1]] if order else None)
+    return write_sample(out_path, t[INPUT_IDS], t[AUX_PACKED], t[order[-1]] if order else None)
