@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..capture.points import place_layer
 from .envinfo import env_lines
-from .labels import cell_label, verdict_items   # the same words as the terminal table
+from .labels import cell_label, coverage_parts, verdict_items   # the same words as the terminal table
 
 LEVEL_CLASS = {"bitwise": "ok", "exact": "ok", "reference": "ref", "noise": "noise", "material": "bad",
                "shape": "shape", "incomplete": "bad", "unchecked": "dim", "share": "dim", "missing": "dim"}
@@ -155,7 +155,6 @@ BAD_ATTR = ' class="bad"'
 
 def _coverage(report: dict) -> str:
     """What was hooked and audited: part of the verdict (HEALTHY only with complete coverage)."""
-    from .labels import coverage_parts
     rows = coverage_parts(report)
     if not rows:
         return ""
