@@ -93,6 +93,20 @@ def worker(rank: int, a, port: int, q):
             for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
                 times[v].append(run(v))
         med = {v: statistics.median(times[v]) for v in VARIANTS}
+        if a.profile and rank == 0 and tokens == min(a.decode or [0]):
+            import cProfile
+            import io
+            import pstats
+            for v in ("installed", "fingerprint"):       # where the host's time goes, per variant
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(20):
+                    run(v)
+                pr.disable()
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(45)
+                with open(os.path.join(a.out, f"profile_{v}_{tokens}tok.txt"), "w") as f:
+                    f.write(buf.getvalue())
         out["rows"].append({"phase": "prefill" if tokens == a.prefill else "decode", "tokens": tokens,
                             "iters": iters, **{f"{v}_ms": med[v] * 1e3 for v in VARIANTS},
                             **{f"{v}_x": med[v] / med["off"] for v in VARIANTS[1:]},
@@ -117,6 +131,8 @@ def main():
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--decode-iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true", help="also cProfile 20 decode forwards (rank 0, "
+                    "smallest decode size) of installed and fingerprint into --out/profile_*.txt")
     a = ap.parse_args()
     a.decode = [int(x) for x in a.decode.split(",") if x]
     ctx = mp.get_context("spawn")

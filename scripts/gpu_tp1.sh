@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on ONE H200 (`nvidia-h200`): the merged tree on CUDA at tp 1 (NCCL world of one):
+# the GPU test tier that needs one GPU, probe and invariance over NCCL with each rank's stderr kept,
+# then the eager-decode overhead and the graph-decode overhead alone on the GPU.
+#   OUT=dir bash scripts/gpu_tp1.sh        (STEPS="tests probe bench" by default)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TPPROBE_STACKS_AFTER=${STACKS:-60}
+OUT=${OUT:-.}; W=$OUT/w; mkdir -p $W
+PY=python3
+run() {  # name, outer limit s, command...
+  local name=$1 lim=$2; shift 2
+  local s=$(date +%s.%N)
+  timeout -k 3 $lim "$@" > $W/$name.log 2>&1
+  echo "rc=$? wall=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" >> $W/$name.log
+  tail -1 $W/$name.log | sed "s/^/$name: /"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"; } > $W/machine.log 2>&1
+cat $W/machine.log
+STEPS=${STEPS:-"tests probe bench"}
+G1="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"
+P="$PY -m tpprobe probe --backend nccl --nproc 1"
+if [[ $STEPS == *tests* ]]; then
+  run pytest-gpu ${PYTEST_S:-200} $PY -m pytest -m gpu -p no:cacheprovider -n 3 -v -rA --basetemp=$W/pt \
+      tests/test_fingerprint.py tests/test_graph_tap.py ${EXTRA_TESTS:-} $G1 &
+fi
+if [[ $STEPS == *probe* ]]; then
+  ( run probe-healthy 90 $P --out $W/probe-healthy
+    run probe-fp-bf16 90 $P --dtype bfloat16 --exchange fingerprint --tokens 37 --out $W/probe-fp-bf16
+    run probe-nan 90 $P --inject nan@0 --out $W/probe-nan
+    run inv-tp1 150 $PY -m tpprobe invariance --backend nccl --tp 1 --batch 1,3,8 --debug --out $W/inv-tp1
+    run inv-tp1-bf16 150 $PY -m tpprobe invariance --backend nccl --tp 1 --batch 1,3,8 --dtype bfloat16 --hidden 7168 --heads 56 --ffn 14336 --num-layers 4 --debug --out $W/inv-tp1-bf16
+    run inv-tp1-ordered 150 $PY -m tpprobe invariance --backend nccl --tp 1 --batch 1,3,8 --reduce ordered --debug --out $W/inv-tp1-ordered
+  ) &
+fi
+wait
+if [[ $STEPS == *bench* ]]; then
+  run nccl-overhead-tp1 200 $PY bench/nccl_overhead.py --nproc 1 --profile --out $W
+  run graph-decode-tp1 150 $PY bench/graph_decode.py --tp 1 --rounds 8 --iters 30 --out $W/graph_decode_tp1.json
+fi
+for f in $W/*.log; do echo "===== $f"; tail -${TAILN:-25} $f; done
