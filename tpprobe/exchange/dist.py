@@ -332,8 +332,9 @@ def shutdown(ctx) -> None:
     if "tpprobe.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
         sys.modules["tpprobe.sglang.dist"].release_shared_memory()
     try:
-        if ctx.world_size > 1:
-            # let every rank read the verdict before the store's host (rank 0's agent) may go
+        if dist.is_initialized():
+            # let every rank read the verdict before the store's host (rank 0's agent) may go; at
+            # world 1 too: NCCL warns at exit about a group that was never destroyed
             dist.destroy_process_group()
     except Exception:
         pass

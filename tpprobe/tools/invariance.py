@@ -437,7 +437,7 @@ def rank_main(opts: InvarianceOptions) -> int:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / f"rank{rank}.json", json.dumps(doc).encode())
     try:
-        if ctx is not None and ctx.world_size > 1:
+        if ctx is not None and dist.is_initialized():
             dist.destroy_process_group()
     except Exception:
         pass
