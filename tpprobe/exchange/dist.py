@@ -84,6 +84,7 @@ def _agree_backend(choice: str, rank: int, world: int, timeout: float) -> str:
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only) it aborts the communicator without killing the
 # process that is writing the report (the default, 3, took the surviving rank down first).
 NCCL_PG_SLACK_S = 30.0
+GLOO_CUDA_ENV = "TPPROBE_GLOO_CUDA"
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             # the flight recorder's ring (TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.7)
             ("TORCH_FR_BUFFER_SIZE" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
@@ -100,6 +101,12 @@ def init(backend: Optional[str], timeout: float, seed: int = 0) -> RankContext:
         if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             backend = _agree_backend(backend, rank, world, timeout)
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
+    if backend == "gloo" and os.environ.get(GLOO_CUDA_ENV) and torch.cuda.is_available():
+        # diagnostic: gloo ranks with their tensors on CUDA (several ranks may share one GPU), so
+        # the CUDA paths (fingerprint kernels, device-lag events, the audit on CUDA tensors) run at
+        # tp > 1 on a machine with fewer GPUs than ranks. Not NCCL: proves nothing about NCCL.
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if backend == "nccl":
         torch.cuda.set_device(device)
         for k, v in NCCL_ENV.items():
