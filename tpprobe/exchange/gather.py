@@ -128,8 +128,9 @@ def gather_records(ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_o
         return {}
     from ..capture.files import load_rank_files
     from ..errors import TPProbeError
-    # some rank is missing or failed: no collective is safe; read what the others wrote
-    records = {0: RankRecord(0, meta, tensors)}
+    # some rank is missing or failed: no collective is safe; read what the others wrote (on the
+    # host: this rank's own tensors may still be on its GPU)
+    records = {0: RankRecord(0, meta, {k: v.cpu() for k, v in tensors.items()})}
     for r in posts:
         if r == 0:
             continue
