@@ -242,10 +242,11 @@ class Eagle3Forward(torch.nn.Module):
     written in plain torch so it also trains: fc -> midlayer(cat[norm(embed), hidden_norm(h)]) ->
     norm -> lm_head. Parameters use the checkpoint's (normalized) names."""
 
-    def __init__(self, d: Draft):
+    def __init__(self, d: Draft, device: Optional[torch.device] = None):
         super().__init__()
         self.d = d
-        self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(v.float().clone())
+        dev = torch.device("cpu") if device is None else device     # moved as stored, upcast there
+        self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(v.to(dev).float().clone())
                                          for k, v in d.weights.items()})
 
     def w(self, name):
@@ -384,7 +385,7 @@ def engine_for(d: Draft, name: str, device: Optional[torch.device] = None):
     if device is not None and device.type != "cpu":      # resolve_device has refused --engine sglang here
         why = ("" if name == "torch" else
                f"; --engine auto on {device}: SGLang's class runs on CPU in this tool")
-        return Eagle3Forward(d).to(device), f"torch (tpprobe's re-implementation of LlamaForCausalLMEagle3{why})"
+        return Eagle3Forward(d, device), f"torch (tpprobe's re-implementation of LlamaForCausalLMEagle3{why})"
     if name == "torch":
         return Eagle3Forward(d), "torch (tpprobe's re-implementation of LlamaForCausalLMEagle3)"
     if name == "auto":
@@ -405,12 +406,18 @@ def _ieee_fp32(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    mods = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    # torch >= 2.9 says fp32_precision ("ieee" = no TF32); mixing it with the legacy allow_tf32 flags
+    # is an error there, so each torch gets its own API
+    attr, off = ("fp32_precision", "ieee") if hasattr(mods[0], "fp32_precision") else ("allow_tf32", False)
+    old = [getattr(m, attr) for m in mods]
+    for m in mods:
+        setattr(m, attr, off)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+        for m, v in zip(mods, old):
+            setattr(m, attr, v)
 
 
 def agreement(engine, d: Draft, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
