@@ -123,6 +123,35 @@ for c, (d, b, t) in cases.items():
           + f"  | positions differing per row {flips}, max accept-length difference {dl:.3f}"
           + f"  | device {g['device']} engine {g['engine'][:60]}")
     print(f"      line ({dev}): {g['line']}")
+# the draft's forward alone on each device (warm, best of 3) and its top-1 ids compared position by
+# position: at the wide case's random weights agreement says nothing, the ids do
+from examples.accept_toy_draft import capture
+from tpprobe.tools.accept import Eagle3Forward, _ieee_fp32, load_draft
+from safetensors.torch import load_file
+for c, (d, b, t) in cases.items():
+    dr = load_draft(d)
+    f, ids = capture(b) if c == "ex" else (lambda x: (x["aux.packed"], x["input_ids"]))(load_file(b))
+    top, secs, lg0 = {}, {}, None
+    for device in ("cpu", dev):
+        eng = Eagle3Forward(dr, torch.device(device))
+        x, i = f[:-1].to(device), ids[1:].to(device)
+        best = 1e9
+        with torch.no_grad(), _ieee_fp32(torch.device(device)):
+            for _ in range(3):
+                s = time.perf_counter()
+                lg = eng.logits(x, i)
+                tp = lg.argmax(-1).cpu()
+                best = min(best, time.perf_counter() - s)
+        top[device], secs[device] = tp, best
+        if lg0 is None:
+            lg0 = lg
+        del eng, lg
+    diff = (top["cpu"] != top[dev]).nonzero().flatten()
+    t2 = lg0.topk(2, -1).values
+    marg = ((t2[:, 0] - t2[:, 1]) / lg0.abs().max())[diff].tolist()
+    print(f"{c:5s} forward only ({ids.numel() - 1} positions, draft vocab {dr.draft_vocab}): cpu {secs['cpu']:.3f} s, "
+          f"{dev} {secs[dev]:.4f} s ({secs['cpu'] / max(secs[dev], 1e-9):.0f}x); top-1 ids differing: {len(diff)}"
+          + (f" at top-2 margins {[f'{m:.1e}' for m in marg[:5]]}" if len(diff) else ""))
 EOF
 echo "== the JSON of the example on $DEV (device, engine, line)"
 $PY -c "
