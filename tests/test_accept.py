@@ -109,6 +109,7 @@ def test_the_cli_scores_the_seeds_slot_order_with_sglangs_draft_and_writes_json_
     assert cp.returncode == 1, cp.stderr[-2000:]
     rep = json.loads(cp.stdout)
     assert rep["engine"].startswith("sglang ") and "LlamaForCausalLMEagle3" in rep["engine"]
+    assert rep["device"] == "cpu" and "device_name" not in rep      # --device auto on a machine without CUDA
     base, tgt, fixed = rep["rows"]
     assert base["top1_agreement"] > 0.95 and tgt["accept_length"]["5"] < base["accept_length"]["5"] - 1.0
     assert fixed["accept_length"] == base["accept_length"]
@@ -251,3 +252,65 @@ def test_a_source_of_another_length_is_one_line_and_exit_2_from_the_cli(runs, tm
                   "--target", str(short), "--engine", "torch"])
     assert cp.returncode == 2 and f"has {TOKENS - 1} token rows, the token sequence from" in cp.stderr, cp.stderr
     assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr and not cp.stdout.strip()
+
+
+# ---- --device: the torch engine on a GPU (issue 22: "and on GPU when there is one") ---------------
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "sglang", "--device", "cuda"], "SGLang's class runs on CPU in this tool; use --engine torch on GPU"),
+    (["--device", "tpu"], "--device 'tpu': use auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "torch sees no CUDA device here" if not torch.cuda.is_available()
+     else "pick one of those"),
+])
+def test_a_device_the_draft_cannot_run_on_is_one_line_and_exit_2(runs, args, message):
+    cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
+                  "--target", str(runs["healthy"]), *args])
+    assert cp.returncode == 2 and message in cp.stderr, cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr and not cp.stdout.strip()
+
+
+@pytest.mark.gpu
+def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
+    """The same accept (torch engine, float32, TF32 off) on cuda and on cpu over the trained draft:
+    healthy, and F8 slot-order with --fix (rows at ~100 % and ~32 % agreement). Bound on flips:
+    the two devices' float32 logits differ by rounding (~1e-6 of their scale: other summation
+    orders, TF32 off), so a position's top-1 can differ only where the CPU logits' top-2 margin is
+    that small. Every differing position must be such a near-tie (margin < 1e-4 of the logits'
+    scale, a hundredfold room over rounding), and at most 2 of the 190 per row (a wrong device
+    path flips tens). Accept lengths within 0.05."""
+    import math
+    from tpprobe.tools.accept import Eagle3Forward, load_draft
+    if not torch.cuda.is_available():
+        pytest.fail("needs CUDA (run with -m gpu on the GPU machine)")
+    d = load_draft(runs["draft"])
+    eng = Eagle3Forward(d)
+
+    def margins(run):            # the CPU logits' top-2 margin at each position, over their scale
+        feats, ids = _capture(run)
+        with torch.no_grad():
+            lg = eng.logits(feats[:-1], ids[1:])
+        top2 = lg.topk(2, dim=-1).values
+        return ((top2[:, 0] - top2[:, 1]) / lg.abs().max()).tolist()
+
+    for target in ("healthy", "slot-order"):
+        cpu = run_accept(runs["draft"], runs["healthy"], runs[target], engine="torch", fix=True, device="cpu")
+        gpu = run_accept(runs["draft"], runs["healthy"], runs[target], engine="torch", fix=True, device="cuda")
+        assert cpu["device"] == "cpu" and gpu["device"] == "cuda:0" and gpu["engine"].startswith("torch")
+        # the rows' features: the baseline's, the target's, and (fixed) the target re-ordered = the baseline's
+        marg = [margins(runs["healthy"]), margins(runs[target]), margins(runs["healthy"])]
+        for rc, rg, m in zip(cpu["rows"], gpu["rows"], marg):
+            flips = [t for t, (a, b) in enumerate(zip(rc["per_position"], rg["per_position"], strict=True)) if a != b]
+            assert len(flips) <= 2 and all(m[t] < 1e-4 for t in flips), (target, rc["label"], flips,
+                                                                          [m[t] for t in flips])
+            for k in rc["accept_length"]:
+                assert math.isclose(rc["accept_length"][k], rg["accept_length"][k], abs_tol=0.05), (target, k)
+        assert len(cpu["rows"]) == len(gpu["rows"]) == 3 and gpu["exit_code"] == cpu["exit_code"]
+    # the CLI with the default engine on cuda: the torch engine, said in the JSON and the header
+    cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
+                  "--target", str(runs["slot-order"]), "--fix", "--device", "cuda", "--json"], timeout=240)
+    rep = json.loads(cp.stdout)
+    assert cp.returncode == 1 and rep["device"] == "cuda:0" and rep["engine"].startswith("torch ("), cp.stderr[-2000:]
+    assert "SGLang's class runs on CPU in this tool" in rep["engine"] and rep["device_name"]
+    assert rep["rows"][2]["accept_length"] == rep["rows"][0]["accept_length"] and "0.00 remains" in rep["line"]
+    cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
+                  "--target", str(runs["slot-order"]), "--device", "cuda:0"], timeout=240)
+    assert cp.returncode == 1 and " on cuda:0 (" in " ".join(cp.stdout.split()), cp.stdout[-2000:]   # the header, however wrapped

@@ -227,6 +227,7 @@ def accept(
     tokens_from: Annotated[Optional[Path], typer.Option("--tokens-from", help="the target's token sequence (default: the target's, else the baseline's input_ids)")] = None,
     fix: Annotated[bool, typer.Option("--fix", help="also score the target with its slots re-ordered by the slot matcher")] = False,
     engine: Annotated[str, typer.Option("--engine", help="auto | sglang (SGLang's LlamaForCausalLMEagle3) | torch (tpprobe's re-implementation)")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto (cuda when there is one, else cpu) | cpu | cuda | cuda:N; on cuda the torch engine runs (SGLang's class runs on CPU here)")] = "auto",
     embed: Annotated[Optional[Path], typer.Option("--embed", help="the target's embedding table, when the draft has none")] = None,
     rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
     tolerance: Annotated[float, typer.Option("--tolerance", help="accept-length difference (chain of 5) still called no cost")] = 0.05,
@@ -239,7 +240,7 @@ def accept(
     import json as _json
     from .tools.accept import markdown as md, render, run_accept
     rep = run_accept(draft, baseline, target, tokens_from=tokens_from, fix=fix, engine=engine,
-                     embed=str(embed) if embed else None, rank=rank, tolerance=tolerance)
+                     embed=str(embed) if embed else None, rank=rank, tolerance=tolerance, device=device)
     if markdown is not None:
         if not markdown.parent.is_dir():
             raise UsageError(f"--markdown {markdown}: folder {markdown.parent} does not exist")

@@ -22,12 +22,22 @@ Engines: `sglang` runs SGLang's own `LlamaForCausalLMEagle3` (CPU, one process, 
 attention, an EXTEND batch), `torch` a re-implementation of the same forward
 (`Eagle3Forward`, proved equal to SGLang's class on the same weights in tests/test_accept.py).
 `auto` takes sglang when it is importable.
+
+Devices (`--device auto|cpu|cuda[:N]`): `auto` is cuda when torch sees one, else cpu. The torch
+engine runs there: its weights, each source's features and the token ids are moved once, the
+logits and their argmax stay on the device, and only the per-position top-1 ids come back (the
+d2t map and the accept-length arithmetic are the CPU path's). It computes in float32 on every
+device, as on CPU (weights and features are upcast; the draft's own dtype is not used), with TF32
+off for its matmuls so a GPU run agrees with a CPU run up to float32 rounding. SGLang's class runs
+on CPU in this tool: `--engine sglang` with a cuda device is a usage error, and `--engine auto` on
+a cuda device takes the torch engine and says so.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -220,7 +230,7 @@ def _rms(x, w, eps):
 def _rope(x, pos, theta):
     # neox style (HF Llama rotate_half), as SGLang's get_rope for Llama
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     ang = pos.float()[:, None] * inv[None]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
     x1, x2 = x[..., : d // 2].float(), x[..., d // 2:].float()
@@ -232,14 +242,19 @@ class Eagle3Forward(torch.nn.Module):
     written in plain torch so it also trains: fc -> midlayer(cat[norm(embed), hidden_norm(h)]) ->
     norm -> lm_head. Parameters use the checkpoint's (normalized) names."""
 
-    def __init__(self, d: Draft):
+    def __init__(self, d: Draft, device: Optional[torch.device] = None):
         super().__init__()
         self.d = d
-        self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(v.float().clone())
+        dev = torch.device("cpu") if device is None else device     # moved as stored, upcast there
+        self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(v.to(dev).float().clone())
                                          for k, v in d.weights.items()})
 
     def w(self, name):
         return self.p[name.replace(".", "__")]
+
+    @property
+    def device(self) -> torch.device:
+        return self.w("fc.weight").device
 
     def hidden(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         d = self.d
@@ -255,7 +270,7 @@ class Eagle3Forward(torch.nn.Module):
         q = (x @ self.w(L + "self_attn.q_proj.weight").t()).view(T, d.heads, d.head_dim)
         k = (x @ self.w(L + "self_attn.k_proj.weight").t()).view(T, d.kv_heads, d.head_dim)
         v = (x @ self.w(L + "self_attn.v_proj.weight").t()).view(T, d.kv_heads, d.head_dim)
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=feats.device)
         q, k = _rope(q, pos, d.rope_theta), _rope(k, pos, d.rope_theta)
         rep = d.heads // d.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -293,6 +308,7 @@ class SGLangEagle3:
         cfg = LlamaConfig(**c)
         cfg.draft_vocab_size = d.draft_vocab
         self.d = d
+        self.device = torch.device("cpu")
         with set_default_torch_dtype(torch.float32):
             self.model = LlamaForCausalLMEagle3(cfg).eval()
         ws = [(("model." if not k.startswith("lm_head") else "") + k, v.float()) for k, v in d.weights.items()]
@@ -326,7 +342,50 @@ def _init_single_process() -> None:
     publish_parallel_state(0, 1, 0, "gloo", "cpu")
 
 
-def engine_for(d: Draft, name: str):
+ENGINES = ("auto", "sglang", "torch")
+
+
+def resolve_device(device: str, engine: str) -> torch.device:
+    """The device the draft runs on, from --device and --engine (checked before anything is
+    loaded): auto = cuda when torch sees one (cpu for --engine sglang), else cpu."""
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: use auto, sglang or torch")
+    dev = (device or "auto").strip().lower()
+    idx = None
+    if dev.startswith("cuda:"):
+        try:
+            idx = int(dev[5:])
+        except ValueError:
+            idx = -1
+        if idx < 0:
+            raise UsageError(f"--device {device!r}: use auto, cpu, cuda or cuda:N (N a GPU index)")
+    elif dev not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+    if dev.startswith("cuda") and engine == "sglang":
+        raise UsageError(f"--engine sglang --device {device}: SGLang's class runs on CPU in this tool; use "
+                         f"--engine torch on GPU (or --device cpu for SGLang's class)")
+    has = torch.cuda.is_available()
+    if dev == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if has and engine != "sglang" else torch.device("cpu")
+    if dev == "cpu":
+        return torch.device("cpu")
+    if not has:
+        raise UsageError(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); "
+                         f"use --device cpu (or auto)")
+    n = torch.cuda.device_count()
+    if idx is None:
+        idx = torch.cuda.current_device()
+    if idx >= n:
+        raise UsageError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1}); "
+                         f"pick one of those")
+    return torch.device("cuda", idx)
+
+
+def engine_for(d: Draft, name: str, device: Optional[torch.device] = None):
+    if device is not None and device.type != "cpu":      # resolve_device has refused --engine sglang here
+        why = ("" if name == "torch" else
+               f"; --engine auto on {device}: SGLang's class runs on CPU in this tool")
+        return Eagle3Forward(d, device), f"torch (tpprobe's re-implementation of LlamaForCausalLMEagle3{why})"
     if name == "torch":
         return Eagle3Forward(d), "torch (tpprobe's re-implementation of LlamaForCausalLMEagle3)"
     if name == "auto":
@@ -334,21 +393,44 @@ def engine_for(d: Draft, name: str):
             import sglang  # noqa: F401
         except ImportError:
             return Eagle3Forward(d), "torch (sglang is not installed; tpprobe's re-implementation)"
-    if name not in ("auto", "sglang"):
+    if name not in ENGINES:
         raise UsageError(f"--engine {name!r}: use auto, sglang or torch")
     from .. import sglang as sg
     return SGLangEagle3(d), f"sglang {sg.SGLANG_VERSION} LlamaForCausalLMEagle3 (CPU)"
 
 
 # ---- scoring -----------------------------------------------------------------------------------
+@contextmanager
+def _ieee_fp32(device: torch.device):
+    """float32 matmuls without TF32 on cuda (restored after), so GPU and CPU agree to rounding."""
+    if device.type != "cuda":
+        yield
+        return
+    mods = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    # torch >= 2.9 says fp32_precision ("ieee" = no TF32); mixing it with the legacy allow_tf32 flags
+    # is an error there, so each torch gets its own API
+    attr, off = ("fp32_precision", "ieee") if hasattr(mods[0], "fp32_precision") else ("allow_tf32", False)
+    old = [getattr(m, attr) for m in mods]
+    for m in mods:
+        setattr(m, attr, off)
+    try:
+        yield
+    finally:
+        for m, v in zip(mods, old):
+            setattr(m, attr, v)
+
+
 def agreement(engine, d: Draft, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """agree[t] for t in 0..T-3: the draft's top-1 at t (features t, token t+1) is token t+2."""
+    """agree[t] for t in 0..T-3: the draft's top-1 at t (features t, token t+1) is token t+2.
+    The forward and its argmax run on the engine's device; only the T-1 top-1 ids come back."""
     T = ids.numel()
     if T < 3:
         raise UsageError(f"{T} tokens: acceptance needs at least 3 (features t, token t+1, label t+2)")
-    with torch.no_grad():
-        lg = engine.logits(feats[: T - 1], ids[1:T])
-    top = d.to_target(lg.argmax(-1))
+    dev = getattr(engine, "device", torch.device("cpu"))
+    with torch.no_grad(), _ieee_fp32(dev):
+        lg = engine.logits(feats[: T - 1].to(dev), ids[1:T].to(dev))
+        top = lg.argmax(-1).cpu()
+    top = d.to_target(top)
     return top[: T - 2] == ids[2:T]
 
 
@@ -466,13 +548,14 @@ def _fixed(b, t, d: Draft):
 
 
 def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="auto", embed=None,
-               rank=0, tolerance=0.05) -> dict:
+               rank=0, tolerance=0.05, device="auto") -> dict:
+    dev = resolve_device(device, engine)
     d = load_draft(draft, embed)
     b, t, ids, src = _sides(baseline, target, tokens_from, rank)
     if ids.numel() and (int(ids.max()) >= d.vocab or int(ids.min()) < 0):
         raise UsageError(f"the token sequence from {src} has ids up to {int(ids.max())}, outside the draft's "
                          f"vocabulary [0, {d.vocab}): is this the draft of another model?")
-    eng, eng_name = engine_for(d, engine)
+    eng, eng_name = engine_for(d, engine, dev)
     rows = [score(eng, d, "baseline", str(b.path), b.packed, ids),
             score(eng, d, "target", str(t.path), t.packed, ids)]
     fix_info = None
@@ -502,6 +585,7 @@ def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="aut
         line += f" — {rows[1].why}"
     ok = cost <= tolerance
     return {"schema": SCHEMA, "ok": ok, "exit_code": 0 if ok else 1, "line": line, "engine": eng_name,
+            "device": str(dev), **({"device_name": torch.cuda.get_device_name(dev)} if dev.type == "cuda" else {}),
             "draft": d.describe(), "tokens": int(ids.numel()), "tokens_from": str(src),
             "estimate": "teacher-forced: step j of a chain started at t is accepted iff the draft, fed the "
                         "source's features at t+j-1 and token t+j, proposes token t+j+1; accept length = 1 + "
@@ -510,11 +594,17 @@ def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="aut
             "cost": cost, "tolerance": tolerance}
 
 
+def _on(rep: dict) -> str:
+    """` on cuda:0 (NVIDIA H200)` off the CPU; nothing on it (the CPU header reads as before)."""
+    dev = rep.get("device", "cpu")
+    return "" if dev == "cpu" else f" on {dev}" + (f" ({rep['device_name']})" if rep.get("device_name") else "")
+
+
 def render(rep: dict, console) -> None:
     from rich.table import Table
     d = rep["draft"]
     console.print(f"[bold]tpprobe accept[/] — draft {d['path']} ({d['architecture']}, {d['aux_slots']} slots × "
-                  f"{d['target_hidden']}, vocab map {d['vocab_map']}) · engine {rep['engine']} · "
+                  f"{d['target_hidden']}, vocab map {d['vocab_map']}) · engine {rep['engine']}{_on(rep)} · "
                   f"{rep['tokens']} tokens from {rep['tokens_from']}")
     tab = Table(title="expected accept length for a chain of k drafted tokens (1 + accepted drafts)")
     tab.add_column("source")
@@ -539,7 +629,7 @@ def render(rep: dict, console) -> None:
 def markdown(rep: dict) -> str:
     ks = rep["chain_lengths"]
     lines = [f"### tpprobe accept: {'OK' if rep['ok'] else 'COST'}", "", rep["line"], "",
-             f"draft `{rep['draft']['path']}` · engine {rep['engine']} · {rep['tokens']} tokens", "",
+             f"draft `{rep['draft']['path']}` · engine {rep['engine']}{_on(rep)} · {rep['tokens']} tokens", "",
              "| source | top-1 | " + " | ".join(f"k={k}" for k in ks) + " |",
              "|---|---:|" + "---:|" * len(ks)]
     for r in rep["rows"]:
