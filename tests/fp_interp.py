@@ -7,28 +7,14 @@ import math
 import os
 import sys
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-import triton.runtime.interpreter as interp  # noqa: E402
 
-_splat = interp.InterpreterBuilder.create_splat
+from bench import _interp_shim  # noqa: E402
 
-
-def _bool_splat(self, ret_ty, arg):
-    # Triton 3.9's interpreter types a scalar comparison int32 (its data stays bool), so a scalar
-    # mask splats to int32 and tl.load refuses it ("mask has unsupported dtype"); the compiler
-    # keeps it i1.  Splat a scalar bool as a bool (the interpreter's own bug, not the kernel's).
-    if not isinstance(arg.dtype, tl.block_type) and arg.data.dtype == np.bool_:
-        return interp.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
-    return _splat(self, ret_ty, arg)
-
-
-interp.InterpreterBuilder.create_splat = _bool_splat
+_interp_shim.install()
 
 import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
 from bench import _fp_old_launch as old  # noqa: E402

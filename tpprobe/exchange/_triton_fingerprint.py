@@ -702,12 +702,17 @@ _WANT: dict = {}       # device -> words the last batch needed (the next one's f
 _PINNED: dict = {}     # device index -> pinned host buffer for the one copy
 
 
+def _no_hook(h) -> bool:
+    # Triton 3.x's launch hooks are HookChains, empty unless a profiler (proton) added one
+    return h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls)
+
+
 def _direct_launch_ok() -> bool:
     if _INTERP or os.environ.get("TPPROBE_FP_JIT"):
         return False
     try:
         rt = triton.knobs.runtime
-        return rt.launch_enter_hook is None and rt.launch_exit_hook is None
+        return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
     except AttributeError:       # a Triton without knobs: keep JITFunction.run
         return False
 
@@ -724,8 +729,8 @@ class Batch:
         self.seed, self.k, self.skip = seed, k, skip
         self.knobs = tuning() if knobs is None else knobs
         self.entries = _ENTRIES.setdefault((seed, k, tuple(sorted(self.knobs.items())), skip), {})
-        self.direct = _direct_launch_ok()
-        self.stream = triton.runtime.driver.active.get_current_stream if self.direct else None
+        self.direct = _direct_launch_ok()     # read per batch: a hook a profiler adds takes effect
+        self.stream = None                    # the driver's current-stream getter, at the first launch
         self.items: list = []    # (tag, entry, chunk index, word offset, tensor, row flags or None)
         self.chunks: list = []   # [device buffer, words used]
         self.buf = None
@@ -745,7 +750,9 @@ class Batch:
             self._new_buffer(e.words, t.device)
             off = 0
         self.used = off + e.words
-        if e.ck is not None:
+        if e.ck is not None and self.direct:
+            if self.stream is None:
+                self.stream = triton.runtime.driver.active.get_current_stream
             b = self.base + off * 8
             e.ck.run(e.grid, 1, 1, self.stream(e.dev), e.ck.function, e.ck.packed_metadata, None, None, None,
                      ptr, e.aptr, b + e.ni * 8, b, b + (e.ni + e.nf) * 8, *e.tail)
@@ -832,7 +839,10 @@ class Batch:
                                    self.k, rows_extra=extra, tensors=[items[i][4] for i in idx])
                 for i, fp in zip(idx, fps):
                     items[i][0].fp = fp
-        self._give_back()
+        if only is None:
+            self._give_back()
+        else:      # a partial read (a blocked stream): kernels queued behind it may still write
+            self.drop()
         self.items = []
 
     def _to_host(self, dev: torch.Tensor) -> np.ndarray:
