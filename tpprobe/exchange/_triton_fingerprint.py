@@ -693,7 +693,7 @@ def fingerprint_batch(tensors, seed: int, k: int, **kw):
 
 class _Entry:
     __slots__ = ("why", "p", "dev", "kern", "grid", "ints", "kw", "tail", "sign", "aptr", "ni", "nf", "words",
-                 "extra", "ck")
+                 "extra", "ck", "launcher", "function", "metadata")
 
 
 _ENTRIES: dict = {}    # (seed, k, knobs, skip) -> {(shape, dtype, device index): _Entry}
@@ -754,8 +754,9 @@ class Batch:
             if self.stream is None:
                 self.stream = triton.runtime.driver.active.get_current_stream
             b = self.base + off * 8
-            e.ck.run(e.grid, 1, 1, self.stream(e.dev), e.ck.function, e.ck.packed_metadata, None, None, None,
-                     ptr, e.aptr, b + e.ni * 8, b, b + (e.ni + e.nf) * 8, *e.tail)
+            # JITFunction.run's own last step, with no launch hooks (so no launch metadata)
+            e.launcher(e.grid, 1, 1, self.stream(e.dev), e.function, e.metadata, None, None, None,
+                       ptr, e.aptr, b + e.ni * 8, b, b + (e.ni + e.nf) * 8, *e.tail)
         else:
             self._launch_jit(e, t, off)
         self.items.append((tag, e, len(self.chunks) - 1, off, t, (t != 0).any(dim=1) if e.extra else None))
@@ -791,7 +792,8 @@ class Batch:
         ipart, fpart, flags = split_buffer(buf, e.ni, 2 * e.nf)
         ck = e.kern[(e.grid,)](t.view(-1).view(torch.int32), e.sign, fpart, ipart, flags, *e.ints, **e.kw)
         if self.direct and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
-            e.ck = ck
+            e.launcher, e.function, e.metadata = ck.run, ck.function, ck.packed_metadata
+            e.ck = ck          # held: its module stays loaded
 
     def _new_buffer(self, need: int, device) -> None:
         if self.chunks:
