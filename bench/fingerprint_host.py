@@ -6,6 +6,9 @@ microseconds and the host's Python per launch was about half a millisecond).
     TRITON_INTERPRET=1 python bench/fingerprint_host.py --rows 1,3 --hidden 256 --per-forward 4 --rounds 2
         (no GPU: Triton's CPU interpreter runs the kernels; the machinery and the equality only,
         its times mean nothing)
+    python bench/fingerprint_host.py --stub-kernels
+        (no GPU: CPU tensors, each kernel launch a no-op and the partials zero: the host's Python
+        around the launch alone, both paths; no equality, the fingerprints mean nothing)
 
 One "forward" = --per-forward [rows, hidden] bf16 tensors fingerprinted as the probe does
 (`Deferred`: one call per tensor, queued on the stream), then `resolve()` (the one device-to-host
@@ -58,6 +61,49 @@ class InterpDeferred(FP.Deferred):
         ph = FP.Pending()
         assert b.add(t, ph)
         return ph
+
+
+class StubDeferred(InterpDeferred):
+    """--stub-kernels: the fused path on CPU tensors with every kernel launch a no-op."""
+
+    def _start(self):
+        b = super()._start()
+        b.stream = lambda dev: 0
+        return b
+
+
+class _StubCompiled:
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+class _StubKernel:
+    """A JITFunction whose launch does nothing and returns a CompiledKernel-like launcher."""
+
+    def __init__(self, kern):
+        self.kern = kern
+
+    def __getattr__(self, name):
+        return getattr(self.kern, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: _StubCompiled()
+
+
+def stub_kernels():
+    for mod in (tf, old):
+        mod._fp16_kernel, mod._fp32_kernel = _StubKernel(tf._fp16_kernel), _StubKernel(tf._fp32_kernel)
+    old._triton_ok = lambda t: True
+    plain = old.buffers
+
+    def zeroed(ioff, foff, ntok, device):      # as the new path's buffer: finite partials
+        bufs = plain(ioff, foff, ntok, device)
+        bufs[0].zero_()
+        return bufs
+
+    old.buffers = zeroed
 
 
 class CountOps(TorchDispatchMode):
@@ -113,8 +159,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--stub-kernels", action="store_true", help="CPU: every launch a no-op (host Python only)")
     a = ap.parse_args()
-    if INTERP:
+    if a.stub_kernels:
+        if INTERP:
+            sys.exit("fingerprint_host: --stub-kernels runs without TRITON_INTERPRET")
+        dev = torch.device("cpu")
+        stub_kernels()
+        new_make = lambda: StubDeferred(SEED, K)    # noqa: E731
+    elif INTERP:
         dev = torch.device("cpu")
         old._triton_ok = lambda t: True           # the frozen path's dispatch wanted CUDA tensors
         new_make = lambda: InterpDeferred(SEED, K)  # noqa: E731
@@ -125,7 +178,8 @@ def main():
         sys.exit("fingerprint_host: needs a CUDA GPU, or TRITON_INTERPRET=1 for a CPU check of the machinery")
     old_make = lambda: old.Deferred(SEED, K)        # noqa: E731
     dtype = getattr(torch, a.dtype)
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
+    where = "cpu, kernel launches stubbed" if a.stub_kernels else "cpu (Triton interpreter)"
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else where,
            "torch": torch.__version__, "triton": triton.__version__, "numpy": np.__version__,
            "hidden": a.hidden, "dtype": a.dtype, "per_forward": a.per_forward, "rounds": a.rounds, "rows": []}
     print(f"{'rows':>5} {'old us/launch':>14} {'new us/launch':>14} {'x':>6} {'old resolve ms':>15} "
@@ -145,7 +199,8 @@ def main():
                 tl_, tr, fps[p] = one_forward(paths[p], ts, dev)
                 times[p]["launch"].append(tl_ / a.per_forward * 1e6)
                 times[p]["resolve"].append(tr * 1e3)
-        equal = [json.dumps(x.to_json()) for x in fps["old"]] == [json.dumps(x.to_json()) for x in fps["new"]]
+        equal = None if a.stub_kernels else \
+            [json.dumps(x.to_json()) for x in fps["old"]] == [json.dumps(x.to_json()) for x in fps["new"]]
         counts = {p: counted(paths[p], ts, dev) for p in paths}
         med = {p: {k: statistics.median(v) for k, v in times[p].items()} for p in paths}
         tot = {p: med[p]["launch"] * a.per_forward / 1e3 + med[p]["resolve"] for p in paths}
@@ -167,7 +222,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fingerprint_host.json"), "w") as fh:
         json.dump(res, fh, indent=1)
-    if not all(r["equal"] for r in res["rows"]):
+    if not a.stub_kernels and not all(r["equal"] for r in res["rows"]):
         sys.exit("fingerprint_host: the new path's fingerprints differ from the old path's")
 
 
