@@ -175,7 +175,8 @@ def main():
         dev = torch.device("cuda")
         new_make = lambda: FP.Deferred(SEED, K)     # noqa: E731
     else:
-        sys.exit("fingerprint_host: needs a CUDA GPU, or TRITON_INTERPRET=1 for a CPU check of the machinery")
+        sys.exit("fingerprint_host: needs a CUDA GPU; on a CPU: TRITON_INTERPRET=1 (the machinery and the "
+                 "equality) or --stub-kernels (the host Python alone)")
     old_make = lambda: old.Deferred(SEED, K)        # noqa: E731
     dtype = getattr(torch, a.dtype)
     where = "cpu, kernel launches stubbed" if a.stub_kernels else "cpu (Triton interpreter)"
