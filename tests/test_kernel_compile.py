@@ -138,3 +138,32 @@ def test_cuda_tensors_the_kernel_cannot_take_are_named(monkeypatch):
     assert tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (9, 0)) == ""
     assert tf.unsupported_reason((3, 7), torch.bfloat16, 2, True, 0, (9, 0)) == "odd byte count"
     assert math.prod((3, 7)) == 21
+
+
+def test_the_direct_launch_hands_the_launcher_what_jit_run_binds():
+    """After a shape's first launch, `Batch` calls the CompiledKernel's launcher itself with
+    integer addresses and its cached integer / constexpr arguments: they must be, position by
+    position, the ``bound_args.values()`` JITFunction.run would pass (Triton's binder, as above),
+    and cause the same specialization whatever the batch offset (every pointer 16-byte aligned)."""
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    for shape, dtype in [((1, 7168), torch.bfloat16), ((64, 7168), torch.float16), ((33, 130), torch.bfloat16),
+                         ((5, 100), torch.float32), ((8192, 7168), torch.float32), ((6,), torch.bfloat16)]:
+        b = tf.Batch(FP_SEED, FP_K)
+        e = b._entry(torch.empty(shape, dtype=dtype))
+        assert not e.why and e.words % 2 == 0
+        binder = create_function_from_signature(e.kern.signature, e.kern.params, backend)
+        specs = set()
+        for off in (0, 2, 1000, 123456):          # word offsets of the launch's slice of a batch
+            buf = torch.empty(off + e.words, dtype=torch.int64, device="meta")
+            ipart, fpart, flags = tf.split_buffer(buf[off:], e.ni, 2 * e.nf)
+            t = torch.empty(shape, dtype=dtype, device="meta").view(-1).view(torch.int32)
+            args = [_Ptr(x, base=1 << 20) for x in (t, e.sign, fpart, ipart, flags)] + list(e.ints)
+            bound, spec, _ = binder(*args, **e.kw)
+            specs.add(repr(spec))
+            base = (1 << 20) + off * 8
+            direct = [1 << 20, None, base + e.ni * 8, base, base + (e.ni + e.nf) * 8, *e.tail]
+            values = list(bound.values())
+            assert len(values) == len(direct), (shape, dtype)
+            assert [v.data_ptr() for v in values[2:5]] == direct[2:5]
+            assert values[5:] == direct[5:], (shape, dtype)
+        assert len(specs) == 1, (shape, dtype, specs)

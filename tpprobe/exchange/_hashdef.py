@@ -5,7 +5,7 @@ and the `Fingerprint` record both produce. Neither path imports the other for th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -113,12 +113,12 @@ class Fingerprint:
         return math.prod(self.shape)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        # JSON has no inf/nan: encode as strings
-        for key in ("sumsq", "absmax"):
-            d[key] = enc_float(d[key])
-        d["sketch"] = [enc_float(v) for v in d["sketch"]]
-        return d
+        # the fields in order, as dataclasses.asdict gives them (without its deep copy: a probe
+        # writes one per point and collective); JSON has no inf/nan: those become strings
+        return {"shape": list(self.shape), "dtype": self.dtype, "bit_hash": self.bit_hash,
+                "sketch": [enc_float(v) for v in self.sketch], "sumsq": enc_float(self.sumsq),
+                "absmax": enc_float(self.absmax), "n_nan": self.n_nan, "n_inf": self.n_inf,
+                "row_nonzero": self.row_nonzero, "seed": self.seed}
 
     @classmethod
     def from_json(cls, d: dict) -> "Fingerprint":

@@ -14,6 +14,7 @@ an Inf makes max |x| infinite, and only then does the host take the exact counts
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -571,31 +572,49 @@ def launch_one(p: dict, t: torch.Tensor, ipart, fpart, flagbuf, seed: int, k: in
 
 
 def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tensor=None) -> F.Fingerprint:
-    """The host combine of one tensor's partials (exact integers, float64) from the copied batch
-    buffer (numpy views: int64 partials hi, float32 partials hf, int32 token flags hflag).  A
-    16-bit tensor with NaN / Inf gets its exact counts from `tensor` when it is still there;
-    without it (a CUDA-graph tap reads after replay) the counts say at least one."""
+    """The host combine of one tensor's partials at plan p's offsets (``combine_many`` of one)."""
+    return combine_many(p, hi, hf, hflag, [p["ioff"]], [p["foff"]], [p["toff"]], seed, k,
+                        rows_extra=[rows_extra], tensors=[tensor])[0]
+
+
+def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int, rows_extra=None,
+                 tensors=None) -> list:
+    """The host combine (exact integers, float64) of m tensors of one plan (same shape and dtype)
+    from the copied buffer (numpy views: int64 partials hi, float32 partials hf, int32 token flags
+    hflag; item i's at ioffs[i] / foffs[i] / toffs[i] in them): one gather and a few numpy
+    reductions for all m, each summing in the order the one-tensor combine always did (rows of
+    partials in sequence; the sum of squares as numpy sums a 1-D array), so the result is the
+    same to the bit.  A 16-bit tensor with NaN / Inf gets its exact counts from tensors[i] when it
+    is still there; without it (a CUDA-graph tap reads after replay) the counts say at least one."""
     kp, n = p["kp"], p["nprog"]
-    fp = hf[p["foff"]:p["foff"] + n * (kp + 2)].reshape(n, kp + 2).astype(np.float64)
-    ip = hi[p["ioff"]:p["ioff"] + n * 4].reshape(n, 4)
-    la = int(ip[:, 0].sum()) & F.M32                 # partials < 2^32: exact in int64
-    lb = int(np.bitwise_xor.reduce(ip[:, 1])) & F.M32
-    rows = ""
+    io, fo = np.asarray(ioffs, dtype=np.int64), np.asarray(foffs, dtype=np.int64)
+    m = len(io)
+    ip = hi[io[:, None] + np.arange(n * 4)].reshape(m, n, 4)      # partials < 2^32: exact in int64
+    fp = hf[fo[:, None] + np.arange(n * (kp + 2))].reshape(m, n, kp + 2).astype(np.float64)
+    la = (ip[:, :, 0].sum(1) & F.M32).tolist()
+    lb = (np.bitwise_xor.reduce(ip[:, :, 1], axis=1) & F.M32).tolist()
+    nans, infs = ip[:, :, 2].sum(1).tolist(), ip[:, :, 3].sum(1).tolist()
+    sk = fp[:, :, :k].sum(1)
+    sumsq, absmax = fp[:, :, kp].sum(1).tolist(), fp[:, :, kp + 1].max(1).tolist()
     if p["flags"]:
-        rows = _bitmap_hex_np(hflag[p["toff"]:p["toff"] + p["shape"][0]] > 0)
-    elif rows_extra is not None:
-        rows = _bitmap_hex_np(rows_extra)
-    sumsq, absmax = float(fp[:, kp].sum()), float(fp[:, kp + 1].max())
-    n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
-    if p["dtype"] != torch.float32 and not (math.isfinite(sumsq) and math.isfinite(absmax)):
-        if tensor is not None:
-            sumsq, absmax, n_nan, n_inf = _nonfinite_stats(tensor)
-        else:      # lower bounds: a NaN makes the sum of squares NaN, an Inf max |x| infinite
-            n_nan, n_inf = int(math.isnan(sumsq)), int(math.isinf(absmax))
-    return F.Fingerprint(
-        shape=list(p["shape"]), dtype=str(p["dtype"]).replace("torch.", ""),
-        bit_hash=F.hash_hex(la, lb), sketch=fp[:, :k].sum(0).tolist(),
-        sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
+        flags = hflag[np.asarray(toffs, dtype=np.int64)[:, None] + np.arange(p["shape"][0])] > 0
+        rows = [r.tobytes().hex() for r in np.packbits(flags, axis=1, bitorder="little")]
+    else:
+        rows = ["" if x is None else _bitmap_hex_np(x) for x in (rows_extra or [None] * m)]
+    dtype, wide = str(p["dtype"]).replace("torch.", ""), p["dtype"] == torch.float32
+    out = []
+    for i in range(m):
+        s, a, n_nan, n_inf = sumsq[i], absmax[i], nans[i], infs[i]
+        if not wide and not (math.isfinite(s) and math.isfinite(a)):
+            t = tensors[i] if tensors else None
+            if t is not None:
+                s, a, n_nan, n_inf = _nonfinite_stats(t)
+            else:      # lower bounds: a NaN makes the sum of squares NaN, an Inf max |x| infinite
+                n_nan, n_inf = int(math.isnan(s)), int(math.isinf(a))
+        out.append(F.Fingerprint(shape=list(p["shape"]), dtype=dtype, bit_hash=F.hash_hex(la[i], lb[i]),
+                                 sketch=sk[i].tolist(), sumsq=s, absmax=a, n_nan=n_nan, n_inf=n_inf,
+                                 row_nonzero=rows[i], seed=seed))
+    return out
 
 
 def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None,
@@ -656,3 +675,209 @@ def fingerprint_batch(tensors, seed: int, k: int, **kw):
     finish, _ = launch(tensors, seed, k, **kw)
     return finish()
 
+
+
+# --------------------------------------------------------------------------- a forward's batch
+# What one launch needs besides the tensor's address depends only on its shape, dtype and device
+# and on (seed, k, knobs): the plan, the grid, the integer arguments, the sign table.  `Batch`
+# keeps them per shape (an `_Entry`, built once per process) and lays every launch's partials out
+# in one device buffer per forward (zeroed once: the token flags need it), so a launch is the
+# kernel launch and nothing else.  The first launch of a shape goes through `JITFunction.run`
+# (which compiles, or finds the binary, and returns Triton's CompiledKernel); later ones call
+# that CompiledKernel's launcher directly with integer addresses (Triton's launcher takes an int
+# for a pointer), as `JITFunction.run` itself does once it has bound the arguments: the binder,
+# the specialisation key and the cache look-up it repeats per call are what they were at the
+# first launch, because the integer arguments are the same and every pointer is 16-byte aligned
+# (the tensor's is checked per launch; the partials' offsets are multiples of 16 bytes).
+# TPPROBE_FP_JIT=1, a launch hook (a profiler's) or the CPU interpreter keep JITFunction.run.
+
+class _Entry:
+    __slots__ = ("why", "p", "dev", "kern", "grid", "ints", "kw", "tail", "sign", "aptr", "ni", "nf", "words",
+                 "extra", "ck", "launcher", "function", "metadata")
+
+
+_ENTRIES: dict = {}    # (seed, k, knobs, skip) -> {(shape, dtype, device index): _Entry}
+_FREE: dict = {}       # device -> partial buffers a finished batch gave back
+_WANT: dict = {}       # device -> words the last batch needed (the next one's first buffer)
+_PINNED: dict = {}     # device index -> pinned host buffer for the one copy
+
+
+def _no_hook(h) -> bool:
+    # Triton 3.x's launch hooks are HookChains, empty unless a profiler (proton) added one
+    return h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls)
+
+
+def _direct_launch_ok() -> bool:
+    if _INTERP or os.environ.get("TPPROBE_FP_JIT"):
+        return False
+    try:
+        rt = triton.knobs.runtime
+        return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
+    except AttributeError:       # a Triton without knobs: keep JITFunction.run
+        return False
+
+
+class Batch:
+    """One forward's fused fingerprints: ``add`` queues one tensor's kernel on the current stream
+    (no sync; no allocation but the batch's first), ``read`` copies every launch's partials to the
+    host with ONE device-to-host copy and combines them (``combine_many``, per shape).  The
+    TPPROBE_FP_* knobs are read once, here."""
+
+    CHUNK = 1 << 16          # int64 words of a batch's first partials buffer (512 KiB) at least
+
+    def __init__(self, seed: int, k: int, knobs=None, skip: int = 0):
+        self.seed, self.k, self.skip = seed, k, skip
+        self.knobs = tuning() if knobs is None else knobs
+        self.entries = _ENTRIES.setdefault((seed, k, tuple(sorted(self.knobs.items())), skip), {})
+        self.direct = _direct_launch_ok()     # read per batch: a hook a profiler adds takes effect
+        self.stream = None                    # the driver's current-stream getter, at the first launch
+        self.items: list = []    # (tag, entry, chunk index, word offset, tensor, row flags or None)
+        self.chunks: list = []   # [device buffer, words used]
+        self.buf = None
+        self.base = self.cap = self.used = 0
+
+    def add(self, t: torch.Tensor, tag) -> bool:
+        """Queue t's kernel (its fingerprint goes to ``tag.fp`` on ``read``); False, with nothing
+        queued, when the fused kernel does not take t (``unsupported_reason`` says why)."""
+        e = self.entries.get((t.shape, t.dtype, t.get_device()))
+        if e is None:
+            e = self._entry(t)
+        ptr = t.data_ptr()
+        if e.why or ptr % 16 or not t.is_contiguous():
+            return False
+        off = self.used
+        if off + e.words > self.cap:
+            self._new_buffer(e.words, t.device)
+            off = 0
+        self.used = off + e.words
+        if e.ck is not None and self.direct:
+            if self.stream is None:
+                self.stream = triton.runtime.driver.active.get_current_stream
+            b = self.base + off * 8
+            # JITFunction.run's own last step, with no launch hooks (so no launch metadata)
+            e.launcher(e.grid, 1, 1, self.stream(e.dev), e.function, e.metadata, None, None, None,
+                       ptr, e.aptr, b + e.ni * 8, b, b + (e.ni + e.nf) * 8, *e.tail)
+        else:
+            self._launch_jit(e, t, off)
+        self.items.append((tag, e, len(self.chunks) - 1, off, t, (t != 0).any(dim=1) if e.extra else None))
+        return True
+
+    def _entry(self, t: torch.Tensor) -> _Entry:
+        e = _Entry()
+        shape, dev = tuple(t.shape), t.get_device()
+        e.dev, e.ck = dev, None
+        e.why = unsupported_reason(shape, t.dtype, t.element_size(), True, 0,
+                                   device_cc(t.device) if t.is_cuda else (9, 0))
+        if not e.why:
+            [p], e.ni, nf, nt = plan([torch.empty(shape, dtype=t.dtype, device="meta")], self.k, _nsm(t.device),
+                                     **self.knobs)
+            e.nf = (nf + 1) // 2
+            e.words = e.ni + e.nf + (nt + 1) // 2            # even: every batch offset 16-byte aligned
+            e.sign = sign_table(self.seed, self.k, p["kp"], t.device)
+            e.aptr = e.sign.data_ptr()
+            meta = buffers(e.ni, nf, nt, "meta")
+            [(e.kern, grid, args, e.kw)] = calls([p], meta, self.seed, self.k, self.knobs, self.skip,
+                                                 signs=lambda kp: e.sign)
+            e.grid, e.ints = grid[0], tuple(args[5:])
+            e.tail = e.ints + constexpr_args(e.kern, len(args), e.kw)
+            e.extra = len(shape) == 2 and not p["flags"]      # token rows by torch (width not k * 128)
+            del p["t"]
+            e.p = p
+        self.entries[(t.shape, t.dtype, dev)] = e
+        return e
+
+    def _launch_jit(self, e: _Entry, t: torch.Tensor, off: int) -> None:
+        """A launch through JITFunction.run (tensor arguments); keeps the CompiledKernel it returns."""
+        buf = self.buf[off:off + e.words]
+        ipart, fpart, flags = split_buffer(buf, e.ni, 2 * e.nf)
+        ck = e.kern[(e.grid,)](t.view(-1).view(torch.int32), e.sign, fpart, ipart, flags, *e.ints, **e.kw)
+        if self.direct and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
+            e.launcher, e.function, e.metadata = ck.run, ck.function, ck.packed_metadata
+            e.ck = ck          # held: its module stays loaded
+
+    def _new_buffer(self, need: int, device) -> None:
+        if self.chunks:
+            self.chunks[-1][1] = self.used
+        want = max(need, self.CHUNK, _WANT.get(device, 0), 2 * self.cap)
+        free = _FREE.get(device)
+        buf = free.pop() if free and free[-1].numel() >= want else None
+        if buf is None:
+            buf = torch.empty(want, dtype=torch.int64, device=device)
+        buf.zero_()                     # the token flags; the partials are all written
+        self.chunks.append([buf, 0])
+        self.buf, self.base, self.cap, self.used = buf, buf.data_ptr(), buf.numel(), 0
+
+    def read(self, only=None) -> None:
+        """Combine every launch (``only``: the ids of the tags still wanted; the others are never
+        read, e.g. those queued after a collective that never completed) into ``tag.fp``."""
+        items = self.items if only is None else [it for it in self.items if id(it[0]) in only]
+        if self.chunks:
+            self.chunks[-1][1] = self.used
+        if items:
+            starts, at = [], 0
+            for _, used in self.chunks:
+                starts.append(at)
+                at += used
+            parts = [b[:used] for b, used in self.chunks]
+            xoff = {}
+            for i, it in enumerate(items):
+                if it[5] is not None:
+                    parts.append(it[5].to(torch.int64))
+                    xoff[i] = at
+                    at += it[5].numel()
+            host = self._to_host(parts[0] if len(parts) == 1 else torch.cat(parts))   # the one copy
+            groups: dict = {}
+            for i, (_, e, ci, off, _, _) in enumerate(items):
+                g = groups.get(id(e))
+                if g is None:
+                    g = groups[id(e)] = (e, [], [])
+                g[1].append(starts[ci] + off)
+                g[2].append(i)
+            hf, hflag = host.view(np.float32), host.view(np.int32)
+            for e, offs, idx in groups.values():
+                o = np.asarray(offs, dtype=np.int64)
+                extra = [host[xoff[i]:xoff[i] + e.p["shape"][0]].astype(bool) if i in xoff else None for i in idx]
+                fps = combine_many(e.p, host, hf, hflag, o, 2 * (o + e.ni), 2 * (o + e.ni + e.nf), self.seed,
+                                   self.k, rows_extra=extra, tensors=[items[i][4] for i in idx])
+                for i, fp in zip(idx, fps):
+                    items[i][0].fp = fp
+        if only is None:
+            self._give_back()
+        else:      # a partial read (a blocked stream): kernels queued behind it may still write
+            self.drop()
+        self.items = []
+
+    def _to_host(self, dev: torch.Tensor) -> np.ndarray:
+        if not dev.is_cuda:
+            return dev.numpy()
+        d = dev.get_device()
+        pin = _PINNED.get(d)
+        if pin is None or pin.numel() < dev.numel():
+            pin = _PINNED[d] = torch.empty(max(dev.numel(), self.CHUNK), dtype=torch.int64, pin_memory=True)
+        h = pin[:dev.numel()]
+        h.copy_(dev, non_blocking=True)
+        torch.cuda.current_stream(dev.device).synchronize()
+        return h.numpy()
+
+    def _give_back(self) -> None:
+        """The buffers go back for the next batch (read: every kernel writing them has finished)."""
+        if self.chunks:
+            dev = self.chunks[0][0].device
+            _WANT[dev] = sum(used for _, used in self.chunks)
+            if len(self.chunks) == 1:
+                _FREE.setdefault(dev, [])[:] = [self.chunks[0][0]]
+        self.chunks, self.buf, self.base, self.cap, self.used = [], None, 0, 0, 0
+
+    def drop(self) -> None:
+        """The stream stayed blocked (a dead peer's collective): nothing is read, and the buffers
+        are not reused (kernels queued behind the collective may still write them)."""
+        self.items, self.chunks, self.buf, self.base, self.cap, self.used = [], [], None, 0, 0, 0
+
+
+def constexpr_args(kern, npos: int, kw: dict) -> tuple:
+    """The values after the npos positional arguments of a launch, in the kernel's parameter
+    order (its constexprs, from kw or their defaults): what JITFunction.run hands the launcher."""
+    if _INTERP:
+        return ()
+    params = inspect.signature(kern.fn).parameters
+    return tuple(kw[n] if n in kw else params[n].default for n in kern.arg_names[npos:])

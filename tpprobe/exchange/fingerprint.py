@@ -187,24 +187,6 @@ def _torch_path(reason: str) -> None:
     TORCH_PATH[reason] = TORCH_PATH.get(reason, 0) + 1
 
 
-def _triton_ok(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda":
-        return False
-    if os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
-        _torch_path("TPPROBE_FINGERPRINT_TORCH is set")
-        return False
-    try:
-        from . import _triton_fingerprint as tf
-    except Exception as e:
-        _torch_path(f"triton does not import ({type(e).__name__})")
-        return False
-    why = tf.unsupported_reason(tuple(t.shape), t.dtype, t.element_size(), t.is_contiguous(), t.data_ptr(),
-                                tf.device_cc(t.device))
-    if why:
-        _torch_path(why)
-    return not why
-
-
 def fingerprint(t: torch.Tensor, seed: int = 0, k: int = 32) -> Fingerprint:
     """Fingerprint one tensor (on its own device). k in 1..64."""
     return fingerprints([t], seed=seed, k=k)[0]
@@ -214,16 +196,10 @@ def fingerprints(tensors: list, seed: int = 0, k: int = 32) -> list[Fingerprint]
     """Fingerprint several tensors; CUDA tensors share one device->host transfer."""
     if not 1 <= k <= 64:
         raise ValueError("k must be in 1..64")
-    out: list = [None] * len(tensors)
-    fused = [i for i, t in enumerate(tensors) if _triton_ok(t)]
-    if fused:
-        from . import _triton_fingerprint as tf
-        for i, fp in zip(fused, tf.fingerprint_batch([tensors[i] for i in fused], seed, k)):
-            out[i] = fp
-    for i, t in enumerate(tensors):
-        if out[i] is None:
-            out[i] = _fingerprint_torch(t, seed, k)
-    return out
+    d = Deferred(seed, k)
+    out = [d(t) for t in tensors]
+    d.resolve()
+    return [resolved(x) for x in out]
 
 
 class Pending:
@@ -235,47 +211,60 @@ class Pending:
 
 
 class Deferred:
-    """Fingerprints for a whole forward with no host sync inside it: each CUDA tensor's kernels
-    are queued on the current stream when it is captured (stream order keeps the in-place
-    all-reduce from overwriting an input before it is read), and ``resolve()`` reads every
-    launch's partials with ONE device-to-host copy after the forward.  Tensors the fused kernel
-    does not take (CPU, odd layouts, pre-Hopper 16-bit) are fingerprinted at once."""
+    """Fingerprints for a whole forward with no host sync inside it: each CUDA tensor's kernel is
+    queued on the current stream when it is captured (stream order keeps the in-place all-reduce
+    from overwriting an input before it is read), and ``resolve()`` reads every launch's partials
+    with ONE device-to-host copy after the forward.  Tensors the fused kernel does not take (CPU,
+    odd layouts, pre-Hopper 16-bit) are fingerprinted at once.  The launches go through one
+    ``_triton_fingerprint.Batch``, made at the first CUDA tensor (a CPU run never imports triton):
+    the environment (TPPROBE_FINGERPRINT_TORCH, the TPPROBE_FP_* knobs) is read then, once."""
 
     def __init__(self, seed: int, k: int):
         self.seed, self.k = seed, k
-        self.items: list = []
+        self.batch = None          # False: no CUDA tensor takes the fused kernel (self.why)
+        self.why = ""
 
     def __call__(self, t: torch.Tensor):
-        if not _triton_ok(t):
-            return _fingerprint_torch(t, self.seed, self.k)
-        from . import _triton_fingerprint as tf
-        finish, _ = tf.launch([t.detach()], self.seed, self.k)
-        ph = Pending()
-        self.items.append((ph, finish))
-        return ph
+        if t.is_cuda:
+            b = self.batch if self.batch is not None else self._start()
+            if b:
+                ph = Pending()
+                if b.add(t, ph):
+                    return ph
+            self._refused(t)
+        return _fingerprint_torch(t, self.seed, self.k)
+
+    def _start(self):
+        if os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+            self.why, self.batch = "TPPROBE_FINGERPRINT_TORCH is set", False
+            return False
+        try:
+            from . import _triton_fingerprint as tf
+        except Exception as e:
+            self.why, self.batch = f"triton does not import ({type(e).__name__})", False
+            return False
+        self.batch = tf.Batch(self.seed, self.k)
+        return self.batch
+
+    def _refused(self, t: torch.Tensor) -> None:
+        """Record why a CUDA tensor takes the torch path (the probe reports these)."""
+        why = self.why
+        if not why:
+            from . import _triton_fingerprint as tf
+            why = tf.unsupported_reason(tuple(t.shape), t.dtype, t.element_size(), t.is_contiguous(),
+                                        t.data_ptr(), tf.device_cc(t.device))
+        _torch_path(why)
 
     def resolve(self, only=None) -> None:
         """Read every launch (``only``: the ids of the Pendings still wanted; the others are never
         read, e.g. those computed after a collective that never completed)."""
-        if only is not None:
-            self.items = [(ph, fin) for ph, fin in self.items if id(ph) in only]
-        if not self.items:
-            return
-        parts = [p for _, fin in self.items for p in fin.parts]
-        host = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()   # the one copy
-        i = 0
-        for ph, fin in self.items:
-            chunk, off = [], i
-            for p in fin.parts:
-                chunk.append(host[off:off + p.numel()])
-                off += p.numel()
-            i = off
-            ph.fp = fin(chunk)[0]
-        self.items = []
+        if self.batch:
+            self.batch.read(only)
 
     def drop(self) -> None:
         """The stream stayed blocked (a dead peer's collective): never read these."""
-        self.items = []
+        if self.batch:
+            self.batch.drop()
 
 
 def resolved(x):
