@@ -34,34 +34,37 @@ the c10d op it sees is appended to `rec.via`, so one reduce is counted once, wit
 How the dispatcher is watched (two paths, chosen when an Audit starts; both record the same ops,
 decided by `audited(namespace, name)`, into the same records):
 
-- the kernel path (the usual one): a Python kernel at the `Autograd` dispatch key of exactly the
-  audited ops (enumerated from `torch._C._dispatch_get_all_op_names()`). Every other op runs with
-  no Python of ours at all (a TorchDispatchMode ran ~15 us of Python per aten op: 4 ms of a 2.7 ms
-  decode forward on an H200). The kernel hands the op to the Audit active on ITS thread (a
-  thread-local stack), else passes it straight through; either way below autograd. It sees an op
-  whenever a tensor argument carries the autograd keys, i.e. outside `torch.inference_mode()`, with
-  or without grad. Registered once per process, on the first Audit, and never removed (numbers on
-  a 2-core CPU, torch 2.13: the scan of the op names 1.5-2.5 ms, registering ~35 ops ~1 ms,
-  removing them 0.05 ms: registering per forward would cost a third of a decode forward). At each
-  Audit start the ops registered since (a newly imported extension, a torch.library definition)
-  are picked up: the scan re-runs only when `sys.modules`, `torch.ops.loaded_libraries` or
-  `torch.library._defs` grew (checking that costs ~1 us). Ops that decompose
-  (CompositeImplicitAutograd: the legacy `c10d_functional` namespace) are not taken: the ops they
-  decompose into are. An op that already has its own autograd kernel is never overridden (that
-  would print PyTorch's override warning and lose its kernel): while one exists, Audits take the
-  mode path.
+- the kernel path (the usual one): a Python kernel at the `ADInplaceOrView` dispatch key of exactly
+  the audited ops (enumerated from `torch._C._dispatch_get_all_op_names()`). Every other op runs
+  with no Python of ours at all (a TorchDispatchMode ran ~15 us of Python per aten op: 4 ms of a
+  2.7 ms decode forward on an H200). The kernel hands the op to the Audit active on ITS thread (a
+  thread-local stack), else passes it straight through (below ADInplaceOrView, which is where the
+  key's fallthrough would have sent it: nothing changes for other threads). ADInplaceOrView, not
+  Autograd: the key comes after every autograd kernel, so an op's own autograd kernel (torch 2.13
+  registers one for `_c10d_functional.all_reduce` & co. once `torch.distributed._functional_collectives`
+  is imported) is neither overridden nor lost, no override warning is printed, and backward still
+  works. It sees an op whenever a tensor argument is not an inference tensor: with or without
+  grad, and under `torch.inference_mode()` for tensors made outside it.
+  Registered once per process, on the first Audit, and never removed (2-core CPU, torch 2.13: the
+  scan of the op names 1.5-2.5 ms, registering the ~36 audited ops ~1 ms, removing them 0.05 ms;
+  per forward that would be a third of a decode forward). At each Audit start the ops registered
+  since (an extension imported, a torch.library definition) are picked up: the scan re-runs only
+  when `sys.modules`, `torch.ops.loaded_libraries` or `torch.library._defs` grew (~1 us to check).
+  Ops that decompose (CompositeImplicitAutograd: the legacy `c10d_functional` namespace) are not
+  taken: the ops they decompose into are. An audited op that already has an ADInplaceOrView kernel
+  is never overridden: while one exists, Audits take the mode path.
 - the mode path (the fallback): a `TorchDispatchMode` that sees every op and passes all but the
-  audited ones straight through. Taken when the Audit starts under `torch.inference_mode()` (the
-  autograd keys are excluded there, so the kernels never run), when the caller says the tensors
-  may be inference tensors (`use_mode=True`: the Tap sets it when a parameter or buffer of the model
-  is one; an inference tensor has no autograd keys, so a collective on it outside inference mode
-  would pass the kernels unseen), and when an audited op has its own autograd kernel. What the
-  kernel path cannot see, and the mode can: a collective on an inference tensor the model does not
-  hold (say, a buffer allocated under inference mode elsewhere), issued outside inference mode; a
-  forward that enters inference mode itself after the Audit started. The mode keeps PyTorch's
-  dynamo guard around `__torch_dispatch__` (`_should_skip_dynamo` stays True): without it dynamo
-  would try to compile the mode's frame when a compiled region runs under it, which is not safe to
-  claim for a frame that appends records and reads the clock.
+  audited ones straight through. Taken when the Audit starts under `torch.inference_mode()` (what
+  the forward makes there are inference tensors, which carry no ADInplaceOrView key), when the
+  caller says its tensors may be inference tensors (`use_mode=True`: the Tap sets it when a
+  parameter or buffer of the model is one), and when an audited op has its own ADInplaceOrView
+  kernel. What the kernel path cannot see and the mode can: a collective on an inference tensor the
+  model does not hold (a buffer allocated under inference mode elsewhere) issued outside inference
+  mode; a forward that enters inference mode itself after the Audit started. The mode keeps
+  PyTorch's dynamo guard around `__torch_dispatch__` (`_should_skip_dynamo` stays True): without
+  it dynamo would try to compile the mode's frame when a compiled region runs under the mode, which
+  is not safe to claim for a frame that appends records and reads the clock; the fallback is rare,
+  so its cost matters less.
 """
 from __future__ import annotations
 
@@ -147,8 +150,7 @@ class _Mode(TorchDispatchMode):
 
 
 _local = threading.local()        # .stack: the Audits active on this thread (kernel path)
-_AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "AutogradPrivateUse1", "AutogradXPU",
-                  "AutogradMPS", "AutogradMeta", "AutogradOther")
+_KEY = "ADInplaceOrView"
 
 
 def _active_stack() -> list:
@@ -160,8 +162,8 @@ def _active_stack() -> list:
 
 def _kernel(op):
     def k(*args, **kwargs):
-        # below autograd: the op (and whatever the audit runs around it) never comes back here
-        with torch._C._AutoDispatchBelowAutograd():
+        # below the key: the op (and whatever the audit runs around it) never comes back here
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             st = getattr(_local, "stack", None)
             if st:
                 return st[-1]._dispatch(op, args, kwargs)
@@ -170,12 +172,12 @@ def _kernel(op):
 
 
 class _Doors:
-    """The process-wide registration of the audit's Autograd kernels (see the module docstring)."""
+    """The process-wide registration of the audit's kernels (see the module docstring)."""
 
     def __init__(self):
         self.libs: dict[str, Any] = {}
         self.done: set[str] = set()          # op names ("ns::name.overload") with our kernel
-        self.own: set[str] = set()           # audited ops with their own autograd kernel (mode path)
+        self.own: set[str] = set()           # audited ops with their own kernel at the key (mode path)
         self.skipped: set[str] = set()       # decomposing ops (their parts are audited)
         self.stamp = None
         self.lock = threading.Lock()
@@ -189,7 +191,7 @@ class _Doors:
 
     def sync(self) -> bool:
         """Register the kernel on every audited op not yet seen; True when the kernel path is sound
-        (no audited op keeps its own autograd kernel)."""
+        (no audited op keeps its own kernel at the key)."""
         stamp = self._stamp()
         if stamp == self.stamp:
             return not self.own
@@ -207,7 +209,7 @@ class _Doors:
                 if has(full, "CompositeImplicitAutograd"):
                     self.skipped.add(full)
                     continue
-                if any(has(full, k) for k in _AUTOGRAD_KEYS):
+                if has(full, _KEY):
                     self.own.add(full)
                     continue
                 try:
@@ -215,7 +217,7 @@ class _Doors:
                     lib = self.libs.get(ns)
                     if lib is None:
                         lib = self.libs[ns] = torch.library.Library(ns, "IMPL")
-                    lib.impl(rest, _kernel(op), "Autograd")
+                    lib.impl(rest, _kernel(op), _KEY)
                     self.done.add(full)
                 except Exception:          # cannot be registered: the mode must watch it
                     self.own.add(full)
