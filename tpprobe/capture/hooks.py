@@ -102,8 +102,8 @@ class _Plan:
     forward does not walk `named_modules` again (on the built-in model, 4 layers: the walks were half
     of the 270 us an install took). Used again while the model's structure is unchanged: no module,
     parameter or buffer was registered anywhere since (PyTorch's global registration hooks count
-    them: assignment, add_module, ModuleList.append) and no cached module has a different number of
-    children (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
+    them: assignment, add_module, ModuleList.append) and no module has a different number of
+    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
     __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "inference", "stamp", "mods")
 
 
@@ -126,7 +126,7 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
     except TypeError:               # not weakly referenceable: no cache
         per = {}
     plan = per.get((layer_spec, embed_spec))
-    if plan is not None and plan.stamp == (_GEN[0], len(model._modules), tuple(len(m._modules) for m in plan.mods)):
+    if plan is not None and plan.stamp == _stamp(model, plan.mods):
         return _root(plan, model)
     plan = _Plan()
     plan.layer_how, plan.layer_list, plan.layers = discover.layer_list(model, layer_spec)
@@ -147,11 +147,16 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
         any(t.is_inference() for t in model.buffers())
     # the cache holds no reference to the model itself (it is the weak key): None stands for it
     plan.mods = [m for m in model.modules() if m is not model]
-    plan.stamp = (_GEN[0], len(model._modules), tuple(len(m._modules) for m in plan.mods))
+    plan.stamp = _stamp(model, plan.mods)
     plan.candidates = [(n, None if m is model else m) for n, m in plan.candidates]
     plan.embed = None if plan.embed is None else (plan.embed[0], None if plan.embed[1] is model else plan.embed[1])
     per[(layer_spec, embed_spec)] = plan
     return _root(plan, model)
+
+
+def _stamp(model, mods) -> tuple:
+    n = lambda m: len(m._modules) + len(m._parameters) + len(m._buffers)  # noqa: E731
+    return _GEN[0], n(model), tuple(n(m) for m in mods)
 
 
 def _root(plan: _Plan, model) -> _Plan:
