@@ -176,8 +176,8 @@ def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to
     assert res["entered"] == {"k": 7, "__torch_dispatch__": 0, "counted": 0}   # (counted lives in the test)
     assert kernel[0] == ("embed", None, 2, (5, 64), True, "c10d.allreduce_")
     assert res["thread"] == ("kernel", kernel, 7)       # the other thread's (3,) reduce is not recorded
-    assert res["inference"] == ("mode", kernel)
-    assert res["inference_tensor"] == ("mode", kernel)
+    assert res["inference"] == ("mode (inference mode)", kernel)
+    assert res["inference_tensor"] == ("mode (the tensors may be inference tensors)", kernel)
     path, late, calls = res["late"]
     assert path == "kernel" and calls == ["tpprobe_test::late_all_reduce"]
     assert late == [("other", None, -1, (2,), False, "tpprobe_test.late_all_reduce")]

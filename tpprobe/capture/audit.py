@@ -45,11 +45,14 @@ decided by `audited(namespace, name)`, into the same records):
   is imported) is neither overridden nor lost, no override warning is printed, and backward still
   works. It sees an op whenever a tensor argument is not an inference tensor: with or without
   grad, and under `torch.inference_mode()` for tensors made outside it.
-  Registered once per process, on the first Audit, and never removed (2-core CPU, torch 2.13: the
-  scan of the op names 1.5-2.5 ms, registering the ~36 audited ops ~1 ms, removing them 0.05 ms;
-  per forward that would be a third of a decode forward). At each Audit start the ops registered
-  since (an extension imported, a torch.library definition) are picked up: the scan re-runs only
-  when `sys.modules`, `torch.ops.loaded_libraries` or `torch.library._defs` grew (~1 us to check).
+  Registered once per process, on the first Audit, and never removed: measured on the 2-core dev
+  CPU, torch 2.13, the first registration takes 5.2 ms (the scan of the 3600 op names 1.5 ms,
+  registering the 36 audited ops 3.7 ms; removing them 0.06 ms), more than a whole 2.7 ms H200
+  decode forward, so per forward (or refcounted per Audit) it is out. At each Audit start the ops
+  registered since (an extension imported, a torch.library definition) are picked up: the scan
+  re-runs only when `sys.modules`, `torch.ops.loaded_libraries` or `torch.library._defs` grew
+  (0.4 us to check). Not seen by that check: a C++ library loaded by hand with ctypes; call
+  `_doors.sync(force=True)` after one.
   Ops that decompose (CompositeImplicitAutograd: the legacy `c10d_functional` namespace) are not
   taken: the ops they decompose into are. An audited op that already has an ADInplaceOrView kernel
   is never overridden: while one exists, Audits take the mode path.
@@ -58,7 +61,8 @@ decided by `audited(namespace, name)`, into the same records):
   the forward makes there are inference tensors, which carry no ADInplaceOrView key), when the
   caller says its tensors may be inference tensors (`use_mode=True`: the Tap sets it when a
   parameter or buffer of the model is one), and when an audited op has its own ADInplaceOrView
-  kernel. What the kernel path cannot see and the mode can: a collective on an inference tensor the
+  kernel (a mutating `torch.library.custom_op` registers one: such an op named like a collective
+  sends every Audit here; `Audit.path` says why). What the kernel path cannot see and the mode can: a collective on an inference tensor the
   model does not hold (a buffer allocated under inference mode elsewhere) issued outside inference
   mode; a forward that enters inference mode itself after the Audit started. The mode keeps
   PyTorch's dynamo guard around `__torch_dispatch__` (`_should_skip_dynamo` stays True): without
@@ -189,11 +193,11 @@ class _Doors:
         return (len(sys.modules), len(getattr(torch.ops, "loaded_libraries", ())),
                 len(getattr(torch.library, "_defs", ())))
 
-    def sync(self) -> bool:
+    def sync(self, force: bool = False) -> bool:
         """Register the kernel on every audited op not yet seen; True when the kernel path is sound
         (no audited op keeps its own kernel at the key)."""
         stamp = self._stamp()
-        if stamp == self.stamp:
+        if stamp == self.stamp and not force:
             return not self.own
         with self.lock:
             self.stamp = stamp
@@ -289,14 +293,17 @@ class Audit:
         self._active: Optional[CollectiveRecord] = None     # the re-entrancy guard
         self._mode: Optional[_Mode] = None
         self._stack: Optional[list] = None
-        self.path = ""                   # "kernel" | "mode": how this Audit watched (module docstring)
+        self.path = ""                   # "kernel" | "mode (why)": how this Audit watched (module docstring)
         # True: watch through the TorchDispatchMode (the caller's tensors may be inference tensors)
         self.use_mode = use_mode
 
     # -- on / off -------------------------------------------------------------------------------
     def __enter__(self) -> "Audit":
-        if self.use_mode or torch.is_inference_mode_enabled() or not _doors.sync():
-            self.path = "mode"
+        why = ("the tensors may be inference tensors" if self.use_mode else
+               "inference mode" if torch.is_inference_mode_enabled() else
+               "" if _doors.sync() else "own ADInplaceOrView kernel: " + ", ".join(sorted(_doors.own)))
+        if why:
+            self.path = f"mode ({why})"
             self._mode = _Mode(self)
             self._mode.__enter__()
         else:

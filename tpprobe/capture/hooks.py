@@ -485,7 +485,7 @@ class Tap:
                 "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
                 "reduces_per_place": per_layer, "paths": dict(paths), "unreadable_paths": dict(unread),
                 "audit": self.audit,
-                # how the audit watched: "kernel" (its dispatcher kernels) | "mode" (the dispatch mode)
+                # how the audit watched: "kernel" (its dispatcher kernels) | "mode (why)" (the dispatch mode)
                 "audit_path": self.auditor.path}
 
     def _layer_modules(self):
