@@ -72,6 +72,7 @@ decided by `audited(namespace, name)`, into the same records):
 """
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import time
@@ -231,11 +232,22 @@ class _Doors:
 _doors = _Doors()
 
 
-def prepare() -> None:
-    """Import what the dispatch mode's first op imports (torch._dynamo: about 1 s alone, 8 s on a
-    loaded 2-core box). Called before the ranks agree to start the forward, so no rank's forward
-    (and no peer's collective timeout) waits on another rank's import."""
-    import torch._dynamo  # noqa: F401
+def holds_inference_tensors(model: torch.nn.Module) -> bool:
+    """Whether a parameter or buffer of the model is an inference tensor (made under inference
+    mode): a collective on it would pass the kernels unseen, so the mode must watch."""
+    return any(t.is_inference() for t in model.parameters()) or any(t.is_inference() for t in model.buffers())
+
+
+def prepare(model: Optional[torch.nn.Module] = None) -> None:
+    """Called before the ranks agree to start the forward, so no rank's forward (and no peer's
+    collective timeout) waits on another rank's one-off work: registers the audit's kernels (5 ms
+    the first time), and, when the mode path will watch (inference mode, a model holding inference
+    tensors, or no model given), imports what the dispatch mode's first op imports (torch._dynamo:
+    about 1 s alone, 8 s on a loaded 2-core box)."""
+    if _doors.sync() and model is not None and not torch.is_inference_mode_enabled() \
+            and not holds_inference_tensors(model):
+        return
+    importlib.import_module("torch._dynamo")
 
 
 def _group_size_of(pg) -> int:

@@ -32,7 +32,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import discover
-from .audit import Audit, CollectiveRecord
+from .audit import Audit, CollectiveRecord, holds_inference_tensors
 from .points import AR_OUT, EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, in_norm, layer_out, layer_place, parse
 from .progress import Progress
 
@@ -143,8 +143,7 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
             kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
             subs.append((kind, f"{name}.{sub_name}", sub))
         plan.subs.append((idx, name, m, subs))
-    plan.inference = any(t.is_inference() for t in model.parameters()) or \
-        any(t.is_inference() for t in model.buffers())
+    plan.inference = holds_inference_tensors(model)
     # the cache holds no reference to the model itself (it is the weak key): None stands for it
     plan.mods = [m for m in model.modules() if m is not model]
     plan.stamp = _stamp(model, plan.mods)
