@@ -165,6 +165,16 @@ def _kernel_doors(rank, world):
     w = torch.ones(3, requires_grad=True)
     funcol.all_reduce(w * 2, "sum", dist.group.WORLD).sum().backward()
     out["grad"] = w.grad.tolist()
+
+    def fn(x):                       # compiled under the audit: tracing's fake tensors are not recorded
+        return funcol.wait_tensor(funcol.all_reduce(x * 2, "sum", dist.group.WORLD)) + 1
+
+    compiled = torch.compile(fn, backend="eager")
+    out["compiled"] = []
+    for _ in range(2):
+        with torch.no_grad(), Tap(t.model) as tap:
+            y = compiled(torch.ones(4))
+        out["compiled"].append((recs(tap), y.tolist()))
     return out
 
 
@@ -182,3 +192,5 @@ def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to
     assert path == "kernel" and calls == ["tpprobe_test::late_all_reduce"]
     assert late == [("other", None, -1, (2,), False, "tpprobe_test.late_all_reduce")]
     assert res["grad"] == [4.0, 4.0, 4.0]                # backward: all_reduce of 2 * ones over 2 ranks
+    one = [("other", None, 2, (4,), True, "_c10d_functional.all_reduce")]
+    assert res["compiled"] == [(one, [5.0] * 4)] * 2     # first call compiles: still one record
