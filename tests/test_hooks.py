@@ -94,3 +94,103 @@ def test_a_budget_is_asked_before_any_copy_and_refused_points_are_not_copied():
     # h + r the Tap forms is not a clone); the only clones are the two admitted 2-row samples
     assert res["copies"] == [(2, 64), (2, 64)]
     assert res["copies_before_each_ask"] == [0, 0, 1, 1, 1]
+
+
+def _kernel_doors(rank, world):
+    """The audit's two paths on real ranks (capture/audit.py): the kernel path enters audit code
+    once per collective and never for an aten op; it records only its own thread's collectives;
+    under inference mode, or for a model holding inference tensors, the dispatch mode records the
+    same; an op defined after the first audit is picked up; backward through a functional
+    collective still works with the kernels registered."""
+    import sys
+    import threading
+
+    import torch.distributed._functional_collectives as funcol
+
+    from tpprobe.capture import audit
+
+    t = _target(rank, world)
+    calls = []
+    orig = audit.Audit._dispatch
+
+    def counted(self, func, args, kwargs):
+        calls.append(func._name)
+        return orig(self, func, args, kwargs)
+
+    audit.Audit._dispatch = counted
+    recs = lambda tap: [(a.where, a.source, a.group_size, a.shape, a.checked, a.meta()["path"])  # noqa: E731
+                        for a in tap.allreduces]
+    out = {}
+    entered = []                     # every Python frame of capture/audit.py the forward enters
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == audit.__file__:
+            entered.append(frame.f_code.co_name)
+
+    with torch.no_grad(), Tap(t.model) as tap:
+        sys.setprofile(prof)
+        try:
+            t.forward()
+        finally:
+            sys.setprofile(None)
+    out["kernel"] = (tap.auditor.path, recs(tap), list(calls))
+    out["entered"] = {n: entered.count(n) for n in ("k", "__torch_dispatch__", "counted")}
+    calls.clear()
+    with torch.no_grad(), Tap(t.model) as tap:        # another thread's all-reduce: not this forward's
+        th = threading.Thread(target=lambda: dist.all_reduce(torch.ones(3)))
+        th.start()
+        th.join()
+        t.forward()
+    out["thread"] = (tap.auditor.path, recs(tap), len(calls))
+    calls.clear()
+    with torch.inference_mode(), Tap(t.model) as tap:
+        t.forward()
+    out["inference"] = (tap.auditor.path, recs(tap))
+    with torch.inference_mode():
+        buf = torch.zeros(1)
+    t.model.register_buffer("made_in_inference_mode", buf)   # the Tap's cached plan sees the new buffer
+    with torch.no_grad(), Tap(t.model) as tap:
+        t.forward()
+    out["inference_tensor"] = (tap.auditor.path, recs(tap))
+    del t.model.made_in_inference_mode
+    calls.clear()
+
+    @torch.library.custom_op("tpprobe_test::late_all_reduce", mutates_args=())
+    def late(x: torch.Tensor) -> torch.Tensor:       # defined after the first audit: a new door
+        return x.clone()
+
+    with torch.no_grad(), Tap(t.model) as tap:
+        torch.ops.tpprobe_test.late_all_reduce(torch.ones(2))
+    out["late"] = (tap.auditor.path, recs(tap), list(calls))
+    w = torch.ones(3, requires_grad=True)
+    funcol.all_reduce(w * 2, "sum", dist.group.WORLD).sum().backward()
+    out["grad"] = w.grad.tolist()
+
+    def fn(x):                       # compiled under the audit: tracing's fake tensors are not recorded
+        return funcol.wait_tensor(funcol.all_reduce(x * 2, "sum", dist.group.WORLD)) + 1
+
+    compiled = torch.compile(fn, backend="eager")
+    out["compiled"] = []
+    for _ in range(2):
+        with torch.no_grad(), Tap(t.model) as tap:
+            y = compiled(torch.ones(4))
+        out["compiled"].append((recs(tap), y.tolist()))
+    return out
+
+
+def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to_the_mode():
+    res = spawn(_kernel_doors, 2)[0]
+    path, kernel, calls = res["kernel"]
+    assert path == "kernel" and len(kernel) == 7
+    assert calls == ["c10d::allreduce_"] * 7            # audit code ran once per collective, never for aten
+    assert res["entered"] == {"k": 7, "__torch_dispatch__": 0, "counted": 0}   # (counted lives in the test)
+    assert kernel[0] == ("embed", None, 2, (5, 64), True, "c10d.allreduce_")
+    assert res["thread"] == ("kernel", kernel, 7)       # the other thread's (3,) reduce is not recorded
+    assert res["inference"] == ("mode (inference mode)", kernel)
+    assert res["inference_tensor"] == ("mode (the tensors may be inference tensors)", kernel)
+    path, late, calls = res["late"]
+    assert path == "kernel" and calls == ["tpprobe_test::late_all_reduce"]
+    assert late == [("other", None, -1, (2,), False, "tpprobe_test.late_all_reduce")]
+    assert res["grad"] == [4.0, 4.0, 4.0]                # backward: all_reduce of 2 * ones over 2 ranks
+    one = [("other", None, 2, (4,), True, "_c10d_functional.all_reduce")]
+    assert res["compiled"] == [(one, [5.0] * 4)] * 2     # first call compiles: still one record

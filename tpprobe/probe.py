@@ -128,7 +128,7 @@ def _build(me: _Rank) -> None:
     t0 = time.time()
     me.target, me.layer_ids = build_with_faults(ctx, opts)
     me.timings["build_s"] = time.time() - t0
-    prepare_audit()
+    prepare_audit(me.target.model)
     est = capture_size(me.target, me.layer_ids, opts)
     if ctx.local_rank == 0:   # every rank of this node writes here: check the space once
         check_out_dir(me.out, est * local_world())
