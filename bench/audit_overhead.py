@@ -107,7 +107,7 @@ def main():
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--iters", type=int, default=41)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     a = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,16 +6,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-.}; W=/tmp/fin; rm -rf $W; mkdir -p $W
 PY=python3
-run() {  # name, limit s, command...
-  local name=$1 lim=$2; shift 2; local s=$(date +%s.%N)
-  timeout -k 3 $lim "$@" > $W/$name.log 2>&1
-  echo "rc=$? wall=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" >> $W/$name.log
-  echo "== $name: $(tail -1 $W/$name.log)"
-  grep -E "^  (HEALTHY|FAILURE)|passed|failed|error" $W/$name.log | tail -3
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"; } > $W/machine.log 2>&1
-cat $W/machine.log
+source scripts/gpu_lib.sh
+machine
 G1="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"
 run pytest-gpu 200 $PY -m pytest -m gpu -p no:cacheprovider -n 3 -q -rA --basetemp=$W/pt \
     tests/test_fingerprint.py tests/test_graph_tap.py $G1 &

@@ -4,12 +4,7 @@
 #   OUT=dir bash scripts/gpu_gloo_cuda.sh      -> $OUT/gloo_cuda.tgz (logs + report.json files)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TPPROBE_GLOO_CUDA=1
 OUT=${OUT:-.}; W=/tmp/gc; rm -rf $W; mkdir -p $W
-run() {  # name, limit s, command...
-  local name=$1 lim=$2; shift 2; local s=$(date +%s.%N)
-  timeout -k 3 $lim "$@" > $W/$name.log 2>&1
-  echo "rc=$? wall=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" >> $W/$name.log
-  echo "== $name: $(tail -1 $W/$name.log)"; grep -E "^  (HEALTHY|FAILURE|BITWISE|NOT BITWISE|WARNING)|tpprobe: error|Fatal|Error" $W/$name.log | head -5
-}
+source scripts/gpu_lib.sh
 P="python3 -m tpprobe probe --backend gloo --nproc 2"
 I="python3 -m tpprobe invariance --backend gloo --debug"
 run probe-healthy 90 $P --out $W/probe-healthy &

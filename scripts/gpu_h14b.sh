@@ -6,14 +6,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TPPROBE_STACKS_AFTER=${STACKS:-28}
 OUT=${OUT:-.}; W=/tmp/hb; rm -rf $W; mkdir -p $W
 PY=python3
-run() {  # name, outer limit s, command...
-  local name=$1 lim=$2; shift 2
-  local s=$(date +%s.%N)
-  timeout -k 3 $lim "$@" > $W/$name.log 2>&1
-  echo "rc=$? wall=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" >> $W/$name.log
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"; } > $W/machine.log 2>&1
+source scripts/gpu_lib.sh
+machine
 P="$PY -m tpprobe probe --backend nccl --quiet"
 TR="$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tpprobe probe --backend nccl --quiet"
 if [ "${SET:-1}" = 1 ]; then

@@ -1,0 +1,16 @@
+# Sourced by the scripts/gpu_*.sh device calls (needs $W, the folder logs go to).
+# run NAME LIMIT_S COMMAND...: the command under `timeout`, its output in $W/NAME.log, which ends
+# with "rc=N wall=S"; prints that line and the verdict lines.
+run() {
+  local name=$1 lim=$2; shift 2; local s=$(date +%s.%N)
+  timeout -k 3 $lim "$@" > $W/$name.log 2>&1
+  echo "rc=$? wall=$(python3 -c "print(round($(date +%s.%N)-$s,1))")" >> $W/$name.log
+  echo "== $name: $(tail -1 $W/$name.log)"
+  grep -E "^  (HEALTHY|FAILURE|BITWISE|NOT BITWISE|WARNING)|tpprobe: error|Fatal|passed|failed" $W/$name.log | tail -3
+}
+# machine: the GPUs, driver, torch, CUDA, NCCL and triton into $W/machine.log (and stdout)
+machine() {
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"; } > $W/machine.log 2>&1
+  cat $W/machine.log
+}
