@@ -175,6 +175,16 @@ def _kernel_doors(rank, world):
         with torch.no_grad(), Tap(t.model) as tap:
             y = compiled(torch.ones(4))
         out["compiled"].append((recs(tap), y.tolist()))
+    has = lambda: torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "ADInplaceOrView")  # noqa: E731
+    with torch.no_grad(), Tap(t.model) as tap:
+        refused = audit.release()               # an Audit is active: the kernels stay
+        t.forward()
+    before, released = has(), audit.release()
+    after = has()
+    dist.all_reduce(torch.ones(2))              # no kernel of ours on the way, and no error
+    with torch.no_grad(), Tap(t.model) as tap:  # the next Audit registers them again
+        t.forward()
+    out["release"] = (refused, len(recs(tap)), before, released, after, has())
     return out
 
 
@@ -194,3 +204,5 @@ def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to
     assert res["grad"] == [4.0, 4.0, 4.0]                # backward: all_reduce of 2 * ones over 2 ranks
     one = [("other", None, 2, (4,), True, "_c10d_functional.all_reduce")]
     assert res["compiled"] == [(one, [5.0] * 4)] * 2     # first call compiles: still one record
+    # release(): refused while an Audit runs; then no kernel on the op; the next Audit re-registers
+    assert res["release"] == (False, 7, True, True, False, True)

@@ -190,6 +190,11 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
         _state.busy = False
     t_forward = time.time() - t0
     _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
+    if _STEPS["captured"] >= s["max_steps"]:
+        # the last captured step: the audit's kernels come off, so the server's later forwards run
+        # their collectives with no Python of tpprobe's (capture/audit.py: release)
+        from tpprobe.capture.audit import release
+        release()
     return result
 
 
