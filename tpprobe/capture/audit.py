@@ -247,7 +247,6 @@ class _Doors:
                     self.own.add(full)
         return not self.own
 
-
     def release(self) -> bool:
         """Remove every kernel (0.06 ms), so collectives run with no Python of ours again; a later
         Audit registers them anew (5 ms). For a long-lived process that audits a few forwards and

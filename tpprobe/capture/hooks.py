@@ -266,8 +266,8 @@ class Tap:
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:
-            # a model holding inference tensors: collectives on them bypass the audit's autograd
-            # kernels, so the audit watches through its dispatch mode (capture/audit.py)
+            # a model holding inference tensors: collectives on them bypass the audit's
+            # ADInplaceOrView kernels, so the audit watches through its dispatch mode (capture/audit.py)
             self.auditor.use_mode = self.auditor.use_mode or plan.inference
             self.auditor.__enter__()
             self._auditing = True

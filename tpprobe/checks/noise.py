@@ -227,8 +227,6 @@ def compare(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = N
     rule is judged in (default: the coarser of the two)."""
     if tuple(x.shape) != tuple(ref.shape):
         return {"level": "shape", "shape": list(x.shape), "ref_shape": list(ref.shape)}
-    if x.device != ref.device:      # a rank's own tensor still on its GPU against a peer's on the host
-        x, ref = x.cpu(), ref.cpu()
     if bitwise_equal(x, ref):
         return {"level": "bitwise", "max_abs": 0.0, "mean_abs": 0.0, "rel_diff": 0.0, "rel_norm": 0.0,
                 "row_rel_max": 0.0, "ulp_max": 0.0, "ulp_mean": 0.0, "first_token": None, "bad_fraction": 0.0,
