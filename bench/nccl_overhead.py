@@ -12,6 +12,9 @@ one forward per variant, alternating the variants (so drift hits all alike), med
   fingerprint  what `--exchange fingerprint` does: the 3 EAGLE-3 slots (and embed.*) kept, every
                other point and every audited all-reduce's in/out fingerprinted by the fused kernel,
                queued during the forward and read with ONE device-to-host copy after it
+With --api, two more: installed_api / fingerprint_api, the same with the Tap's hooks registered
+through torch's register_forward_(pre_)hook (as before capture/hooks.py wrote them straight into
+the hook dicts): the registration's cost, side by side.
 Each timing runs from a synchronised start to the end of the forward's work on the device (and,
 for fingerprint, the host having its fingerprints).  Rank 0 writes nccl_overhead.json to --out.
 Targets (issue 14): fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode.
@@ -31,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+from tpprobe.capture import hooks  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
@@ -47,6 +51,7 @@ def worker(rank: int, a, port: int, q):
     dist.init_process_group("nccl", device_id=dev)
     dtype = getattr(torch, a.dtype)
     layer_ids = [-1, 1, 3]
+    variants = VARIANTS + (["installed_api", "fingerprint_api"] if a.api else [])
     out = {"rows": []}
     for tokens, iters in [(a.prefill, a.iters)] + [(n, a.decode_iters) for n in a.decode]:
         cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
@@ -62,6 +67,8 @@ def worker(rank: int, a, port: int, q):
         keep_ids = {id_point(i) for i in layer_ids}
 
         def run(v):
+            hooks._DIRECT = not v.endswith("_api")
+            v = v.replace("_api", "")
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda.synchronize()
@@ -86,13 +93,14 @@ def worker(rank: int, a, port: int, q):
             torch.cuda.synchronize()
             return time.perf_counter() - t0
 
-        for v in VARIANTS * 2:          # warm-up (the kernels compile once)
+        for v in variants * 2:          # warm-up (the kernels compile once)
             run(v)
-        times = {v: [] for v in VARIANTS}
+        times = {v: [] for v in variants}
         for i in range(iters):
-            for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+            for v in (variants if i % 2 == 0 else variants[::-1]):
                 times[v].append(run(v))
-        med = {v: statistics.median(times[v]) for v in VARIANTS}
+        hooks._DIRECT = True
+        med = {v: statistics.median(times[v]) for v in variants}
         if a.profile and rank == 0 and tokens == min(a.decode or [0]):
             import cProfile
             import io
@@ -108,9 +116,9 @@ def worker(rank: int, a, port: int, q):
                 with open(os.path.join(a.out, f"profile_{v}_{tokens}tok.txt"), "w") as f:
                     f.write(buf.getvalue())
         out["rows"].append({"phase": "prefill" if tokens == a.prefill else "decode", "tokens": tokens,
-                            "iters": iters, **{f"{v}_ms": med[v] * 1e3 for v in VARIANTS},
-                            **{f"{v}_x": med[v] / med["off"] for v in VARIANTS[1:]},
-                            "all_ms": {v: [t * 1e3 for t in times[v]] for v in VARIANTS}})
+                            "iters": iters, **{f"{v}_ms": med[v] * 1e3 for v in variants},
+                            **{f"{v}_x": med[v] / med["off"] for v in variants[1:]},
+                            "all_ms": {v: [t * 1e3 for t in times[v]] for v in variants}})
     if rank == 0:
         q.put({"rows": out["rows"], "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nproc": a.nproc, "hidden": a.hidden,
@@ -131,6 +139,8 @@ def main():
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--decode-iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--api", action="store_true", help="also time installed / fingerprint with the hooks "
+                    "registered through torch's API (installed_api, fingerprint_api)")
     ap.add_argument("--profile", action="store_true", help="also cProfile 20 decode forwards (rank 0, "
                     "smallest decode size) of installed and fingerprint into --out/profile_*.txt")
     a = ap.parse_args()
@@ -151,9 +161,10 @@ def main():
     res["targets"] = {"fingerprint_x prefill": "<= 1.05", "fingerprint_x decode": "<= 1.3"}
     print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
           f"{a.num_layers} layers, {a.dtype}; median ms (x off)")
-    print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in VARIANTS))
+    shown = VARIANTS + (["installed_api", "fingerprint_api"] if a.api else [])
+    print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in shown))
     for r in res["rows"]:
-        cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in VARIANTS[1:]]
+        cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in shown[1:]]
         print(f"{r['phase']:<8} {r['tokens']:>6} " + " ".join(cells))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "nccl_overhead.json"), "w") as f:

@@ -116,7 +116,7 @@ class Fingerprint:
         # the fields in order, as dataclasses.asdict gives them (without its deep copy: a probe
         # writes one per point and collective); JSON has no inf/nan: those become strings
         return {"shape": list(self.shape), "dtype": self.dtype, "bit_hash": self.bit_hash,
-                "sketch": [enc_float(v) for v in self.sketch], "sumsq": enc_float(self.sumsq),
+                "sketch": enc_floats(self.sketch), "sumsq": enc_float(self.sumsq),
                 "absmax": enc_float(self.absmax), "n_nan": self.n_nan, "n_inf": self.n_inf,
                 "row_nonzero": self.row_nonzero, "seed": self.seed}
 
@@ -141,3 +141,10 @@ class Fingerprint:
 def enc_float(v):
     v = float(v)
     return v if math.isfinite(v) else repr(v)   # 'inf', '-inf', 'nan' -> float() reads them
+
+
+def enc_floats(vs) -> list:
+    """``[enc_float(v) for v in vs]``; one C-level sum says when every value is finite (a NaN or
+    an Inf makes the sum non-finite), which is nearly always, then the floats are the list."""
+    vs = list(map(float, vs))
+    return vs if math.isfinite(sum(vs)) else [enc_float(v) for v in vs]
