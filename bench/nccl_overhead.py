@@ -12,9 +12,9 @@ one forward per variant, alternating the variants (so drift hits all alike), med
   fingerprint  what `--exchange fingerprint` does: the 3 EAGLE-3 slots (and embed.*) kept, every
                other point and every audited all-reduce's in/out fingerprinted by the fused kernel,
                queued during the forward and read with ONE device-to-host copy after it
-With --api, two more: installed_api / fingerprint_api, the same with the Tap's hooks registered
-through torch's register_forward_(pre_)hook (as before capture/hooks.py wrote them straight into
-the hook dicts): the registration's cost, side by side.
+With --before, two more: installed_before / fingerprint_before, the same with the Tap this tree
+replaced (bench/_tap_before.py, frozen: a hook pair on every module of every layer keeping a module
+stack, registered through torch's API), side by side in the same run.
 Each timing runs from a synchronised start to the end of the forward's work on the device (and,
 for fingerprint, the host having its fingerprints).  Rank 0 writes nccl_overhead.json to --out.
 Targets (issue 14): fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode.
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
-from tpprobe.capture import hooks  # noqa: E402
+from bench import _tap_before  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
@@ -51,7 +51,7 @@ def worker(rank: int, a, port: int, q):
     dist.init_process_group("nccl", device_id=dev)
     dtype = getattr(torch, a.dtype)
     layer_ids = [-1, 1, 3]
-    variants = VARIANTS + (["installed_api", "fingerprint_api"] if a.api else [])
+    variants = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else [])
     out = {"rows": []}
     for tokens, iters in [(a.prefill, a.iters)] + [(n, a.decode_iters) for n in a.decode]:
         cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
@@ -67,8 +67,8 @@ def worker(rank: int, a, port: int, q):
         keep_ids = {id_point(i) for i in layer_ids}
 
         def run(v):
-            hooks._DIRECT = not v.endswith("_api")
-            v = v.replace("_api", "")
+            Tap_ = _tap_before.Tap if v.endswith("_before") else Tap
+            v = v.replace("_before", "")
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda.synchronize()
@@ -77,15 +77,15 @@ def worker(rank: int, a, port: int, q):
                 if v == "off":
                     model(ids)
                 elif v == "installed":
-                    with Tap(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()):
+                    with Tap_(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()):
                         model(ids)
                 elif v == "full":
-                    with Tap(model, keep=lambda n: True, keep_allreduce_tensors=True, progress=Progress()):
+                    with Tap_(model, keep=lambda n: True, keep_allreduce_tensors=True, progress=Progress()):
                         model(ids)
                 else:
                     fp = Deferred(0x7470, 32)
                     keep = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
-                    with Tap(model, keep=keep, summarize=fp, keep_allreduce_tensors=False,
+                    with Tap_(model, keep=keep, summarize=fp, keep_allreduce_tensors=False,
                              progress=Progress()) as tap:
                         model(ids)
                     fp.resolve()
@@ -99,7 +99,6 @@ def worker(rank: int, a, port: int, q):
         for i in range(iters):
             for v in (variants if i % 2 == 0 else variants[::-1]):
                 times[v].append(run(v))
-        hooks._DIRECT = True
         med = {v: statistics.median(times[v]) for v in variants}
         if a.profile and rank == 0 and tokens == min(a.decode or [0]):
             import cProfile
@@ -139,8 +138,8 @@ def main():
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--decode-iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--api", action="store_true", help="also time installed / fingerprint with the hooks "
-                    "registered through torch's API (installed_api, fingerprint_api)")
+    ap.add_argument("--before", action="store_true", help="also time installed / fingerprint with the Tap this "
+                    "tree replaced (bench/_tap_before.py): installed_before, fingerprint_before")
     ap.add_argument("--profile", action="store_true", help="also cProfile 20 decode forwards (rank 0, "
                     "smallest decode size) of installed and fingerprint into --out/profile_*.txt")
     a = ap.parse_args()
@@ -161,7 +160,7 @@ def main():
     res["targets"] = {"fingerprint_x prefill": "<= 1.05", "fingerprint_x decode": "<= 1.3"}
     print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
           f"{a.num_layers} layers, {a.dtype}; median ms (x off)")
-    shown = VARIANTS + (["installed_api", "fingerprint_api"] if a.api else [])
+    shown = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else [])
     print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in shown))
     for r in res["rows"]:
         cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in shown[1:]]

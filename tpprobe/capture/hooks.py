@@ -22,6 +22,7 @@ Capture points (names used everywhere in tpprobe):
 from __future__ import annotations
 
 import fnmatch
+import sys
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -56,34 +57,40 @@ class HookHandle:
 
 
 class _Pair:
-    """A pre-hook and a forward hook written straight into one module's hook dicts, as torch's
+    """A pre-hook and/or a forward hook written straight into one module's hook dicts, as torch's
     ``register_forward_pre_hook(prepend=True)`` / ``register_forward_hook`` write them, with ids
-    from the same counter; ``remove()`` takes both out. The Tap installs ~9 hooks per decoder layer
-    for every forward: through torch's API (a RemovableHandle each, with weak references) that cost
-    ~1.3 us a hook, 100 us per forward on the 4-layer built-in model; this costs ~0.15 us."""
+    from the same counter; ``remove()`` takes them out. The Tap installs its hooks for every
+    forward: through torch's API (a RemovableHandle each, with weak references) a hook cost ~1.3 us
+    to add and remove, 100 us per forward on the 4-layer built-in model; this costs ~0.15 us."""
     __slots__ = ("module", "pre_id", "post_id")
 
     def __init__(self, module, pre, post, with_kwargs: bool):
         i = RemovableHandle.next_id
         RemovableHandle.next_id = i + 2
-        self.module, self.pre_id, self.post_id = module, i, i + 1
-        d = module._forward_pre_hooks
-        d[i] = pre
-        d.move_to_end(i, last=False)            # first: know where we are before any other pre-hook
-        module._forward_hooks[i + 1] = post
-        if with_kwargs:
-            module._forward_pre_hooks_with_kwargs[i] = True
-            module._forward_hooks_with_kwargs[i + 1] = True
+        self.module, self.pre_id, self.post_id = module, (i if pre is not None else None), \
+            (i + 1 if post is not None else None)
+        if pre is not None:
+            d = module._forward_pre_hooks
+            d[i] = pre
+            d.move_to_end(i, last=False)        # first: know where we are before any other pre-hook
+            if with_kwargs:
+                module._forward_pre_hooks_with_kwargs[i] = True
+        if post is not None:
+            module._forward_hooks[i + 1] = post
+            if with_kwargs:
+                module._forward_hooks_with_kwargs[i + 1] = True
 
     def remove(self) -> None:
         m = self.module
         if m is None:
             return
         self.module = None
-        m._forward_pre_hooks.pop(self.pre_id, None)
-        m._forward_pre_hooks_with_kwargs.pop(self.pre_id, None)
-        m._forward_hooks.pop(self.post_id, None)
-        m._forward_hooks_with_kwargs.pop(self.post_id, None)
+        if self.pre_id is not None:
+            m._forward_pre_hooks.pop(self.pre_id, None)
+            m._forward_pre_hooks_with_kwargs.pop(self.pre_id, None)
+        if self.post_id is not None:
+            m._forward_hooks.pop(self.post_id, None)
+            m._forward_hooks_with_kwargs.pop(self.post_id, None)
 
 
 _DIRECT = all(hasattr(torch.nn.Linear(1, 1), a) for a in (
@@ -91,12 +98,36 @@ _DIRECT = all(hasattr(torch.nn.Linear(1, 1), a) for a in (
 
 
 def add_hooks(module: torch.nn.Module, pre, post, with_kwargs: bool = False) -> list:
-    """pre (first of the module's pre-hooks) and post (last of its forward hooks): handles with
-    ``remove()``. Through torch's own registration where its hook dicts are not as expected."""
+    """pre (first of the module's pre-hooks) and post (last of its forward hooks), either may be
+    None: handles with ``remove()``. Through torch's own registration where its hook dicts are not
+    as expected."""
     if _DIRECT and isinstance(getattr(module, "_forward_pre_hooks", None), OrderedDict):
         return [_Pair(module, pre, post, with_kwargs)]
-    return [module.register_forward_pre_hook(pre, prepend=True, with_kwargs=with_kwargs),
-            module.register_forward_hook(post, with_kwargs=with_kwargs)]
+    return ([module.register_forward_pre_hook(pre, prepend=True, with_kwargs=with_kwargs)] if pre else []) + \
+        ([module.register_forward_hook(post, with_kwargs=with_kwargs)] if post else [])
+
+
+# Every module call runs inside torch.nn.Module._call_impl (its forward, and its pre- and forward
+# hooks): the frames of that function on this thread, each with its `self`, are the modules being
+# called, innermost first. The collective audit reads them when a collective is issued (rarely:
+# a few per layer) instead of every module keeping a stack with hooks on every call.
+_CALL_IMPL = getattr(torch.nn.Module._call_impl, "__code__", None)
+
+
+def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
+    """known[id(module)] for every module of ``known`` whose call is running on this thread,
+    innermost first (read from the Python frames of torch.nn.Module._call_impl)."""
+    out = []
+    f = frame if frame is not None else sys._getframe(1)
+    code = _CALL_IMPL
+    while f is not None and limit:
+        if f.f_code is code:
+            e = known.get(id(f.f_locals.get("self")))
+            if e is not None:
+                out.append(e)
+        f = f.f_back
+        limit -= 1
+    return out
 
 
 AllReduceRecord = CollectiveRecord        # the name earlier code imports
@@ -149,7 +180,8 @@ class _Plan:
     parameter or buffer was registered anywhere since (PyTorch's global registration hooks count
     them: assignment, add_module, ModuleList.append) and no module has a different number of
     children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
-    __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "inference", "stamp", "mods")
+    __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "known", "inference", "stamp",
+                 "mods")
 
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -188,6 +220,13 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
             kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
             subs.append((kind, f"{name}.{sub_name}", sub))
         plan.subs.append((idx, name, m, subs))
+    # what the collective audit names from the running module calls: the layers and every module
+    # inside them (ids: the plan is used only while these modules are all alive, see _stamp)
+    plan.known = {}
+    for idx, name, m, subs in plan.subs:
+        plan.known[id(m)] = (name, "layer", idx)
+        for kind, sub_name, sub in subs:
+            plan.known[id(sub)] = (sub_name, kind, idx)
     plan.inference = holds_inference_tensors(model)
     # the cache holds no reference to the model itself (it is the weak key): None stands for it
     plan.mods = [m for m in model.modules() if m is not model]
@@ -256,7 +295,8 @@ class Tap:
         self.row_outputs: list[dict] = []          # row-parallel outputs and whether they were reduced
         self.embed_name: Optional[str] = None
         self.layer_indices: list[int] = []
-        self._stack: list[tuple[str, str, Optional[int]]] = []   # (name, kind, layer index)
+        self._stack: list[tuple[str, str, Optional[int]]] = []   # the embedding while it runs
+        self._known: dict = {}
         self._auditing = False
         # extensions(tap) -> handles with .remove(): model-specific capture that calls
         # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
@@ -296,6 +336,7 @@ class Tap:
         else:     # found during the forward: the module that consumes the ids and emits [tokens, hidden]
             for name, m in plan.candidates:
                 self._watch_embedding(name, m)
+        self._known = plan.known
         first = plan.subs[0][0] if plan.subs else None
         for idx, name, m, subs in plan.subs:
             self.layer_indices.append(idx)
@@ -303,10 +344,11 @@ class Tap:
             for kind, sub_name, sub in subs:
                 # row-parallel outputs are noted; layer 0's input norm is a capture point (a
                 # candidate for "the embedding slot was taken after a transform"); the other
-                # modules only place the collectives they issue
+                # modules need no hook: a collective finds the modules it runs in from the frames
                 post = (self._row_post if kind == "row" else
                         self._in_norm_post if idx == first and sub_name.endswith(".input_layernorm") else None)
-                self._hook(sub, HookHandle(kind, sub_name, idx), post)
+                if post is not None:
+                    self._hook(sub, HookHandle(kind, sub_name, idx), post)
         for prefix, factory in LAYER_EXTENSIONS.items():
             if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
                 # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
@@ -354,30 +396,18 @@ class Tap:
         self.handles.append(handle)
 
     def _hook(self, module, handle: HookHandle, post) -> None:
-        """pre pushes the module on the stack (the collective audit's attribution), post pops it and
-        calls ``post(handle, args, output)`` unless post is None. Closures with nothing to look up:
-        they run twice per hooked module per forward."""
-        entry = (handle.name, handle.kind, handle.index)
-        stack, push = self._stack, self._stack.append
+        """A decoder layer: pre says where the forward is (the watchdog's heartbeat), post reads its
+        output; another module: post only. ``post(handle, args, output)``."""
         if handle.kind == "layer":
             progress, where = self.progress, f"layer {handle.index}"
 
             def pre(mod, args):
-                push(entry)
                 progress.set("forward", where)
         else:
-            def pre(mod, args):
-                push(entry)
+            pre = None
 
-        if post is None:
-            def post_(mod, args, output):
-                if stack and stack[-1] is entry:
-                    stack.pop()
-        else:
-            def post_(mod, args, output):
-                if stack and stack[-1] is entry:
-                    stack.pop()
-                post(handle, args, output)
+        def post_(mod, args, output):
+            post(handle, args, output)
 
         handle.handles += add_hooks(module, pre, post_)
         self.handles.append(handle)
@@ -494,11 +524,14 @@ class Tap:
             time.sleep(0.0001)
 
     def _attribution(self, tensor):
-        module = self._stack[-1][0] if self._stack else "<outside hooked modules>"
-        layer = next((idx for _, kind, idx in reversed(self._stack) if kind == "layer"), None)
-        in_embed = any(kind == "embed" for _, kind, _ in self._stack)
+        # the modules running this collective, innermost first: the layers' (from the frames) and
+        # the embedding's (its hooks keep a stack: it is known only once it consumed the ids)
+        running = running_modules(self._known, sys._getframe(1))
+        module = running[0][0] if running else self._stack[-1][0] if self._stack else "<outside hooked modules>"
+        layer = next((idx for _, kind, idx in running if kind == "layer"), None)
+        in_embed = bool(self._stack)
         where = layer_place(-1 if in_embed else layer)
-        source = next((name for name, kind, _ in reversed(self._stack) if kind == "row"), None)
+        source = next((name for name, kind, _ in running if kind == "row"), None)
         if source is None and isinstance(tensor, torch.Tensor):
             # reduced after the row-parallel module returned (reduce_results=False)
             ptr, storage = tensor.data_ptr(), None

@@ -165,7 +165,8 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     _STEPS["captured"] += 1
     from tpprobe.capture.hooks import Tap
-    from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
+    from tpprobe.exchange.device import resolve_summaries
+    from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, Deferred
     from tpprobe.sglang.stream import decoder_layers, sglang_extensions
 
     rank, world, tp_group = _tp()
@@ -178,14 +179,18 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
              f"every layer boundary and the final norm) -> {s['dir']}")
     _state.busy = True
     t0 = time.time()
+    # every point's and every all-reduce's fingerprint is queued on the stream as it passes (on a
+    # GPU: no host sync inside the forward) and read after it with one device-to-host copy
+    fps = Deferred(PROBE_SEED, PROBE_K)
     try:
         with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
                                   embed=s["embed"], layers=s["layer_list"],
                                   keep=lambda n: budget.match(n), admit=budget.admit,
                                   sample_rows=s["keep_tokens"], keep_allreduce_tensors=False,
-                                  summarize=lambda t: fingerprint(t, seed=PROBE_SEED, k=PROBE_K)) as tap:
+                                  summarize=fps) as tap:
             tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
             result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+        resolve_summaries(tap, fps, True)
     finally:
         _state.busy = False
     t_forward = time.time() - t0

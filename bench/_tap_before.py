@@ -1,0 +1,495 @@
+"""FROZEN for bench/nccl_overhead.py --before: tpprobe/capture/hooks.py as of e9c6378 (hooks on every module
+of every layer, registered through torch's API, each keeping a module stack), so the new Tap is timed
+side by side with the one it replaced. Not used by tpprobe.
+
+Scoped hooks: what the probe sees during one forward on one rank.
+
+`Tap(model, ...)` is a context manager. On enter it finds the decoder layers and the embedding
+from the model's structure (capture/discover.py: the longest ModuleList; the module that consumes
+the input ids and emits [tokens, hidden]), or from overrides (`embed=`, `layers=`: a module path
+or a class-name glob), registers forward hooks, and starts the collective audit
+(capture/audit.py: every all-reduce, reduce-scatter and all-gather at the c10d dispatcher level,
+whatever door it came through): its input (before) and output (after), the group size, the path
+and which module issued it. On exit every handle is removed and the audit stopped, also when the
+forward raises. `coverage()` says what was hooked and audited.
+
+Capture points (names used everywhere in tpprobe):
+  embed.local   the embedding's local, pre-reduce output (the input of the all-reduce it issues;
+                equal to embed.out when it issues none)
+  embed.out     the embedding module's output
+  layer.K.out   the residual stream leaving decoder layer K (hidden_states + residual), which is
+                what EAGLE-3 layer id K captures (SGLang-Llama convention; id -1 = embed.out)
+
+`keep(name) -> bool` decides which points keep a tensor; the others are passed to `summarize`
+(e.g. a fingerprint) so the Tap never holds more than it must. All tensors kept are copies.
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tpprobe.capture import discover
+from tpprobe.capture.audit import Audit, CollectiveRecord, holds_inference_tensors
+from tpprobe.capture.points import AR_OUT, EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, in_norm, layer_out, layer_place, parse
+from tpprobe.capture.progress import Progress
+
+
+@dataclass
+class HookHandle:
+    kind: str                 # "embed" | "layer" | "module"
+    name: str                 # qualified module name
+    index: Optional[int]      # layer index for decoder layers
+    handles: list = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def __repr__(self) -> str:
+        idx = "" if self.index is None else f"[{self.index}]"
+        return f"<{self.kind}{idx} {self.name}>"
+
+
+AllReduceRecord = CollectiveRecord        # the name earlier code imports
+_ROW_PATTERNS = ("*RowParallel*",)
+
+
+def find_modules(model: torch.nn.Module, embed: Optional[str] = None, layers: Optional[str] = None):
+    """(embedding (name, module) or None when it is found during the forward, [(index, name, module)]
+    of decoder layers in order). See capture/discover.py."""
+    _, _, found = discover.layer_list(model, layers)
+    return (discover.embedding(model, embed) if embed else None), found
+
+
+def first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                return y
+    return None
+
+
+def is_owed(output) -> bool:
+    """SGLang 0.5.23's OwedOutput (a decoder layer's partial sum the next boundary reduces)."""
+    return type(output).__name__ in ("OwedOutput", "UnreducedOutput")
+
+
+def residual_stream(output) -> Optional[torch.Tensor]:
+    """The stream leaving a decoder layer: hidden_states + residual (SGLang's convention)."""
+    if is_owed(output):
+        return None
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        h = output[0]
+        r = output[1] if len(output) > 1 and isinstance(output[1], torch.Tensor) else None
+        return h.clone() if r is None else h + r
+    return None
+
+
+class DeviceStalled(RuntimeError):
+    """The GPU did not complete an all-reduce within the deadline (a peer died or hung)."""
+
+
+class _Plan:
+    """What `_install` finds from a model's structure, kept per model object (weakly) so a Tap per
+    forward does not walk `named_modules` again (on the built-in model, 4 layers: the walks were half
+    of the 270 us an install took). Used again while the model's structure is unchanged: no module,
+    parameter or buffer was registered anywhere since (PyTorch's global registration hooks count
+    them: assignment, add_module, ModuleList.append) and no module has a different number of
+    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
+    __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "inference", "stamp", "mods")
+
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GEN = [0]
+
+
+def _bump(*_):
+    _GEN[0] += 1
+
+
+for _reg in ("register_module_module_registration_hook", "register_module_parameter_registration_hook",
+             "register_module_buffer_registration_hook"):
+    getattr(torch.nn.modules.module, _reg)(_bump)
+
+
+def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optional[str]) -> _Plan:
+    try:
+        per = _PLANS.setdefault(model, {})
+    except TypeError:               # not weakly referenceable: no cache
+        per = {}
+    plan = per.get((layer_spec, embed_spec))
+    if plan is not None and plan.stamp == _stamp(model, plan.mods):
+        return _root(plan, model)
+    plan = _Plan()
+    plan.layer_how, plan.layer_list, plan.layers = discover.layer_list(model, layer_spec)
+    plan.embed = discover.embedding(model, embed_spec) if embed_spec else None
+    plan.candidates = [] if embed_spec else discover.candidates(model, plan.layers, plan.layer_list)
+    seen: set[int] = set()
+    plan.subs = []
+    for idx, name, m in plan.layers:
+        subs = []
+        for sub_name, sub in m.named_modules():
+            if sub is m or id(sub) in seen:   # a module shared by layers (SGLang's rope) once
+                continue
+            seen.add(id(sub))
+            kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
+            subs.append((kind, f"{name}.{sub_name}", sub))
+        plan.subs.append((idx, name, m, subs))
+    plan.inference = holds_inference_tensors(model)
+    # the cache holds no reference to the model itself (it is the weak key): None stands for it
+    plan.mods = [m for m in model.modules() if m is not model]
+    plan.stamp = _stamp(model, plan.mods)
+    plan.candidates = [(n, None if m is model else m) for n, m in plan.candidates]
+    plan.embed = None if plan.embed is None else (plan.embed[0], None if plan.embed[1] is model else plan.embed[1])
+    per[(layer_spec, embed_spec)] = plan
+    return _root(plan, model)
+
+
+def _stamp(model, mods) -> tuple:
+    n = lambda m: len(m._modules) + len(m._parameters) + len(m._buffers)  # noqa: E731
+    return _GEN[0], n(model), tuple(n(m) for m in mods)
+
+
+def _root(plan: _Plan, model) -> _Plan:
+    """The plan with the model itself put back where the cache holds None."""
+    out = _Plan()
+    for k in _Plan.__slots__:
+        setattr(out, k, getattr(plan, k))
+    out.candidates = [(n, model if m is None else m) for n, m in plan.candidates]
+    if plan.embed is not None and plan.embed[1] is None:
+        out.embed = (plan.embed[0], model)
+    return out
+
+
+# layer families that need model-specific extensions: module prefix -> () -> extensions. Filled by
+# the family's own package when it is imported (tpprobe.sglang.stream: "sglang."), so the Tap
+# never imports a model family itself.
+LAYER_EXTENSIONS: dict = {}
+
+
+class Tap:
+    def __init__(self, model: torch.nn.Module, *, embed: Optional[str] = None, layers: Optional[str] = None,
+                 input_ids: Optional[torch.Tensor] = None, keep: Callable[[str], bool] = lambda n: True,
+                 summarize: Optional[Callable[[torch.Tensor], Any]] = None,
+                 keep_allreduce_tensors: bool = True, audit: bool = True,
+                 progress: Optional[Progress] = None, extensions: tuple = (),
+                 admit: Optional[Callable[[str, torch.Tensor], bool]] = None,
+                 sample_rows: Optional[int] = None,
+                 device_lag: Optional[tuple[int, float]] = None):
+        self.model = model
+        self.embed_spec, self.layer_spec, self.input_ids = embed, layers, input_ids
+        # admit(name, tensor): asked BEFORE a kept point is copied (a byte budget); sample_rows:
+        # keep only the first rows of each kept tensor (both: the SGLang plugin's bounded memory)
+        self.admit, self.sample_rows = admit, sample_rows
+        self.keep, self.summarize = keep, summarize
+        self.keep_ar = keep_allreduce_tensors
+        self.audit = audit
+        self.progress = progress or Progress()
+        self.captures: dict[str, torch.Tensor] = {}
+        self.summaries: dict[str, Any] = {}
+        self.order: list[str] = []                 # capture points in the order they fired
+        self.after: dict[str, int] = {}            # point -> collectives issued before it
+        self.auditor = Audit(self._attribution,
+                             keep=lambda where: self.keep_ar or (where == EMBED_PLACE and self.keep(EMBED_LOCAL)),
+                             summarize=summarize, progress=self.progress, copy=self._audit_copy,
+                             before=self._before_collective, after=self._after_collective)
+        self.allreduces: list[CollectiveRecord] = self.auditor.records
+        self.progress.audit = self.allreduces
+        self.layer_how, self.layer_list, self.embed_how = "", "", ""
+        self.layers_ran: set = set()
+        self._embed_pending: Optional[str] = None
+        self._layer_names: list[str] = []
+        self.handles: list[HookHandle] = []
+        self.row_outputs: list[dict] = []          # row-parallel outputs and whether they were reduced
+        self.embed_name: Optional[str] = None
+        self.layer_indices: list[int] = []
+        self._stack: list[tuple[str, str, Optional[int]]] = []   # (name, kind, layer index)
+        self._auditing = False
+        # extensions(tap) -> handles with .remove(): model-specific capture that calls
+        # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
+        self.extensions = tuple(extensions)
+        self._ext_handles: list = []
+        # (collectives, seconds): CUDA only. Before issuing an all-reduce the host lets the GPU run
+        # at most `collectives` all-reduces behind it, waiting (polling an event) at most `seconds`.
+        # NCCL never blocks the host, so without a bound a forward whose peer died keeps queueing
+        # kernels behind the stuck collective until the launch queue is full and the host blocks
+        # in a kernel launch for good (seen on 2 H200s); with it the forward raises DeviceStalled,
+        # as a blocking backend's collective would, and the probe reports.
+        self.device_lag = device_lag
+        self.device_stalled = False
+        self.stream_from_layer_output = True
+        self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
+
+    # -- install / remove -------------------------------------------------------------------
+    def __enter__(self) -> "Tap":
+        try:
+            self._install()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def _install(self) -> None:
+        plan = _plan(self.model, self.layer_spec, self.embed_spec)
+        self.layer_how, self.layer_list, layers = plan.layer_how, plan.layer_list, plan.layers
+        self._layer_names = [n for _, n, _ in layers]
+        if self.embed_spec:
+            name, m = plan.embed
+            self.embed_name, self.embed_how = name, "override"
+            self._hook(m, HookHandle("embed", name, None), self._embed_post)
+        else:     # found during the forward: the module that consumes the ids and emits [tokens, hidden]
+            for name, m in plan.candidates:
+                self._watch_embedding(name, m)
+        for idx, name, m, subs in plan.subs:
+            self.layer_indices.append(idx)
+            self._hook(m, HookHandle("layer", name, idx), self._layer_post)
+            for kind, sub_name, sub in subs:
+                self._hook(sub, HookHandle(kind, sub_name, idx), self._module_post)
+        for prefix, factory in LAYER_EXTENSIONS.items():
+            if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
+                # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
+                # owed partial sum, so the stream is read where SGLang materializes it, and the reduces
+                # at GroupCoordinator level (tpprobe.sglang.stream registers itself here)
+                self.extensions += tuple(e for e in factory() if e not in self.extensions)
+                self.sglang_layers = True
+        for ext in self.extensions:
+            self._ext_handles += list(ext(self) or [])
+        if self.audit:
+            # a model holding inference tensors: collectives on them bypass the audit's
+            # ADInplaceOrView kernels, so the audit watches through its dispatch mode (capture/audit.py)
+            self.auditor.use_mode = self.auditor.use_mode or plan.inference
+            self.auditor.__enter__()
+            self._auditing = True
+
+    def _watch_embedding(self, name: str, module) -> None:
+        """Pre/post hooks on a module that may be the embedding; the first (outermost) one that
+        consumes the input ids and emits [tokens, hidden] is it."""
+        handle = HookHandle("embed", name, None)
+
+        def pre(mod, args, kwargs):
+            if self.embed_name is not None or self._embed_pending is not None:
+                return
+            ids = discover.consumes_ids(args, kwargs, self.input_ids)
+            if ids is not None:
+                self._embed_pending, self._pending_ids = name, ids
+                self._stack.append((name, "embed", None))
+
+        def post(mod, args, kwargs, output):
+            if self._embed_pending != name:
+                return
+            self._embed_pending = None
+            if self._stack and self._stack[-1][0] == name:
+                self._stack.pop()
+            if discover.emits_hidden(output, self._pending_ids):
+                self.embed_name, self.embed_how = name, "structure"
+                self._embed_post(handle, args, output)
+            else:                       # not the embedding: what it issued was not the embedding's
+                for r in self.allreduces:
+                    if r.where == EMBED_PLACE:
+                        r.where = "other"
+
+        handle.handles += [module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+                           module.register_forward_hook(post, with_kwargs=True)]
+        self.handles.append(handle)
+
+    def _hook(self, module, handle: HookHandle, post) -> None:
+        def pre(mod, args):
+            self._stack.append((handle.name, handle.kind, handle.index))
+            if handle.kind == "layer":
+                self.progress.set("forward", f"layer {handle.index}")
+
+        def post_(mod, args, output):
+            if self._stack and self._stack[-1][0] == handle.name:
+                self._stack.pop()
+            post(handle, args, output)
+
+        # prepend: know where we are before any other pre-hook of the module runs (or hangs)
+        handle.handles += [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post_)]
+        self.handles.append(handle)
+
+    def _remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for h in self._ext_handles:
+            h.remove()
+        self._ext_handles = []
+        if self._auditing:
+            self._auditing = False
+            self.auditor.__exit__(None, None, None)
+
+    # -- capture --------------------------------------------------------------------------
+    def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
+        if t is None:
+            return
+        self.after[name] = len(self.allreduces)
+        self.order.append(name)
+        if self.keep(name) and self._admitted(name, t):
+            self.captures[name] = self._copy(t, copied)
+        if self.summarize is not None:
+            self.summaries[name] = self.summarize(t)
+
+    def _admitted(self, name: str, t: torch.Tensor) -> bool:
+        return self.admit is None or self.admit(name, t)
+
+    def _copy(self, t: torch.Tensor, copied: bool = False) -> torch.Tensor:
+        if self.sample_rows is not None and t.dim() and t.shape[0] > self.sample_rows:
+            return t.detach()[:self.sample_rows].clone()
+        return t if copied else t.detach().clone()
+
+    def _embed_post(self, handle, args, output) -> None:
+        out = first_tensor(output)
+        local = next((r for r in self.allreduces if r.where == EMBED_PLACE), None)
+        if local is None:  # no all-reduce ran inside the embedding: its local output is the output
+            self._record(EMBED_LOCAL, out, copied=False)
+        else:
+            self.order.append(EMBED_LOCAL)
+            self.after[EMBED_LOCAL] = local.seq
+            if local.inp is not None and self.keep(EMBED_LOCAL):
+                self.captures[EMBED_LOCAL] = local.inp
+            if self.summarize is not None and local.inp_summary is not None:
+                self.summaries[EMBED_LOCAL] = local.inp_summary
+        self._record(EMBED_OUT, out, copied=False)
+
+    def record_point(self, name: str, t: Optional[torch.Tensor], copied: bool = False) -> None:
+        """For extensions: record a capture point (copied=False makes the Tap clone it)."""
+        self._record(name, t, copied=copied)
+
+    def _layer_post(self, handle, args, output) -> None:
+        name = layer_out(handle.index)
+        self.layers_ran.add(handle.index)
+        if not self.stream_from_layer_output or self.sglang_layers or is_owed(output):
+            return     # an owed output (SGLang's OwedOutput) is a handle, never a tensor to read
+        if self.summarize is None and not self.keep(name):
+            self.order.append(name)       # nothing to keep: do not even form hidden + residual
+            self.after[name] = len(self.allreduces)
+            return
+        self._record(name, residual_stream(output), copied=True)
+
+    def _module_post(self, handle, args, output) -> None:
+        if handle.kind != "row":
+            if handle.name.endswith(".input_layernorm") and self.layer_indices and handle.index == self.layer_indices[0]:
+                # a candidate for "the embedding slot was taken after a transform"
+                self._record(in_norm(handle.index), first_tensor(output), copied=False)
+            return
+        self.add_row_output(handle.name, handle.index, first_tensor(output))
+
+    def add_row_output(self, module: str, layer: Optional[int], out: Optional[torch.Tensor]) -> None:
+        """A module's output that holds a partial sum until a reduce (row-parallel, an MoE block).
+        Its storage is held weakly: a later tensor at the same address, once this output was freed,
+        is not this output (the allocator reuses addresses, differently on every rank)."""
+        self.row_outputs.append({"module": module, "layer": layer,
+                                 "ptr": out.data_ptr() if out is not None else None,
+                                 "storage": StorageWeakRef(out.untyped_storage()) if out is not None else None,
+                                 "reduced": any(r.source == module for r in self.allreduces)})
+
+    # -- collective audit -----------------------------------------------------------------
+    def collective(self, kind: str, path: str, inp, group_size: int, op: str = "SUM"):
+        """Record one collective issued by a wrapper above c10d (see capture/audit.py)."""
+        return self.auditor.collective(kind, path, inp, group_size, op)
+
+    def _audit_copy(self, name: str, t: torch.Tensor, where: str) -> Optional[torch.Tensor]:
+        if where == EMBED_PLACE and not self.keep_ar:
+            if parse(name).kind == AR_OUT:   # admitted with its input (embed.local): both or neither
+                return self._copy(t)
+            name = EMBED_LOCAL
+        return self._copy(t) if self._admitted(name, t) else None
+
+    def _before_collective(self, inp) -> None:
+        if self.device_lag is not None and isinstance(inp, torch.Tensor) and inp.is_cuda:
+            self._bound_lag()
+
+    def _after_collective(self, rec: CollectiveRecord, out) -> None:
+        t = out if isinstance(out, torch.Tensor) else None
+        if t is not None and t.is_cuda:    # completes when the collective does (wait() ordered the stream)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.progress.events.append((rec.seq, ev))
+
+    def _bound_lag(self) -> None:
+        lag, limit = self.device_lag
+        ev = self.progress.events
+        if len(ev) < lag or ev[-lag][1].query():
+            return
+        seq, e = ev[-lag]
+        t_end = time.time() + limit
+        while not e.query():
+            if time.time() > t_end:
+                self.device_stalled = True
+                raise DeviceStalled(f"all-reduce #{seq + 1 if seq + 1 < len(self.allreduces) else seq} did not "
+                                    f"complete on the GPU within {limit:g}s")
+            time.sleep(0.0001)
+
+    def _attribution(self, tensor):
+        module = self._stack[-1][0] if self._stack else "<outside hooked modules>"
+        layer = next((idx for _, kind, idx in reversed(self._stack) if kind == "layer"), None)
+        in_embed = any(kind == "embed" for _, kind, _ in self._stack)
+        where = layer_place(-1 if in_embed else layer)
+        source = next((name for name, kind, _ in reversed(self._stack) if kind == "row"), None)
+        if source is None and isinstance(tensor, torch.Tensor):
+            # reduced after the row-parallel module returned (reduce_results=False)
+            ptr, storage = tensor.data_ptr(), None
+            for row in reversed(self.row_outputs):
+                if row["ptr"] == ptr and not row["reduced"]:
+                    storage = storage or StorageWeakRef(tensor.untyped_storage())
+                    if row["storage"] is None or row["storage"].expired() or row["storage"] != storage:
+                        continue
+                    row["reduced"], source = True, row["module"]
+                    if not in_embed and row["layer"] is not None:
+                        layer, where = row["layer"], layer_place(row["layer"])
+                    break
+        return module, layer, where, source
+
+    def truncate_to_device(self, done: int) -> None:
+        """The device completed all-reduces up to #done and no further (a peer died or hung; the
+        communicator was aborted): keep what a blocking backend would have, the captures taken
+        before #done + 1 and its input, and drop what was computed from its unfinished output."""
+        cut = done + 1
+        for name in [n for n, k in self.after.items() if k > cut]:
+            self.captures.pop(name, None)
+            self.summaries.pop(name, None)
+        self.order = [n for n in self.order if self.after.get(n, 0) <= cut]
+        del self.allreduces[cut + 1:]
+        if len(self.allreduces) > cut:
+            self.allreduces[cut].out = self.allreduces[cut].out_summary = None
+
+    def unreduced_rows(self) -> list[dict]:
+        return [{"module": r["module"], "layer": r["layer"]} for r in self.row_outputs if not r["reduced"]]
+
+    def coverage(self) -> dict:
+        """What was hooked and audited on this rank (part of the verdict: checks/coverage.py)."""
+        per_layer: dict = {}
+        paths: Counter = Counter()
+        unread: Counter = Counter()
+        for r in self.allreduces:
+            paths[r.meta()["path"]] += 1
+            if r.kind in ("all_reduce", "reduce_scatter", "unknown"):
+                per_layer[r.where] = per_layer.get(r.where, 0) + 1
+            if not r.checked:
+                unread[r.meta()["path"]] += 1
+        return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
+                "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
+                "layer_names": list(self._layer_names),
+                "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
+                "reduces_per_place": per_layer, "paths": dict(paths), "unreadable_paths": dict(unread),
+                "audit": self.audit,
+                # how the audit watched: "kernel" (its dispatcher kernels) | "mode (why)" (the dispatch mode)
+                "audit_path": self.auditor.path}
+
+    def _layer_modules(self):
+        return [self.model.get_submodule(n) for n in self._layer_names]

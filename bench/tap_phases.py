@@ -1,0 +1,125 @@
+"""Where the probe's host time goes in one eager decode forward, phase by phase (issue 14, point 3).
+
+    python bench/tap_phases.py [--device cuda|cpu] [--hidden 7168] [--num-layers 4] [--tokens 1]
+        [--dtype bfloat16] [--rounds 60] [--out DIR]
+
+One process, world 1 (a gloo group: the built-in model issues no all-reduce at tp 1, so this is the
+Tap's own cost). Variants, alternated round by round (drift hits all alike), median of --rounds:
+  off          the bare forward
+  installed    Tap: hooks and the collective audit, keeping nothing
+  keep5        + copies of what `--exchange fingerprint` keeps (the 3 EAGLE-3 slots, embed.*, in_norm)
+  fp_only      Tap + every point fingerprinted (Deferred: queued, one copy after the forward), no copies
+  fingerprint  keep5 + fp_only: what `--exchange fingerprint` does
+Each is split into phases on the host clock: enter (Tap construction and install), forward (the
+model call with the hooks), exit (removal), resolve (the one device-to-host copy and the combine),
+json (every summary's to_json), and total (from a synchronised start to the device done). The
+differences between variants say what each part of the probe costs.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.hook_overhead import weights_on  # noqa: E402
+from tpprobe.capture.hooks import Tap  # noqa: E402
+from tpprobe.capture.points import id_point  # noqa: E402
+from tpprobe.capture.progress import Progress  # noqa: E402
+from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.target import RankContext  # noqa: E402
+
+VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint"]
+PHASES = ["enter", "forward", "exit", "resolve", "json", "total"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--heads", type=int, default=56)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    layer_ids = [-1, 1, 3]
+    cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden, vocab=a.vocab,
+                        tokens=a.tokens, dtype=getattr(torch, a.dtype), layer_ids=layer_ids)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=dev, backend="gloo")
+    with torch.no_grad():
+        model = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
+    model.set_eagle3_layers_to_capture(layer_ids)
+    ids = torch.randint(0, a.vocab, (a.tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
+    keep_ids = {id_point(i) for i in layer_ids}
+    keep5 = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
+    pc = time.perf_counter
+
+    def one(v):
+        ph = dict.fromkeys(PHASES, 0.0)
+        sync()
+        t0 = pc()
+        with torch.no_grad():
+            if v == "off":
+                model(ids)
+                t1 = pc()
+                ph["forward"] = t1 - t0
+            else:
+                fp = Deferred(0x7470, 32) if v in ("fp_only", "fingerprint") else None
+                tap = Tap(model, keep=keep5 if v in ("keep5", "fingerprint") else (lambda n: False),
+                          summarize=fp, keep_allreduce_tensors=False, progress=Progress())
+                tap.__enter__()
+                t1 = pc()
+                model(ids)
+                t2 = pc()
+                tap.__exit__(None, None, None)
+                t3 = pc()
+                if fp is not None:
+                    fp.resolve()
+                t4 = pc()
+                _ = [resolved(s).to_json() for s in tap.summaries.values()]
+                t5 = pc()
+                ph.update(enter=t1 - t0, forward=t2 - t1, exit=t3 - t2, resolve=t4 - t3, json=t5 - t4)
+        sync()
+        ph["total"] = pc() - t0
+        return ph
+
+    for _ in range(3):
+        for v in VARIANTS:
+            one(v)
+    got = {v: {p: [] for p in PHASES} for v in VARIANTS}
+    for i in range(a.rounds):
+        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+            for p, x in one(v).items():
+                got[v][p].append(x)
+    med = {v: {p: statistics.median(got[v][p]) * 1e6 for p in PHASES} for v in VARIANTS}
+    name = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    print(f"tap phases: {name}, torch {torch.__version__}, hidden {a.hidden}, {a.num_layers} layers, {a.dtype}, "
+          f"{a.tokens} token(s), median of {a.rounds} rounds, microseconds")
+    print(f"{'variant':<12} " + " ".join(f"{p:>9}" for p in PHASES) + "   x off")
+    for v in VARIANTS:
+        print(f"{v:<12} " + " ".join(f"{med[v][p]:>9.1f}" for p in PHASES) +
+              f"   {med[v]['total'] / med['off']['total']:.3f}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "tap_phases.json"), "w") as f:
+        json.dump({"bench": "tap_phases", "device": name, "torch": torch.__version__, "hidden": a.hidden,
+                   "num_layers": a.num_layers, "dtype": a.dtype, "tokens": a.tokens, "rounds": a.rounds,
+                   "median_us": med}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
