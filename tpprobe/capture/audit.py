@@ -97,7 +97,10 @@ _HINTS = ("all_reduce", "allreduce", "reduce_scatter", "reducescatter", "all_gat
 # c10d ops that move data without summing partial results: not part of the reduce audit
 _NOT_REDUCE = frozenset(("broadcast_", "barrier", "send", "recv_", "recv_any_source_", "monitored_barrier_",
                          "gather_", "scatter_", "alltoall_", "alltoall_base_", "wait_tensor",
-                         "_wrap_tensor_autograd", "broadcast", "all_to_all_single"))
+                         "_wrap_tensor_autograd", "broadcast", "all_to_all_single",
+                         # point-to-point, and the NaN check NCCL runs before a collective
+                         # (TORCH_NCCL_NAN_CHECK=1): none is a collective of its own
+                         "isend", "irecv", "batch_p2p_ops", "check_for_nan"))
 
 
 @dataclass

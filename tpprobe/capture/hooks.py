@@ -97,11 +97,63 @@ _DIRECT = all(hasattr(torch.nn.Linear(1, 1), a) for a in (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs"))
 
 
-def add_hooks(module: torch.nn.Module, pre, post, with_kwargs: bool = False) -> list:
+_NO_FORWARD = object()
+
+
+class _Wrap:
+    """pre and post around the module's own forward, as an instance attribute ``forward``: for a
+    module with no hooks at all, so that its call keeps torch's fast path (a module with any hook
+    takes ``_call_impl``'s slow path: ~4 us a call here, ~10 on a GPU host, per hooked module per
+    forward). Equivalent to a first pre-hook and a last forward hook only while the module has no
+    other hooks, which is why it is used only then (``add_hooks``). ``remove()`` puts back what
+    was there."""
+    __slots__ = ("module", "prev")
+
+    def __init__(self, module, pre, post):
+        d = module.__dict__
+        self.module, self.prev = module, d.get("forward", _NO_FORWARD)
+        inner = module.forward
+        if pre is None:
+            def forward(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                post(module, args, out)
+                return out
+        else:
+            def forward(*args, **kwargs):
+                pre(module, args)
+                out = inner(*args, **kwargs)
+                post(module, args, out)
+                return out
+        forward.__wrapped__ = inner          # inspect.signature(module.forward) still reads the model's
+        d["forward"] = forward
+
+    def remove(self) -> None:
+        m = self.module
+        if m is None:
+            return
+        self.module = None
+        if self.prev is _NO_FORWARD:
+            m.__dict__.pop("forward", None)
+        else:
+            m.__dict__["forward"] = self.prev
+
+
+def _hookless(module) -> bool:
+    """No hook of any kind on the module nor global ones: a wrapper is then the same as hooks."""
+    mm = torch.nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or mm._global_forward_hooks or mm._global_forward_pre_hooks
+                or mm._global_backward_hooks or mm._global_backward_pre_hooks)
+
+
+def add_hooks(module: torch.nn.Module, pre, post, with_kwargs: bool = False, wrap: bool = False) -> list:
     """pre (first of the module's pre-hooks) and post (last of its forward hooks), either may be
-    None: handles with ``remove()``. Through torch's own registration where its hook dicts are not
-    as expected."""
+    None: handles with ``remove()``. wrap=True (post given, no kwargs): around the module's forward
+    instead (``_Wrap``) when the module has no other hook. Through torch's own registration where
+    its hook dicts are not as expected."""
     if _DIRECT and isinstance(getattr(module, "_forward_pre_hooks", None), OrderedDict):
+        if wrap and post is not None and not with_kwargs and _hookless(module):
+            return [_Wrap(module, pre, post)]
         return [_Pair(module, pre, post, with_kwargs)]
     return ([module.register_forward_pre_hook(pre, prepend=True, with_kwargs=with_kwargs)] if pre else []) + \
         ([module.register_forward_hook(post, with_kwargs=with_kwargs)] if post else [])
@@ -181,7 +233,7 @@ class _Plan:
     them: assignment, add_module, ModuleList.append) and no module has a different number of
     children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
     __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "known", "inference", "stamp",
-                 "mods")
+                 "mods", "found", "cached")
 
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -206,6 +258,8 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
     if plan is not None and plan.stamp == _stamp(model, plan.mods):
         return _root(plan, model)
     plan = _Plan()
+    plan.found = None        # the candidate an earlier Tap found to be the embedding (its name)
+    plan.cached = plan
     plan.layer_how, plan.layer_list, plan.layers = discover.layer_list(model, layer_spec)
     plan.embed = discover.embedding(model, embed_spec) if embed_spec else None
     plan.candidates = [] if embed_spec else discover.candidates(model, plan.layers, plan.layer_list)
@@ -238,8 +292,8 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
 
 
 def _stamp(model, mods) -> tuple:
-    n = lambda m: len(m._modules) + len(m._parameters) + len(m._buffers)  # noqa: E731
-    return _GEN[0], n(model), tuple(n(m) for m in mods)
+    return _GEN[0], len(model._modules) + len(model._parameters) + len(model._buffers), \
+        tuple([len(m._modules) + len(m._parameters) + len(m._buffers) for m in mods])
 
 
 def _root(plan: _Plan, model) -> _Plan:
@@ -297,6 +351,7 @@ class Tap:
         self.layer_indices: list[int] = []
         self._stack: list[tuple[str, str, Optional[int]]] = []   # the embedding while it runs
         self._known: dict = {}
+        self._plan_cache = None                    # the cached plan (its `found` embedding)
         self._auditing = False
         # extensions(tap) -> handles with .remove(): model-specific capture that calls
         # tap.record_point (SGLang 0.5.23 keeps the residual stream outside the layer's output)
@@ -334,7 +389,11 @@ class Tap:
             self.embed_name, self.embed_how = name, "override"
             self._hook(m, HookHandle("embed", name, None), self._embed_post)
         else:     # found during the forward: the module that consumes the ids and emits [tokens, hidden]
-            for name, m in plan.candidates:
+            # once a Tap found it, the next Taps of this model watch only that module (it is found
+            # again the same way); one that does not find it there sends the next back to them all
+            self._plan_cache = plan.cached
+            watch = [(n, m) for n, m in plan.candidates if n == plan.found] or plan.candidates
+            for name, m in watch:
                 self._watch_embedding(name, m)
         self._known = plan.known
         first = plan.subs[0][0] if plan.subs else None
@@ -386,6 +445,8 @@ class Tap:
                 self._stack.pop()
             if discover.emits_hidden(output, self._pending_ids):
                 self.embed_name, self.embed_how = name, "structure"
+                if self._plan_cache is not None:
+                    self._plan_cache.found = name
                 self._embed_post(handle, args, output)
             else:                       # not the embedding: what it issued was not the embedding's
                 for r in self.allreduces:
@@ -409,10 +470,12 @@ class Tap:
         def post_(mod, args, output):
             post(handle, args, output)
 
-        handle.handles += add_hooks(module, pre, post_)
+        handle.handles += add_hooks(module, pre, post_, wrap=True)
         self.handles.append(handle)
 
     def _remove(self) -> None:
+        if self._plan_cache is not None and self.embed_name is None and self.layers_ran:
+            self._plan_cache.found = None     # a forward ran and the watched module was not it
         for h in self.handles:
             h.remove()
         self.handles = []
