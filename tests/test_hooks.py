@@ -48,7 +48,9 @@ def _raises(rank, world):
     except RuntimeError:
         pass
     hooks_left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in t.model.modules())
-    return {"restored": dist.all_reduce is orig and _get_current_dispatch_mode() is None, "hooks_left": hooks_left}
+    wrappers_left = sum("forward" in m.__dict__ for m in t.model.modules())
+    return {"restored": dist.all_reduce is orig and _get_current_dispatch_mode() is None, "hooks_left": hooks_left,
+            "wrappers_left": wrappers_left}
 
 
 def test_hooks_and_the_collective_audit_are_removed_when_the_forward_raises():
@@ -56,6 +58,7 @@ def test_hooks_and_the_collective_audit_are_removed_when_the_forward_raises():
     for r in res.values():
         assert r["restored"]
         assert r["hooks_left"] == 1          # only the test's own pre-hook remains
+        assert r["wrappers_left"] == 0       # no module keeps the Tap's wrapper around its forward
 
 
 def _budgeted(rank, world):
@@ -206,3 +209,79 @@ def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to
     assert res["compiled"] == [(one, [5.0] * 4)] * 2     # first call compiles: still one record
     # release(): refused while an Audit runs; then no kernel on the op; the next Audit re-registers
     assert res["release"] == (False, 7, True, True, False, True)
+
+
+def _placed(rank, world):
+    """Collectives issued where no hook of the Tap is: inside a plain module of a layer (a patched
+    forward), from a user's forward hook on a module, and what each layer runs under."""
+    import inspect
+    t = _target(rank, world)
+    m = t.model
+    gate = m.layers[1].mlp.gate_up_proj
+    plain = type(gate).forward
+
+    def gate_fwd(x, _g=gate):
+        y = plain(_g, x)
+        dist.all_reduce(torch.zeros(3))      # inside layers.1.mlp.gate_up_proj's own forward
+        return y
+    gate.forward = gate_fwd
+    m.layers[2].self_attn.register_forward_hook(lambda mod, a, out: dist.all_reduce(torch.zeros(4)))
+    m.layers[0].register_forward_hook(lambda mod, a, out: None)      # a layer with a hook of its own
+    sig = str(inspect.signature(m.layers[1].forward))
+    with torch.no_grad(), Tap(m) as tap:
+        during = {i: ("forward" in m.layers[i].__dict__, str(inspect.signature(m.layers[i].forward)) == sig)
+                  for i in range(3)}
+        t.forward()
+    left = sum("forward" in x.__dict__ for x in m.modules() if x is not gate)
+    return {"records": [(a.module, a.where, a.source, a.shape) for a in tap.allreduces], "during": during,
+            "left": left, "gate_kept": gate.__dict__.get("forward") is gate_fwd,
+            "hooks_left": sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules())}
+
+
+def test_collectives_are_placed_in_the_module_that_runs_them_hooked_or_not():
+    for r in spawn(_placed, 2).values():
+        recs = r["records"]
+        assert ("layers.1.mlp.gate_up_proj", "layer.1", None, (3,)) in recs
+        assert ("layers.2.self_attn", "layer.2", None, (4,)) in recs
+        assert ("layers.1.mlp.down_proj", "layer.1", "layers.1.mlp.down_proj", (5, 64)) in recs
+        assert len(recs) == 9
+        # a layer with no hook of its own is wrapped (fast path), one with a hook is hooked;
+        # the wrapper keeps the forward's signature
+        assert r["during"] == {0: (False, True), 1: (True, True), 2: (True, True)}
+        assert r["left"] == 0 and r["gate_kept"]           # the user's own patched forward stays
+        assert r["hooks_left"] == 2                         # the test's two hooks only
+
+
+def _embed_cache(rank, world):
+    """The embedding found by one Tap is the only candidate the next Taps of the model watch; a
+    Tap that does not find it there (here: the model switched embeddings) sends the next back to
+    every candidate."""
+    class Emb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Embedding(16, 8), torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+            self.use_b = False
+
+        def forward(self, ids):
+            h = (self.b if self.use_b else self.a)(ids)
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    m = Emb()
+    ids = torch.arange(5)
+    out = []
+    for use_b in (False, False, True, True):
+        m.use_b = use_b
+        with torch.no_grad(), Tap(m) as tap:
+            watched = sorted(h.name for h in tap.handles if h.kind == "embed")
+            m(ids)
+        out.append((watched, tap.embed_name))
+    return out
+
+
+def test_the_embedding_found_once_is_the_one_watched_next():
+    res = spawn(_embed_cache, 1)[0]
+    every = ["a", "b"]
+    assert res == [(every, "a"), (["a"], "a"), (["a"], None), (every, "b")]

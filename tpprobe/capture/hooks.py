@@ -3,11 +3,14 @@
 `Tap(model, ...)` is a context manager. On enter it finds the decoder layers and the embedding
 from the model's structure (capture/discover.py: the longest ModuleList; the module that consumes
 the input ids and emits [tokens, hidden]), or from overrides (`embed=`, `layers=`: a module path
-or a class-name glob), registers forward hooks, and starts the collective audit
+or a class-name glob), hooks the modules whose calls it reads (the decoder layers, row-parallel
+modules, layer 0's input norm, the embedding; a wrapper around the forward instead of hooks where
+a module has no other hook, so its call stays on torch's fast path), and starts the collective audit
 (capture/audit.py: every all-reduce, reduce-scatter and all-gather at the c10d dispatcher level,
 whatever door it came through): its input (before) and output (after), the group size, the path
-and which module issued it. On exit every handle is removed and the audit stopped, also when the
-forward raises. `coverage()` says what was hooked and audited.
+and which module issued it (read when it is issued from the frames of the module calls running
+then: `running_modules`; no module keeps a stack for it). On exit every handle is removed and
+the audit stopped, also when the forward raises. `coverage()` says what was hooked and audited.
 
 Capture points (names used everywhere in tpprobe):
   embed.local   the embedding's local, pre-reduce output (the input of the all-reduce it issues;
@@ -167,8 +170,10 @@ _CALL_IMPL = getattr(torch.nn.Module._call_impl, "__code__", None)
 
 
 def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
-    """known[id(module)] for every module of ``known`` whose call is running on this thread,
-    innermost first (read from the Python frames of torch.nn.Module._call_impl)."""
+    """known[id(module)] = (name, kind, layer index) for every module of ``known`` whose call is
+    running on this thread, innermost first (read from the Python frames of
+    torch.nn.Module._call_impl), up to the first decoder layer: ``known`` holds the layers and the
+    modules inside them, so nothing known runs around a layer."""
     out = []
     f = frame if frame is not None else sys._getframe(1)
     code = _CALL_IMPL
@@ -177,6 +182,8 @@ def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
             e = known.get(id(f.f_locals.get("self")))
             if e is not None:
                 out.append(e)
+                if e[1] == "layer":
+                    break
         f = f.f_back
         limit -= 1
     return out
