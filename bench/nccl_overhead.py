@@ -62,6 +62,13 @@ def worker(rank: int, a, port: int, q):
                 out["model"] = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
             out["model"].set_eagle3_layers_to_capture(layer_ids)
         model = out["model"]
+        if a.collectives and a.nproc == 1 and "reduces" not in out:
+            # at tp 1 the model reduces nothing: all-reduce the embedding's and every row-parallel
+            # output over the world-1 NCCL group, where a tp-2 model issues its all-reduces, so the
+            # audit's and the fingerprints' host cost per collective is timed on a real communicator
+            out["reduces"] = [m.register_forward_hook(lambda mod, args, o: dist.all_reduce(o))
+                              for m in [model.embed_tokens] + [x for l in model.layers
+                                                               for x in (l.self_attn.o_proj, l.mlp.down_proj)]]
         g = torch.Generator(device=dev).manual_seed(tokens)
         ids = torch.randint(0, a.vocab, (tokens,), generator=g, device=dev)
         keep_ids = {id_point(i) for i in layer_ids}
@@ -120,6 +127,7 @@ def worker(rank: int, a, port: int, q):
                             "all_ms": {v: [t * 1e3 for t in times[v]] for v in variants}})
     if rank == 0:
         q.put({"rows": out["rows"], "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+               "collectives_at_world_1": bool(out.get("reduces")),
                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "nproc": a.nproc, "hidden": a.hidden,
                "num_layers": a.num_layers, "ffn": 2 * a.hidden, "dtype": a.dtype, "heads": a.heads})
     dist.destroy_process_group()
@@ -138,6 +146,9 @@ def main():
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--decode-iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--collectives", action="store_true", help="with --nproc 1: all-reduce the embedding's and "
+                    "every row-parallel output over the world-1 NCCL group, as a tp-2 model does (the per-collective "
+                    "host cost on one GPU)")
     ap.add_argument("--before", action="store_true", help="also time installed / fingerprint with the Tap this "
                     "tree replaced (bench/_tap_before.py): installed_before, fingerprint_before")
     ap.add_argument("--profile", action="store_true", help="also cProfile 20 decode forwards (rank 0, "
@@ -159,7 +170,8 @@ def main():
     res["bench"] = "nccl_overhead"
     res["targets"] = {"fingerprint_x prefill": "<= 1.05", "fingerprint_x decode": "<= 1.3"}
     print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
-          f"{a.num_layers} layers, {a.dtype}; median ms (x off)")
+          f"{a.num_layers} layers, {a.dtype}" + (", every row output all-reduced at world 1" if
+                                                 res.get("collectives_at_world_1") else "") + "; median ms (x off)")
     shown = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else [])
     print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in shown))
     for r in res["rows"]:
