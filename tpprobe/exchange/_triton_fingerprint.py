@@ -390,6 +390,7 @@ def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, b
 
 DESC = 8          # int64 words of an item's descriptor (see _combine_kernel)
 RES = 6           # int64 words of an item's result before its k sketch values
+_RES = tl.constexpr(RES)
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -398,8 +399,8 @@ def _combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_pt
     """One tensor's partials -> its result row.  Descriptor (int64): [int partials (int64 index
     from ip_ptr), float partials (float32 index from fp_ptr), token flags (int32 index from
     gp_ptr), programs n, kp, token rows (0: none), result row (int64 index), bitmap (int32 index)].
-    Result row: [sum of word 0 & M32, xor of word 1 & M32, NaNs, Infs, sumsq, absmax (float64),
-    sketch[0:K] (float64)]; the bitmap: the token flags, 32 a word (bit r of word r // 32)."""
+    Result row: [the bit hash's 2 words (fmix64 of the lanes: sum of word 0, xor of word 1, mod
+    2^32), NaNs, Infs, sumsq, absmax (float64), sketch[0:K] (float64)]; the bitmap: the token flags, 32 a word (bit r of word r // 32)."""
     d = desc_ptr + tl.program_id(0) * 8
     io = tl.load(d)
     fo = tl.load(d + 1)
@@ -422,8 +423,13 @@ def _combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_pt
     sxor = tl.reduce(x, 0, _xor_combine)
     c = tl.arange(0, 4)
     iv = tl.where(c == 1, sxor, ssum)
-    iv = tl.where(c < 2, iv & 0xFFFFFFFF, iv)
-    tl.store(out_ptr + oo + c, iv)
+    # the bit hash's two words: fmix64(la), fmix64(lb ^ 0x5851F42D4C957F2D) (_hashdef.hash_hex)
+    u = (iv & 0xFFFFFFFF).to(tl.uint64, bitcast=True)
+    u = tl.where(c == 1, u ^ tl.cast(0x5851F42D4C957F2D, tl.uint64), u)
+    u = (u ^ (u >> 30)) * tl.cast(0xBF58476D1CE4E5B9, tl.uint64)
+    u = (u ^ (u >> 27)) * tl.cast(0x94D049BB133111EB, tl.uint64)
+    u = u ^ (u >> 31)
+    tl.store(out_ptr + oo + c, tl.where(c < 2, u.to(tl.int64, bitcast=True), iv))
     # floats: program by program in order (UNROLL rows' loads in flight at once); a row past n
     # adds -0.0, which leaves any sum as it is
     col = tl.arange(0, CB)
@@ -437,7 +443,7 @@ def _combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_pt
             v = tl.load(fp_ptr + fo + (r0 + j) * w + col, mask=cm & ok, other=-0.0).to(tl.float64)
             acc += v
             mx = tl.where(ok, tl.maximum(mx, v, propagate_nan=tl.PropagateNan.ALL), mx)
-    dst = tl.where(col < K, oo + RES + col, tl.where(col == kp, oo + 4, oo + 5))
+    dst = tl.where(col < K, oo + _RES + col, tl.where(col == kp, oo + 4, oo + 5))
     tl.store(outf_ptr + dst, tl.where(col == kp + 1, mx, acc), mask=(col < K) | (col == kp) | (col == kp + 1))
     # token flags -> a bitmap
     t = tl.arange(0, FB)
@@ -564,7 +570,7 @@ def plan(tensors, k: int, nsm: int, block_r: int, progs_per_sm: int, **_) -> tup
         ntiles = -(-nbrows // br)
         nprog = max(1, min(ntiles, progs_per_sm * nsm))
         flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
-        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, kp=kp, br=br, nwords=nwords, nbrows=nbrows,
+        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, dtype_s=str(t.dtype).replace("torch.", ""), kp=kp, br=br, nwords=nwords, nbrows=nbrows,
                           ntiles=ntiles, nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=ntok))
         # every slice 16-byte aligned: one pointer specialization, whatever the shapes
         foff += -(-nprog * (kp + 2) // 4) * 4
@@ -687,14 +693,22 @@ def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int,
 
 def make_fp(p: dict, la: int, lb: int, n_nan: int, n_inf: int, s: float, a: float, sketch: list, rows: str,
             t, seed: int) -> F.Fingerprint:
-    """One tensor's Fingerprint from its combined values (host or device combine alike)."""
-    if p["dtype"] != torch.float32 and not (math.isfinite(s) and math.isfinite(a)):
-        if t is not None:
-            s, a, n_nan, n_inf = _nonfinite_stats(t)
-        else:      # lower bounds: a NaN makes the sum of squares NaN, an Inf max |x| infinite
-            n_nan, n_inf = int(math.isnan(s)), int(math.isinf(a))
-    return F.Fingerprint(shape=list(p["shape"]), dtype=str(p["dtype"]).replace("torch.", ""), bit_hash=F.hash_hex(la, lb), sketch=sketch,
+    """One tensor's Fingerprint from its host-combined values."""
+    if not (math.isfinite(s) and math.isfinite(a)):
+        s, a, n_nan, n_inf = _exact_nonfinite(p, s, a, n_nan, n_inf, t)
+    return F.Fingerprint(shape=list(p["shape"]), dtype=p["dtype_s"], bit_hash=F.hash_hex(la, lb), sketch=sketch,
                          sumsq=s, absmax=a, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
+
+
+def _exact_nonfinite(p: dict, s: float, a: float, n_nan: int, n_inf: int, t):
+    """sumsq, absmax, n_nan, n_inf of a tensor whose combined sum of squares or max |x| is not
+    finite: a 16-bit tensor's exact counts come from the tensor when it is still there; without
+    it (a CUDA-graph tap reads after replay) the counts say at least one."""
+    if p["dtype"] == torch.float32:       # the fp32 kernel counts them exactly
+        return s, a, n_nan, n_inf
+    if t is not None:
+        return _nonfinite_stats(t)
+    return s, a, int(math.isnan(s)), int(math.isinf(a))
 
 
 def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None,
@@ -974,28 +988,34 @@ class Batch:
 
     def _format(self, items, host: np.ndarray) -> None:
         """The fingerprints from the device combine's copied results: formatting only."""
-        m, row = len(items), RES + self.k
+        m, row, seed = len(items), RES + self.k, self.seed
         r = host[:m * row].reshape(m, row)
-        la, lb, nans, infs = r[:, 0].tolist(), r[:, 1].tolist(), r[:, 2].tolist(), r[:, 3].tolist()
+        hx = r[:, :2].astype(">u8").tobytes().hex()         # the bit hashes, 32 digits each
+        nans, infs = r[:, 2].tolist(), r[:, 3].tolist()
         fl = r[:, 4:].view(np.float64)
         sumsq, absmax, sk = fl[:, 0].tolist(), fl[:, 1].tolist(), fl[:, 2:].tolist()
         b8 = host.view(np.uint8)
-        at, xo = 8 * m * row, 0
-        xat = 8 * ((2 * m * row + sum(-(-it[1].drow[4] // 32) for it in items) + 1) // 2)
+        at, xo, xat = 8 * m * row, 0, 0
+        if any(it[5] is not None for it in items):     # torch-side row flags: after the bitmaps
+            xat = m * row + (sum(-(-it[1].drow[4] // 32) for it in items) + 1) // 2
+        isfinite, Fp = math.isfinite, F.Fingerprint
         for i, it in enumerate(items):
             e = it[1]
-            ntok = e.drow[4]
+            p, ntok = e.p, e.drow[4]
             if ntok:
                 rows = b8[at:at + (ntok + 7) // 8].tobytes().hex()
                 at += 4 * -(-ntok // 32)
             elif it[5] is not None:
                 n = it[5].numel()
-                rows = _bitmap_hex_np(host[xat // 8 + xo:xat // 8 + xo + n].astype(bool))
+                rows = _bitmap_hex_np(host[xat + xo:xat + xo + n].astype(bool))
                 xo += n
             else:
                 rows = ""
-            it[0].fp = make_fp(e.p, la[i], lb[i], nans[i], infs[i], sumsq[i], absmax[i], sk[i], rows, it[4],
-                               self.seed)
+            s, a, n_nan, n_inf = sumsq[i], absmax[i], nans[i], infs[i]
+            if not (isfinite(s) and isfinite(a)):
+                s, a, n_nan, n_inf = _exact_nonfinite(p, s, a, n_nan, n_inf, it[4])
+            it[0].fp = Fp(shape=list(p["shape"]), dtype=p["dtype_s"], bit_hash=hx[32 * i:32 * i + 32], sketch=sk[i],
+                          sumsq=s, absmax=a, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
 
     def _read_host(self, items) -> None:
         """The host combine: every partial copied (one copy), ``combine_many`` per shape."""
