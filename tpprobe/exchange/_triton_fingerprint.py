@@ -3,7 +3,10 @@
 Each element is read once from device memory and everything ``fingerprint._fingerprint_torch``
 computes comes out of one launch per tensor: the word hash's two lanes, the sketch, the sum of
 squares, max |x| and the per-token-row non-zero flags.  Each program writes one row of partials;
-the host combines them (exact integers, float64) after ONE device-to-host copy per batch.
+a forward's partials are combined on the device (``_combine_kernel``: exact integers, float64
+sums in program order, one program per tensor) and come back in ONE small device-to-host copy per
+batch, which the host only formats.  The host combine (``combine_many``, the same sums in the same
+order, so the same bits) serves a CUDA-graph tap's read and TPPROBE_FP_HOST_COMBINE=1.
 
 * 16-bit tensors: ``_fp16_kernel``, everything elementwise in registers (see its docstring).
 * fp32 tensors: ``_fp32_kernel``, the sketch through a tf32-free ``ieee`` dot per tile.
@@ -816,9 +819,11 @@ def _direct_launch_ok() -> bool:
 
 class Batch:
     """One forward's fused fingerprints: ``add`` queues one tensor's kernel on the current stream
-    (no sync; no allocation but the batch's first), ``read`` copies every launch's partials to the
-    host with ONE device-to-host copy and combines them (``combine_many``, per shape).  The
-    TPPROBE_FP_* knobs are read once, here."""
+    (no sync; no allocation but the batch's first), ``read`` combines every launch's partials on
+    the device (one descriptor upload, one ``_combine_kernel`` launch) and brings the results to
+    the host with ONE small device-to-host copy (or, with the host combine, copies every partial
+    and combines them with ``combine_many``, per shape).  The TPPROBE_FP_* knobs are read once,
+    here."""
 
     CHUNK = 1 << 16          # int64 words of a batch's first partials buffer (512 KiB) at least
 
