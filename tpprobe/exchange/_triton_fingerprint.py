@@ -466,7 +466,7 @@ def combine_call(desc, base, out, m: int, k: int, kp_max: int):
     return (_combine_kernel, (m,),
             (desc, base, base.view(torch.float32), base.view(torch.int32), out, out.view(torch.float64),
              out.view(torch.int32), k),
-            dict(CB=triton.next_power_of_2(kp_max + 2), UNROLL=8, RB=64, FB=1024, num_warps=1))
+            dict(CB=triton.next_power_of_2(kp_max + 2), UNROLL=16, RB=64, FB=1024, num_warps=1))
 
 
 # 16-bit tensors need sm_90's max.u16x2 (PTX ISA 8.0); the fp32 kernel builds from sm_80 on
