@@ -117,9 +117,10 @@ def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tens
         rows = _bitmap_hex_np(hflag[p["toff"]:p["toff"] + p["shape"][0]] > 0)
     elif rows_extra is not None:
         rows = _bitmap_hex_np(rows_extra)
-    # the float sums over the programs in order (np.cumsum), the combine's definition since the
-    # device combine (this file once used numpy's pairwise sum for the sum of squares)
-    acc = np.cumsum(fp[:, :kp + 1], axis=0)[-1]
+    # the float sums over the programs in order (numpy sums axis 0 row by row), the combine's
+    # definition since the device combine (this file once took the sum of squares as numpy sums a
+    # 1-D array: pairwise)
+    acc = fp[:, :kp + 1].sum(0)
     sumsq, absmax = float(acc[kp]), float(fp[:, kp + 1].max())
     n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
     if p["dtype"] != torch.float32 and not (math.isfinite(sumsq) and math.isfinite(absmax)):

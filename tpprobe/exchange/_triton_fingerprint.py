@@ -388,8 +388,8 @@ def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, b
 # A forward's partials are reduced on the device (``_combine_kernel``, one program per tensor) into
 # one small result buffer, so the host copies ~(6 + k) words and a token bitmap per tensor instead
 # of every program's partials, and only formats.  The float sums run over the programs IN ORDER
-# (acc = p0 + p1 + ... + p_{n-1}, float64), which is the host combine's definition too
-# (``combine_many``: np.cumsum), so both give the same fingerprints to the bit.
+# (acc = ((0.0 + p0) + p1) + ... + p_{n-1}, float64), which is how the host combine
+# (``combine_many``) sums them too, so both give the same fingerprints to the bit.
 
 DESC = 8          # int64 words of an item's descriptor (see _combine_kernel)
 RES = 6           # int64 words of an item's result before its k sketch values
@@ -433,12 +433,12 @@ def _combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_pt
     u = (u ^ (u >> 27)) * tl.cast(0x94D049BB133111EB, tl.uint64)
     u = u ^ (u >> 31)
     tl.store(out_ptr + oo + c, tl.where(c < 2, u.to(tl.int64, bitcast=True), iv))
-    # floats: program by program in order (UNROLL rows' loads in flight at once); a row past n
-    # adds -0.0, which leaves any sum as it is
+    # floats: from +0.0 (numpy's start), program by program in order (UNROLL rows' loads in flight
+    # at once); a row past n adds -0.0, which leaves any sum as it is
     col = tl.arange(0, CB)
     cm = col < kp + 2
     w = kp + 2
-    acc = tl.full([CB], -0.0, tl.float64)
+    acc = tl.zeros([CB], tl.float64)
     mx = tl.full([CB], float("-inf"), tl.float64)
     for r0 in range(0, n, UNROLL):
         for j in tl.static_range(UNROLL):
@@ -670,9 +670,9 @@ def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int,
     """The host combine (exact integers, float64) of m tensors of one plan (same shape and dtype)
     from the copied buffer (numpy views: int64 partials hi, float32 partials hf, int32 token flags
     hflag; item i's at ioffs[i] / foffs[i] / toffs[i] in them): one gather and a few numpy
-    reductions for all m.  The float sums run over the programs in order (np.cumsum: p0 + p1 + ...,
-    never numpy's pairwise sum), as the device combine (``_combine_kernel``) adds them, so both
-    give the same fingerprints to the bit.  A 16-bit tensor with NaN / Inf gets its exact counts
+    reductions for all m.  The float sums run over the programs in order (p0 + p1 + ..., never
+    numpy's pairwise sum), as the device combine (``_combine_kernel``) adds them, so both give
+    the same fingerprints to the bit.  A 16-bit tensor with NaN / Inf gets its exact counts
     from tensors[i] when it is still there; without it (a CUDA-graph tap reads after replay) the
     counts say at least one."""
     kp, n = p["kp"], p["nprog"]
@@ -683,7 +683,10 @@ def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int,
     la = (ip[:, :, 0].sum(1) & F.M32).tolist()
     lb = (np.bitwise_xor.reduce(ip[:, :, 1], axis=1) & F.M32).tolist()
     nans, infs = ip[:, :, 2].sum(1).tolist(), ip[:, :, 3].sum(1).tolist()
-    acc = np.cumsum(fp[:, :, :kp + 1], axis=1)[:, -1]             # in order, as the device adds
+    # in order, as the device adds: numpy reduces a middle axis row by row from 0.0 (out += row
+    # i); its pairwise sum is only along the innermost axis (tests/fp_interp.py: synthetic() sees
+    # a change of either)
+    acc = fp[:, :, :kp + 1].sum(1)
     sk, sumsq, absmax = acc[:, :k].tolist(), acc[:, kp].tolist(), fp[:, :, kp + 1].max(1).tolist()
     if p["flags"]:
         flags = hflag[np.asarray(toffs, dtype=np.int64)[:, None] + np.arange(p["shape"][0])] > 0
