@@ -954,15 +954,15 @@ class Batch:
             cap = max(m, 256)
             pin = torch.empty((cap, DESC), dtype=torch.int64, pin_memory=dev.type == "cuda")
             st = _COMBINE[dev] = [pin, torch.empty((cap, DESC), dtype=torch.int64, device=dev), pin.numpy(), None]
-        hd = st[2]
-        at, bw, kp_max = 2 * m * row, 0, 0
+        at, bw, kp_max, rows = 2 * m * row, 0, 0, []
         for i, it in enumerate(items):
-            e = it[1]
-            ni, nf, n, kp, ntok = e.drow
+            ni, nf, n, kp, ntok = it[1].drow
             w = caddr[it[2]] + it[3]
-            hd[i] = (w, 2 * (w + ni), 2 * (w + ni + nf), n, kp, ntok, i * row, at + bw)
+            rows.append((w, 2 * (w + ni), 2 * (w + ni + nf), n, kp, ntok, i * row, at + bw))
             bw += -(-ntok // 32)
-            kp_max = max(kp_max, kp)
+            if kp > kp_max:
+                kp_max = kp
+        st[2][:m] = rows
         words = m * row + (bw + 1) // 2
         out = st[3]
         if out is None or out.numel() < words:
@@ -1002,8 +1002,8 @@ class Batch:
         nans, infs = r[:, 2].tolist(), r[:, 3].tolist()
         fl = r[:, 4:].view(np.float64)
         sumsq, absmax, sk = fl[:, 0].tolist(), fl[:, 1].tolist(), fl[:, 2:].tolist()
-        b8 = host.view(np.uint8)
-        at, xo, xat = 8 * m * row, 0, 0
+        bm = host[m * row:].tobytes().hex()                 # the bitmaps (2 digits a byte), then the rest
+        at, xo, xat = 0, 0, 0
         if any(it[5] is not None for it in items):     # torch-side row flags: after the bitmaps
             xat = m * row + (sum(-(-it[1].drow[4] // 32) for it in items) + 1) // 2
         isfinite, Fp = math.isfinite, F.Fingerprint
@@ -1011,8 +1011,8 @@ class Batch:
             e = it[1]
             p, ntok = e.p, e.drow[4]
             if ntok:
-                rows = b8[at:at + (ntok + 7) // 8].tobytes().hex()
-                at += 4 * -(-ntok // 32)
+                rows = bm[at:at + 2 * ((ntok + 7) // 8)]
+                at += 8 * -(-ntok // 32)
             elif it[5] is not None:
                 n = it[5].numel()
                 rows = _bitmap_hex_np(host[xat + xo:xat + xo + n].astype(bool))
@@ -1022,8 +1022,9 @@ class Batch:
             s, a, n_nan, n_inf = sumsq[i], absmax[i], nans[i], infs[i]
             if not (isfinite(s) and isfinite(a)):
                 s, a, n_nan, n_inf = _exact_nonfinite(p, s, a, n_nan, n_inf, it[4])
-            it[0].fp = Fp(shape=list(p["shape"]), dtype=p["dtype_s"], bit_hash=hx[32 * i:32 * i + 32], sketch=sk[i],
-                          sumsq=s, absmax=a, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
+            # positional: shape, dtype, bit_hash, sketch, sumsq, absmax, n_nan, n_inf, row_nonzero, seed
+            it[0].fp = Fp(list(p["shape"]), p["dtype_s"], hx[32 * i:32 * i + 32], sk[i], s, a, n_nan, n_inf, rows,
+                          seed)
 
     def _read_host(self, items) -> None:
         """The host combine: every partial copied (one copy), ``combine_many`` per shape."""
