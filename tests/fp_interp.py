@@ -121,7 +121,8 @@ def synthetic(g) -> list:
         ip[:, :2] = torch.randint(0, 2 ** 32, (n, 2), generator=rng)
         ip[:, 2:] = torch.randint(0, 5, (n, 2), generator=rng)
         fp = buf[o + e.ni:o + e.ni + e.nf].view(torch.float32)[:n * (kp + 2)].view(n, kp + 2)
-        fp[:] = torch.randn(n, kp + 2, generator=rng) * torch.exp2(torch.randint(-30, 30, (n, kp + 2), generator=rng).float())
+        scale = torch.exp2(torch.randint(-30, 30, (n, kp + 2), generator=rng).float())
+        fp[:] = torch.randn(n, kp + 2, generator=rng) * scale
         fp[:, kp:] = fp[:, kp:].abs()
         fp[::7, 2] = -0.0
         fp[:, 5] = -0.0                   # a column of -0.0 only: its sum is -0.0

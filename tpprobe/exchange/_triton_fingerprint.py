@@ -393,7 +393,7 @@ def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, b
 
 DESC = 8          # int64 words of an item's descriptor (see _combine_kernel)
 RES = 6           # int64 words of an item's result before its k sketch values
-_RES = tl.constexpr(RES)
+_RES, _DESC = tl.constexpr(RES), tl.constexpr(DESC)
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -403,8 +403,9 @@ def _combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_pt
     from ip_ptr), float partials (float32 index from fp_ptr), token flags (int32 index from
     gp_ptr), programs n, kp, token rows (0: none), result row (int64 index), bitmap (int32 index)].
     Result row: [the bit hash's 2 words (fmix64 of the lanes: sum of word 0, xor of word 1, mod
-    2^32), NaNs, Infs, sumsq, absmax (float64), sketch[0:K] (float64)]; the bitmap: the token flags, 32 a word (bit r of word r // 32)."""
-    d = desc_ptr + tl.program_id(0) * 8
+    2^32), NaNs, Infs, sumsq, absmax (float64), sketch[0:K] (float64)]; the bitmap: the token
+    flags, 32 a word (bit r of word r // 32)."""
+    d = desc_ptr + tl.program_id(0) * _DESC
     io = tl.load(d)
     fo = tl.load(d + 1)
     go = tl.load(d + 2)
@@ -573,8 +574,9 @@ def plan(tensors, k: int, nsm: int, block_r: int, progs_per_sm: int, **_) -> tup
         ntiles = -(-nbrows // br)
         nprog = max(1, min(ntiles, progs_per_sm * nsm))
         flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
-        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, dtype_s=str(t.dtype).replace("torch.", ""), kp=kp, br=br, nwords=nwords, nbrows=nbrows,
-                          ntiles=ntiles, nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=ntok))
+        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, dtype_s=str(t.dtype).replace("torch.", ""), kp=kp,
+                          br=br, nwords=nwords, nbrows=nbrows, ntiles=ntiles, nprog=nprog, flags=flags, foff=foff,
+                          ioff=ioff, toff=ntok))
         # every slice 16-byte aligned: one pointer specialization, whatever the shapes
         foff += -(-nprog * (kp + 2) // 4) * 4
         ioff += nprog * 4
