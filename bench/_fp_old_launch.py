@@ -117,7 +117,11 @@ def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tens
         rows = _bitmap_hex_np(hflag[p["toff"]:p["toff"] + p["shape"][0]] > 0)
     elif rows_extra is not None:
         rows = _bitmap_hex_np(rows_extra)
-    sumsq, absmax = float(fp[:, kp].sum()), float(fp[:, kp + 1].max())
+    # the float sums over the programs in order (numpy sums axis 0 row by row), the combine's
+    # definition since the device combine (this file once took the sum of squares as numpy sums a
+    # 1-D array: pairwise)
+    acc = fp[:, :kp + 1].sum(0)
+    sumsq, absmax = float(acc[kp]), float(fp[:, kp + 1].max())
     n_nan, n_inf = int(ip[:, 2].sum()), int(ip[:, 3].sum())
     if p["dtype"] != torch.float32 and not (math.isfinite(sumsq) and math.isfinite(absmax)):
         if tensor is not None:
@@ -126,7 +130,7 @@ def combine_one(p: dict, hi, hf, hflag, seed: int, k: int, rows_extra=None, tens
             n_nan, n_inf = int(math.isnan(sumsq)), int(math.isinf(absmax))
     return F.Fingerprint(
         shape=list(p["shape"]), dtype=str(p["dtype"]).replace("torch.", ""),
-        bit_hash=F.hash_hex(la, lb), sketch=fp[:, :k].sum(0).tolist(),
+        bit_hash=F.hash_hex(la, lb), sketch=acc[:k].tolist(),
         sumsq=sumsq, absmax=absmax, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
 
 

@@ -60,8 +60,87 @@ def main():
                         and f.absmax == r.absmax and (not finite or (
                             abs(f.sumsq - r.sumsq) <= 1e-5 * r.sumsq
                             and max(abs(x - y) for x, y in zip(f.sketch, r.sketch)) <= 2e-6 * math.sqrt(r.sumsq))))
+    entries = len(b.entries)
+    dev_host = device_vs_host(tensors, new, g)
     print(json.dumps({"n": len(tensors), "buffers": nbuf, "same": same, "torch_ok": torch_ok,
-                      "entries": len(b.entries)}))
+                      "entries": entries, "device_combine": not b.host_combine and not tf.COMBINE_WHY,
+                      **dev_host, "synthetic": synthetic(g)}))
+
+
+def _js(fp) -> str:
+    return json.dumps(fp.to_json())      # strict: -0.0, nan and inf spelled out
+
+
+def _read(tensors, host_combine: bool, only=None):
+    b = tf.Batch(3, 32, host_combine=host_combine)
+    tags = [Pending() for _ in tensors]
+    assert all(b.add(t, ph) for t, ph in zip(tensors, tags))
+    b.read(None if only is None else {id(tags[i]) for i in only})
+    return [None if ph.fp is None else _js(ph.fp) for ph in tags]
+
+
+def device_vs_host(tensors, new, g) -> dict:
+    """The device combine (_combine_kernel; ``new``: the batch above) against the host combine
+    (combine_many), to the bit: the tensors above (several per shape, several shapes, token flags
+    and torch-side row flags, NaN / Inf in 16-bit), fp32 with NaN / Inf; a partial read (``only``)."""
+    more = []
+    for shape in [(9, 128), (5, 100), (3, 256)]:
+        t = torch.randn(*shape, generator=g)
+        t[1, 3], t[2, 0], t[0, 1] = float("nan"), float("inf"), -float("inf")
+        more.append(t)
+    eq = [_js(a) == b for a, b in zip(new, _read(tensors, True))]
+    eq += [a == b for a, b in zip(_read(more, False), _read(more, True))]
+    ts = tensors[:len(CASES)]
+    only = list(range(0, len(ts), 3))
+    part_dev, part_host = _read(ts, False, only), _read(ts, True, only)
+    return {"dev_eq_host": eq, "only_eq": part_dev == part_host and [i for i, v in enumerate(part_dev) if v] == only
+            and all(part_dev[i] == _js(new[i]) for i in only)}
+
+
+def synthetic(g) -> list:
+    """Partials made up to make the order of the float sums matter (exponents over 2^-30..2^30,
+    -0.0, NaN, Inf), for program counts the interpreter's small grid never reaches (9 to 397) and
+    token bitmaps of 1 to 2100 rows: the device combine against the host combine, to the bit."""
+    cases = [(9, torch.bfloat16, (16, 1024)), (64, torch.float32, (3000,)), (397, torch.float16, (2100, 128)),
+             (33, torch.float32, (1, 128)), (200, torch.bfloat16, (1025, 256))]
+    ents, off, rng = [], 0, torch.Generator().manual_seed(11)
+    for n, dt, shape in cases:
+        p = tf.plan_one(shape, dt, "cpu", 32, 0, 0, 0, tf.tuning())
+        p["nprog"] = n
+        e = tf._Entry()
+        e.p, e.ni, e.nf = p, 4 * n, (-(-n * (p["kp"] + 2) // 4) * 4 + 1) // 2
+        ntok = shape[0] if p["flags"] else 0
+        e.drow = (e.ni, e.nf, n, p["kp"], ntok)
+        e.words = e.ni + e.nf + (ntok + 1) // 2 + 1
+        ents.append((e, off))
+        off += e.words + (e.words % 2)
+    buf = torch.zeros(off, dtype=torch.int64)
+    for i, (e, o) in enumerate(ents):
+        n, kp = e.p["nprog"], e.p["kp"]
+        ip = buf[o:o + e.ni].view(n, 4)
+        ip[:, :2] = torch.randint(0, 2 ** 32, (n, 2), generator=rng)
+        ip[:, 2:] = torch.randint(0, 5, (n, 2), generator=rng)
+        fp = buf[o + e.ni:o + e.ni + e.nf].view(torch.float32)[:n * (kp + 2)].view(n, kp + 2)
+        scale = torch.exp2(torch.randint(-30, 30, (n, kp + 2), generator=rng).float())
+        fp[:] = torch.randn(n, kp + 2, generator=rng) * scale
+        fp[:, kp:] = fp[:, kp:].abs()
+        fp[::7, 2] = -0.0
+        fp[:, 5] = -0.0                   # a column of -0.0 only: its sum is -0.0
+        if i == 1:
+            fp[3, kp], fp[5, kp + 1], fp[6, 0] = float("nan"), float("inf"), float("-inf")
+        if i == 3:
+            fp[7, kp + 1] = float("nan")
+        if e.drow[4]:
+            buf[o + e.ni + e.nf:].view(torch.int32)[:e.drow[4]] = (torch.rand(e.drow[4], generator=rng) < 0.5).int()
+    out = []
+    for host_combine in (False, True):
+        b = tf.Batch(3, 32, host_combine=host_combine)
+        b.chunks, b.used = [[buf, off]], off
+        tags = [Pending() for _ in ents]
+        b.items = [(ph, e, 0, o, None, None) for ph, (e, o) in zip(tags, ents)]
+        b.read()
+        out.append([_js(ph.fp) for ph in tags])
+    return [a == b for a, b in zip(*out)]
 
 
 if __name__ == "__main__":

@@ -450,3 +450,38 @@ def test_fingerprint_mode_never_syncs_the_host_inside_the_forward():
     for n, t in ref.captures.items():
         if n in got:
             assert got[n].bit_hash == _fingerprint_torch(t, 7, 32).bit_hash, n
+
+
+@pytest.mark.gpu
+def test_device_combine_equals_the_host_combine_to_the_bit():
+    """A forward's batch combined on the device (`_combine_kernel`, the default) and on the host
+    (`combine_many`, TPPROBE_FP_HOST_COMBINE=1; a CUDA-graph tap's read): the same fingerprints to
+    the bit, over 4 to 396 programs a tensor (decode to prefill sizes), several tensors of a shape
+    and several shapes in one batch, token flags and torch-side row flags, NaN / Inf, fp32 / bf16 /
+    fp16; and a partial read (``only``)."""
+    import tpprobe.exchange._triton_fingerprint as tf
+    from tpprobe.exchange.fingerprint import Pending
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ts = []
+    for dt in DTYPES:
+        for shape in [(1, 7168), (8, 7168), (64, 7168), (8192, 7168), (300, 130), (17, 384), (6,)]:
+            for rep in range(2):
+                t = (torch.randn(*shape, device="cuda", generator=g) * 10 ** rep).to(dt)
+                if t.dim() == 2 and shape[0] > 8:
+                    t[3] = 0
+                    if rep:
+                        t[5, 1], t[7, 2], t[8, 0] = float("nan"), float("inf"), -float("inf")
+                ts.append(t)
+
+    def read(host_combine, only=None):
+        b = tf.Batch(9, 32, host_combine=host_combine)
+        tags = [Pending() for _ in ts]
+        assert all(b.add(t, p) for t, p in zip(ts, tags))
+        b.read(None if only is None else {id(tags[i]) for i in only})
+        return [None if p.fp is None else json.dumps(p.fp.to_json()) for p in tags]
+    dev, host = read(False), read(True)
+    assert not tf.COMBINE_WHY, tf.COMBINE_WHY
+    assert [i for i, (a, b) in enumerate(zip(dev, host)) if a != b] == []
+    only = list(range(1, len(ts), 4))
+    part = read(False, only)
+    assert [i for i, v in enumerate(part) if v is not None] == only and all(part[i] == dev[i] for i in only)

@@ -1,6 +1,8 @@
 """The host side of a fused fingerprint launch (exchange/_triton_fingerprint.py `Batch`, used by
 `Deferred`): the same fingerprints, bit for bit, as the launch path it replaced, for less host
-time per launch (bench/fingerprint_host.py measures that on a GPU).
+time per launch (bench/fingerprint_host.py measures that on a GPU); and the same, bit for bit,
+whether a forward's partials are combined on the device (`_combine_kernel`) or on the host
+(`combine_many`, which a CUDA-graph tap uses after replay; bench/fp_small.py times both).
 
 Without a GPU the kernels run in Triton's CPU interpreter (tests/fp_interp.py, a subprocess:
 TRITON_INTERPRET must be set before triton imports): every kernel branch at small shapes, each
@@ -36,6 +38,13 @@ def test_batched_launches_equal_the_replaced_path_bit_for_bit_in_the_interpreter
     assert got["n"] == 22 and got["entries"] == 11 and got["buffers"] >= 2, got
     assert got["same"] == [True] * 22
     assert got["torch_ok"] == [True] * 22
+    # the batch combined on the device (_combine_kernel), to the bit what the host combine gives:
+    # every tensor above and fp32 with NaN / Inf, a partial read, and made-up partials whose float
+    # sums depend on the order (9 to 397 programs, -0.0, NaN, Inf; bitmaps of up to 2100 rows)
+    assert got["device_combine"] is True
+    assert got["dev_eq_host"] == [True] * 25
+    assert got["only_eq"] is True
+    assert got["synthetic"] == [True] * 5
 
 
 def test_to_json_is_asdict_with_non_finite_floats_as_strings():

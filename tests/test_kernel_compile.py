@@ -167,3 +167,54 @@ def test_the_direct_launch_hands_the_launcher_what_jit_run_binds():
             assert [v.data_ptr() for v in values[2:5]] == direct[2:5]
             assert values[5:] == direct[5:], (shape, dtype)
         assert len(specs) == 1, (shape, dtype, specs)
+
+
+def _combine_specs(cc: int) -> dict:
+    """The device combine's specializations: k 1 / 32 / 64 (the probe's 32; KP 4 to 64), as
+    `Batch` launches it (combine_call), every pointer 16-byte aligned."""
+    backend = make_backend(GPUTarget("cuda", cc, 32))
+    kern = tf._combine_kernel
+    binder = create_function_from_signature(kern.signature, kern.params, backend)
+    out = {}
+    for k in (1, 32, 64):
+        for kp in sorted({tf._kp(k, dt) for dt in DTYPES}):
+            desc = torch.empty(250, tf.DESC, dtype=torch.int64, device="meta")
+            base, res = (torch.empty(n, dtype=torch.int64, device="meta") for n in (1 << 20, 4096))
+            _, _, args, kw = tf.combine_call(desc, base, res, 250, k, kp)
+            bound, spec, opts = binder(*map(_arg, args), **kw)
+            options, sig, const, attrs = kern._pack_args(backend, kw, bound, spec, opts)
+            out.setdefault((repr(spec), repr(sorted(options.__dict__.items()))), (kern, sig, const, attrs, options,
+                                                                                  (k, kp)))
+    return out
+
+
+@pytest.mark.parametrize("cc", [90, 80])
+def test_the_device_combine_compiles_for_sm90_and_sm80(cc):
+    """The combine (float64 sums, a bitmap per tensor) builds wherever a fused kernel runs; k is a
+    runtime value, so one binary per column block (CB 8 / 32 / 64 / 128 for KP 4 / 16 / 32 / 64)
+    serves every batch."""
+    specs = _combine_specs(cc)
+    assert len(specs) == 4, sorted(v[5] for v in specs.values())
+    assert compile_all(cc, specs) == []
+
+
+def test_the_combine_direct_launch_hands_the_launcher_what_jit_run_binds():
+    """`Batch._combine_run` calls the combine's launcher with integer addresses after the first
+    launch: position by position what JITFunction.run binds, one specialization at any address."""
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    kern = tf._combine_kernel
+    binder = create_function_from_signature(kern.signature, kern.params, backend)
+    specs = set()
+    for at in (0, 16, 4096, 1 << 30):
+        desc = torch.empty(7, tf.DESC, dtype=torch.int64, device="meta")
+        base, res = (torch.empty(n, dtype=torch.int64, device="meta") for n in (1 << 16, 512))
+        _, _, args, kw = tf.combine_call(desc, base, res, 7, FP_K, 32)
+        ptrs = [_Ptr(x, base=(1 << 20) * (i + 1) + at) for i, x in enumerate(args[:7])]
+        bound, spec, _ = binder(*ptrs, *args[7:], **kw)
+        specs.add(repr(spec))
+        values = list(bound.values())
+        d, b, o = ptrs[0].ptr, ptrs[1].ptr, ptrs[4].ptr
+        direct = [d, b, b, b, o, o, o, FP_K, *tf.constexpr_args(kern, len(args), kw)]
+        assert [v.data_ptr() for v in values[:7]] == [p.ptr for p in ptrs]
+        assert values[7:] == direct[7:] and len(values) == len(direct)
+    assert len(specs) == 1, specs

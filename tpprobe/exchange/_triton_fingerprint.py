@@ -3,7 +3,10 @@
 Each element is read once from device memory and everything ``fingerprint._fingerprint_torch``
 computes comes out of one launch per tensor: the word hash's two lanes, the sketch, the sum of
 squares, max |x| and the per-token-row non-zero flags.  Each program writes one row of partials;
-the host combines them (exact integers, float64) after ONE device-to-host copy per batch.
+a forward's partials are combined on the device (``_combine_kernel``: exact integers, float64
+sums in program order, one program per tensor) and come back in ONE small device-to-host copy per
+batch, which the host only formats.  The host combine (``combine_many``, the same sums in the same
+order, so the same bits) serves a CUDA-graph tap's read and TPPROBE_FP_HOST_COMBINE=1.
 
 * 16-bit tensors: ``_fp16_kernel``, everything elementwise in registers (see its docstring).
 * fp32 tensors: ``_fp32_kernel``, the sketch through a tf32-free ``ieee`` dot per tile.
@@ -381,6 +384,92 @@ def _fp32_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr, nwords, nbrows, b
     tl.store(ibase + 3, tl.sum(acc_inf, axis=0).to(tl.int64))
 
 
+# --------------------------------------------------------------------------- the device combine
+# A forward's partials are reduced on the device (``_combine_kernel``, one program per tensor) into
+# one small result buffer, so the host copies ~(6 + k) words and a token bitmap per tensor instead
+# of every program's partials, and only formats.  The float sums run over the programs IN ORDER
+# (acc = ((0.0 + p0) + p1) + ... + p_{n-1}, float64), which is how the host combine
+# (``combine_many``) sums them too, so both give the same fingerprints to the bit.
+
+DESC = 8          # int64 words of an item's descriptor (see _combine_kernel)
+RES = 6           # int64 words of an item's result before its k sketch values
+_RES, _DESC = tl.constexpr(RES), tl.constexpr(DESC)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_ptr, K,
+                    CB: tl.constexpr, UNROLL: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr):
+    """One tensor's partials -> its result row.  Descriptor (int64): [int partials (int64 index
+    from ip_ptr), float partials (float32 index from fp_ptr), token flags (int32 index from
+    gp_ptr), programs n, kp, token rows (0: none), result row (int64 index), bitmap (int32 index)].
+    Result row: [the bit hash's 2 words (fmix64 of the lanes: sum of word 0, xor of word 1, mod
+    2^32), NaNs, Infs, sumsq, absmax (float64), sketch[0:K] (float64)]; the bitmap: the token
+    flags, 32 a word (bit r of word r // 32)."""
+    d = desc_ptr + tl.program_id(0) * _DESC
+    io = tl.load(d)
+    fo = tl.load(d + 1)
+    go = tl.load(d + 2)
+    n = tl.load(d + 3)
+    kp = tl.load(d + 4)
+    ntok = tl.load(d + 5)
+    oo = tl.load(d + 6)
+    bo = tl.load(d + 7)
+    # integers: exact in any order
+    r = tl.arange(0, RB)[:, None]
+    c4 = tl.arange(0, 4)[None, :]
+    s = tl.zeros([RB, 4], tl.int64)
+    x = tl.zeros([RB, 4], tl.int64)
+    for r0 in range(0, n, RB):
+        v = tl.load(ip_ptr + io + (r0 + r) * 4 + c4, mask=(r0 + r) < n, other=0)
+        s += v
+        x ^= v
+    ssum = tl.sum(s, axis=0)
+    sxor = tl.reduce(x, 0, _xor_combine)
+    c = tl.arange(0, 4)
+    iv = tl.where(c == 1, sxor, ssum)
+    # the bit hash's two words: fmix64(la), fmix64(lb ^ 0x5851F42D4C957F2D) (_hashdef.hash_hex)
+    u = (iv & 0xFFFFFFFF).to(tl.uint64, bitcast=True)
+    u = tl.where(c == 1, u ^ tl.cast(0x5851F42D4C957F2D, tl.uint64), u)
+    u = (u ^ (u >> 30)) * tl.cast(0xBF58476D1CE4E5B9, tl.uint64)
+    u = (u ^ (u >> 27)) * tl.cast(0x94D049BB133111EB, tl.uint64)
+    u = u ^ (u >> 31)
+    tl.store(out_ptr + oo + c, tl.where(c < 2, u.to(tl.int64, bitcast=True), iv))
+    # floats: from +0.0 (numpy's start), program by program in order (UNROLL rows' loads in flight
+    # at once); a row past n adds -0.0, which leaves any sum as it is
+    col = tl.arange(0, CB)
+    cm = col < kp + 2
+    w = kp + 2
+    acc = tl.zeros([CB], tl.float64)
+    mx = tl.full([CB], float("-inf"), tl.float64)
+    for r0 in range(0, n, UNROLL):
+        for j in tl.static_range(UNROLL):
+            ok = r0 + j < n
+            v = tl.load(fp_ptr + fo + (r0 + j) * w + col, mask=cm & ok, other=-0.0).to(tl.float64)
+            acc += v
+            mx = tl.where(ok, tl.maximum(mx, v, propagate_nan=tl.PropagateNan.ALL), mx)
+    dst = tl.where(col < K, oo + _RES + col, tl.where(col == kp, oo + 4, oo + 5))
+    tl.store(outf_ptr + dst, tl.where(col == kp + 1, mx, acc), mask=(col < K) | (col == kp) | (col == kp + 1))
+    # token flags -> a bitmap
+    t = tl.arange(0, FB)
+    sh = tl.arange(0, 32)[None, :].to(tl.uint32)
+    wd = tl.arange(0, FB // 32)
+    for t0 in range(0, ntok, FB):
+        f = tl.load(gp_ptr + go + t0 + t, mask=(t0 + t) < ntok, other=0)
+        bits = tl.reshape((f > 0).to(tl.uint32), (FB // 32, 32)) << sh
+        word = tl.sum(bits, axis=1).to(tl.int32, bitcast=True)
+        tl.store(outg_ptr + bo + t0 // 32 + wd, word, mask=(t0 // 32 + wd) * 32 < ntok)
+
+
+def combine_call(desc, base, out, m: int, k: int, kp_max: int):
+    """(kernel, grid, args, kwargs) of the device combine of m items: desc their [m, DESC]
+    descriptors (a device int64 tensor), base the int64 buffer their indices count from, out the
+    result buffer (int64)."""
+    return (_combine_kernel, (m,),
+            (desc, base, base.view(torch.float32), base.view(torch.int32), out, out.view(torch.float64),
+             out.view(torch.int32), k),
+            dict(CB=triton.next_power_of_2(kp_max + 2), UNROLL=16, RB=64, FB=1024, num_warps=1))
+
+
 # 16-bit tensors need sm_90's max.u16x2 (PTX ISA 8.0); the fp32 kernel builds from sm_80 on
 MIN_CC = {torch.bfloat16: (9, 0), torch.float16: (9, 0), torch.float32: (8, 0)}
 
@@ -485,8 +574,9 @@ def plan(tensors, k: int, nsm: int, block_r: int, progs_per_sm: int, **_) -> tup
         ntiles = -(-nbrows // br)
         nprog = max(1, min(ntiles, progs_per_sm * nsm))
         flags = t.dim() == 2 and t.shape[1] % F.SKETCH_ROW == 0 and t.shape[1] > 0
-        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, kp=kp, br=br, nwords=nwords, nbrows=nbrows,
-                          ntiles=ntiles, nprog=nprog, flags=flags, foff=foff, ioff=ioff, toff=ntok))
+        plans.append(dict(t=t, shape=list(t.shape), dtype=t.dtype, dtype_s=str(t.dtype).replace("torch.", ""), kp=kp,
+                          br=br, nwords=nwords, nbrows=nbrows, ntiles=ntiles, nprog=nprog, flags=flags, foff=foff,
+                          ioff=ioff, toff=ntok))
         # every slice 16-byte aligned: one pointer specialization, whatever the shapes
         foff += -(-nprog * (kp + 2) // 4) * 4
         ioff += nprog * 4
@@ -582,10 +672,11 @@ def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int,
     """The host combine (exact integers, float64) of m tensors of one plan (same shape and dtype)
     from the copied buffer (numpy views: int64 partials hi, float32 partials hf, int32 token flags
     hflag; item i's at ioffs[i] / foffs[i] / toffs[i] in them): one gather and a few numpy
-    reductions for all m, each summing in the order the one-tensor combine always did (rows of
-    partials in sequence; the sum of squares as numpy sums a 1-D array), so the result is the
-    same to the bit.  A 16-bit tensor with NaN / Inf gets its exact counts from tensors[i] when it
-    is still there; without it (a CUDA-graph tap reads after replay) the counts say at least one."""
+    reductions for all m.  The float sums run over the programs in order (p0 + p1 + ..., never
+    numpy's pairwise sum), as the device combine (``_combine_kernel``) adds them, so both give
+    the same fingerprints to the bit.  A 16-bit tensor with NaN / Inf gets its exact counts
+    from tensors[i] when it is still there; without it (a CUDA-graph tap reads after replay) the
+    counts say at least one."""
     kp, n = p["kp"], p["nprog"]
     io, fo = np.asarray(ioffs, dtype=np.int64), np.asarray(foffs, dtype=np.int64)
     m = len(io)
@@ -594,27 +685,38 @@ def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int,
     la = (ip[:, :, 0].sum(1) & F.M32).tolist()
     lb = (np.bitwise_xor.reduce(ip[:, :, 1], axis=1) & F.M32).tolist()
     nans, infs = ip[:, :, 2].sum(1).tolist(), ip[:, :, 3].sum(1).tolist()
-    sk = fp[:, :, :k].sum(1)
-    sumsq, absmax = fp[:, :, kp].sum(1).tolist(), fp[:, :, kp + 1].max(1).tolist()
+    # in order, as the device adds: numpy reduces a middle axis row by row from 0.0 (out += row
+    # i); its pairwise sum is only along the innermost axis (tests/fp_interp.py: synthetic() sees
+    # a change of either)
+    acc = fp[:, :, :kp + 1].sum(1)
+    sk, sumsq, absmax = acc[:, :k].tolist(), acc[:, kp].tolist(), fp[:, :, kp + 1].max(1).tolist()
     if p["flags"]:
         flags = hflag[np.asarray(toffs, dtype=np.int64)[:, None] + np.arange(p["shape"][0])] > 0
         rows = [r.tobytes().hex() for r in np.packbits(flags, axis=1, bitorder="little")]
     else:
         rows = ["" if x is None else _bitmap_hex_np(x) for x in (rows_extra or [None] * m)]
-    dtype, wide = str(p["dtype"]).replace("torch.", ""), p["dtype"] == torch.float32
-    out = []
-    for i in range(m):
-        s, a, n_nan, n_inf = sumsq[i], absmax[i], nans[i], infs[i]
-        if not wide and not (math.isfinite(s) and math.isfinite(a)):
-            t = tensors[i] if tensors else None
-            if t is not None:
-                s, a, n_nan, n_inf = _nonfinite_stats(t)
-            else:      # lower bounds: a NaN makes the sum of squares NaN, an Inf max |x| infinite
-                n_nan, n_inf = int(math.isnan(s)), int(math.isinf(a))
-        out.append(F.Fingerprint(shape=list(p["shape"]), dtype=dtype, bit_hash=F.hash_hex(la[i], lb[i]),
-                                 sketch=sk[i].tolist(), sumsq=s, absmax=a, n_nan=n_nan, n_inf=n_inf,
-                                 row_nonzero=rows[i], seed=seed))
-    return out
+    return [make_fp(p, la[i], lb[i], nans[i], infs[i], sumsq[i], absmax[i], sk[i], rows[i],
+                    tensors[i] if tensors else None, seed) for i in range(m)]
+
+
+def make_fp(p: dict, la: int, lb: int, n_nan: int, n_inf: int, s: float, a: float, sketch: list, rows: str,
+            t, seed: int) -> F.Fingerprint:
+    """One tensor's Fingerprint from its host-combined values."""
+    if not (math.isfinite(s) and math.isfinite(a)):
+        s, a, n_nan, n_inf = _exact_nonfinite(p, s, a, n_nan, n_inf, t)
+    return F.Fingerprint(shape=list(p["shape"]), dtype=p["dtype_s"], bit_hash=F.hash_hex(la, lb), sketch=sketch,
+                         sumsq=s, absmax=a, n_nan=n_nan, n_inf=n_inf, row_nonzero=rows, seed=seed)
+
+
+def _exact_nonfinite(p: dict, s: float, a: float, n_nan: int, n_inf: int, t):
+    """sumsq, absmax, n_nan, n_inf of a tensor whose combined sum of squares or max |x| is not
+    finite: a 16-bit tensor's exact counts come from the tensor when it is still there; without
+    it (a CUDA-graph tap reads after replay) the counts say at least one."""
+    if p["dtype"] == torch.float32:       # the fp32 kernel counts them exactly
+        return s, a, n_nan, n_inf
+    if t is not None:
+        return _nonfinite_stats(t)
+    return s, a, int(math.isnan(s)), int(math.isinf(a))
 
 
 def launch(tensors, seed: int, k: int, block_r=None, num_warps=None, progs_per_sm=None,
@@ -693,13 +795,16 @@ def fingerprint_batch(tensors, seed: int, k: int, **kw):
 
 class _Entry:
     __slots__ = ("why", "p", "dev", "kern", "grid", "ints", "kw", "tail", "sign", "aptr", "ni", "nf", "words",
-                 "extra", "ck", "launcher", "function", "metadata")
+                 "extra", "ck", "launcher", "function", "metadata", "drow")
 
 
 _ENTRIES: dict = {}    # (seed, k, knobs, skip) -> {(shape, dtype, device index): _Entry}
 _FREE: dict = {}       # device -> partial buffers a finished batch gave back
 _WANT: dict = {}       # device -> words the last batch needed (the next one's first buffer)
 _PINNED: dict = {}     # device index -> pinned host buffer for the one copy
+_COMBINE: dict = {}    # device -> (descriptor staging: pinned host, device), result buffer
+_COMBINE_CK: dict = {}   # (device, CB) -> the combine's (launcher, function, metadata, constexprs, ck)
+COMBINE_WHY: list = []   # why the device combine was given up (then every batch combines on the host)
 
 
 def _no_hook(h) -> bool:
@@ -719,14 +824,21 @@ def _direct_launch_ok() -> bool:
 
 class Batch:
     """One forward's fused fingerprints: ``add`` queues one tensor's kernel on the current stream
-    (no sync; no allocation but the batch's first), ``read`` copies every launch's partials to the
-    host with ONE device-to-host copy and combines them (``combine_many``, per shape).  The
-    TPPROBE_FP_* knobs are read once, here."""
+    (no sync; no allocation but the batch's first), ``read`` combines every launch's partials on
+    the device (one descriptor upload, one ``_combine_kernel`` launch) and brings the results to
+    the host with ONE small device-to-host copy (or, with the host combine, copies every partial
+    and combines them with ``combine_many``, per shape).  The TPPROBE_FP_* knobs are read once,
+    here."""
 
     CHUNK = 1 << 16          # int64 words of a batch's first partials buffer (512 KiB) at least
 
-    def __init__(self, seed: int, k: int, knobs=None, skip: int = 0):
+    def __init__(self, seed: int, k: int, knobs=None, skip: int = 0, host_combine=None):
         self.seed, self.k, self.skip = seed, k, skip
+        # the combine: on the device (one small copy per read) unless TPPROBE_FP_HOST_COMBINE=1
+        # (bench/fp_small.py times both) or the device combine failed once in this process
+        if host_combine is None:
+            host_combine = bool(os.environ.get("TPPROBE_FP_HOST_COMBINE")) or bool(COMBINE_WHY)
+        self.host_combine = host_combine
         self.knobs = tuning() if knobs is None else knobs
         self.entries = _ENTRIES.setdefault((seed, k, tuple(sorted(self.knobs.items())), skip), {})
         self.direct = _direct_launch_ok()     # read per batch: a hook a profiler adds takes effect
@@ -781,6 +893,8 @@ class Batch:
             e.grid, e.ints = grid[0], tuple(args[5:])
             e.tail = e.ints + constexpr_args(e.kern, len(args), e.kw)
             e.extra = len(shape) == 2 and not p["flags"]      # token rows by torch (width not k * 128)
+            # the device combine's descriptor, less the item's place: [ni, nf, programs, kp, token rows]
+            e.drow = (e.ni, e.nf, p["nprog"], p["kp"], shape[0] if p["flags"] else 0)
             del p["t"]
             e.p = p
         self.entries[(t.shape, t.dtype, dev)] = e
@@ -809,43 +923,140 @@ class Batch:
 
     def read(self, only=None) -> None:
         """Combine every launch (``only``: the ids of the tags still wanted; the others are never
-        read, e.g. those queued after a collective that never completed) into ``tag.fp``."""
+        read, e.g. those queued after a collective that never completed) into ``tag.fp``: on the
+        device (``_combine_kernel``) with one small copy, or, where it is not used, on the host
+        from a copy of every partial."""
         items = self.items if only is None else [it for it in self.items if id(it[0]) in only]
         if self.chunks:
             self.chunks[-1][1] = self.used
         if items:
-            starts, at = [], 0
-            for _, used in self.chunks:
-                starts.append(at)
-                at += used
-            parts = [b[:used] for b, used in self.chunks]
-            xoff = {}
-            for i, it in enumerate(items):
-                if it[5] is not None:
-                    parts.append(it[5].to(torch.int64))
-                    xoff[i] = at
-                    at += it[5].numel()
-            host = self._to_host(parts[0] if len(parts) == 1 else torch.cat(parts))   # the one copy
-            groups: dict = {}
-            for i, (_, e, ci, off, _, _) in enumerate(items):
-                g = groups.get(id(e))
-                if g is None:
-                    g = groups[id(e)] = (e, [], [])
-                g[1].append(starts[ci] + off)
-                g[2].append(i)
-            hf, hflag = host.view(np.float32), host.view(np.int32)
-            for e, offs, idx in groups.values():
-                o = np.asarray(offs, dtype=np.int64)
-                extra = [host[xoff[i]:xoff[i] + e.p["shape"][0]].astype(bool) if i in xoff else None for i in idx]
-                fps = combine_many(e.p, host, hf, hflag, o, 2 * (o + e.ni), 2 * (o + e.ni + e.nf), self.seed,
-                                   self.k, rows_extra=extra, tensors=[items[i][4] for i in idx])
-                for i, fp in zip(idx, fps):
-                    items[i][0].fp = fp
+            res = None if self.host_combine else self._combine_launch(items)
+            if res is None:
+                self._read_host(items)
+            else:
+                self._format(items, self._to_host(res))
         if only is None:
             self._give_back()
         else:      # a partial read (a blocked stream): kernels queued behind it may still write
             self.drop()
         self.items = []
+
+    def _combine_launch(self, items):
+        """Queue the device combine of items on the current stream (no sync): their descriptors go
+        up in one copy from pinned memory, one launch reduces them; returns the device tensor the
+        one copy brings back (result rows, bitmaps, torch-side row flags), or None when the device
+        combine is not available (COMBINE_WHY says why; the host combines from then on)."""
+        m, row = len(items), RES + self.k
+        base_t = self.chunks[0][0]
+        dev = base_t.device
+        base = base_t.data_ptr()
+        caddr = [(b.data_ptr() - base) // 8 for b, _ in self.chunks]
+        st = _COMBINE.get(dev)
+        if st is None or st[0].shape[0] < m:
+            cap = max(m, 256)
+            pin = torch.empty((cap, DESC), dtype=torch.int64, pin_memory=dev.type == "cuda")
+            st = _COMBINE[dev] = [pin, torch.empty((cap, DESC), dtype=torch.int64, device=dev), pin.numpy(), None]
+        at, bw, kp_max, rows = 2 * m * row, 0, 0, []
+        for i, it in enumerate(items):
+            ni, nf, n, kp, ntok = it[1].drow
+            w = caddr[it[2]] + it[3]
+            rows.append((w, 2 * (w + ni), 2 * (w + ni + nf), n, kp, ntok, i * row, at + bw))
+            bw += -(-ntok // 32)
+            if kp > kp_max:
+                kp_max = kp
+        st[2][:m] = rows
+        words = m * row + (bw + 1) // 2
+        out = st[3]
+        if out is None or out.numel() < words:
+            out = st[3] = torch.empty(max(words, 4096), dtype=torch.int64, device=dev)
+        desc = st[1][:m]
+        desc.copy_(st[0][:m], non_blocking=True)
+        try:
+            self._combine_run(desc, base_t, out, m, kp_max, dev)
+        except Exception as ex:        # noqa: BLE001 - said once, and the host combines
+            COMBINE_WHY.append(f"device combine unavailable ({type(ex).__name__}: {ex}); combining on the host")
+            self.host_combine = True
+            return None
+        extra = [it[5].to(torch.int64) for it in items if it[5] is not None]
+        return torch.cat([out[:words], *extra]) if extra else out[:words]
+
+    def _combine_run(self, desc, base_t, out, m: int, kp_max: int, dev) -> None:
+        kern, grid, args, kw = combine_call(desc, base_t, out, m, self.k, kp_max)
+        key = (dev, kw["CB"])
+        c = _COMBINE_CK.get(key)
+        if c is not None and self.direct:
+            launcher, function, metadata, tail = c[:4]
+            if self.stream is None:
+                self.stream = triton.runtime.driver.active.get_current_stream
+            b, o = base_t.data_ptr(), out.data_ptr()
+            launcher(m, 1, 1, self.stream(dev.index), function, metadata, None, None, None,
+                     desc.data_ptr(), b, b, b, o, o, o, self.k, *tail)
+            return
+        ck = kern[grid](*args, **kw)
+        if self.direct and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
+            _COMBINE_CK[key] = (ck.run, ck.function, ck.packed_metadata, constexpr_args(kern, len(args), kw), ck)
+
+    def _format(self, items, host: np.ndarray) -> None:
+        """The fingerprints from the device combine's copied results: formatting only."""
+        m, row, seed = len(items), RES + self.k, self.seed
+        r = host[:m * row].reshape(m, row)
+        hx = r[:, :2].astype(">u8").tobytes().hex()         # the bit hashes, 32 digits each
+        nans, infs = r[:, 2].tolist(), r[:, 3].tolist()
+        fl = r[:, 4:].view(np.float64)
+        sumsq, absmax, sk = fl[:, 0].tolist(), fl[:, 1].tolist(), fl[:, 2:].tolist()
+        bm = host[m * row:].tobytes().hex()                 # the bitmaps (2 digits a byte), then the rest
+        at, xo, xat = 0, 0, 0
+        if any(it[5] is not None for it in items):     # torch-side row flags: after the bitmaps
+            xat = m * row + (sum(-(-it[1].drow[4] // 32) for it in items) + 1) // 2
+        isfinite, Fp = math.isfinite, F.Fingerprint
+        for i, it in enumerate(items):
+            e = it[1]
+            p, ntok = e.p, e.drow[4]
+            if ntok:
+                rows = bm[at:at + 2 * ((ntok + 7) // 8)]
+                at += 8 * -(-ntok // 32)
+            elif it[5] is not None:
+                n = it[5].numel()
+                rows = _bitmap_hex_np(host[xat + xo:xat + xo + n].astype(bool))
+                xo += n
+            else:
+                rows = ""
+            s, a, n_nan, n_inf = sumsq[i], absmax[i], nans[i], infs[i]
+            if not (isfinite(s) and isfinite(a)):
+                s, a, n_nan, n_inf = _exact_nonfinite(p, s, a, n_nan, n_inf, it[4])
+            # positional: shape, dtype, bit_hash, sketch, sumsq, absmax, n_nan, n_inf, row_nonzero, seed
+            it[0].fp = Fp(list(p["shape"]), p["dtype_s"], hx[32 * i:32 * i + 32], sk[i], s, a, n_nan, n_inf, rows,
+                          seed)
+
+    def _read_host(self, items) -> None:
+        """The host combine: every partial copied (one copy), ``combine_many`` per shape."""
+        starts, at = [], 0
+        for _, used in self.chunks:
+            starts.append(at)
+            at += used
+        parts = [b[:used] for b, used in self.chunks]
+        xoff = {}
+        for i, it in enumerate(items):
+            if it[5] is not None:
+                parts.append(it[5].to(torch.int64))
+                xoff[i] = at
+                at += it[5].numel()
+        host = self._to_host(parts[0] if len(parts) == 1 else torch.cat(parts))   # the one copy
+        groups: dict = {}
+        for i, (_, e, ci, off, _, _) in enumerate(items):
+            g = groups.get(id(e))
+            if g is None:
+                g = groups[id(e)] = (e, [], [])
+            g[1].append(starts[ci] + off)
+            g[2].append(i)
+        hf, hflag = host.view(np.float32), host.view(np.int32)
+        for e, offs, idx in groups.values():
+            o = np.asarray(offs, dtype=np.int64)
+            extra = [host[xoff[i]:xoff[i] + e.p["shape"][0]].astype(bool) if i in xoff else None for i in idx]
+            fps = combine_many(e.p, host, hf, hflag, o, 2 * (o + e.ni), 2 * (o + e.ni + e.nf), self.seed,
+                               self.k, rows_extra=extra, tensors=[items[i][4] for i in idx])
+            for i, fp in zip(idx, fps):
+                items[i][0].fp = fp
 
     def _to_host(self, dev: torch.Tensor) -> np.ndarray:
         if not dev.is_cuda:
