@@ -1,8 +1,11 @@
 """The scoped hooks: what the Tap records on real gloo ranks, and that it always cleans up."""
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import spawn
+from tests.ranks import ROOT, spawn
 from tpprobe.capture.hooks import Tap
 from tpprobe.model import BuiltinConfig, build_builtin
 from tpprobe.target import RankContext
@@ -285,3 +288,46 @@ def test_the_embedding_found_once_is_the_one_watched_next():
     res = spawn(_embed_cache, 1)[0]
     every = ["a", "b"]
     assert res == [(every, "a"), (["a"], "a"), (["a"], None), (every, "b")]
+
+
+def _waits(rank, world):
+    """The audit waits for a c10d op's work through the Python Work it boxes (the op hands the
+    kernel a TorchBind ScriptObject; waiting on that crashed NCCL ranks)."""
+    from tpprobe.capture import audit
+    seen = []
+    unbox = audit._Work.unbox
+
+    def counting(obj):
+        seen.append(type(obj).__name__)
+        return unbox(obj)
+    audit._Work.unbox = counting
+    try:
+        x = torch.ones(3)
+        with audit.Audit(lambda t: ("m", None, "x", None), keep=lambda w: False) as a:
+            dist.all_reduce(x)
+    finally:
+        audit._Work.unbox = unbox
+    return {"seen": seen, "records": len(a.records), "path": a.path, "x": x.tolist()}
+
+
+def test_the_audit_waits_through_the_python_work():
+    r = spawn(_waits, 2)[0]
+    assert r == {"seen": ["ScriptObject"], "records": 1, "path": "kernel", "x": [2.0, 2.0, 2.0]}
+
+
+@pytest.mark.gpu
+def test_the_audit_on_nccl_collectives_one_gpu():
+    """World-1 NCCL on one GPU (the NCCL a one-GPU machine can run): every audited NCCL all-reduce
+    completes, is recorded, fingerprinted and placed in its module (the merged tree's audit crashed
+    the process on the first one: the 2-GPU NCCL ranks that "wrote nothing")."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "nccl_audit_check.py")], capture_output=True,
+                       text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"})
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in p.stdout.splitlines() if ": " in line)
+    assert lines["audit, kernel path"].endswith("path kernel, 1 record(s)")
+    assert "path mode" in lines["audit, mode path"] and lines["audit, mode path"].endswith("1 record(s)")
+    assert lines["audit + fingerprints"].startswith("ok") and "out fp None" not in lines["audit + fingerprints"]
+    for k in ("Tap, model all-reducing its row outputs", "Tap + fingerprints, same"):
+        assert lines[k].endswith("4 all-reduces, modules ['layers.0.mlp.down_proj', 'layers.0.self_attn.o_proj']")

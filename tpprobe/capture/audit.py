@@ -315,10 +315,22 @@ def _op_name(op) -> str:
         return str(op).split(".")[-1]
 
 
+_Work = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", None)
+
+
 def _wait(result):
+    """Wait for the work a c10d op returned (below the op's Python binding it is the TorchBind
+    ScriptObject, not the Python Work): through the Python Work it boxes, ``Work.unbox``. Calling
+    ``wait`` on the ScriptObject itself crashed the process on a NCCL work (segmentation fault,
+    torch 2.11 + NCCL 2.28 on an H200; gloo's did not): that is how the 2-GPU runs' NCCL ranks
+    died without a word."""
     try:
         work = result[1]
-        if work is not None and hasattr(work, "wait"):
+        if work is None:
+            return
+        if isinstance(work, torch.ScriptObject) and _Work is not None and hasattr(_Work, "unbox"):
+            work = _Work.unbox(work)
+        if hasattr(work, "wait"):
             work.wait()
     except Exception:
         pass
