@@ -18,7 +18,7 @@ source scripts/gpu_lib.sh
 machine
 G1="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"
 run pytest-gpu 240 $PY -m pytest -m gpu -p no:cacheprovider -n 3 -q -rA --basetemp=$W/pt \
-    tests/test_fingerprint.py tests/test_graph_tap.py $G1 &
+    tests/test_fingerprint.py tests/test_graph_tap.py tests/test_hooks.py $G1 &
 ( run nccl-two-ranks-one-gpu 60 $PY scripts/nccl_one_gpu.py
   run probe-nccl1-fp 90 $PY -m tpprobe probe --backend nccl --nproc 1 --dtype bfloat16 --exchange fingerprint --tokens 37 --out $W/probe-nccl1-fp
   TPPROBE_GLOO_CUDA=1 run gc-healthy-fp 90 $PY -m tpprobe probe --backend gloo --nproc 2 --dtype bfloat16 --exchange fingerprint --out $W/gc-healthy-fp
@@ -32,7 +32,7 @@ run fp-small-64 60 $PY bench/fp_small.py --rows 64
 run fp-small-8192 90 $PY bench/fp_small.py --rows 8192 --n 3 --iters 30
 run tap-phases-1 120 $PY bench/tap_phases.py --tokens 1 --rounds 80 --out $W/t1
 run nccl-overhead-tp1 300 $PY bench/nccl_overhead.py --nproc 1 --before --iters 5 --out $W/ov
-run nccl-overhead-tp1-coll 300 $PY bench/nccl_overhead.py --nproc 1 --collectives --before --profile --prefill 1024 --iters 5 --out $W/ovc
+run nccl-overhead-tp1-coll 300 $PY bench/nccl_overhead.py --nproc 1 --collectives --before --profile --iters 5 --out $W/ovc
 cat $W/fp-small-1.log $W/fp-small-64.log $W/fp-small-8192.log
 tail -8 $W/tap-phases-1.log; tail -6 $W/nccl-overhead-tp1.log; tail -6 $W/nccl-overhead-tp1-coll.log
 find $W -name "*.safetensors" -delete; rm -rf $W/pt
