@@ -48,6 +48,7 @@ def worker(rank: int, a, port: int, q):
                       WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(rank))
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
+    os.makedirs(a.out, exist_ok=True)          # the profiles are written here before main's JSON
     dist.init_process_group("nccl", device_id=dev)
     dtype = getattr(torch, a.dtype)
     layer_ids = [-1, 1, 3]
