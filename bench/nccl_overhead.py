@@ -22,6 +22,7 @@ Targets (issue 14): fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -165,7 +166,15 @@ def main():
     procs = [ctx.Process(target=worker, args=(r, a, port, q)) for r in range(a.nproc)]
     for p in procs:
         p.start()
-    res = q.get(timeout=540)
+    res, deadline = None, time.time() + 540
+    while res is None:           # a rank that dies ends the bench now, not at the deadline
+        try:
+            res = q.get(timeout=2)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) or time.time() > deadline:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"nccl_overhead: the ranks ended without a result (exit codes {[p.exitcode for p in procs]})")
     for p in procs:
         p.join(timeout=30)
     res["bench"] = "nccl_overhead"
