@@ -69,3 +69,40 @@ def test_deferred_reads_the_environment_once_at_its_first_cuda_tensor(monkeypatc
     d.resolve()                          # nothing queued: nothing read, no error
     d.drop()
     assert resolved(d(t)).bit_hash == FP.fingerprint(t, 5, 16).bit_hash
+
+
+def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch):
+    """TPPROBE_FP_HOST_COMBINE, or a device combine that failed once, is said per rank in the
+    report's exchange part (as the torch path's reasons are); nothing is said otherwise, and a run
+    that never imported the kernels says nothing."""
+    import sys as _sys
+    from tpprobe.checks.evidence import add_fingerprints
+    from tpprobe.exchange import _triton_fingerprint as tf
+    from tpprobe.exchange.gather import exchange_summary
+
+    class Tap:
+        summaries, allreduces, order, captures = {}, [], [], {}
+
+    class Ch:
+        def collect(self, key, deadline):
+            return {0: 1, 1: 1}
+
+    def metas(device):
+        out = {}
+        for r in (0, 1):
+            m = {"device": device, "allreduces": []}
+            add_fingerprints(m, Tap(), None, 8, torch.float32)
+            out[r] = {"meta": m}
+        return out
+
+    monkeypatch.delenv("TPPROBE_FP_HOST_COMBINE", raising=False)
+    monkeypatch.setattr(tf, "COMBINE_WHY", [])
+    assert "fingerprint_host_combine" not in exchange_summary("fingerprint", Ch(), metas("cuda:0"), {}, 0)
+    monkeypatch.setenv("TPPROBE_FP_HOST_COMBINE", "1")
+    monkeypatch.setattr(tf, "COMBINE_WHY", ["device combine unavailable (RuntimeError: x); combining on the host"])
+    got = exchange_summary("fingerprint", Ch(), metas("cuda:0"), {}, 0)["fingerprint_host_combine"]
+    assert got == {r: ["TPPROBE_FP_HOST_COMBINE is set",
+                       "device combine unavailable (RuntimeError: x); combining on the host"] for r in (0, 1)}
+    assert "fingerprint_host_combine" not in exchange_summary("fingerprint", Ch(), metas("cpu"), {}, 0)
+    monkeypatch.delitem(_sys.modules, "tpprobe.exchange._triton_fingerprint")
+    assert FP.host_combine_notes() == []

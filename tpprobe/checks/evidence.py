@@ -19,7 +19,8 @@ from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, no
                     within_noise)
 from ..capture.points import (AUX_PACKED, EMBED_LOCAL, EMBED_OUT, SHARE, allreduce_in, allreduce_out, in_norm,
                               layer_streams, parse)
-from ..exchange.fingerprint import PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint, fingerprint, sum_matches
+from ..exchange.fingerprint import (PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint, fingerprint, host_combine_notes,
+                                   sum_matches)
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 SLOT_CANDIDATES = (EMBED_OUT, in_norm(0), EMBED_LOCAL)
@@ -281,8 +282,12 @@ def add_fingerprints(meta: dict, tap, packed: Optional[torch.Tensor], hidden: in
     if packed is not None:
         fps[AUX_PACKED] = fingerprint(packed, seed=PROBE_SEED, k=PROBE_K).to_json()
     meta["fingerprints"] = fps
-    if TORCH_PATH and str(meta.get("device", "")).startswith("cuda"):   # why the fused kernel was not used
-        meta["fingerprint_torch_path"] = dict(TORCH_PATH)
+    if str(meta.get("device", "")).startswith("cuda"):
+        if TORCH_PATH:                   # why the fused kernel was not used
+            meta["fingerprint_torch_path"] = dict(TORCH_PATH)
+        notes = host_combine_notes()     # why its partials were combined on the host, not the device
+        if notes:
+            meta["fingerprint_host_combine"] = notes
     for m, rec in zip(meta["allreduces"], tap.allreduces):
         if rec.inp_summary is not None and rec.out_summary is not None:
             m["in_fp"], m["out_fp"] = _fp_json(rec.inp_summary), _fp_json(rec.out_summary)

@@ -187,6 +187,18 @@ def _torch_path(reason: str) -> None:
     TORCH_PATH[reason] = TORCH_PATH.get(reason, 0) + 1
 
 
+def host_combine_notes() -> list:
+    """Why this process combined its fused fingerprints on the host instead of the device, if it
+    did: TPPROBE_FP_HOST_COMBINE, or the device combine failing once (then every later batch).
+    Reads the kernel module only if a fingerprint already imported it (a CPU run never does)."""
+    import sys
+    tf = sys.modules.get(f"{__package__}._triton_fingerprint")
+    if tf is None:
+        return []
+    return (["TPPROBE_FP_HOST_COMBINE is set"] if os.environ.get("TPPROBE_FP_HOST_COMBINE") else []) + \
+        list(getattr(tf, "COMBINE_WHY", []))
+
+
 def fingerprint(t: torch.Tensor, seed: int = 0, k: int = 32) -> Fingerprint:
     """Fingerprint one tensor (on its own device). k in 1..64."""
     return fingerprints([t], seed=seed, k=k)[0]

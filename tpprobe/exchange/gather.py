@@ -178,11 +178,11 @@ def exchange_records(ctx, ch, out: Path, tensors: dict, meta: dict, posts: dict,
 
 def exchange_summary(mode: str, ch, posts: dict, tensors: dict, deadline: float) -> dict:
     """The report's "exchange" part: the mode, bytes each rank moved, bytes captured, and which
-    ranks' CUDA fingerprints took the torch path and why."""
+    ranks' CUDA fingerprints took the torch path, or were combined on the host, and why."""
     out = {"mode": mode, "bytes_per_rank": ch.collect("bytes", deadline),
            "captured_bytes_per_rank": sum(t.numel() * t.element_size() for t in tensors.values())}
-    torch_path = {r: p["meta"]["fingerprint_torch_path"] for r, p in posts.items()
-                  if p.get("meta", {}).get("fingerprint_torch_path")}
-    if torch_path:
-        out["fingerprint_torch_path"] = torch_path
+    for key in ("fingerprint_torch_path", "fingerprint_host_combine"):
+        per_rank = {r: p["meta"][key] for r, p in posts.items() if p.get("meta", {}).get(key)}
+        if per_rank:
+            out[key] = per_rank
     return out
