@@ -113,7 +113,8 @@ class CollectiveRecord:
     shape: tuple
     dtype: str
     group_size: int
-    op: str
+    op: Any                         # "SUM", ...; or the op's ReduceOp as the collective got it, named
+                                    # by meta() (a TorchBind call per collective, off the hot path)
     kind: str = "all_reduce"        # all_reduce | reduce_scatter | all_gather | unknown
     path: str = "c10d.allreduce_"   # the door it came through (op name or wrapper)
     via: list = field(default_factory=list)   # lower-level ops seen inside an outer record
@@ -129,7 +130,7 @@ class CollectiveRecord:
     def meta(self) -> dict:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
-                "group_size": self.group_size, "op": self.op, "kind": self.kind,
+                "group_size": self.group_size, "op": _op_name(self.op), "kind": self.kind,
                 "path": "+".join([self.path] + list(dict.fromkeys(self.via))), "checked": self.checked,
                 "group": self.group, "group_ranks": self.group_ranks}
 
@@ -182,7 +183,7 @@ def _wrapped(args) -> bool:
         t = a if isinstance(a, torch.Tensor) else \
             a[0] if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) else None
         if t is not None:
-            return torch._C._dispatch_keys(t).has(_PYKEY)
+            return type(t) is not torch.Tensor and torch._C._dispatch_keys(t).has(_PYKEY)
     return False
 
 
@@ -485,12 +486,12 @@ def _c10d_allreduce(a: Audit, func, args, kwargs):
     tensors, pg, op = args[0], args[1], args[2]
     if len(tensors) != 1:
         rec = a.begin("all_reduce", "c10d.allreduce_", tensors[0] if tensors else None, _group_size_of(pg),
-                      _op_name(op), checked=False)
+                      op, checked=False)
         res = func(*args, **kwargs)
         _wait(res)
         a.end(rec, None)
         return res
-    rec = a.begin("all_reduce", "c10d.allreduce_", tensors[0], _group_size_of(pg), _op_name(op))
+    rec = a.begin("all_reduce", "c10d.allreduce_", tensors[0], _group_size_of(pg), op)
     res = func(*args, **kwargs)
     _wait(res)
     a.end(rec, tensors[0])
@@ -499,7 +500,7 @@ def _c10d_allreduce(a: Audit, func, args, kwargs):
 
 def _fn_allreduce(a: Audit, func, args, kwargs):
     inp, op, group = args[0], args[1], args[2]
-    rec = a.begin("all_reduce", f"_c10d_functional.{func._opname}", inp, _named_group_size(group), _op_name(op))
+    rec = a.begin("all_reduce", f"_c10d_functional.{func._opname}", inp, _named_group_size(group), op)
     out = func(*args, **kwargs)
     torch.ops._c10d_functional.wait_tensor(out)
     a.end(rec, out)
@@ -508,7 +509,7 @@ def _fn_allreduce(a: Audit, func, args, kwargs):
 
 def _c10d_reduce_scatter(a: Audit, func, args, kwargs):
     out, inp, pg, op = args[0], args[1], args[2], args[3]
-    rec = a.begin("reduce_scatter", "c10d._reduce_scatter_base_", inp, _group_size_of(pg), _op_name(op))
+    rec = a.begin("reduce_scatter", "c10d._reduce_scatter_base_", inp, _group_size_of(pg), op)
     res = func(*args, **kwargs)
     _wait(res)
     a.end(rec, out)
@@ -517,7 +518,7 @@ def _c10d_reduce_scatter(a: Audit, func, args, kwargs):
 
 def _fn_reduce_scatter(a: Audit, func, args, kwargs):
     inp, op, group_size, group = args[0], args[1], args[2], args[3]
-    rec = a.begin("reduce_scatter", "_c10d_functional.reduce_scatter_tensor", inp, int(group_size), _op_name(op))
+    rec = a.begin("reduce_scatter", "_c10d_functional.reduce_scatter_tensor", inp, int(group_size), op)
     out = func(*args, **kwargs)
     torch.ops._c10d_functional.wait_tensor(out)
     a.end(rec, out)
