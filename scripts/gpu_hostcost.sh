@@ -16,9 +16,8 @@ OUT=${OUT:-.}; W=/tmp/hc; rm -rf $W; mkdir -p $W
 PY=python3
 source scripts/gpu_lib.sh
 machine
-G1="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"
 run pytest-gpu 240 $PY -m pytest -m gpu -p no:cacheprovider -n 3 -q -rA --basetemp=$W/pt \
-    tests/test_fingerprint.py tests/test_graph_tap.py tests/test_hooks.py $G1 &
+    tests/test_fingerprint.py tests/test_graph_tap.py tests/test_hooks.py $ONE_GPU_DESELECT &
 ( run nccl-two-ranks-one-gpu 60 $PY scripts/nccl_one_gpu.py
   run probe-nccl1-fp 90 $PY -m tpprobe probe --backend nccl --nproc 1 --dtype bfloat16 --exchange fingerprint --tokens 37 --out $W/probe-nccl1-fp
   TPPROBE_GLOO_CUDA=1 run gc-healthy-fp 90 $PY -m tpprobe probe --backend gloo --nproc 2 --dtype bfloat16 --exchange fingerprint --out $W/gc-healthy-fp

@@ -14,3 +14,5 @@ machine() {
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"; } > $W/machine.log 2>&1
   cat $W/machine.log
 }
+# the GPU tier's cases that need two GPUs (tp-2 graph taps), left out of a one-GPU call's pytest
+ONE_GPU_DESELECT="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"

@@ -10,11 +10,10 @@ PY=python3
 source scripts/gpu_lib.sh
 machine
 STEPS=${STEPS:-"tests probe bench"}
-G1="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"
 P="$PY -m tpprobe probe --backend nccl --nproc 1"
 if [[ $STEPS == *tests* ]]; then
   run pytest-gpu ${PYTEST_S:-200} $PY -m pytest -m gpu -p no:cacheprovider -n 3 -v -rA --basetemp=$W/pt \
-      tests/test_fingerprint.py tests/test_graph_tap.py ${EXTRA_TESTS:-} $G1 &
+      tests/test_fingerprint.py tests/test_graph_tap.py ${EXTRA_TESTS:-} $ONE_GPU_DESELECT &
 fi
 if [[ $STEPS == *probe* ]]; then
   ( run probe-healthy 90 $P --out $W/probe-healthy
