@@ -43,7 +43,11 @@ def main():
         with a:
             dist.all_reduce(x)
         return f"path {a.path}, {len(a.records)} record(s)"
-    step("audit, kernel path", lambda: audited(False))
+    step("audit, kernel path", lambda: audited(False))     # recorded at ProcessGroup.allreduce's door
+    from tpprobe.capture import audit as audit_mod
+    audit_mod._doors.set_doors(False)
+    step("audit, kernel path, doors closed", lambda: audited(False))   # recorded by the dispatcher kernel
+    audit_mod._doors.set_doors(True)
     step("audit, mode path", lambda: audited(True))
 
     from tpprobe.exchange.fingerprint import Deferred

@@ -140,7 +140,22 @@ def _kernel_doors(rank, world):
         finally:
             sys.setprofile(None)
     out["kernel"] = (tap.auditor.path, recs(tap), list(calls))
-    out["entered"] = {n: entered.count(n) for n in ("k", "__torch_dispatch__", "counted")}
+    out["entered"] = {n: entered.count(n) for n in ("door", "k", "__torch_dispatch__", "counted")}
+    calls.clear()
+    # the same forward with ProcessGroup's doors closed: the dispatcher kernel records the same
+    audit._doors.set_doors(False)
+    entered.clear()
+    try:
+        with torch.no_grad(), Tap(t.model) as tap:
+            sys.setprofile(prof)
+            try:
+                t.forward()
+            finally:
+                sys.setprofile(None)
+    finally:
+        audit._doors.set_doors(True)
+    out["kernel_only"] = (tap.auditor.path, recs(tap), list(calls),
+                          {n: entered.count(n) for n in ("door", "k", "__torch_dispatch__")})
     calls.clear()
     with torch.no_grad(), Tap(t.model) as tap:        # another thread's all-reduce: not this forward's
         th = threading.Thread(target=lambda: dist.all_reduce(torch.ones(3)))
@@ -185,12 +200,13 @@ def _kernel_doors(rank, world):
     with torch.no_grad(), Tap(t.model) as tap:
         refused = audit.release()               # an Audit is active: the kernels stay
         t.forward()
-    before, released = has(), audit.release()
-    after = has()
-    dist.all_reduce(torch.ones(2))              # no kernel of ours on the way, and no error
+    door = lambda: getattr(dist.ProcessGroup.allreduce, "_tpprobe_door", False)  # noqa: E731
+    before, released = (has(), door()), audit.release()
+    after = (has(), door())
+    dist.all_reduce(torch.ones(2))              # no kernel or door of ours on the way, and no error
     with torch.no_grad(), Tap(t.model) as tap:  # the next Audit registers them again
         t.forward()
-    out["release"] = (refused, len(recs(tap)), before, released, after, has())
+    out["release"] = (refused, len(recs(tap)), before, released, after, (has(), door()))
     return out
 
 
@@ -198,10 +214,15 @@ def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to
     res = spawn(_kernel_doors, 2)[0]
     path, kernel, calls = res["kernel"]
     assert path == "kernel" and len(kernel) == 7
-    assert calls == ["c10d::allreduce_"] * 7            # audit code ran once per collective, never for aten
-    assert res["entered"] == {"k": 7, "__torch_dispatch__": 0, "counted": 0}   # (counted lives in the test)
+    # dist.all_reduce is recorded at ProcessGroup.allreduce's door, once per collective: the
+    # dispatcher kernel is not entered at all, nor is the audit's code for any aten op
+    assert calls == []
+    assert res["entered"] == {"door": 7, "k": 0, "__torch_dispatch__": 0, "counted": 0}   # (counted lives in the test)
     assert kernel[0] == ("embed", None, 2, (5, 64), True, "c10d.allreduce_")
-    assert res["thread"] == ("kernel", kernel, 7)       # the other thread's (3,) reduce is not recorded
+    # with the doors closed the kernel records the same 7, entering audit code once per collective
+    assert res["kernel_only"] == ("kernel", kernel, ["c10d::allreduce_"] * 7,
+                                  {"door": 0, "k": 7, "__torch_dispatch__": 0})
+    assert res["thread"] == ("kernel", kernel, 0)       # the other thread's (3,) reduce is not recorded
     assert res["inference"] == ("mode (inference mode)", kernel)
     assert res["inference_tensor"] == ("mode (the tensors may be inference tensors)", kernel)
     path, late, calls = res["late"]
@@ -211,7 +232,7 @@ def test_the_audit_runs_only_for_collectives_on_its_own_thread_and_falls_back_to
     one = [("other", None, 2, (4,), True, "_c10d_functional.all_reduce")]
     assert res["compiled"] == [(one, [5.0] * 4)] * 2     # first call compiles: still one record
     # release(): refused while an Audit runs; then no kernel on the op; the next Audit re-registers
-    assert res["release"] == (False, 7, True, True, False, True)
+    assert res["release"] == (False, 7, (True, True), True, (False, False), (True, True))
 
 
 def _placed(rank, world):
@@ -301,18 +322,27 @@ def _waits(rank, world):
         seen.append(type(obj).__name__)
         return unbox(obj)
     audit._Work.unbox = counting
+    out = {}
     try:
-        x = torch.ones(3)
-        with audit.Audit(lambda t: ("m", None, "x", None), keep=lambda w: False) as a:
-            dist.all_reduce(x)
+        for doors in (True, False):      # ProcessGroup's door hands back the Python Work itself
+            audit._doors.sync()
+            if not doors:
+                audit._doors.set_doors(False)
+            x = torch.ones(3)
+            with audit.Audit(lambda t: ("m", None, "x", None), keep=lambda w: False) as a:
+                dist.all_reduce(x)
+            out[doors] = {"seen": list(seen), "records": len(a.records), "path": a.path, "x": x.tolist()}
+            seen.clear()
     finally:
         audit._Work.unbox = unbox
-    return {"seen": seen, "records": len(a.records), "path": a.path, "x": x.tolist()}
+        audit._doors.set_doors(True)
+    return out
 
 
 def test_the_audit_waits_through_the_python_work():
     r = spawn(_waits, 2)[0]
-    assert r == {"seen": ["ScriptObject"], "records": 1, "path": "kernel", "x": [2.0, 2.0, 2.0]}
+    assert r[False] == {"seen": ["ScriptObject"], "records": 1, "path": "kernel", "x": [2.0, 2.0, 2.0]}
+    assert r[True] == {"seen": [], "records": 1, "path": "kernel", "x": [2.0, 2.0, 2.0]}
 
 
 @pytest.mark.gpu
@@ -327,6 +357,7 @@ def test_the_audit_on_nccl_collectives_one_gpu():
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in p.stdout.splitlines() if ": " in line)
     assert lines["audit, kernel path"].endswith("path kernel, 1 record(s)")
+    assert lines["audit, kernel path, doors closed"].endswith("path kernel, 1 record(s)")
     assert "path mode" in lines["audit, mode path"] and lines["audit, mode path"].endswith("1 record(s)")
     assert lines["audit + fingerprints"].startswith("ok") and "out fp None" not in lines["audit + fingerprints"]
     for k in ("Tap, model all-reducing its row outputs", "Tap + fingerprints, same"):

@@ -59,6 +59,14 @@ decided by `audited(namespace, name)`, into the same records):
   Ops that decompose (CompositeImplicitAutograd: the legacy `c10d_functional` namespace) are not
   taken: the ops they decompose into are. An audited op that already has an ADInplaceOrView kernel
   is never overridden: while one exists, Audits take the mode path.
+- ProcessGroup's doors (with the kernel path): the kernel costs every collective a hop into Python
+  and back (the dispatcher boxes the op's TorchBind arguments, the kernel calls the op again: ~60 us
+  on the 2-core dev CPU, twice the bare all-reduce), so while the kernels are registered the
+  ProcessGroup methods most collectives come through (`allreduce`, the tensor forms of all-gather
+  and reduce-scatter, which `dist.all_reduce`, `all_gather_into_tensor` and `reduce_scatter_tensor`
+  call) are wrapped: the wrapper records the same record the kernel would, under the same op's
+  name, and runs the method below ADInplaceOrView, where the kernel is not called (see `_door`).
+  Every other door still reaches the kernel. `TPPROBE_AUDIT_DOORS=0` leaves them closed.
 - the mode path (the fallback): a `TorchDispatchMode` that sees every op and passes all but the
   audited ones straight through. Taken when the Audit starts under `torch.inference_mode()` (what
   the forward makes there are inference tensors, which carry no ADInplaceOrView key), when the
@@ -76,6 +84,7 @@ decided by `audited(namespace, name)`, into the same records):
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 import time
@@ -198,6 +207,91 @@ def _kernel(op):
     return k
 
 
+# -- the process group's own doors --------------------------------------------------------------
+# The kernel costs a hop into Python and back for every collective, audited or not: the dispatcher
+# boxes the op's arguments (the process group and the reduce op are TorchBind objects), calls the
+# kernel, and the kernel calls the op again, which unboxes them: ~60 us on the 2-core dev CPU,
+# twice the bare all-reduce (bench/collective_split.py). Most collectives come through
+# ProcessGroup's Python methods (`dist.all_reduce` calls `group.allreduce`, the tensor forms of
+# all-gather and reduce-scatter theirs), so those methods are wrapped while the kernels are
+# registered: the wrapper records what the kernel would have, in the same record, and runs the
+# method below ADInplaceOrView, where the kernel is not called. Every other door (a direct
+# `torch.ops.c10d` call, the functional collectives, SGLang's custom ops, the list forms) still
+# goes through the kernel.
+_PG = getattr(dist, "ProcessGroup", None)
+_GUARD = torch._C._AutoDispatchBelowADInplaceOrView
+
+
+def _one_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)) and len(x) == 1 and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return None
+
+
+def _reduce_op(args, kwargs, i):
+    o = args[i] if len(args) > i else kwargs.get("opts", kwargs.get("op"))
+    return "SUM" if o is None else getattr(o, "reduceOp", o)
+
+
+def _door_allreduce(args, kwargs):
+    # allreduce(tensors, opts) | (tensors, op, timeout) | (tensor, op, timeout); one tensor only
+    t = _one_tensor(args[0] if args else kwargs.get("tensors", kwargs.get("tensor")))
+    return None if t is None else ("all_reduce", "c10d.allreduce_", t, t, _reduce_op(args, kwargs, 1))
+
+
+def _out_in(args, kwargs):
+    out = args[0] if args else kwargs.get("output", kwargs.get("outputTensor"))
+    inp = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("inputTensor"))
+    ok = isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor)
+    return (out, inp) if ok else (None, None)
+
+
+def _door_gather(args, kwargs):
+    # all_gather_single / _allgather_base (output, input, opts)
+    out, inp = _out_in(args, kwargs)
+    return None if out is None else ("all_gather", "c10d._allgather_base_", inp, out, "CAT")
+
+
+def _door_scatter(args, kwargs):
+    # reduce_scatter_single / _reduce_scatter_base (outputTensor, inputTensor, opts)
+    out, inp = _out_in(args, kwargs)
+    return None if out is None else ("reduce_scatter", "c10d._reduce_scatter_base_", inp, out,
+                                     _reduce_op(args, kwargs, 2))
+
+
+_DOORS = {"allreduce": _door_allreduce, "all_gather_single": _door_gather, "_allgather_base": _door_gather,
+          "reduce_scatter_single": _door_scatter, "_reduce_scatter_base": _door_scatter}
+
+
+def _door(raw, read):
+    def door(self, *args, **kwargs):
+        st = getattr(_local, "stack", None)
+        if not st:                          # nothing to record on this thread: skip the kernel's hop
+            with _GUARD():
+                return raw(self, *args, **kwargs)
+        what = read(args, kwargs)
+        if what is None or _wrapped((what[2],)):
+            return raw(self, *args, **kwargs)   # the kernel's (a list form; a subclass passes through)
+        a = st[-1]
+        kind, path, inp, out, op = what
+        if a._active is not None:           # inside a wrapper's record: the op is part of it
+            a._active.via.append(path)
+            with _GUARD():
+                return raw(self, *args, **kwargs)
+        rec = a.begin(kind, path, inp, self.size(), op)
+        with _GUARD():
+            work = raw(self, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        a.end(rec, out)
+        return work
+    door.__wrapped__ = raw
+    door._tpprobe_door = True
+    return door
+
+
 class _Doors:
     """The process-wide registration of the audit's kernels (see the module docstring)."""
 
@@ -210,6 +304,8 @@ class _Doors:
         self.lock = threading.Lock()
         self.scans = 0
         self.active = 0                      # Audits on the kernel path, every thread
+        self.doors: dict[str, Any] = {}      # ProcessGroup method -> its own binding, while wrapped
+        self.want_doors = os.environ.get("TPPROBE_AUDIT_DOORS", "1") != "0"
 
     @staticmethod
     def _stamp():
@@ -249,7 +345,36 @@ class _Doors:
                     self.done.add(full)
                 except Exception:          # cannot be registered: the mode must watch it
                     self.own.add(full)
+            if self.want_doors:
+                self._open_doors()
         return not self.own
+
+    def set_doors(self, on: bool) -> None:
+        """ProcessGroup's doors on (the default) or off: off, every collective goes through the
+        kernel (a diagnostic; TPPROBE_AUDIT_DOORS=0 starts a process with them off)."""
+        with self.lock:
+            self.want_doors = on
+            if on and self.libs:
+                self._open_doors()
+            elif not on:
+                self._close_doors()
+
+    def _open_doors(self) -> None:
+        """Wrap ProcessGroup's Python methods (see `_door`); once, until `release`."""
+        if self.doors or _PG is None:
+            return
+        for name, read in _DOORS.items():
+            raw = _PG.__dict__.get(name)
+            if raw is None or getattr(getattr(_PG, name), "_tpprobe_door", False):
+                continue
+            self.doors[name] = raw
+            setattr(_PG, name, _door(getattr(_PG, name), read))
+
+    def _close_doors(self) -> None:
+        for name, raw in self.doors.items():
+            if getattr(getattr(_PG, name, None), "_tpprobe_door", False):
+                setattr(_PG, name, raw)
+        self.doors = {}
 
     def release(self) -> bool:
         """Remove every kernel (0.06 ms), so collectives run with no Python of ours again; a later
@@ -262,6 +387,7 @@ class _Doors:
                 return False
             for lib in self.libs.values():
                 lib._destroy()
+            self._close_doors()
             self.libs, self.done, self.stamp = {}, set(), None
             return True
 
@@ -311,7 +437,11 @@ def _op_name(op) -> str:
     if isinstance(op, str):
         return op.upper()
     try:
-        return _OPS.get(int(op.op()), str(op))
+        if isinstance(op, dist.ReduceOp.RedOpType):       # a door's op (Python binding)
+            return _OPS.get(int(op), str(op))
+        if isinstance(op, dist.ReduceOp):
+            return _OPS.get(int(op.op), str(op))
+        return _OPS.get(int(op.op()), str(op))           # the dispatcher's (TorchBind)
     except Exception:
         return str(op).split(".")[-1]
 
