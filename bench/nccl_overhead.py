@@ -5,13 +5,17 @@
 
 Starts --nproc ranks (one GPU each, NCCL, the built-in model, weights drawn on the GPU) and times
 one forward per variant, alternating the variants (so drift hits all alike), median of N:
-  off          the bare forward, no hooks
+  off          the bare forward, no hooks, the audit's kernels and doors released (until 2026-12-01
+               they stayed registered from the previous variant's Tap, so off paid their pass-through
+               on every collective: the --collectives ratios before then are low by that much)
   installed    Tap installed (every hook and the all-reduce audit, with CUDA progress events),
                keeping nothing
   full         what `--exchange full` keeps: a copy of every point and every all-reduce's in/out
   fingerprint  what `--exchange fingerprint` does: the 3 EAGLE-3 slots (and embed.*) kept, every
                other point and every audited all-reduce's in/out fingerprinted by the fused kernel,
                queued during the forward and read with ONE device-to-host copy after it
+With --kernel, installed_kernel / fingerprint_kernel: the same with ProcessGroup's doors closed
+(every collective through the audit's dispatcher kernel, as before the doors).
 With --before, two more: installed_before / fingerprint_before, the same with the Tap this tree
 replaced (bench/_tap_before.py, frozen: a hook pair on every module of every layer keeping a module
 stack, registered through torch's API), side by side in the same run.
@@ -36,6 +40,7 @@ from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
 from bench import _tap_before  # noqa: E402
+from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
@@ -53,7 +58,8 @@ def worker(rank: int, a, port: int, q):
     dist.init_process_group("nccl", device_id=dev)
     dtype = getattr(torch, a.dtype)
     layer_ids = [-1, 1, 3]
-    variants = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else [])
+    variants = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else []) \
+        + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
     out = {"rows": []}
     for tokens, iters in [(a.prefill, a.iters)] + [(n, a.decode_iters) for n in a.decode]:
         cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
@@ -77,7 +83,10 @@ def worker(rank: int, a, port: int, q):
 
         def run(v):
             Tap_ = _tap_before.Tap if v.endswith("_before") else Tap
-            v = v.replace("_before", "")
+            audit._doors.set_doors(not v.endswith("_kernel"))
+            v = v.replace("_before", "").replace("_kernel", "")
+            if v == "off":       # probe off: none of the audit's kernels or doors on the way
+                audit.release()
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda.synchronize()
@@ -100,7 +109,10 @@ def worker(rank: int, a, port: int, q):
                     fp.resolve()
                     _ = [resolved(s).to_json() for s in tap.summaries.values()]
             torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            t = time.perf_counter() - t0
+            if v == "off":       # registered again outside the timing (the next Tap would pay 5 ms)
+                audit._doors.sync()
+            return t
 
         for v in variants * 2:          # warm-up (the kernels compile once)
             run(v)
@@ -153,6 +165,9 @@ def main():
                     "host cost on one GPU)")
     ap.add_argument("--before", action="store_true", help="also time installed / fingerprint with the Tap this "
                     "tree replaced (bench/_tap_before.py): installed_before, fingerprint_before")
+    ap.add_argument("--kernel", action="store_true", help="also time installed / fingerprint with "
+                    "ProcessGroup's doors closed (capture/audit.py: every collective through the audit's "
+                    "dispatcher kernel, as before the doors), side by side")
     ap.add_argument("--profile", action="store_true", help="also cProfile 20 decode forwards (rank 0, "
                     "smallest decode size) of installed and fingerprint into --out/profile_*.txt")
     a = ap.parse_args()
@@ -182,7 +197,8 @@ def main():
     print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
           f"{a.num_layers} layers, {a.dtype}" + (", every row output all-reduced at world 1" if
                                                  res.get("collectives_at_world_1") else "") + "; median ms (x off)")
-    shown = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else [])
+    shown = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else []) \
+        + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
     print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in shown))
     for r in res["rows"]:
         cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in shown[1:]]

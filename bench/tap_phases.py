@@ -4,12 +4,13 @@
         [--dtype bfloat16] [--rounds 60] [--out DIR]
 
 One process, world 1 (a gloo group: the built-in model issues no all-reduce at tp 1, so this is the
-Tap's own cost). Variants, alternated round by round (drift hits all alike), median of --rounds:
+Tap's own cost; with --collectives a NCCL group on CUDA, and the 9 all-reduces a tp-2 model issues). Variants, alternated round by round (drift hits all alike), median of --rounds:
   off          the bare forward
   installed    Tap: hooks and the collective audit, keeping nothing
   keep5        + copies of what `--exchange fingerprint` keeps (the 3 EAGLE-3 slots, embed.*, in_norm)
   fp_only      Tap + every point fingerprinted (Deferred: queued, one copy after the forward), no copies
   fingerprint  keep5 + fp_only: what `--exchange fingerprint` does
+  fp_no_coll   fingerprint with the collectives' inputs and outputs not fingerprinted (what those cost)
 Each is split into phases on the host clock: enter (Tap construction and install), forward (the
 model call with the hooks), exit (removal), resolve (the one device-to-host copy and the combine),
 json (every summary's to_json), and total (from a synchronised start to the device done). The
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.hook_overhead import weights_on  # noqa: E402
+from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
@@ -34,7 +36,7 @@ from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.target import RankContext  # noqa: E402
 
-VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint"]
+VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint", "fp_no_coll"]
 PHASES = ["enter", "forward", "exit", "resolve", "json", "total"]
 
 
@@ -48,6 +50,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--collectives", action="store_true", help="all-reduce the embedding's and every "
+                    "row-parallel output (a world-1 NCCL group on CUDA), where a tp-2 model issues them")
+    ap.add_argument("--profile", default="", help="then cProfile 30 forwards of this variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -55,7 +60,12 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    nccl = cuda and a.collectives
+    if nccl:
+        torch.cuda.set_device(dev.index or 0)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", dev.index or 0))
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
     layer_ids = [-1, 1, 3]
     cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden, vocab=a.vocab,
                         tokens=a.tokens, dtype=getattr(torch, a.dtype), layer_ids=layer_ids)
@@ -63,6 +73,10 @@ def main():
     with torch.no_grad():
         model = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
     model.set_eagle3_layers_to_capture(layer_ids)
+    if a.collectives:
+        # what a tp-2 model issues: the embedding's and every row-parallel output all-reduced (world 1)
+        for m in [model.embed_tokens] + [x for l in model.layers for x in (l.self_attn.o_proj, l.mlp.down_proj)]:
+            m.register_forward_hook(lambda mod, args, o: dist.all_reduce(o))
     ids = torch.randint(0, a.vocab, (a.tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
     keep_ids = {id_point(i) for i in layer_ids}
     keep5 = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
@@ -70,6 +84,8 @@ def main():
 
     def one(v):
         ph = dict.fromkeys(PHASES, 0.0)
+        if v == "off":
+            audit.release()              # probe off: no kernel or door of the audit on the way
         sync()
         t0 = pc()
         with torch.no_grad():
@@ -77,10 +93,16 @@ def main():
                 model(ids)
                 t1 = pc()
                 ph["forward"] = t1 - t0
+                sync()
+                ph["total"] = pc() - t0
+                audit._doors.sync()      # registered again outside the timing
+                return ph
             else:
-                fp = Deferred(0x7470, 32) if v in ("fp_only", "fingerprint") else None
-                tap = Tap(model, keep=keep5 if v in ("keep5", "fingerprint") else (lambda n: False),
+                fp = Deferred(0x7470, 32) if v in ("fp_only", "fingerprint", "fp_no_coll") else None
+                tap = Tap(model, keep=keep5 if v in ("keep5", "fingerprint", "fp_no_coll") else (lambda n: False),
                           summarize=fp, keep_allreduce_tensors=False, progress=Progress())
+                if v == "fp_no_coll":
+                    tap.auditor.summarize = None
                 tap.__enter__()
                 t1 = pc()
                 model(ids)
@@ -108,7 +130,8 @@ def main():
     med = {v: {p: statistics.median(got[v][p]) * 1e6 for p in PHASES} for v in VARIANTS}
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     print(f"tap phases: {name}, torch {torch.__version__}, hidden {a.hidden}, {a.num_layers} layers, {a.dtype}, "
-          f"{a.tokens} token(s), median of {a.rounds} rounds, microseconds")
+          f"{a.tokens} token(s), {'9 all-reduces (world 1), ' if a.collectives else ''}"
+          f"median of {a.rounds} rounds, microseconds")
     print(f"{'variant':<12} " + " ".join(f"{p:>9}" for p in PHASES) + "   x off")
     for v in VARIANTS:
         print(f"{v:<12} " + " ".join(f"{med[v][p]:>9.1f}" for p in PHASES) +
@@ -117,7 +140,19 @@ def main():
     with open(os.path.join(a.out, "tap_phases.json"), "w") as f:
         json.dump({"bench": "tap_phases", "device": name, "torch": torch.__version__, "hidden": a.hidden,
                    "num_layers": a.num_layers, "dtype": a.dtype, "tokens": a.tokens, "rounds": a.rounds,
+                   "collectives": a.collectives,
                    "median_us": med}, f, indent=1)
+    if a.profile:                      # where the host's time goes in one variant (cProfile inflates Python)
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(30):
+            one(a.profile)
+        pr.disable()
+        st = pstats.Stats(pr)
+        st.sort_stats("tottime").print_stats(40)
+        st.sort_stats("cumtime").print_stats("tpprobe", 40)
     dist.destroy_process_group()
 
 
