@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..capture.hooks import current_stream
 from . import _hashdef as F
 
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -467,7 +468,12 @@ def combine_call(desc, base, out, m: int, k: int, kp_max: int):
     return (_combine_kernel, (m,),
             (desc, base, base.view(torch.float32), base.view(torch.int32), out, out.view(torch.float64),
              out.view(torch.int32), k),
-            dict(CB=triton.next_power_of_2(kp_max + 2), UNROLL=16, RB=64, FB=1024, num_warps=1))
+            dict(CB=combine_cb(kp_max), UNROLL=16, RB=64, FB=1024, num_warps=1))
+
+
+def combine_cb(kp_max: int) -> int:
+    """The device combine's column block for items of at most kp_max sketch columns per row."""
+    return triton.next_power_of_2(kp_max + 2)
 
 
 # 16-bit tensors need sm_90's max.u16x2 (PTX ISA 8.0); the fp32 kernel builds from sm_80 on
@@ -981,8 +987,7 @@ class Batch:
         return torch.cat([out[:words], *extra]) if extra else out[:words]
 
     def _combine_run(self, desc, base_t, out, m: int, kp_max: int, dev) -> None:
-        kern, grid, args, kw = combine_call(desc, base_t, out, m, self.k, kp_max)
-        key = (dev, kw["CB"])
+        key = (dev, combine_cb(kp_max))
         c = _COMBINE_CK.get(key)
         if c is not None and self.direct:
             launcher, function, metadata, tail = c[:4]
@@ -992,6 +997,8 @@ class Batch:
             launcher(m, 1, 1, self.stream(dev.index), function, metadata, None, None, None,
                      desc.data_ptr(), b, b, b, o, o, o, self.k, *tail)
             return
+        # the views below are 4 aten ops: built only for a launch through JITFunction.run
+        kern, grid, args, kw = combine_call(desc, base_t, out, m, self.k, kp_max)
         ck = kern[grid](*args, **kw)
         if self.direct and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
             _COMBINE_CK[key] = (ck.run, ck.function, ck.packed_metadata, constexpr_args(kern, len(args), kw), ck)
@@ -1067,7 +1074,7 @@ class Batch:
             pin = _PINNED[d] = torch.empty(max(dev.numel(), self.CHUNK), dtype=torch.int64, pin_memory=True)
         h = pin[:dev.numel()]
         h.copy_(dev, non_blocking=True)
-        torch.cuda.current_stream(dev.device).synchronize()
+        current_stream(d).synchronize()      # the kept Stream: torch's lookup is ~40 us of Python
         return h.numpy()
 
     def _give_back(self) -> None:
