@@ -362,3 +362,65 @@ def test_the_audit_on_nccl_collectives_one_gpu():
     assert lines["audit + fingerprints"].startswith("ok") and "out fp None" not in lines["audit + fingerprints"]
     for k in ("Tap, model all-reducing its row outputs", "Tap + fingerprints, same"):
         assert lines[k].endswith("4 all-reduces, modules ['layers.0.mlp.down_proj', 'layers.0.self_attn.o_proj']")
+
+
+def _doors_forms(rank, world):
+    """Every wrapped ProcessGroup method, and forms the doors leave to the kernel, on real ranks:
+    what each records (kind, path, shape, group, op, checked) and through which door."""
+    import sys
+
+    from tpprobe.capture import audit
+    entered = []
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == audit.__file__ and frame.f_code.co_name in ("door", "k"):
+            entered.append(frame.f_code.co_name)
+
+    x = torch.full((4, 3), float(rank + 1))
+    out = {}
+    forms = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_reduce MAX async": lambda: dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True).wait(),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(8, 3), x[:4].contiguous()),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(2, 3), x),
+        "pg.allreduce one tensor": lambda: dist.group.WORLD.allreduce(x).wait(),
+        "all_gather (list: the kernel)": lambda: dist.all_gather([torch.empty(4, 3) for _ in range(world)], x),
+        "all_reduce_coalesced (the kernel)": lambda: dist.all_reduce_coalesced([x, x.clone()]),
+        "torch.ops (the kernel)": lambda: torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(x, "sum", dist.group.WORLD.group_name)),
+    }
+    for name, fn in forms.items():
+        entered.clear()
+        with audit.Audit(lambda t: ("m", None, "x", None), keep=lambda w: False) as a:
+            sys.setprofile(prof)
+            try:
+                fn()
+            finally:
+                sys.setprofile(None)
+        out[name] = ([(r.kind, r.meta()["path"], r.shape, r.group_size, r.meta()["op"], r.checked)
+                      for r in a.records], entered.count("door"), entered.count("k"))
+    # nested in a wrapper's record (SGLang's GroupCoordinator): folded into it, as the kernel did
+    with audit.Audit(lambda t: ("m", None, "x", None), keep=lambda w: False) as a:
+        with a.collective("all_reduce", "sglang.GroupCoordinator.all_reduce", x, world):
+            dist.all_reduce(x)
+    out["nested"] = [(r.kind, r.meta()["path"], r.checked) for r in a.records]
+    out["x"] = x[0].tolist()
+    return out
+
+
+def test_the_process_group_doors_record_what_the_kernel_did_and_leave_the_rest_to_it():
+    res = spawn(_doors_forms, 2)[0]
+    assert res["all_reduce"] == ([("all_reduce", "c10d.allreduce_", (4, 3), 2, "SUM", True)], 1, 0)
+    assert res["all_reduce MAX async"] == ([("all_reduce", "c10d.allreduce_", (4, 3), 2, "MAX", True)], 1, 0)
+    assert res["all_gather_into_tensor"] == ([("all_gather", "c10d._allgather_base_", (4, 3), 2, "CAT", True)], 1, 0)
+    assert res["reduce_scatter_tensor"] == ([("reduce_scatter", "c10d._reduce_scatter_base_", (4, 3), 2, "SUM", True)],
+                                            1, 0)
+    assert res["pg.allreduce one tensor"] == ([("all_reduce", "c10d.allreduce_", (4, 3), 2, "SUM", True)], 1, 0)
+    # the list forms and a direct op call pass the door (or never reach it) and the kernel records them
+    assert res["all_gather (list: the kernel)"][1:] == (0, 1)
+    assert [r[:2] for r in res["all_gather (list: the kernel)"][0]] == [("all_gather", "c10d.allgather_")]
+    assert res["all_reduce_coalesced (the kernel)"][1:] == (0, 1)
+    assert [r[1] for r in res["all_reduce_coalesced (the kernel)"][0]] == ["c10d.allreduce_coalesced_"]
+    assert res["torch.ops (the kernel)"] == ([("all_reduce", "_c10d_functional.all_reduce", (4, 3), 2, "SUM", True)],
+                                             0, 1)
+    assert res["nested"] == [("all_reduce", "sglang.GroupCoordinator.all_reduce+c10d.allreduce_", True)]
