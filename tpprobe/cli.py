@@ -75,7 +75,8 @@ def probe(**kw) -> None:
     dist_backend = tdist.choose_backend(None if opts.backend in ("auto", "sglang") else opts.backend, opts.nproc)
     gpus = tdist.torch.cuda.device_count() if tdist.torch.cuda.is_available() else 0
     if dist_backend == "gloo" and gpus and not (opts.quiet or opts.json_out):
-        print(f"tpprobe: {opts.nproc} ranks on {gpus} GPU(s): every rank runs on gloo (CPU); "
+        where = "its tensors on the GPU (TPPROBE_GLOO_CUDA)" if os.environ.get(tdist.GLOO_CUDA_ENV) else "CPU"
+        print(f"tpprobe: {opts.nproc} ranks on {gpus} GPU(s): every rank runs on gloo ({where}); "
               f"--nproc {gpus} runs NCCL", file=sys.stderr)
     os.environ[tdist.BACKEND_ENV] = dist_backend
     from .launch import launch_local
