@@ -5,12 +5,8 @@
 #  2. alone on the GPU: bench/collective_split.py (world-1 NCCL, per-collective host us by part),
 #     bench/nccl_overhead.py --kernel (doors vs kernel side by side), with and without --collectives.
 #   OUT=dir bash scripts/gpu_doors.sh     -> $OUT/doors.tgz
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-.}; W=/tmp/dr; rm -rf $W; mkdir -p $W
-PY=python3
 source scripts/gpu_lib.sh
-machine
+setup /tmp/dr
 run nccl-audit-check 120 $PY scripts/nccl_audit_check.py
 cat $W/nccl-audit-check.log
 run pytest-gpu-hooks 180 $PY -m pytest -m gpu -p no:cacheprovider -q -rA --basetemp=$W/pt tests/test_hooks.py

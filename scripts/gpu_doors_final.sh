@@ -8,12 +8,8 @@
 #     side, probe off with nothing of the audit registered), without and with --collectives;
 #     bench/collective_split.py; bench/tap_phases.py --collectives.
 #   OUT=dir bash scripts/gpu_doors_final.sh     -> $OUT/doors_final.tgz
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-.}; W=/tmp/df; rm -rf $W; mkdir -p $W
-PY=python3
 source scripts/gpu_lib.sh
-machine
+setup /tmp/df
 run pytest-gpu 300 $PY -m pytest -m gpu -p no:cacheprovider -n 3 -q -rA --basetemp=$W/pt \
     tests/test_fingerprint.py tests/test_graph_tap.py tests/test_hooks.py $ONE_GPU_DESELECT &
 ( run probe-nccl1-fp 90 $PY -m tpprobe probe --backend nccl --nproc 1 --dtype bfloat16 --exchange fingerprint --tokens 37 --out $W/probe-nccl1-fp

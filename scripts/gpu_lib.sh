@@ -16,3 +16,12 @@ machine() {
 }
 # the GPU tier's cases that need two GPUs (tp-2 graph taps), left out of a one-GPU call's pytest
 ONE_GPU_DESELECT="--deselect tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2] --deselect tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2] --deselect tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]"
+# setup DIR: what every one-GPU call sets first (NCCL without NVLink multicast, unbuffered Python,
+# this checkout importable, $OUT, a fresh work folder $W=DIR, $PY), then the machine's versions
+setup() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  OUT=${OUT:-.}; W=$1; rm -rf $W; mkdir -p $W
+  PY=python3
+  machine
+}

@@ -133,25 +133,24 @@ def _kernel_doors(rank, world):
         if event == "call" and frame.f_code.co_filename == audit.__file__:
             entered.append(frame.f_code.co_name)
 
-    with torch.no_grad(), Tap(t.model) as tap:
-        sys.setprofile(prof)
-        try:
-            t.forward()
-        finally:
-            sys.setprofile(None)
-    out["kernel"] = (tap.auditor.path, recs(tap), list(calls))
-    out["entered"] = {n: entered.count(n) for n in ("door", "k", "__torch_dispatch__", "counted")}
-    calls.clear()
-    # the same forward with ProcessGroup's doors closed: the dispatcher kernel records the same
-    audit._doors.set_doors(False)
-    entered.clear()
-    try:
+    def profiled():                  # one forward under a Tap, every audit frame it enters counted
+        entered.clear()
         with torch.no_grad(), Tap(t.model) as tap:
             sys.setprofile(prof)
             try:
                 t.forward()
             finally:
                 sys.setprofile(None)
+        return tap
+
+    tap = profiled()
+    out["kernel"] = (tap.auditor.path, recs(tap), list(calls))
+    out["entered"] = {n: entered.count(n) for n in ("door", "k", "__torch_dispatch__", "counted")}
+    calls.clear()
+    # the same forward with ProcessGroup's doors closed: the dispatcher kernel records the same
+    audit._doors.set_doors(False)
+    try:
+        tap = profiled()
     finally:
         audit._doors.set_doors(True)
     out["kernel_only"] = (tap.auditor.path, recs(tap), list(calls),
