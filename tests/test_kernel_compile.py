@@ -218,3 +218,56 @@ def test_the_combine_direct_launch_hands_the_launcher_what_jit_run_binds():
         assert [v.data_ptr() for v in values[:7]] == [p.ptr for p in ptrs]
         assert values[7:] == direct[7:] and len(values) == len(direct)
     assert len(specs) == 1, specs
+
+
+class _allocation:                # triton.runtime._allocation, as Triton 3.6's launcher reads it
+    _allocator = _profile_allocator = None
+
+
+class _Launcher36:
+    """Triton 3.6's CudaLauncher, as its source reads (the form `launch_of` calls through)."""
+    global_scratch_size = global_scratch_align = profile_scratch_size = profile_scratch_align = 0
+    launch_cooperative_grid, launch_pdl, num_ctas = False, True, 1
+
+    def __init__(self):
+        self.calls = []
+        self.launch = lambda *a: self.calls.append(a)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+
+        def allocate_scratch(size, align, allocator):
+            if size > 0:
+                grid_size = gridX * gridY * gridZ
+                alloc_size = grid_size * self.num_ctas * size
+                alloc_fn = allocator.get()
+                return alloc_fn(alloc_size, align, stream)
+            return None
+
+        global_scratch = allocate_scratch(self.global_scratch_size, self.global_scratch_align, _allocation._allocator)
+        profile_scratch = allocate_scratch(self.profile_scratch_size, self.profile_scratch_align,
+                                           _allocation._profile_allocator)
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+class _Compiled:
+    def __init__(self, run):
+        self.run, self.function, self.packed_metadata = run, "fn", "meta"
+
+
+def test_launch_of_calls_the_c_launch_only_for_triton_3_6s_exact_launcher():
+    run = _Launcher36()
+    launch, middle = tf.launch_of(_Compiled(run))
+    assert launch is run.launch and middle == (False, True, None, None, "meta", None, None, None)
+    # the C launch gets exactly what the launcher's own __call__ would have handed it
+    run(4, 1, 1, 7, "fn", "meta", None, None, None, 11, 12)
+    launch(4, 1, 1, 7, "fn", *middle, 11, 12)
+    assert run.calls[0] == run.calls[1]
+    run.global_scratch_size = 8                       # a kernel that needs scratch: the launcher
+    assert tf.launch_of(_Compiled(run)) == (run, ("meta", None, None, None))
+
+    class Other(_Launcher36):                         # any other form (another Triton): the launcher
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_pdl, *args)
+    other = Other()
+    assert tf.launch_of(_Compiled(other)) == (other, ("meta", None, None, None))

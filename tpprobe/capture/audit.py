@@ -135,6 +135,7 @@ class CollectiveRecord:
     inp_summary: Any = None
     out_summary: Any = None
     seconds: float = 0.0
+    t0: float = 0.0                 # when it was issued (perf_counter), for `seconds`
 
     def meta(self) -> dict:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
@@ -146,6 +147,17 @@ class CollectiveRecord:
     # an outer-level wrapper hands the result here
     def output(self, t: Optional[torch.Tensor]) -> None:
         self._out = t
+
+
+_DTYPES: dict = {}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    d = t.dtype
+    n = _DTYPES.get(d)
+    if n is None:
+        n = _DTYPES[d] = str(d).replace("torch.", "")
+    return n
 
 
 def audited(ns: str, name: str) -> bool:
@@ -530,10 +542,9 @@ class Audit:
             self.before(inp)
         module, layer, where, source = self.attribute(inp)
         t = inp if isinstance(inp, torch.Tensor) else None
-        rec = CollectiveRecord(seq=len(self.records), module=module, source=source, layer=layer, where=where,
-                               shape=tuple(t.shape) if t is not None else (),
-                               dtype=str(t.dtype).replace("torch.", "") if t is not None else "?",
-                               group_size=group_size, op=op, kind=kind, path=path, checked=checked and t is not None)
+        rec = CollectiveRecord(len(self.records), module, source, layer, where,
+                               tuple(t.shape) if t is not None else (), _dtype_name(t) if t is not None else "?",
+                               group_size, op, kind, path, [], checked and t is not None)
         if rec.checked:
             if self.keep(where):
                 rec.inp = self.copy(allreduce_in(rec.seq), t, where)
@@ -543,11 +554,11 @@ class Audit:
         if self.progress is not None:
             self.progress.collective = {"seq": rec.seq, "module": module, "where": where,
                                         "shape": list(rec.shape), "since": time.time(), "kind": kind}
-        rec._t0 = time.perf_counter()
+        rec.t0 = time.perf_counter()
         return rec
 
     def end(self, rec: CollectiveRecord, out: Optional[torch.Tensor]) -> None:
-        rec.seconds = time.perf_counter() - getattr(rec, "_t0", time.perf_counter())
+        rec.seconds = time.perf_counter() - rec.t0 if rec.t0 else 0.0
         if self.progress is not None:
             self.progress.collective = None
         if self.after is not None:
@@ -564,6 +575,8 @@ class Audit:
 
     def _summ(self, t, kind, group_size, is_input):
         # reduce-scatter inputs and all-gather outputs are checked chunk by chunk (dim 0, one per rank)
+        if kind == "all_reduce":
+            return self.summarize(t)
         if (kind == "reduce_scatter" and is_input or kind == "all_gather" and not is_input) and group_size > 0 \
                 and t.dim() and t.shape[0] % group_size == 0:
             return [self.summarize(c.contiguous()) for c in t.chunk(group_size, 0)]

@@ -230,6 +230,10 @@ def residual_stream(output) -> Optional[torch.Tensor]:
 
 _STREAMS: dict = {}
 _GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_Event = getattr(torch._C, "_CudaEventBase", None)
+if not hasattr(_Event, "record"):           # a CPU build's stub
+    _Event = torch.cuda.Event
+_record = _Event.record
 
 
 def current_stream(device_index: int):
@@ -388,6 +392,8 @@ class Tap:
         # in a kernel launch for good (seen on 2 H200s); with it the forward raises DeviceStalled,
         # as a blocking backend's collective would, and the probe reports.
         self.device_lag = device_lag
+        if device_lag is None:
+            self.auditor.before = None             # nothing to bound: no call per collective
         self.device_stalled = False
         self.stream_from_layer_output = True
         self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
@@ -592,8 +598,10 @@ class Tap:
     def _after_collective(self, rec: CollectiveRecord, out) -> None:
         t = out if isinstance(out, torch.Tensor) else None
         if t is not None and t.is_cuda:    # completes when the collective does (wait() ordered the stream)
-            ev = torch.cuda.Event()
-            ev.record(current_stream(t.get_device()))
+            # torch.cuda.Event's base, recorded on the kept Stream: the Python subclass's __new__
+            # and record() (which looks the stream up again) are two more frames per collective
+            ev = _Event()
+            _record(ev, current_stream(t.get_device()))
             self.progress.events.append((rec.seq, ev))
 
     def _bound_lag(self) -> None:

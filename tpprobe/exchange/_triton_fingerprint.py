@@ -809,7 +809,7 @@ _FREE: dict = {}       # device -> partial buffers a finished batch gave back
 _WANT: dict = {}       # device -> words the last batch needed (the next one's first buffer)
 _PINNED: dict = {}     # device index -> pinned host buffer for the one copy
 _COMBINE: dict = {}    # device -> (descriptor staging: pinned host, device), result buffer
-_COMBINE_CK: dict = {}   # (device, CB) -> the combine's (launcher, function, metadata, constexprs, ck)
+_COMBINE_CK: dict = {}   # (device, CB) -> the combine's (launch, function, middle arguments, constexprs, ck)
 COMBINE_WHY: list = []   # why the device combine was given up (then every batch combines on the host)
 
 
@@ -826,6 +826,30 @@ def _direct_launch_ok() -> bool:
         return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
     except AttributeError:       # a Triton without knobs: keep JITFunction.run
         return False
+
+
+# Triton 3.6's CudaLauncher.__call__ (names it reads, exactly): it allocates the global and
+# profile scratch (neither kernel here has any), then calls its C `launch` with the cooperative-grid
+# and PDL flags and the two scratch pointers put before the rest of its arguments.
+_LAUNCHER_3_6 = frozenset(("_allocation", "_allocator", "_profile_allocator", "global_scratch_size",
+                           "global_scratch_align", "profile_scratch_size", "profile_scratch_align", "launch",
+                           "launch_cooperative_grid", "launch_pdl"))
+
+
+def launch_of(ck):
+    """(launch, the arguments between the function and the kernel's own) for a compiled kernel:
+    Triton 3.6's C launch itself when its launcher is exactly that form and needs no scratch (its
+    Python ``__call__`` was ~4 us of every launch on the lent H200 host: a frame, two closures made
+    and called), else the launcher, as ``JITFunction.run`` calls it."""
+    run, meta = ck.run, ck.packed_metadata
+    code = getattr(getattr(type(run), "__call__", None), "__code__", None)
+    raw = getattr(run, "launch", None)
+    if code is not None and raw is not None and set(code.co_names) == _LAUNCHER_3_6 \
+            and code.co_argcount == 6 and code.co_flags & inspect.CO_VARARGS \
+            and code.co_varnames[:6] == ("self", "gridX", "gridY", "gridZ", "stream", "function") \
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0:
+        return raw, (run.launch_cooperative_grid, run.launch_pdl, None, None, meta, None, None, None)
+    return run, (meta, None, None, None)
 
 
 class Batch:
@@ -873,7 +897,7 @@ class Batch:
                 self.stream = triton.runtime.driver.active.get_current_stream
             b = self.base + off * 8
             # JITFunction.run's own last step, with no launch hooks (so no launch metadata)
-            e.launcher(e.grid, 1, 1, self.stream(e.dev), e.function, e.metadata, None, None, None,
+            e.launcher(e.grid, 1, 1, self.stream(e.dev), e.function, *e.metadata,
                        ptr, e.aptr, b + e.ni * 8, b, b + (e.ni + e.nf) * 8, *e.tail)
         else:
             self._launch_jit(e, t, off)
@@ -912,7 +936,8 @@ class Batch:
         ipart, fpart, flags = split_buffer(buf, e.ni, 2 * e.nf)
         ck = e.kern[(e.grid,)](t.view(-1).view(torch.int32), e.sign, fpart, ipart, flags, *e.ints, **e.kw)
         if self.direct and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
-            e.launcher, e.function, e.metadata = ck.run, ck.function, ck.packed_metadata
+            e.launcher, e.metadata = launch_of(ck)
+            e.function = ck.function
             e.ck = ck          # held: its module stays loaded
 
     def _new_buffer(self, need: int, device) -> None:
@@ -990,18 +1015,19 @@ class Batch:
         key = (dev, combine_cb(kp_max))
         c = _COMBINE_CK.get(key)
         if c is not None and self.direct:
-            launcher, function, metadata, tail = c[:4]
+            launcher, function, middle, tail = c[:4]
             if self.stream is None:
                 self.stream = triton.runtime.driver.active.get_current_stream
             b, o = base_t.data_ptr(), out.data_ptr()
-            launcher(m, 1, 1, self.stream(dev.index), function, metadata, None, None, None,
+            launcher(m, 1, 1, self.stream(dev.index), function, *middle,
                      desc.data_ptr(), b, b, b, o, o, o, self.k, *tail)
             return
         # the views below are 4 aten ops: built only for a launch through JITFunction.run
         kern, grid, args, kw = combine_call(desc, base_t, out, m, self.k, kp_max)
         ck = kern[grid](*args, **kw)
         if self.direct and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
-            _COMBINE_CK[key] = (ck.run, ck.function, ck.packed_metadata, constexpr_args(kern, len(args), kw), ck)
+            launch, middle = launch_of(ck)
+            _COMBINE_CK[key] = (launch, ck.function, middle, constexpr_args(kern, len(args), kw), ck)
 
     def _format(self, items, host: np.ndarray) -> None:
         """The fingerprints from the device combine's copied results: formatting only."""
