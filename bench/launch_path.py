@@ -1,0 +1,78 @@
+"""Host us per fingerprint launch: Triton 3.6's C launch called directly (`launch_of`) against
+Triton's launcher object, side by side in one run (issue 14, point 3).
+
+    python bench/launch_path.py [--rows 1] [--hidden 7168] [--per-forward 25] [--rounds 200]
+
+One "forward" = --per-forward [rows, hidden] bf16 tensors fingerprinted as the probe does
+(`Deferred`), then `resolve()`. Variants alternate round by round, each with its own cached
+entries (so each launches its own way after the first), from a drained device; median host us
+per launch (the calls only) and per resolve. `equal`: the two variants' fingerprints agree bit for
+bit. With a Triton whose launcher is not 3.6's form both variants take the launcher (`direct` says).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
+from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--per-forward", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=200)
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    ts = [torch.randn(a.rows, a.hidden, device=dev).to(torch.bfloat16) for _ in range(a.per_forward)]
+    real = tf.launch_of
+    launcher = lambda ck: (ck.run, (ck.packed_metadata, None, None, None))  # noqa: E731
+    entries = {"launch_of": {}, "launcher": {}}
+
+    def forward(v):
+        tf.launch_of = real if v == "launch_of" else launcher
+        saved = dict(tf._ENTRIES)
+        tf._ENTRIES.clear()
+        tf._ENTRIES.update(entries[v])
+        try:
+            d = Deferred(0x7470, 32)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = [d(t) for t in ts]
+            t1 = time.perf_counter()
+            d.resolve()
+            t2 = time.perf_counter()
+            entries[v].update(tf._ENTRIES)
+        finally:
+            tf._ENTRIES.clear()
+            tf._ENTRIES.update(saved)
+            tf.launch_of = real
+        return (t1 - t0) / len(ts) * 1e6, (t2 - t1) * 1e6, [resolved(x).to_json() for x in out]
+
+    for _ in range(3):
+        for v in entries:
+            forward(v)
+    got = {v: ([], []) for v in entries}
+    fps = {}
+    for i in range(a.rounds):
+        for v in (list(entries) if i % 2 == 0 else list(entries)[::-1]):
+            launch, resolve, fps[v] = forward(v)
+            got[v][0].append(launch)
+            got[v][1].append(resolve)
+    e = next(iter(next(iter(entries["launch_of"].values())).values()))     # the shape's entry
+    direct = e.launcher is not getattr(e.ck, "run", None)
+    print(f"launch path: {torch.cuda.get_device_name(dev)}, triton {tf.triton.__version__}, [{a.rows}, {a.hidden}] "
+          f"bf16 x {a.per_forward} per forward, {a.rounds} rounds; launch_of takes the C launch: {direct}")
+    for v, (launch, resolve) in got.items():
+        print(f"{v:10s} launch {statistics.median(launch):6.2f} us each, resolve {statistics.median(resolve):7.1f} us")
+    print(f"equal: {fps['launch_of'] == fps['launcher']}")
+
+
+if __name__ == "__main__":
+    main()
