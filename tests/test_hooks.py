@@ -423,3 +423,23 @@ def test_the_process_group_doors_record_what_the_kernel_did_and_leave_the_rest_t
     assert res["torch.ops (the kernel)"] == ([("all_reduce", "_c10d_functional.all_reduce", (4, 3), 2, "SUM", True)],
                                              0, 1)
     assert res["nested"] == [("all_reduce", "sglang.GroupCoordinator.all_reduce+c10d.allreduce_", True)]
+
+
+def test_tpprobe_audit_doors_0_keeps_every_collective_on_the_kernel():
+    """The diagnostic switch: with TPPROBE_AUDIT_DOORS=0 an Audit registers its kernels and leaves
+    ProcessGroup's methods as they are (and records through the kernel)."""
+    import subprocess
+    import sys
+    code = ("import os, torch, torch.distributed as dist\n"
+            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29700 + os.getpid() % 200))\n"
+            "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+            "from tpprobe.capture import audit\n"
+            "with audit.Audit(lambda t: ('m', None, 'x', None), keep=lambda w: False) as a:\n"
+            "    dist.all_reduce(torch.ones(2))\n"
+            "print(audit._doors.want_doors, getattr(dist.ProcessGroup.allreduce, '_tpprobe_door', False),"
+            " bool(audit._doors.libs), len(a.records), a.records[0].path)\n"
+            "dist.destroy_process_group()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "TPPROBE_AUDIT_DOORS": "0"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "False", "True", "1", "c10d.allreduce_"]
