@@ -38,6 +38,8 @@ import os
 
 import torch
 
+from ..capture.params import tensor_bytes
+
 from ._hashdef import (M32, QA, QB, SA, SKETCH_ROW, Fingerprint, column_signs, hash_hex, mix_a,  # noqa: F401
                        row_signs)
 
@@ -138,7 +140,7 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
     for e0 in range(0, n, chunk):
         e1 = min(n, e0 + chunk)
         if blake is not None:
-            blake.update(byts[e0 * isz:e1 * isz].numpy().tobytes())
+            blake.update(tensor_bytes(byts[e0 * isz:e1 * isz]))
         else:
             a, b = _hash_words(_words(byts[e0 * isz:e1 * isz]), e0 * isz // 4)
             la = (la + a) & M32
