@@ -23,8 +23,16 @@ def ranks_for(backend: str, nproc: int) -> int:
     return nproc
 
 
+def needs_gpus(n: int):
+    """The marks of a GPU-tier case that runs n NCCL ranks (one GPU each): `gpu`, and a skip that
+    says why on a machine with fewer than n GPUs (torch.cuda.device_count(), read at collection)."""
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} GPUs for NCCL (one per rank), this machine has "
+                                                       f"{gpu_count()} (runs on gloo in CI)")]
+
+
 # (backend, under torchrun): gloo through `tpprobe probe --nproc` in CI; NCCL through both
 # launchers on the GPU machine
 LAUNCHES = [pytest.param("gloo", False, id="gloo"),
-            pytest.param("nccl", False, marks=pytest.mark.gpu, id="nccl"),
-            pytest.param("nccl", True, marks=pytest.mark.gpu, id="nccl-torchrun")]
+            pytest.param("nccl", False, marks=needs_gpus(2), id="nccl"),
+            pytest.param("nccl", True, marks=needs_gpus(2), id="nccl-torchrun")]

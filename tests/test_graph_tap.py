@@ -15,7 +15,11 @@ import tempfile
 import pytest
 import torch
 
+from tests.conftest import needs_gpus
+
 pytestmark = pytest.mark.gpu
+# tp 1 on any GPU machine; tp 2 skips, saying why, where there are fewer than 2 GPUs
+TPS = [1, pytest.param(2, marks=needs_gpus(2))]
 
 TOKENS = (1, 8, 64)
 HEALTHY_TP2_TOKENS = TOKENS
@@ -129,7 +133,7 @@ def _results(tp):
     return _RESULTS[tp]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", TPS)
 def test_graph_replay_fingerprints_equal_eager_at_every_point(tp):
     metas, compares, settings = _results(tp)
     for cmp in compares:
@@ -149,7 +153,7 @@ def test_graph_replay_fingerprints_equal_eager_at_every_point(tp):
         assert all("in_fp" in a and "out_fp" in a for a in m[0]["allreduces"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", TPS)
 def test_healthy_graph_replay_has_no_findings(tp):
     from tpprobe.graph_probe import graph_findings
     metas, _, settings = _results(tp)
@@ -161,7 +165,7 @@ def test_healthy_graph_replay_has_no_findings(tp):
         assert _failures(findings) == []
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", TPS)
 def test_faults_in_the_graphed_model_are_named_exactly(tp):
     from tpprobe.graph_probe import graph_findings
     metas, _, settings = _results(tp)
