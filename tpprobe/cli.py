@@ -1,6 +1,7 @@
 """The command line: `tpprobe probe | report | diff | layers | invariance`.
 
-Exit codes: 0 healthy (rounding noise allowed), 1 findings, 2 bad usage or unreadable input.
+Exit codes: 0 healthy (rounding noise allowed), 1 findings, 2 bad usage or unreadable input,
+3 an internal error (a bug in tpprobe: one line naming the rank and step, the traceback with --debug).
 Bad usage is one line on stderr (what is wrong, what to do); --debug shows the traceback.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .errors import TPProbeError, UsageError
 from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage.")
+                  help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage, 3 internal error.")
 
 _DEBUG = {"on": False}
 
@@ -284,7 +285,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         code = e.exit_code
     except KeyboardInterrupt:
         code = 130
+    except Exception as e:                  # a bug in tpprobe itself: one line, its own exit code
+        from .errors import INTERNAL_EXIT, say_internal
+        say_internal(e, step=_command(argv), debug=_DEBUG["on"])
+        code = INTERNAL_EXIT
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _command(argv: list[str]) -> Optional[str]:
+    """`tpprobe report` for argv ['report', ...] (the step an internal error names)."""
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    return f"tpprobe {cmd}" if cmd else None
 
 
 def _choice_message(e, argv: list[str]) -> Optional[str]:

@@ -12,6 +12,7 @@ import torch
 
 from .capture.hooks import Tap
 from .capture.points import kept_beside_fingerprints
+from .errors import InternalError, raised_in_tpprobe
 from .exchange.device import after_forward
 from .exchange.fingerprint import PROBE_K, PROBE_SEED, Deferred
 
@@ -31,6 +32,8 @@ def forward_under_tap(target, opts, progress, layer_ids: list, keep_all: bool, g
         try:
             result = target.forward()
         except Exception as e:
+            if progress.collective is None and raised_in_tpprobe(e):
+                raise InternalError("forward", e) from e   # a hook of ours failed, not the model
             status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     status, error, settled = after_forward(tap, progress, target, summarize, opts.timeout, grace, status, error, cuda)
     return tap, result, status, error, settled

@@ -21,8 +21,10 @@ def _quiet_agent() -> None:
 
 
 def _agreed_code(e: ChildFailedError) -> int:
+    """Bad usage (2) over an internal error (3) over findings (1); a rank killed by a signal: 1."""
+    from .errors import INTERNAL_EXIT
     codes = [f.exitcode for f in e.failures.values()]
-    return 2 if 2 in codes else 1
+    return 2 if 2 in codes else INTERNAL_EXIT if INTERNAL_EXIT in codes else 1
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:

@@ -6,6 +6,7 @@ launch). It returns the exit code every rank agrees on: 0 healthy, 1 findings, 2
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from .capture.progress import Progress
 from .capture.record import rank_record
 from .checks.evidence import FingerprintEvidence, add_fingerprints
 from .checks.findings import exit_code
+from .errors import INTERNAL_EXIT, InternalError, TPProbeError, exception_text, say_internal
 from .checks.run import run_checks
 from .exchange.dist import (Channel, agree_out_dir, agree_ready, await_final, init, local_world, post_ready, shutdown,
                             start_channels)
@@ -48,6 +50,10 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     code, box = 1, {}
     try:
         code = _run(opts, ctx, ch, progress, grace, t_start, box)
+    except TPProbeError:
+        raise
+    except Exception as e:      # tpprobe's own code failed here: one line, exit 3, the others report it
+        code = _internal_error(e, ctx, ch, progress, opts.debug)
     finally:
         live.stop()
         progress.set("done")
@@ -60,6 +66,19 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     if not keep_group:      # keep_group: a caller that probes again on the same group (tests/test_zoo.py)
         shutdown(ctx)
     return code
+
+
+def _internal_error(e: Exception, ctx, ch, progress, debug: bool) -> int:
+    """A bug in tpprobe on this rank: say it in one line (the traceback with --debug), post it so the
+    live ranks' report names this rank and the step, and end with INTERNAL_EXIT."""
+    step = e.step if isinstance(e, InternalError) else progress.phase
+    cause = e.cause if isinstance(e, InternalError) else e
+    say_internal(cause, ctx.rank, step, debug)
+    try:
+        ch.post("crash", {"step": step, "error": exception_text(cause)})
+    except Exception:   # the store is gone too: the others see a dead rank
+        pass
+    return INTERNAL_EXIT
 
 
 @dataclass
@@ -113,7 +132,11 @@ def _prepare(me: _Rank) -> int:
     me.timings["start_s"] = time.time() - me.t_start
     if bad and ctx.rank == 0:
         from .report.terminal import error_line
-        error_line(bad[0]["error"])
+        if bad[0].get("internal"):
+            from .errors import internal_message
+            print(internal_message(bad[0]["error"], opts.debug), file=sys.stderr, flush=True)
+        else:
+            error_line(bad[0]["error"])
         if me.out is not None and me.created_out:
             remove_if_empty(me.out)
     return max(v.get("code", 2) for v in bad) if bad else 0
@@ -177,7 +200,7 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     ch, world = me.ch, me.ctx.world_size
     liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
     settings = run_settings(me.opts, me.ctx, me.target, me.layer_ids)
-    references = reference_streams(BuiltinConfig.from_options(me.opts)) if me.target.arch == "builtin" else None
+    references = reference_streams(BuiltinConfig.from_options(me.opts)) if me.target.arch == "builtin" and not me.opts.model else None
     t2 = time.time()
     result = run_checks(records, settings, liveness, references, evidence=evidence)
     report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,

@@ -42,7 +42,9 @@ class ProbeTarget:
     num_layers: int
     hidden_size: int
     dtype: torch.dtype
-    arch: str = "builtin"
+    # the architecture as the report shows it; "builtin" only for tpprobe's own model, whose
+    # unsharded tp=1 reference streams the checks compare against
+    arch: str = "custom"
     # The model's own packed aux hidden state (what the EAGLE-3 draft receives), when the model
     # packs it itself (SGLang): called after forward(); None when the probe packs from its hooks.
     packed_aux: Optional[Callable[[Any], Optional[torch.Tensor]]] = None

@@ -39,6 +39,8 @@ EXPLAIN = {
                        "silently dropped)",
     "reference-mismatch": "all ranks agree but differ from the unsharded tp=1 reference",
     "rank-error": "a rank raised an error during the probe",
+    "internal-error": "tpprobe's own code failed on a rank (a bug in tpprobe, not in the model): that rank's "
+                      "line says how to report it; the other ranks' records are checked as usual",
     "capture-mismatch": "ranks captured different points, shapes or dtypes: rank-dependent control flow "
                         "or a rank-specific capture path",
     "dims-mismatch": "the dims in the dump's meta contradict what the ranks hold (declared partial or sharded, "

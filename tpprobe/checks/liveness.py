@@ -30,7 +30,13 @@ def missing_rank_findings(missing: dict, records: dict, live: list[int], counts:
     roots: list[Finding] = []
     for r, info in sorted(missing.items()):
         stall = info.get("stall")
-        if stall and all(counts[q] <= stall["collective"]["seq"] for q in live):
+        if info.get("crash"):
+            c = info["crash"]
+            roots.append(Finding("internal-error", c["step"], [r],
+                                 detail=f"rank {r} hit an internal error in tpprobe in {c['step']}: {c['error']} "
+                                        f"(a bug in tpprobe, not in the model: its record is missing here; "
+                                        f"the rank's own line says how to report it)", evidence={"crash": c}))
+        elif stall and all(counts[q] <= stall["collective"]["seq"] for q in live):
             c = stall["collective"]
             audit = stall.get("audit") or []
             where, extra_at = extra_collective_place(audit, records[ref].meta.get("allreduces", []))
@@ -67,5 +73,25 @@ def missing_rank_findings(missing: dict, records: dict, live: list[int], counts:
     return roots
 
 
-def rank_error_findings(errors: dict[int, str]) -> list[Finding]:
-    return [Finding("rank-error", "probe", [r], detail=str(e)[:300]) for r, e in sorted(errors.items())]
+# what a rank's collective raises when a peer died or stopped answering: a consequence, never the cause
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Socket Timeout",
+             "timed out", "Broken pipe", "NCCL communicator was aborted", "DistBackendError", "DistNetworkError")
+
+
+def peer_gone(error: str) -> bool:
+    return any(p in str(error) for p in PEER_GONE)
+
+
+def rank_error_findings(errors: dict[int, str], roots: list[Finding]) -> list[Finding]:
+    """A rank whose own forward raised is the root; the ranks whose collectives then failed because
+    that peer stopped (gloo's "Connection closed by peer", a recv timeout) are its consequences, listed
+    under it (under a missing or crashed rank's finding when there is one), never a failure of their own."""
+    causes = {r: e for r, e in errors.items() if not peer_gone(e)}
+    after = {r: e for r, e in errors.items() if r not in causes}
+    found = [Finding("rank-error", "probe", [r], detail=str(e)[:300]) for r, e in sorted(causes.items())]
+    if not found and not roots:      # every error was a peer's absence, and no peer is known missing
+        return [Finding("rank-error", "probe", [r], detail=str(e)[:300]) for r, e in sorted(errors.items())]
+    head = (roots or found)[0]
+    head.consequences += [f"rank {r}: its collective failed once the peer stopped ({str(e)[:160]})"
+                          for r, e in sorted(after.items())]
+    return found

@@ -56,8 +56,8 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     counts = {r: len(records[r].meta.get("allreduces", [])) for r in live}
     roots += missing_rank_findings(missing, records, live, counts, (liveness or {}).get("flight_recorder"))
     errors = {r: records[r].meta.get("error") for r in live if records[r].meta.get("status") == "error"}
-    if errors and not roots:
-        roots += rank_error_findings(errors)
+    if errors:
+        roots += rank_error_findings(errors, roots)
     complete = not missing and not errors
 
     # ---- collective sequences ------------------------------------------------------------------
@@ -91,7 +91,7 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- consequences and noise ----------------------------------------------------------------
     material = [n for n in names if any(s["level"] in ("material", "shape") for s in point_stats.get(n, {}).values())]
     if roots:
-        roots[0].consequences = [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
+        roots[0].consequences = roots[0].consequences + [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
                                  f"differ" for n in material if n != roots[0].where][:64]
     set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
                     for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []

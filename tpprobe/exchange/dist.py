@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
+from ..errors import INTERNAL_EXIT, UsageError, internal_line
 from ..capture.progress import Progress
 from ..target import RankContext
 
@@ -364,7 +364,7 @@ def agree_ready(ch: Channel, world: int, timeout: float) -> list[dict]:
 
 def post_ready(ch: Channel, rank: int, debug: bool, prepare) -> None:
     """Run `prepare()` and post "ready": ok, or its error with the exit code every rank will end with
-    (a UsageError: 2; anything else, a bug or a broken install, 1 after its traceback)."""
+    (a UsageError: 2; anything else, a bug in tpprobe or a broken install: 3, its traceback with --debug)."""
     import traceback
     try:
         prepare()
@@ -373,10 +373,11 @@ def post_ready(ch: Channel, rank: int, debug: bool, prepare) -> None:
         if debug:    # the message says "run with --debug": show where it came from (the cause too)
             traceback.print_exc()
         ch.post("ready", {"ok": False, "error": str(e), "code": 2})
-    except Exception as e:
-        traceback.print_exc()
-        ch.post("ready", {"ok": False, "error": f"rank {rank} failed to build the model: "
-                                                f"{type(e).__name__}: {e}", "code": 1})
+    except Exception as e:      # tpprobe's own failure to build (or a broken install): exit 3
+        if debug:
+            traceback.print_exc()
+        ch.post("ready", {"ok": False, "error": internal_line(e, rank, "build"), "code": INTERNAL_EXIT,
+                          "internal": True})
 
 
 def start_channels(ctx: RankContext, timeout: float, progress) -> tuple[Channel, "Watchdog"]:

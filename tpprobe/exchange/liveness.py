@@ -19,7 +19,7 @@ def all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
     none of the others will issue."""
     now = time.time()
     for r in range(world):
-        if r in found:
+        if r in found or ch.get("crash", r) is not None:
             continue
         stall = ch.get("stall", r)
         if stall and all(p["n_allreduce"] <= stall["collective"]["seq"] for p in found.values()):
@@ -34,7 +34,11 @@ def all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
 def missing_info(ch: Channel, r: int, posts: dict) -> dict:
     hb, stall = ch.get("hb", r), ch.get("stall", r)
     info = {"heartbeat": hb, "stall": stall}
-    if hb is None and ch.get("ready", r) is not None:
+    crash = ch.get("crash", r)
+    if crash is not None:      # tpprobe's own code failed on that rank (probe.py _internal_error)
+        info["crash"] = crash
+        info["state"] = f"hit an internal error in tpprobe in {crash['step']}: {crash['error']}"
+    elif hb is None and ch.get("ready", r) is not None:
         info["heartbeat"] = {"phase": "forward"}
         info["state"] = "died (it built its model, then went silent)"
     elif hb is None:

@@ -139,6 +139,10 @@ def reduces_text(cov: dict, world: int, missing=()) -> str:
     return text
 
 
+# findings that say the forward stopped on some rank: what coverage did not see is not "not found"
+STOPPED_KINDS = ("rank-error", "rank-timeout", "internal-error", "collective-mismatch")
+
+
 def coverage_parts(report: dict) -> list[tuple[str, str, bool]]:
     """What was hooked and audited (part of the verdict: checks/coverage.py), as (what, text, bad)
     rows: the embedding, the decoder layers, the reduces per layer and rank, the paths they took."""
@@ -148,7 +152,9 @@ def coverage_parts(report: dict) -> list[tuple[str, str, bool]]:
     st = report.get("settings") or {}
     L = st.get("num_layers")
     found, ran = cov.get("layers_found"), cov.get("layers_ran")
-    emb = (f"{cov['embed']} (found by {cov.get('embed_how')})", False) if cov.get("embed") else ("NOT FOUND", True)
+    stopped = report.get("ranks_missing") or any(f.get("kind") in STOPPED_KINDS for f in report.get("findings", []))
+    emb = (f"{cov['embed']} (found by {cov.get('embed_how')})", False) if cov.get("embed") else \
+        ("not seen (the forward stopped before an embedding returned)", False) if stopped else ("NOT FOUND", True)
     hooked = f"{found} of {L} hooked" if L is not None else f"{found} hooked"
     if ran is not None and found and ran < found:
         hooked += f", {ran} ran"
