@@ -53,6 +53,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     cpu, seen = {}, set()
@@ -63,6 +69,7 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
         seen.add(v.untyped_storage().data_ptr())
         cpu[k] = v
     save_file(cpu, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~_umask())   # safetensors writes 0600: readable like the .json beside it
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -93,11 +100,22 @@ def estimate_bytes(n_tensors: int, tokens: int, hidden: int, dtype: torch.dtype)
 RUNS_DIR = "tpprobe-runs"
 
 
-def default_out_dir() -> str:
-    """A fresh folder under ./tpprobe-runs (that one folder is created here if absent)."""
+def default_out_dir(kind: str = "") -> str:
+    """A fresh folder under ./tpprobe-runs (that one folder is created here if absent), named
+    `[KIND-]YYYYmmdd-HHMMSS-XXXX`."""
     import time
     Path(RUNS_DIR).mkdir(exist_ok=True)
-    return f"{RUNS_DIR}/{time.strftime('%Y%m%d-%H%M%S-')}{os.urandom(2).hex()}"
+    return f"{RUNS_DIR}/{kind + '-' if kind else ''}{time.strftime('%Y%m%d-%H%M%S-')}{os.urandom(2).hex()}"
+
+
+def earlier_run_files(out: Path) -> list[str]:
+    """The files of an earlier tpprobe run in `out` (its manifest, report, rank files, invariance
+    parts): a new run never writes over them nor mixes its ranks with theirs."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir()
+                  if p.name in (MANIFEST, "report.json") or p.name.startswith("rank-")
+                  or (p.is_dir() and p.name.startswith("tp") and (p / MANIFEST).exists()))
 
 
 def remove_if_empty(out: Path) -> None:
@@ -143,6 +161,12 @@ def check_out_dir(out: Path, need_bytes: int) -> None:
     need_bytes <= 0 checks only that the folder can be created and written (the launcher does
     that before any rank starts; the ranks check the space once they know the model's size)."""
     check_parent_exists(out, "--out")
+    earlier = earlier_run_files(out) if need_bytes <= 0 else []
+    if earlier:
+        shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+        raise UsageError(f"--out {out} already holds a tpprobe run ({shown}): a new run would overwrite or mix "
+                         f"with it; choose a new folder (or leave --out out for a fresh one under {RUNS_DIR}/), "
+                         f"or remove that run first")
     try:
         out.mkdir(exist_ok=True)
         probe = out / f".tpprobe-write-test-{os.getpid()}"

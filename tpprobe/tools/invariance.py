@@ -466,10 +466,10 @@ def rank_argv(opts: InvarianceOptions, tp: int, out: Path) -> list[str]:
 
 def run(opts: InvarianceOptions) -> int:
     validate(opts)
-    from ..capture.files import check_out_dir
+    from ..capture.files import check_out_dir, default_out_dir
     from ..launch import launch_local
     p = opts.probe
-    root = Path(p.out or time.strftime("tpprobe-runs/invariance-%Y%m%d-%H%M%S-") + os.urandom(2).hex())
+    root = Path(p.out or default_out_dir("invariance"))
     check_out_dir(root, 0)
     runs: dict[int, list[dict]] = {}
     t_all = time.time()
