@@ -221,8 +221,9 @@ class Channel:
 
     def collect_rank(self, key: str, rank: int, deadline: float, poll: float = 0.05):
         while True:
+            late = time.time() >= deadline
             v = self.get(key, rank)
-            if v is not None or time.time() >= deadline:
+            if v is not None or late:       # the clock read first: a post before the deadline is seen
                 return v
             time.sleep(poll)
 
@@ -232,15 +233,21 @@ class Channel:
         stop_early(found) -> bool ends the wait before the deadline (e.g. the missing ranks are
         known to be stuck)."""
         found: dict[int, dict] = {}
-        while True:
+
+        def read():
             for r in range(self.world):
                 if r not in found:
                     v = self.get(key, r)
                     if v is not None:
                         found[r] = v
+        while True:
+            read()
             if len(found) == self.world or time.time() >= deadline:
                 return found
             if stop_early is not None and stop_early(found):
+                # what made it stop (a peer's stall, crash, silence) was read after the posts were:
+                # a post that landed in between is read now, never missed
+                read()
                 return found
             time.sleep(poll)
 
@@ -319,8 +326,9 @@ def agree_out_dir(opts, ctx, ch) -> tuple[str, bool]:
     v = None
     while v is None and time.time() < deadline:
         v = ch.get("out", 0)
-        if v is None and ch.get("ready", 0) is not None:   # rank 0 failed before choosing
-            break
+        if v is None and ch.get("ready", 0) is not None:   # rank 0 failed before choosing, or posted
+            v = ch.get("out", 0)                           # "out" just after the first read (it posts
+            break                                          # "out" before "ready": read it once more)
         time.sleep(0.05)
     if v is None:
         raise UsageError("rank 0 did not say where to write the capture (did it fail to start?)")

@@ -33,12 +33,15 @@ def all_missing_explained(ch: Channel, found: dict, world: int) -> bool:
 
 def missing_info(ch: Channel, r: int, posts: dict) -> dict:
     hb, stall = ch.get("hb", r), ch.get("stall", r)
+    ready = ch.get("ready", r)
+    if hb is None:          # read after "ready": a heartbeat posted between the two reads is seen
+        hb = ch.get("hb", r)
     info = {"heartbeat": hb, "stall": stall}
     crash = ch.get("crash", r)
     if crash is not None:      # tpprobe's own code failed on that rank (probe.py _internal_error)
         info["crash"] = crash
         info["state"] = f"hit an internal error in tpprobe in {crash['step']}: {crash['error']}"
-    elif hb is None and ch.get("ready", r) is not None:
+    elif hb is None and ready is not None:
         info["heartbeat"] = {"phase": "forward"}
         info["state"] = "died (it built its model, then went silent)"
     elif hb is None:
