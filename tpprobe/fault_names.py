@@ -22,12 +22,23 @@ FAULTS = {
     "kill-rank": ("F14", "rank", True),
     "hang-rank": ("F14", "rank", True),
     "drop-last-id": ("F15", None, False),
+    # a reduce that runs and is wrong, or is missing where nothing vouches for it (F22-F25): on the
+    # built-in model and, through GroupCoordinator.all_reduce, on SGLang's (tpprobe/sglang/faults.py)
+    "allreduce-scaled": ("F22", "layer", True),
+    "allreduce-one-buffer": ("F22", "layer", True),
+    "allreduce-stale": ("F22", "layer", True),
+    "allreduce-rank": ("F23", "rank", True),
+    "skip-allreduce-all": ("F24", None, False),
+    "skip-unreadable-allreduce": ("F25", "layer", True),
     # SGLang's own model only (--backend sglang): tpprobe/sglang/faults.py
     "fused-allreduce-capture": ("F16", None, False),
     "dp-attention-gather": ("F17", None, False),
     "capture-no-residual": ("F18", None, False),
 }
 SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+# faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
+BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
+        "skip-unreadable-allreduce")
 
 
 def inject_help() -> str:
@@ -38,5 +49,6 @@ def inject_help() -> str:
         names.append(name + (arg if required else f"(optional {arg})" if arg else ""))
     return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
             "e.g. skip-allreduce@2 or nan@1 (with --backend sglang: fused-allreduce-capture, capture-no-residual, "
-            "dp-attention-gather). Faults: " + ", ".join(names) +
+            "dp-attention-gather, and the reduce faults " + ", ".join(BOTH) + "; allreduce-scaled multiplies "
+            "by TPPROBE_INJECT_SCALE, default 2). Faults: " + ", ".join(names) +
             ". What each looks like: README 'The faults it names'")

@@ -19,19 +19,19 @@ import torch.distributed as dist
 from .errors import UsageError
 from .target import ProbeTarget, RankContext
 
-from .fault_names import FAULTS, SGLANG_ONLY, inject_help  # noqa: F401  (the names, torch-free for --help)
+from .fault_names import BOTH, FAULTS, SGLANG_ONLY, inject_help  # noqa: F401  (the names, torch-free for --help)
 
 
 def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
     """Built-in faults need the built-in model; the serving faults need SGLang's (UsageError)."""
     names = [s.partition("@")[0] for s in specs or []]
     serving = [n for n in names if n in SGLANG_ONLY]
-    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY]
+    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY and n not in BOTH]
     if model and names:
         raise UsageError("--inject works on the built-in model and on --backend sglang, not on --model")
     if backend == "sglang" and builtin:
         raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend sglang inject "
-                         f"{', '.join(SGLANG_ONLY)}")
+                         f"{', '.join(SGLANG_ONLY + BOTH)}")
     if backend != "sglang" and serving:
         raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
 
@@ -101,10 +101,10 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
     if not faults:
         return
     model = target.model
-    if all(f.name in SGLANG_ONLY for f in faults) and not isinstance(model, TPModel):
+    if all(f.name in SGLANG_ONLY + BOTH for f in faults) and not isinstance(model, TPModel):
         from .sglang.faults import inject
         for f in faults:
-            inject(f.name, model)
+            inject(f.name, model, f.arg, ctx)
         return
     if not isinstance(model, TPModel):
         raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
@@ -177,6 +177,127 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
             model.layers[mid].register_forward_pre_hook(_die)
         elif n == "hang-rank" and mine:
             model.layers[mid].register_forward_pre_hook(_hang)
+        elif n == "skip-allreduce-all":           # F24: reduce_results=False in every layer
+            for layer in model.layers:
+                layer.self_attn.o_proj.reduce_results = False
+        elif n in ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank",
+                   "skip-unreadable-allreduce"):
+            at = model.layers[mid if n == "allreduce-rank" else k].self_attn.o_proj
+            comm = Communicator(ctx, n, at, rank=f.arg if n == "allreduce-rank" else None)
+            comm.install(model)
+            target.tap_extensions = (*target.tap_extensions, comm.extension)
+
+
+# ---- F22-F25: the built-in model's reduces through a communicator of its own ------------------------
+# Engines do not reduce through torch.distributed.all_reduce alone: vLLM's custom all-reduce, its CPU
+# shared-memory `_C.shm_allreduce`, SGLang's GroupCoordinator sit above c10d (or beside it), and that
+# is the part that breaks. `Communicator` gives the built-in model one: every row-parallel module
+# (o_proj, down_proj) is built with reduce_results=False and reduces through it. It reports each
+# reduce to the audit the way such a wrapper does (`tap.collective`, capture/audit.py: the c10d op it
+# runs inside is folded into that one record), so the audit reads its input and its output, and one
+# call, at one module, goes wrong as the catalogue says:
+#
+#   allreduce-scaled@K      F22  layer K's o_proj reduce returns the sum × TPPROBE_INJECT_SCALE (2) on every rank
+#   allreduce-one-buffer@K  F22  ... returns rank 0's input on every rank (one rank's buffer handed to all)
+#   allreduce-stale@K       F22  ... returns the previous reduce's output (zeros for the first: a fresh buffer)
+#   allreduce-rank@R        F23  on rank R only, the middle layer's o_proj reduce returns R's own input
+#                                (the sum never happened there: a one-shot read before the peers' writes)
+#   skip-unreadable-allreduce@K  F25  the reduces go through an op the audit can count but not read (a
+#                                custom op named like vLLM's `_C.shm_allreduce`), and layer K's is never issued
+#
+# Each corrupt call still runs the real reduce, so every rank issues the same collectives (a rank
+# that skipped one would hang its peers, a different fault: F12/F14).
+PATH = "tpprobe.faults.Communicator.all_reduce"
+_SHM: dict = {"lib": None, "group": None}
+
+
+def _shm_allreduce_impl(x: torch.Tensor) -> torch.Tensor:
+    # the sum runs on a helper thread: the audit watches its own thread only, so like the real
+    # shared-memory kernel the op is one collective the audit can count and not look inside
+    import threading
+
+    y = x.clone()
+    t = threading.Thread(target=dist.all_reduce, args=(y,), kwargs={"group": _SHM["group"]})
+    t.start()
+    t.join()
+    return y
+
+
+def shm_allreduce_op(group):
+    """torch.ops.tpprobe_fault.shm_allreduce: an all-reduce the audit counts by name but cannot read."""
+    _SHM["group"] = group
+    if _SHM["lib"] is None:
+        lib = torch.library.Library("tpprobe_fault", "DEF")
+        lib.define("shm_allreduce(Tensor x) -> Tensor")
+        lib.impl("shm_allreduce", _shm_allreduce_impl, "CompositeExplicitAutograd")
+        _SHM["lib"] = lib
+    return torch.ops.tpprobe_fault.shm_allreduce
+
+
+class Communicator:
+    def __init__(self, ctx: RankContext, fault: str, at: torch.nn.Module, rank: Optional[int] = None):
+        self.ctx, self.fault, self.at, self.rank = ctx, fault, at, rank
+        self.scale = float(os.environ.get("TPPROBE_INJECT_SCALE", "2"))
+        self.tap = None
+        self.last: Optional[torch.Tensor] = None
+        self.shm = shm_allreduce_op(ctx.group) if fault == "skip-unreadable-allreduce" else None
+
+    def install(self, model) -> None:
+        from .model import RowParallelLinear
+
+        for layer in model.layers:
+            for m in layer.modules():
+                if isinstance(m, RowParallelLinear):
+                    m.reduce_results = False
+                    m.forward = self._forward(m)
+
+    def _forward(self, m):
+        from .model import RowParallelLinear
+
+        def forward(x, m=m):
+            return self.all_reduce(RowParallelLinear.forward(m, x), m is self.at)
+        return forward
+
+    def extension(self, tap) -> list:
+        self.tap = tap if getattr(tap, "audit", False) else None
+        comm = self
+
+        class _Off:
+            def remove(self):
+                comm.tap = None
+        return [_Off()]
+
+    def all_reduce(self, out: torch.Tensor, hit: bool) -> torch.Tensor:
+        if self.ctx.world_size == 1:
+            return out
+        if self.shm is not None:
+            return out if hit else self.shm(out)          # F25: this one is never issued
+        if self.tap is None:
+            y = self._reduce(out, hit)
+        else:
+            with self.tap.collective("all_reduce", PATH, out, self.ctx.world_size) as rec:
+                y = self._reduce(out, hit)
+                rec.output(y)
+        self.last = y.detach().clone()
+        return y
+
+    def _reduce(self, out: torch.Tensor, hit: bool) -> torch.Tensor:
+        mine = out.detach().clone()
+        y = out.clone()
+        dist.all_reduce(y, group=self.ctx.group)
+        if not hit or (self.rank is not None and self.rank != self.ctx.rank):
+            return y
+        if self.fault == "allreduce-scaled":
+            return y * self.scale
+        if self.fault == "allreduce-one-buffer":
+            dist.broadcast(mine, src=dist.get_global_rank(self.ctx.group, 0) if self.ctx.group else 0,
+                           group=self.ctx.group)
+            return mine
+        if self.fault == "allreduce-stale":
+            return self.last.clone() if self.last is not None and self.last.shape == y.shape else torch.zeros_like(y)
+        if self.fault == "allreduce-rank":
+            return mine
+        return y
 
 
 def _nudge_ulp(module, args, out):

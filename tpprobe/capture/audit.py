@@ -293,6 +293,7 @@ def _door(raw, read):
             with _GUARD():
                 return raw(self, *args, **kwargs)
         rec = a.begin(kind, path, inp, self.size(), op)
+        rec.group_ranks = _sub_ranks(self, rec.group_size)
         with _GUARD():
             work = raw(self, *args, **kwargs)
         if work is not None:
@@ -435,6 +436,22 @@ def _group_size_of(pg) -> int:
         return dist.ProcessGroup.unbox(pg).size()
     except Exception:
         return -1
+
+
+def _sub_ranks(pg, size: int) -> Optional[list]:
+    """The global ranks of a sub-group collective (None for the whole world, or when unknown): the
+    check sums over these ranks only. Asked only when the group is smaller than the world."""
+    try:
+        if size <= 0 or not dist.is_initialized() or size >= dist.get_world_size():
+            return None
+        if isinstance(pg, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+            pg = _resolve_process_group(pg)
+        elif isinstance(pg, torch.ScriptObject):
+            pg = dist.ProcessGroup.unbox(pg)
+        return [int(r) for r in dist.get_process_group_ranks(pg)]
+    except Exception:
+        return None
 
 
 def _named_group_size(name: str) -> int:
@@ -635,6 +652,7 @@ def _c10d_allreduce(a: Audit, func, args, kwargs):
         a.end(rec, None)
         return res
     rec = a.begin("all_reduce", "c10d.allreduce_", tensors[0], _group_size_of(pg), op)
+    rec.group_ranks = _sub_ranks(pg, rec.group_size)
     res = func(*args, **kwargs)
     _wait(res)
     a.end(rec, tensors[0])
@@ -644,6 +662,7 @@ def _c10d_allreduce(a: Audit, func, args, kwargs):
 def _fn_allreduce(a: Audit, func, args, kwargs):
     inp, op, group = args[0], args[1], args[2]
     rec = a.begin("all_reduce", f"_c10d_functional.{func._opname}", inp, _named_group_size(group), op)
+    rec.group_ranks = _sub_ranks(group, rec.group_size)
     out = func(*args, **kwargs)
     torch.ops._c10d_functional.wait_tensor(out)
     a.end(rec, out)
@@ -653,6 +672,7 @@ def _fn_allreduce(a: Audit, func, args, kwargs):
 def _c10d_reduce_scatter(a: Audit, func, args, kwargs):
     out, inp, pg, op = args[0], args[1], args[2], args[3]
     rec = a.begin("reduce_scatter", "c10d._reduce_scatter_base_", inp, _group_size_of(pg), op)
+    rec.group_ranks = _sub_ranks(pg, rec.group_size)
     res = func(*args, **kwargs)
     _wait(res)
     a.end(rec, out)
@@ -671,6 +691,7 @@ def _fn_reduce_scatter(a: Audit, func, args, kwargs):
 def _c10d_all_gather(a: Audit, func, args, kwargs):
     out, inp, pg = args[0], args[1], args[2]
     rec = a.begin("all_gather", "c10d._allgather_base_", inp, _group_size_of(pg), "CAT")
+    rec.group_ranks = _sub_ranks(pg, rec.group_size)
     res = func(*args, **kwargs)
     _wait(res)
     a.end(rec, out)
@@ -697,13 +718,33 @@ _HANDLERS = {
 }
 
 
-def expected_output(kind: str, ins: list[torch.Tensor], rank: int, world: int) -> Optional[torch.Tensor]:
-    """What a complete collective returns on `rank`, from every rank's input (float64)."""
+def _reduce(ins: list[torch.Tensor], op: str) -> Optional[torch.Tensor]:
+    """The reduction `op` of the inputs, in float64 (None for an op without a definition here)."""
+    xs = [t.double() for t in ins]
+    if op == "SUM":
+        return sum(xs)
+    if op == "AVG":
+        return sum(xs) / len(xs)
+    if op == "MAX":
+        return torch.stack(xs).amax(0)
+    if op == "MIN":
+        return torch.stack(xs).amin(0)
+    if op == "PRODUCT":
+        return torch.stack(xs).prod(0)
+    return None
+
+
+def expected_output(kind: str, ins: list[torch.Tensor], rank: int, world: int,
+                    op: str = "SUM") -> Optional[torch.Tensor]:
+    """What a complete collective returns on `rank`, from every rank's input (float64), by its
+    own definition: the reduction `op` (SUM, AVG, MAX, MIN, PRODUCT); a reduce-scatter's `rank`-th
+    slice of it; an all-gather's concatenation."""
     if kind == "all_reduce":
-        return sum(t.double() for t in ins)
+        return _reduce(ins, op)
     if kind == "reduce_scatter":
-        total = sum(t.double() for t in ins)
-        return total.chunk(world, 0)[rank] if total.dim() and total.shape[0] % world == 0 else None
+        total = _reduce(ins, op)
+        return total.chunk(world, 0)[rank] if total is not None and total.dim() and total.shape[0] % world == 0 \
+            else None
     if kind == "all_gather":
         return torch.cat([t.double() for t in ins], 0)
     return None

@@ -1,23 +1,43 @@
-"""All-reduce completeness: every audited all-reduce's output against the sum over ranks of its
-inputs (exact, within rounding, or incomplete)."""
+"""All-reduce completeness: every audited collective's output against what its own definition
+returns from every rank's input (SUM, AVG, MAX, MIN, PRODUCT; a reduce-scatter's slice of the
+reduction, an all-gather's concatenation): exact, within rounding, or incomplete. What cannot be
+checked (tensors not readable, an op the exchange mode cannot judge) is counted under `unchecked`
+with the reason, never dropped."""
 from __future__ import annotations
+
+# ops each exchange mode can check: full tensors check every op exactly; linear sketches only the
+# linear ones (the sketch of a max or a product is not a function of the inputs' sketches)
+TENSOR_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "CAT")
+SKETCH_OPS = ("SUM", "AVG", "CAT")
 
 
 def allreduce_audit(ev, records, live, world) -> dict:
     n = min(len(records[r].meta.get("allreduces", [])) for r in live)
     # tensors: each output against the sum of the inputs, element by element (exact or within rounding);
     # sketch: fingerprints only, which prove a sum complete within rounding, never bit-exact
-    res = {"checked": 0, "complete": 0, "noise": 0, "incomplete": 0, "records": [],
-           "method": getattr(ev, "audit_method", "tensors")}
+    method = getattr(ev, "audit_method", "tensors")
+    ops = SKETCH_OPS if method == "sketch" else TENSOR_OPS
+    res = {"checked": 0, "complete": 0, "noise": 0, "incomplete": 0, "unchecked": 0, "unchecked_why": {},
+           "records": [], "method": method}
     for i in range(n):
         metas = [records[r].meta["allreduces"][i] for r in live]
         m = metas[0]
-        entry = {k: m[k] for k in ("seq", "where", "module", "source", "shape", "dtype", "group_size", "op")}
+        entry = {k: m.get(k) for k in ("seq", "where", "module", "source", "shape", "dtype", "group_size", "op",
+                                       "layer", "group")}
         entry.update(kind=m.get("kind", "all_reduce"), path=m.get("path", "torch.distributed.all_reduce"))
-        per = ev.allreduce(i, live, m) if m["op"] in ("SUM", "CAT") and len(live) == world \
-            and m.get("checked", True) else None
+        why = None
+        if not m.get("checked", True):
+            why = "tensors not readable"
+        elif m["op"] not in ops:
+            why = f"op {m['op']} not checkable from {'sketches' if method == 'sketch' else 'tensors'}"
+        elif len(live) != world:
+            why = "not every rank's record"
+        per = None if why else ev.allreduce(i, live, m)
         if per is None:
-            entry["level"] = "unchecked"
+            why = why or "tensors not kept"
+            entry["level"], entry["unchecked"] = "unchecked", why
+            res["unchecked"] += 1
+            res["unchecked_why"][why] = res["unchecked_why"].get(why, 0) + 1
             res["records"].append(entry)
             continue
         levels = {p["level"] for p in per.values()}

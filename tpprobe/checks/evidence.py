@@ -154,24 +154,29 @@ class TensorEvidence:
         return compare(s, reference.double(), dtype=self.dtype)["level"]
 
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
-        """Each rank's output of collective i against what a complete one returns (the sum of every
-        rank's input; for a reduce-scatter, this rank's chunk of it; for an all-gather, the concatenation)."""
+        """Each rank's output of collective i against what a complete one returns by its own
+        definition (the op over every rank's input; for a reduce-scatter, this rank's chunk of it;
+        for an all-gather, the concatenation), and, where it is not that, what it looks like."""
         from ..capture.audit import expected_output
         ins = {r: self.tensor(allreduce_in(i), r) for r in live}
         outs = {r: self.tensor(allreduce_out(i), r) for r in live}
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or len({tuple(v.shape) for v in ins.values()}) > 1:
             return None
-        kind = meta.get("kind", "all_reduce")
+        kind, op = meta.get("kind", "all_reduce"), meta.get("op", "SUM")
         per = {}
         for j, r in enumerate(live):
             # a sub-group reduce (SGLang's attention-TP group under DP attention) involves its members only
-            members = [q for q in (self.records[r].meta["allreduces"][i].get("group_ranks") or live) if q in ins]
-            exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members))
+            members = group_members(self.records[r].meta["allreduces"][i], live)
+            exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members), op)
             if exp is None:
                 return None
-            c = reduce_check(outs[r], [ins[q] for q in members], exp, outs[r].dtype)
+            c = reduce_check(outs[r], [ins[q] for q in members] if op in ("SUM", "AVG", "CAT") else [exp],
+                             exp, outs[r].dtype)
             per[str(r)] = {"level": c["level"], "rel_norm": c["rel_norm"], "max_abs": c["max_abs"]}
+            if c["level"] == "material" and kind == "all_reduce":
+                prev = self.tensor(allreduce_out(i - 1), r) if i > 0 else None
+                per[str(r)]["looks"] = looks_like(outs[r], exp, {q: ins[q] for q in members}, prev, outs[r].dtype)
         return per
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
@@ -242,31 +247,125 @@ class FingerprintEvidence(TensorEvidence):
         return "noise" if ok else "material"
 
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
-        """The same check on sketches (linear: sketch(out) ~ sum of sketches of the inputs); a
-        reduce-scatter is checked chunk by chunk, an all-gather on its output's chunks' hashes."""
-        recs = [self.records[r].meta["allreduces"][i] for r in live]
-        if any("in_fp" not in a or "out_fp" not in a for a in recs):
+        """The same check on sketches (linear: sketch(out) ~ sum of sketches of the inputs; AVG: m
+        x sketch(out)); a reduce-scatter is checked chunk by chunk, an all-gather on its output's
+        chunks' hashes. No tensor is moved: what a wrong output looks like is read off the sketches
+        too (a scaled sum, one rank's input, the previous call's output, zeros)."""
+        recs = {r: self.records[r].meta["allreduces"][i] for r in live}
+        if any("in_fp" not in a or "out_fp" not in a for a in recs.values()):
             return None
-        kind = meta.get("kind", "all_reduce")
+        kind, op = meta.get("kind", "all_reduce"), meta.get("op", "SUM")
         per = {}
-        for j, (r, a) in enumerate(zip(live, recs)):
+        for r in live:
+            a = recs[r]
+            members = group_members(a, live)
+            j = members.index(r)
             if kind == "all_gather":
                 outs = [Fingerprint.from_json(f) for f in a["out_fp"]]
-                ins = [Fingerprint.from_json(b["in_fp"]) for b in recs]
+                ins = [Fingerprint.from_json(recs[q]["in_fp"]) for q in members]
                 ok = len(outs) == len(ins) and all(o.bit_hash == x.bit_hash for o, x in zip(outs, ins))
                 per[str(r)] = {"level": "exact" if ok else "material", "rel_norm": 0.0 if ok else None}
                 continue
             if kind == "reduce_scatter":
-                ins = [Fingerprint.from_json(b["in_fp"][j]) for b in recs]
+                ins = [Fingerprint.from_json(recs[q]["in_fp"][j]) for q in members]
             else:
-                ins = [Fingerprint.from_json(b["in_fp"]) for b in recs]
+                ins = [Fingerprint.from_json(recs[q]["in_fp"]) for q in members]
             out = Fingerprint.from_json(a["out_fp"])
+            if op == "AVG":
+                out = scaled_fp(out, float(len(members)))
             ok, rel = sum_matches(out, ins, getattr(torch, out.dtype))
             per[str(r)] = {"level": "noise" if ok else "material", "rel_norm": rel}
+            if not ok and kind == "all_reduce" and op == "SUM":
+                prev = self.records[r].meta["allreduces"][i - 1] if i > 0 else None
+                prev_fp = Fingerprint.from_json(prev["out_fp"]) if prev and isinstance(prev.get("out_fp"), dict) \
+                    else None
+                per[str(r)]["looks"] = fp_looks_like(out, dict(zip(members, ins)), prev_fp, getattr(torch, out.dtype))
         return per
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         return self.records[r].meta.get("slot_match")
+
+
+# ---- what a wrong reduce output looks like -------------------------------------------------------
+def group_members(rec: dict, live: list[int]) -> list[int]:
+    """The ranks a collective sums over: its sub-group's when it has one, else every live rank."""
+    return [q for q in (rec.get("group_ranks") or live) if q in live]
+
+
+def _scale_ok(resid: float, norm: float, dtype: torch.dtype, ranks: int) -> bool:
+    from .noise import reduce_bound
+    return norm > 0 and resid <= reduce_bound(dtype, ranks) * norm
+
+
+def looks_like(out: torch.Tensor, exp: torch.Tensor, ins: dict, prev: Optional[torch.Tensor],
+               dtype: torch.dtype) -> dict:
+    """What an all-reduce output that is not the sum is: zeros, one rank's input handed back, the
+    previous call's output (a stale buffer), the sum scaled by a factor, or none of these."""
+    o, e = out.double(), exp.double()
+    no = float(torch.linalg.vector_norm(o))
+    if no == 0.0:
+        return {"as": "zeros"}
+    for q, t in ins.items():
+        if t.shape == out.shape and _scale_ok(float(torch.linalg.vector_norm(o - t.double())), no, dtype, 1):
+            return {"as": "input", "rank": q}
+    if prev is not None and prev.shape == out.shape and \
+            _scale_ok(float(torch.linalg.vector_norm(o - prev.double())), no, dtype, 1):
+        return {"as": "previous"}
+    ee = float((e * e).sum())
+    if ee > 0:
+        alpha = float((o * e).sum()) / ee
+        if _scale_ok(float(torch.linalg.vector_norm(o - alpha * e)), no, dtype, len(ins)):
+            return {"as": "scaled", "factor": alpha}
+    return {"as": "other"}
+
+
+def scaled_fp(f: Fingerprint, c: float) -> Fingerprint:
+    """The fingerprint of c x the tensor (its sketch and sums; the hash is no longer the tensor's)."""
+    return Fingerprint(shape=f.shape, dtype=f.dtype, bit_hash="scaled:" + f.bit_hash, sketch=[c * x for x in f.sketch],
+                       sumsq=c * c * f.sumsq, absmax=abs(c) * f.absmax, n_nan=f.n_nan, n_inf=f.n_inf,
+                       row_nonzero=f.row_nonzero, seed=f.seed)
+
+
+def _fp_resid(a: list, b: list, norm: float, k: int) -> float:
+    """||a - b|| / (sqrt(k) x norm) from two sketches: the sketch's estimate of a relative difference."""
+    if norm <= 0:
+        return math.inf
+    return math.sqrt(math.fsum((x - y) ** 2 for x, y in zip(a, b))) / (math.sqrt(k) * norm)
+
+
+def fp_looks_like(out: Fingerprint, ins: dict, prev: Optional[Fingerprint], dtype: torch.dtype) -> dict:
+    """looks_like() from fingerprints alone: the sketch is linear, so the sum's sketch is the sum of
+    the inputs' and the best factor is <sk(out), sk(sum)> / <sk(sum), sk(sum)>."""
+    from .noise import reduce_bound
+    if out.sumsq == 0.0:
+        return {"as": "zeros"}
+    no, k = math.sqrt(out.sumsq), out.k
+    tol = 2.0 * reduce_bound(dtype, len(ins))      # the sketch's estimate spreads: twice the bound
+    for q, f in ins.items():
+        if f.bit_hash == out.bit_hash or _fp_resid(out.sketch, f.sketch, no, k) <= tol:
+            return {"as": "input", "rank": q}
+    if prev is not None and prev.shape == out.shape and \
+            (prev.bit_hash == out.bit_hash or _fp_resid(out.sketch, prev.sketch, no, k) <= tol):
+        return {"as": "previous"}
+    se = [math.fsum(f.sketch[j] for f in ins.values()) for j in range(k)]
+    ee = math.fsum(x * x for x in se)
+    if ee > 0:
+        alpha = math.fsum(x * y for x, y in zip(out.sketch, se)) / ee
+        if _fp_resid(out.sketch, [alpha * x for x in se], no, k) <= tol:
+            return {"as": "scaled", "factor": alpha}
+    return {"as": "other"}
+
+
+def looks_text(lk: Optional[dict]) -> str:
+    if not lk:
+        return "not the sum of its inputs"
+    return {"zeros": "zeros",
+            "input": f"rank {lk.get('rank')}'s input alone (the sum never happened)",
+            "previous": "the previous all-reduce's output (a stale buffer)",
+            "scaled": f"the sum scaled by {lk.get('factor', float('nan')):.4g}"}.get(lk["as"], "not the sum of its inputs "
+                                                                                              "(nor a scaled sum, one "
+                                                                                              "rank's input, zeros or "
+                                                                                              "the previous output)")
 
 
 # ---- what a rank sends instead of its tensors (--exchange fingerprint) ---------------------------

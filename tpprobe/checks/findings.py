@@ -11,6 +11,10 @@ EXPLAIN = {
     "partial-allreduce": "the tensor is one rank's partial sum: its all-reduce did not run (SGLang skips "
                          "the embedding reduce when attention input is scattered under DP attention; a "
                          "row-parallel layer built with reduce_results=False whose caller never reduces)",
+    "allreduce-incomplete": "a reduce ran and returned the wrong value: a custom / one-shot all-reduce that read "
+                            "its peers' buffers before their writes landed, a stale buffer, a broken driver or "
+                            "link (vLLM custom all-reduce 'complete, fast, with wrong output'); the audit's own "
+                            "input and output of that reduce show it",
     "subgroup-allreduce": "the all-reduce ran over a sub-group of the TP ranks (e.g. the attention-TP group "
                           "instead of the TP group): ranks agree inside each sub-group and differ across them",
     "rank-divergence": "one rank's values differ materially from the others (a stale or wrong weight shard, "
@@ -78,7 +82,8 @@ class Finding:
     def to_json(self) -> dict:
         d = asdict(self)
         d["line"] = self.line
-        d["explain"] = EXPLAIN.get(self.kind, "")
+        # a finding may say why more exactly than its kind's sentence (what its evidence points at)
+        d["explain"] = self.evidence.get("explain") or EXPLAIN.get(self.kind, "")
         return d
 
 

@@ -29,6 +29,7 @@ from .evidence import TensorEvidence
 from .findings import FAILURE, Finding
 from .liveness import missing_rank_findings, rank_error_findings
 from .noise import dtype_from_str
+from .reduces import first_divergence, incomplete_findings, incomplete_records, point_key, reduce_key
 from .reference import reference_check
 from .slots import check_slots
 from .stream import diagnose_stream, silent_missing_reduce
@@ -73,11 +74,20 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     ar["count_per_rank"] = {str(r): c for r, c in counts.items()}
     out["allreduce"] = ar
 
+    # ---- a reduce that ran and returned the wrong value (its own measurement) --------------------
+    wrong = incomplete_findings(ar, records, live, world) if complete else []
+
     # ---- root cause on the residual stream -----------------------------------------------------
     if complete and not roots:
-        roots += diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references)
-        if not roots:
-            roots += silent_missing_reduce(records, live, world)
+        first = first_divergence(point_stats)
+        inc = incomplete_records(ar)
+        if inc and (first is None or reduce_key(inc[0]) < point_key(first)):
+            roots += wrong          # first in model order: what diverges later follows from it
+            wrong = []
+        else:
+            roots += diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references)
+            if not roots:
+                roots += silent_missing_reduce(records, live, world)
 
     # ---- slots: what the draft model receives --------------------------------------------------
     slot_findings, out["slots"] = check_slots(ev, records, live, settings) if complete else ([], [])
@@ -98,7 +108,7 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------
     out["coverage"] = coverage_summary(records, live)
     cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
-    findings += roots + slot_findings + set_findings + cov_findings
+    findings += roots + wrong + slot_findings + set_findings + cov_findings
     explained = {f.where for f in findings} | ({AUX_PACKED} if slot_findings else set())
     findings += rounding_noise(names, point_stats, explained)
     if references and complete and not any(f.severity == FAILURE for f in findings):

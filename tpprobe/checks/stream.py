@@ -46,7 +46,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                       if "sum_over_ranks_vs_reference" in evid else ""),
                             evidence=evid)]
     # an all-reduce over a sub-group in this layer
-    sub = [a for a in ar.get("records", []) if a.get("group_size", world) < world
+    # (a record the audit could not read has group_size -1: it says nothing about groups)
+    sub = [a for a in ar.get("records", []) if 0 < (a.get("group_size") or world) < world
            and a["where"] == layer_place(layer)]
     if sub:
         groups = classes(ev, first, [r for r in live if r in point_stats[first]])
@@ -61,11 +62,21 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         mod = unreduced[0]["module"]
         ranks = sorted({r for r in live for u in records[r].meta.get("unreduced_rows", []) if u["module"] == mod})
         n_here = Counter(a["where"] for a in records[live[0]].meta.get("allreduces", []))
-        typical = Counter(n for w, n in n_here.items() if is_layer_place(w)).most_common(1)
+        typical = Counter(n for w, n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
         others = f" (other layers: {typical[0][0]})" if typical else ""
+        every = sorted({u["layer"] for r in live for u in records[r].meta.get("unreduced_rows", [])
+                        if u["layer"] is not None and _relative(u["module"], _layer_name(records, live, u["layer"]))
+                        == _relative(mod, _layer_name(records, live, layer))})
+        n_layers = (records[live[0]].meta.get("coverage") or {}).get("layers_found") or 0
+        span = (f"; the same module's output is unreduced in every layer ({len(every)} of {n_layers})"
+                if n_layers > 1 and len(every) == n_layers else
+                f"; also unreduced in layers {[k for k in every if k != layer]}" if len(every) > 1 else "")
+        path = _path_of(records, live, mod, layer)
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
-                        detail=f"{mod} output was never all-reduced: {n_here.get(layer_place(layer), 0)} all-reduce(s) "
-                               f"ran in layer {layer}{others}; from here on the stream holds each rank's partial sum",
+                        detail=f"{mod} output (row-parallel: each rank holds a partial sum) was never all-reduced"
+                               f"{' (' + path + ')' if path else ''}: {n_here.get(layer_place(layer), 0)} "
+                               f"all-reduce(s) ran in layer {layer}{others}{span}; from here on the stream holds "
+                               f"each rank's partial sum",
                         evidence={"unreduced": unreduced, "missing_allreduce": {"where": layer_place(layer), "module": mod},
                                   **({"all_ranks": True} if len(ranks) == world else {})})]
     # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
@@ -78,10 +89,16 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     groups = classes(ev, first, [r for r in live if r in point_stats[first]])
     odd = sorted(r for g in groups[1:] for r in g) if len(groups) > 1 else bad(first)
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
+    # no parameter differs and the audit saw every reduce complete: nothing points at a weight shard
+    # (the replicated parameters that differ were named above), so the why line does not say so
     return [Finding("rank-divergence", first, odd,
                     detail=f"{point_label(first)} differs materially on rank{'s' if len(odd) > 1 else ''} "
                            f"{', '.join(map(str, odd))} ({_size_text(s)})",
-                    evidence={"groups": groups})]
+                    evidence={"groups": groups, "explain": (
+                        "these ranks compute something different from the others from here on, while every "
+                        "replicated parameter agrees across ranks and every audited reduce returned the sum of "
+                        "its inputs: a TP-sharded weight the probe cannot compare across ranks, a rank-dependent "
+                        "code path, or a computation outside the audited collectives")})]
 
 
 REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
@@ -156,6 +173,21 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
                            f"rank's partial sum"),
                    evidence={"reduces_in_layer": n_here, "typical": typical,
                              **({"all_ranks": True} if len(short) == world else {})})
+
+
+def _layer_name(records, live, k) -> str:
+    names = (records[live[0]].meta.get("coverage") or {}).get("layer_names") or []
+    return names[k] if k is not None and 0 <= k < len(names) else f"layer {k}"
+
+
+def _path_of(records, live, module: str, layer) -> str:
+    """The door the same module's reduce takes in another layer (what the missing one would go through)."""
+    rel = _relative(module, _layer_name(records, live, layer))
+    for a in _reduces(records[live[0]].meta):
+        k = a.get("layer")
+        if k is not None and k != layer and _relative(a.get("source") or a["module"], _layer_name(records, live, k)) == rel:
+            return f"its reduce goes through {a.get('path', 'c10d.allreduce_')} in layer {k}"
+    return ""
 
 
 def _size_text(s: dict) -> str:

@@ -1,0 +1,94 @@
+"""A reduce that ran and returned the wrong value (F22, F23): the audit's own measurement as a finding.
+
+The audit compares each collective's output, on every rank, with what its definition returns from
+every rank's input (checks/allreduce.py). A record it calls incomplete is a failure of its own,
+`allreduce-incomplete`, at its place: the layer and issuing module, the reduce number, the path it
+came through, its group, the ranks whose output is wrong with their error, and what the output is
+instead (a scaled sum and its factor, one rank's input, the previous call's output, zeros).
+
+It is the root cause when it comes first in model order: a reduce inside layer k precedes the
+stream leaving layer k (layer.k.out) and follows the layer's input norm (layer.k.in_norm). When
+every rank got the same wrong sum the ranks agree, and the audit's pair is the only evidence; when
+one rank's is wrong, that rank diverges from there on, and the divergence follows from it (it is
+not a stale weight shard).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..capture.points import EMBED_OUT, IN_NORM, parse, point_layer, stream_order
+from .evidence import looks_text
+from .findings import Finding
+
+MAX_FINDINGS = 8      # the first incomplete reduces, one finding each; the count of the rest in the last
+
+
+def _layer_of(rec: dict) -> int:
+    """-1 for the embedding's reduce, k inside layer k, a large number outside the layers (the head)."""
+    if rec.get("where") == "embed":
+        return -1
+    return rec["layer"] if rec.get("layer") is not None else 1 << 30
+
+
+def incomplete_records(ar: dict) -> list[dict]:
+    return [e for e in ar.get("records", []) if e.get("level") == "incomplete"]
+
+
+def reduce_key(rec: dict) -> tuple:
+    return (_layer_of(rec), 1, rec.get("seq", 0))
+
+
+def point_key(name: str) -> tuple:
+    """Where a capture point sits against the reduces: layer.k.in_norm before layer k's reduces,
+    layer.k.out (and the embedding's output, after its reduce) after them."""
+    if name == EMBED_OUT:
+        return (-1, 2, 0)
+    k = point_layer(name)
+    return ((k if k is not None else 1 << 30), 0 if parse(name).kind == IN_NORM else 2, 0)
+
+
+def first_divergence(point_stats: dict) -> Optional[str]:
+    return next((n for n in stream_order(point_stats)
+                 if any(s["level"] in ("material", "shape") for s in point_stats[n].values())), None)
+
+
+def _where(e: dict, records, live) -> str:
+    who = e.get("source") or e.get("module") or "?"
+    if e.get("where") == "embed":
+        return f"embedding ({who})"
+    return f"layer {e['layer']} ({who})" if e.get("layer") is not None else f"{e.get('where')} ({who})"
+
+
+def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[Finding]:
+    recs = incomplete_records(ar)
+    out = []
+    for e in recs[:MAX_FINDINGS]:
+        per = e.get("per_rank") or {}
+        bad = sorted(int(r) for r, p in per.items() if p["level"] == "material")
+        looks = {}
+        for r in bad:
+            lk = per[str(r)].get("looks")
+            looks.setdefault(looks_text(lk), []).append(r)
+        errs = ", ".join(f"rank {r} {per[str(r)]['rel_norm']:.3g}" for r in bad
+                         if per[str(r)].get("rel_norm") is not None)
+        what = "; ".join(f"on {'rank ' + str(rs[0]) if len(rs) == 1 else 'ranks ' + str(rs)} it returned {t}"
+                         for t, rs in looks.items()) if looks else "its output is not the sum of its inputs"
+        grp = f"group {e['group']}, " if e.get("group") else ""
+        n = e.get("group_size")
+        agree = (" The ranks agree with each other, so only the audit's input/output pair shows it."
+                 if len(bad) == world else "")
+        op = str(e.get("op") or "SUM")
+        defn = "sum" if op == "SUM" else f"{op} reduction"
+        out.append(Finding(
+            "allreduce-incomplete", _where(e, records, live), bad,
+            detail=(f"all-reduce #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) ran, "
+                    f"but its output is not the {defn} of its inputs: {what} (relative error "
+                    f"{'of its sketch against the sum of its inputs' sketches' if ar.get('method') == 'sketch' else 'against the exact ' + defn}"
+                    f": {errs}).{agree}"),
+            evidence={"seq": e["seq"], "path": e.get("path"), "group": e.get("group"), "group_size": n,
+                      "per_rank": per, "looks": {t: rs for t, rs in looks.items()},
+                      **({"all_ranks": True} if len(bad) == world else {})}))
+    if len(recs) > MAX_FINDINGS:
+        out[-1].consequences.append(f"{len(recs) - MAX_FINDINGS} more incomplete all-reduces in report.json "
+                                    f"(allreduce.records)")
+    return out
