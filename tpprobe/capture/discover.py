@@ -1,15 +1,24 @@
 """Finding a model's embedding and decoder layers from its structure, not from class names.
 
-Decoder layers: by default the longest `nn.ModuleList` of the model that is not nested inside an
-element of another ModuleList (so an MoE's `experts` list never wins over the layer list that
-holds it); its elements are the layers, indexed by position. Override with a module path
-(`model.encoder.layers`) or a class-name glob (`*DecoderLayer`, `ParallelTransformerLayer`).
+Decoder layers: by default the longest layer container of the model that is not nested inside an
+element of another one (so an MoE's `experts` list never wins over the layer list that holds it).
+A layer container is an `nn.ModuleList`, or an `nn.ModuleDict` / `nn.Sequential` whose elements are
+all of one class (torchtitan keeps its blocks in `ModuleDict({"0": block, ...})`; a Sequential of
+Linear, ReLU, Linear is not a layer list). Its elements are the layers, indexed by position (a
+ModuleDict's integer keys when every key is one). Override with a module path
+(`model.encoder.layers`: any of the three containers) or a class-name glob (`*DecoderLayer`).
 
-Embedding: by default the module that consumes the input ids and emits [tokens, hidden] — found
-during the forward (`EmbeddingProbe`): the outermost module outside the layer list (and not
-holding it) whose arguments include an integer tensor equal to the probe's input ids (any integer
-tensor when the ids are not known, e.g. in the SGLang plugin) and whose first output is a floating
-tensor shaped ids.shape + [hidden]. Override with a module path or a class-name glob.
+Embedding: by default the module that consumes the input ids and emits one hidden row per token —
+found during the forward (`EmbeddingProbe`): the outermost module outside the layer list (never
+the model itself, never an ancestor of the layers) whose arguments include an integer tensor
+holding the probe's input ids (in any shape: `[tokens]`, `[1, tokens]`, `[batch, seq]`; any
+integer tensor when the ids are not known, e.g. in the SGLang plugin) and whose first output is a
+floating tensor of rows in one of the token layouts: `ids.shape + [hidden]` (`[b, s, h]`), the
+two leading dims swapped (`[s, b, h]`, Megatron), or `[tokens, hidden]`. When the outermost
+module that consumed the ids does not emit such rows, the innermost match inside it is taken
+(Megatron's `LanguageModelEmbedding` around its `VocabParallelEmbedding`). `rows(t, layout)` turns
+a tensor in that layout into `[tokens, hidden]` in the ids' order. Override with a module path or
+a class-name glob.
 
 `resolve(model, spec)` turns an override into modules, or raises UsageError saying what exists.
 """
@@ -41,10 +50,51 @@ def _classes(model: nn.Module, spec: str) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(type(m).__name__, spec)]
 
 
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _children(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    return list(m._modules.items()) if isinstance(m, CONTAINERS) else []
+
+
+def is_layer_container(m: nn.Module) -> bool:
+    """A ModuleList (as before: any elements), or a ModuleDict / Sequential of one class of block."""
+    if isinstance(m, nn.ModuleList):
+        return len(m) > 0
+    if isinstance(m, (nn.ModuleDict, nn.Sequential)):
+        kids = [c for _, c in _children(m)]
+        return bool(kids) and all(c is not None and type(c) is type(kids[0]) for c in kids) \
+            and any(True for _ in kids[0].parameters())
+    return False
+
+
+def _elements(name: str, m: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """[(index, qualified name, layer)]: positions; a ModuleDict's keys when all are integers."""
+    kids = [(k, c) for k, c in _children(m) if c is not None]
+    by_key = isinstance(m, nn.ModuleDict) and all(k.isdigit() for k, _ in kids)
+    out = [(int(k) if by_key else i, f"{name}.{k}" if name else k, c) for i, (k, c) in enumerate(kids)]
+    return sorted(out, key=lambda x: x[0]) if by_key else out
+
+
+ROW_PATTERNS = ("*RowParallel*",)
+
+
+def is_row_parallel(m: nn.Module) -> bool:
+    """A module whose output is a partial sum until a reduce: a row-parallel class (Megatron's and
+    SGLang's RowParallelLinear), or an nn.Linear whose weight is a DTensor sharded on its input
+    dim (torch's RowwiseParallel, transformers' rowwise plans): each rank multiplies its slice."""
+    if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in ROW_PATTERNS):
+        return True
+    if not isinstance(m, nn.Linear):
+        return False
+    placements = getattr(m._parameters.get("weight"), "placements", None) or ()
+    return any(getattr(p, "is_shard", lambda: False)() and getattr(p, "dim", None) in (1, -1) for p in placements)
+
+
 def _suggest(model: nn.Module) -> str:
-    lists = [f"{n} ({len(m)} × {type(m[0]).__name__})" for n, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m)]
-    return "ModuleLists in this model: " + (", ".join(lists[:6]) if lists else "none")
+    lists = [f"{n} ({len(m)} × {type(_children(m)[0][1]).__name__}, {type(m).__name__})"
+             for n, m in model.named_modules() if is_layer_container(m)]
+    return "layer containers in this model: " + (", ".join(lists[:6]) if lists else "none")
 
 
 def layer_list(model: nn.Module, spec: Optional[str] = None) -> tuple[str, str, list[tuple[int, str, nn.Module]]]:
@@ -62,17 +112,17 @@ def layer_list(model: nn.Module, spec: Optional[str] = None) -> tuple[str, str, 
             out.sort(key=lambda x: x[0])
             return "class", spec, out
         m = model.get_submodule(spec)
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(m, CONTAINERS):
             raise UsageError(f"--layer-list {spec!r} is a {type(m).__name__}, not a list of layers "
-                             f"(nn.ModuleList); " + _suggest(model))
-        return "path", spec, [(i, f"{spec}.{i}", c) for i, c in enumerate(m)]
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+                             f"(nn.ModuleList, nn.ModuleDict or nn.Sequential); " + _suggest(model))
+        return "path", spec, _elements(spec, m)
+    lists = [(n, m) for n, m in model.named_modules() if is_layer_container(m)]
     outer = [(n, m) for n, m in lists
              if not any(n.startswith(f"{o}.") and n != o for o, _ in lists)]
     if not outer:
         return "structure", "", []
     name, best = max(outer, key=lambda x: len(x[1]))        # first of the longest, in module order
-    return "structure", name, [(i, f"{name}.{i}" if name else str(i), c) for i, c in enumerate(best)]
+    return "structure", name, _elements(name, best)
 
 
 def embedding(model: nn.Module, spec: str) -> tuple[str, nn.Module]:
@@ -91,8 +141,8 @@ def candidates(model: nn.Module, layers: list[tuple[int, str, nn.Module]], list_
     layer_names = [n for _, n, _ in layers]
     out = []
     for n, m in model.named_modules():
-        if n == "" and layers:
-            continue                          # the whole model holds the layers
+        if n == "":
+            continue                          # the model itself is never its own embedding
         if any(n == ln or n.startswith(ln + ".") for ln in layer_names):
             continue
         if layers and any(ln.startswith(n + ".") for ln in layer_names):
@@ -110,18 +160,59 @@ def _int_tensors(args, kwargs):
             yield a
 
 
+def _same_ids(a: torch.Tensor, ids: torch.Tensor) -> bool:
+    if a is ids:
+        return True
+    if a.numel() != ids.numel() or a.device != ids.device:
+        return False
+    if a.shape == ids.shape or a.dim() == 1 or ids.dim() == 1:
+        return bool(torch.equal(a.reshape(-1), ids.reshape(-1)))
+    return False
+
+
 def consumes_ids(args, kwargs, ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The argument that holds the input ids (equal to `ids` when known), or None."""
+    """The argument that holds the input ids (the same values as `ids`, in its shape or flattened,
+    when known), or None."""
     for a in _int_tensors(args, kwargs):
-        if ids is None:
-            return a
-        if a is ids or (a.shape == ids.shape and a.device == ids.device and bool(torch.equal(a, ids))):
+        if ids is None or _same_ids(a, ids):
             return a
     return None
 
 
-def emits_hidden(output, ids: torch.Tensor) -> bool:
+BSH, SBH, TH = "bsh", "sbh", "th"          # token layouts of an embedding's rows (see rows())
+
+
+def hidden_layout(output, ids: torch.Tensor) -> Optional[str]:
+    """The token layout of a module's first output for these ids (BSH: ids.shape + [h]; SBH: the two
+    leading dims swapped; TH: [tokens, h]), or None when it is not one hidden row per token."""
     t = output if isinstance(output, torch.Tensor) else next(
         (o for o in output if isinstance(o, torch.Tensor)), None) if isinstance(output, (tuple, list)) else None
-    return t is not None and t.dtype.is_floating_point and t.dim() == ids.dim() + 1 \
-        and tuple(t.shape[:-1]) == tuple(ids.shape)
+    if t is None or not t.dtype.is_floating_point or t.dim() < 2:
+        return None
+    lead = tuple(t.shape[:-1])
+    if lead == tuple(ids.shape):
+        return BSH
+    if ids.dim() == 2 and lead == (ids.shape[1], ids.shape[0]):
+        return SBH
+    if lead == (ids.numel(),):
+        return TH
+    return None
+
+
+def emits_hidden(output, ids: torch.Tensor) -> bool:
+    return hidden_layout(output, ids) is not None
+
+
+def rows(t: torch.Tensor, layout: Optional[str], ids_shape: Optional[tuple]) -> torch.Tensor:
+    """A stream tensor in the embedding's layout as [tokens, hidden], tokens in the ids' order (a
+    view where it can be); a tensor of another shape (a sequence-parallel shard) as it is."""
+    if layout is None or ids_shape is None or t.dim() < 2:
+        return t
+    n = 1
+    for d in ids_shape:
+        n *= d
+    if layout == SBH and t.dim() == 3 and tuple(t.shape[:2]) == (ids_shape[1], ids_shape[0]):
+        t = t.transpose(0, 1)
+    elif tuple(t.shape[:-1]) not in (tuple(ids_shape), (n,)):
+        return t
+    return t.reshape(n, t.shape[-1]) if t.dim() != 2 else t

@@ -24,7 +24,6 @@ Capture points (names used everywhere in tpprobe):
 """
 from __future__ import annotations
 
-import fnmatch
 import sys
 import time
 import weakref
@@ -38,7 +37,9 @@ from torch.utils.hooks import RemovableHandle
 
 from . import discover
 from .audit import Audit, CollectiveRecord, holds_inference_tensors
-from .points import AR_OUT, EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, in_norm, layer_out, layer_place, parse
+from .params import dtensor_placements
+from .points import (AR_OUT, EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, IN_NORM, SHARE, STREAM, in_norm, layer_out,
+                     layer_place, parse)
 from .progress import Progress
 
 
@@ -189,8 +190,9 @@ def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
     return out
 
 
+_ROW_KINDS = (STREAM, SHARE, IN_NORM)    # capture points held as [tokens, hidden] (discover.rows)
 AllReduceRecord = CollectiveRecord        # the name earlier code imports
-_ROW_PATTERNS = ("*RowParallel*",)
+_ROW_PATTERNS = discover.ROW_PATTERNS        # the name earlier code imports
 
 
 def find_modules(model: torch.nn.Module, embed: Optional[str] = None, layers: Optional[str] = None):
@@ -299,7 +301,7 @@ def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optiona
             if sub is m or id(sub) in seen:   # a module shared by layers (SGLang's rope) once
                 continue
             seen.add(id(sub))
-            kind = "row" if any(fnmatch.fnmatchcase(type(sub).__name__, p) for p in _ROW_PATTERNS) else "module"
+            kind = "row" if discover.is_row_parallel(sub) else "module"
             subs.append((kind, f"{name}.{sub_name}", sub))
         plan.subs.append((idx, name, m, subs))
     # what the collective audit names from the running module calls: the layers and every module
@@ -371,7 +373,12 @@ class Tap:
         self.progress.audit = self.allreduces
         self.layer_how, self.layer_list, self.embed_how = "", "", ""
         self.layers_ran: set = set()
-        self._embed_pending: Optional[str] = None
+        self._embed_pending: list = []             # (name, ids) of the candidates running, outermost first
+        self._embed_fallback = None                # an inner candidate that emitted rows
+        self.embed_layout: Optional[str] = None    # discover.BSH | SBH | TH: how the stream holds tokens
+        self._ids_shape: Optional[tuple] = None
+        self.placements: dict[str, list] = {}      # capture point -> a DTensor's placements
+        self.unreadable: dict[str, str] = {}       # capture point -> why tpprobe could not read it
         self._layer_names: list[str] = []
         self.handles: list[HookHandle] = []
         self.row_outputs: list[dict] = []          # row-parallel outputs and whether they were reduced
@@ -455,29 +462,36 @@ class Tap:
             self._auditing = True
 
     def _watch_embedding(self, name: str, module) -> None:
-        """Pre/post hooks on a module that may be the embedding; the first (outermost) one that
-        consumes the input ids and emits [tokens, hidden] is it."""
+        """Pre/post hooks on a module that may be the embedding: the outermost one that consumes the
+        input ids and emits one hidden row per token (any layout: discover.hidden_layout) is it; when
+        the outermost consumer does not, the last inner one that did (kept while the outer runs)."""
         handle = HookHandle("embed", name, None)
 
         def pre(mod, args, kwargs):
-            if self.embed_name is not None or self._embed_pending is not None:
+            if self.embed_name is not None:
                 return
             ids = discover.consumes_ids(args, kwargs, self.input_ids)
             if ids is not None:
-                self._embed_pending, self._pending_ids = name, ids
+                self._embed_pending.append((name, ids))
                 self._stack.append((name, "embed", None))
 
         def post(mod, args, kwargs, output):
-            if self._embed_pending != name:
+            if not self._embed_pending or self._embed_pending[-1][0] != name:
                 return
-            self._embed_pending = None
+            _, ids = self._embed_pending.pop()
             if self._stack and self._stack[-1][0] == name:
                 self._stack.pop()
-            if discover.emits_hidden(output, self._pending_ids):
-                self.embed_name, self.embed_how = name, "structure"
-                if self._plan_cache is not None:
-                    self._plan_cache.found = name
-                self._embed_post(handle, args, output)
+            layout = discover.hidden_layout(output, ids)
+            if self._embed_pending:           # inside an outer consumer: a fallback, if it emits rows
+                if layout is not None:
+                    out = first_tensor(output)
+                    self._embed_fallback = (name, handle, args, out.detach().clone(), layout, tuple(ids.shape))
+                return
+            fallback, self._embed_fallback = self._embed_fallback, None
+            if layout is not None:
+                self._embed_found(name, handle, args, output, layout, tuple(ids.shape))
+            elif fallback is not None:
+                self._embed_found(*fallback)
             else:                       # not the embedding: what it issued was not the embedding's
                 for r in self.allreduces:
                     if r.where == EMBED_PLACE:
@@ -485,6 +499,13 @@ class Tap:
 
         handle.handles += add_hooks(module, pre, post, with_kwargs=True)
         self.handles.append(handle)
+
+    def _embed_found(self, name, handle, args, output, layout, ids_shape) -> None:
+        self.embed_name, self.embed_how = name, "structure"
+        self.embed_layout, self._ids_shape = layout, ids_shape
+        if self._plan_cache is not None:
+            self._plan_cache.found = name
+        self._embed_post(handle, args, output)
 
     def _hook(self, module, handle: HookHandle, post) -> None:
         """A decoder layer: pre says where the forward is (the watchdog's heartbeat), post reads its
@@ -520,12 +541,36 @@ class Tap:
     def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
         if t is None:
             return
+        t = self._readable(name, t)
+        if t is None:
+            return
+        if self.embed_layout is not None and parse(name).kind in _ROW_KINDS:
+            t = discover.rows(t, self.embed_layout, self._ids_shape)
         self.after[name] = len(self.allreduces)
         self.order.append(name)
         if self.keep(name) and self._admitted(name, t):
             self.captures[name] = self._copy(t, copied)
         if self.summarize is not None:
             self.summaries[name] = self.summarize(t)
+
+    def _readable(self, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A DTensor as this rank's local tensor, its placements recorded (a Partial one owes a
+        reduce: checks name it); a tensor tpprobe cannot read (no storage) named, never fatal."""
+        placements = dtensor_placements(t)
+        if placements is not None:
+            self.placements[name] = list(placements)
+            try:
+                t = t.to_local()
+            except Exception as e:
+                self.unreadable[name] = f"{type(t).__name__}: {type(e).__name__}: {e}"[:200]
+                return None
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            try:
+                t.data_ptr()
+            except Exception as e:     # a tensor subclass with no readable storage
+                self.unreadable[name] = f"{type(t).__name__}: {type(e).__name__}: {e}"[:200]
+                return None
+        return t
 
     def _admitted(self, name: str, t: torch.Tensor) -> bool:
         return self.admit is None or self.admit(name, t)
@@ -544,7 +589,7 @@ class Tap:
             self.order.append(EMBED_LOCAL)
             self.after[EMBED_LOCAL] = local.seq
             if local.inp is not None and self.keep(EMBED_LOCAL):
-                self.captures[EMBED_LOCAL] = local.inp
+                self.captures[EMBED_LOCAL] = discover.rows(local.inp, self.embed_layout, self._ids_shape)
             if self.summarize is not None and local.inp_summary is not None:
                 self.summaries[EMBED_LOCAL] = local.inp_summary
         self._record(EMBED_OUT, out, copied=False)
@@ -669,6 +714,8 @@ class Tap:
             if not r.checked:
                 unread[r.meta()["path"]] += 1
         return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
+                "embed_layout": self.embed_layout, "placements": dict(self.placements),
+                "unreadable_points": dict(self.unreadable),
                 "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
                 "layer_names": list(self._layer_names),
                 "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),

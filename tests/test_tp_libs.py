@@ -1,0 +1,145 @@
+"""The TP libraries users bring, probed with zero configuration on real gloo ranks: PyTorch's own
+DTensor TP (`parallelize_module`, ColwiseParallel / RowwiseParallel: examples/dtensor_llama.py),
+Hugging Face transformers' TP (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`
+and `tp_plan="auto"`: examples/hf_tp.py) and megatron-core's own GPTModel with the local spec
+(examples/megatron_gpt.py). Start with `test_each_library_is_healthy_at_tp2_in_fp32_and_bf16`.
+
+Every healthy run must come out with zero findings and complete coverage: the embedding found by
+structure (the module the library builds), 4 of 4 layers hooked and run, a reduce audited in every
+layer on every rank, every reduce attributed (to the embedding, or to the row-parallel module that
+issued it in its layer) and complete. Every fault is made the library's own way and must be named
+exactly (kind, place, ranks): a plan or flag that says "the caller reduces" and nobody does, a
+stale replicated parameter on one rank.
+
+CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.run` exactly as a rank
+of `tpprobe probe` runs it, on a process group kept between cases); tp 4 runs one case per library.
+Needs the tier: `bash ci/tp-libs/install.sh .venv` (marker `tplibs`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.ranks import spawn
+
+pytestmark = pytest.mark.tplibs
+
+# library -> (example module, embedding module, layer list, row-parallel module names in a layer)
+LIBS = {
+    "dtensor": ("examples.dtensor_llama", "tok_embeddings", "layers", ("attention.wo", "feed_forward.w2")),
+    "hf": ("examples.hf_tp", "model.embed_tokens", "model.layers", ("self_attn.o_proj", "mlp.down_proj")),
+    "megatron": ("examples.megatron_gpt", "embedding", "decoder.layers",
+                 ("self_attention.linear_proj", "mlp.linear_fc2")),
+}
+NEEDS = {"dtensor": None, "hf": "transformers", "megatron": "megatron.core"}
+# fault case -> (factory, the one failure: kind, where, ranks)
+FAULTS = {
+    "dtensor-partial": ("examples.dtensor_llama:build_partial",
+                        ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", [0, 1])),
+    "dtensor-stale": ("examples.dtensor_llama:build_stale_norm",
+                      ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
+    "hf-local_rowwise": ("examples.hf_tp:build_local_rowwise",
+                         ("partial-allreduce", "layer 0 (model.layers.0.mlp.down_proj)", [0, 1])),
+    "hf-stale": ("examples.hf_tp:build_stale_norm",
+                 ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight", [1])),
+    "megatron-explicit_comm": ("examples.megatron_gpt:build_explicit_comm",
+                               ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", [0, 1])),
+    "megatron-stale": ("examples.megatron_gpt:build_stale_norm",
+                       ("rank-divergence", "layer 2 parameter decoder.layers.2.pre_mlp_layernorm.weight", [1])),
+}
+
+
+def _need(*libs):
+    for lib in libs:
+        if NEEDS[lib]:
+            pytest.importorskip(NEEDS[lib], reason=f"the tp-libs tier: bash ci/tp-libs/install.sh .venv")
+
+
+def _run_cases(rank, world, cases, root):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from tpprobe.probe import ProbeOptions, run
+    out = {}
+    for i, (name, model, env) in enumerate(cases):
+        os.environ["TORCHELASTIC_RUN_ID"] = f"tplibs-{world}-{i}"
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        t0 = time.time()
+        try:
+            code = run(ProbeOptions(model=model, layers=[-1, 0, 1], out=os.path.join(root, name), quiet=True,
+                                    timeout=120), keep_group=True)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        if rank == 0:
+            with open(os.path.join(root, name, "report.json")) as f:
+                rep = json.load(f)
+            out[name] = {"code": code, "findings": rep["findings"], "coverage": rep.get("coverage", {}),
+                         "allreduce": rep["allreduce"], "seconds": round(time.time() - t0, 1)}
+    return out
+
+
+def _probe_all(tmp_path, world, cases):
+    res = spawn(_run_cases, world, cases, str(tmp_path), timeout=600)[0]
+    print({k: v["seconds"] for k, v in res.items()})          # each case's wall time (pytest -s)
+    return res
+
+
+def _failures(res):
+    return [(f["kind"], f["where"], f["ranks"]) for f in res["findings"] if f["severity"] == "failure"]
+
+
+def assert_healthy(name, res, world, lib):
+    _, embed, layer_list, rows = LIBS[lib]
+    cov = res["coverage"]
+    assert res["code"] == 0 and res["findings"] == [], (name, res["findings"])
+    assert cov["embed"] == embed and cov["embed_how"] == "structure", (name, cov)
+    assert cov["layer_list"] == layer_list and cov["layer_how"] == "structure", (name, cov)
+    assert cov["layers_found"] == cov["layers_ran"] == 4, (name, cov)
+    assert cov["unreadable_paths"] == {}, (name, cov)
+    places = cov["reduces_per_place"]
+    assert all(places.get(f"layer.{k}", {}).get(str(r), 0) == len(rows) for k in range(4) for r in range(world)), \
+        (name, places)
+    ar = res["allreduce"]
+    assert ar["checked"] > 0 and ar["incomplete"] == 0, (name, ar)
+    reduces = [a for a in ar["records"] if a["kind"] in ("all_reduce", "reduce_scatter")]
+    assert reduces and all(a["group_size"] == world for a in reduces), (name, reduces)
+    for a in reduces:               # every reduce attributed: the embedding's, or its layer's row-parallel module
+        if a["where"] == "embed":
+            assert a["module"].startswith(embed), (name, a)
+        else:
+            k = int(a["where"].split(".")[1])
+            assert a["source"] in {f"{layer_list}.{k}.{r}" for r in rows}, (name, a)
+
+
+def _healthy_cases(libs, dtypes):
+    return [(f"{lib}-{d}", f"{LIBS[lib][0]}:build", {"TPLIBS_DTYPE": d}) for lib in libs for d in dtypes]
+
+
+def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named_exactly(tmp_path):
+    _need("dtensor", "hf", "megatron")
+    cases = _healthy_cases(LIBS, ("float32", "bfloat16"))
+    cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
+    cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
+    res = _probe_all(tmp_path, 2, cases)
+    for name, *_ in cases:
+        if name in FAULTS:
+            continue
+        assert_healthy(name, res[name], 2, name.split("-")[0])
+    for name, (_, expected) in FAULTS.items():
+        assert res[name]["code"] == 1 and _failures(res[name]) == [expected], (name, res[name]["findings"])
+    # transformers' local_rowwise is in every layer's plan: named at the first layer, said for all
+    detail = next(f["detail"] for f in res["hf-local_rowwise"]["findings"] if f["severity"] == "failure")
+    assert "unreduced in every layer (4 of 4)" in detail, detail
+
+
+def test_each_library_is_healthy_at_tp4(tmp_path):
+    _need("dtensor", "hf", "megatron")
+    cases = [("dtensor-bfloat16", "examples.dtensor_llama:build", {"TPLIBS_DTYPE": "bfloat16"}),
+             ("hf-float32", "examples.hf_tp:build", {"TPLIBS_DTYPE": "float32"}),
+             ("megatron-bfloat16", "examples.megatron_gpt:build", {"TPLIBS_DTYPE": "bfloat16"})]
+    res = _probe_all(tmp_path, 4, cases)
+    for name, *_ in cases:
+        assert_healthy(name, res[name], 4, name.split("-")[0])
