@@ -58,6 +58,9 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
     check_backend(opts.inject, opts.backend, opts.model)
     _validate_dp_attention(opts, world)
+    if opts.backend == "sglang" and opts.model is None:   # shapes before any rank starts, not after a build
+        from .sglang.tiny import check_tp
+        check_tp(canonical_arch(opts.arch), opts.config, world, opts.dp_attention)
     parse_faults(opts.inject, world, opts.num_layers, ids)
 
 

@@ -24,6 +24,17 @@ from .fault_names import inject_help
 # the built-in model's shape (model.BuiltinConfig's defaults, declared here once)
 BUILTIN = {"num_layers": 6, "hidden": 64, "heads": 8, "ffn": 128, "vocab": 131, "tokens": 16, "seed": 0,
            "layer_ids": (-1, 1, 3), "embed_std": 1.0}
+# options that only shape the built-in model: an error, not ignored, with --backend sglang or --model
+BUILTIN_ONLY = ("hidden", "heads", "ffn", "vocab", "embed_std")
+
+
+def builtin_layer_ids(num_layers: int) -> list[int]:
+    """The default --layers of the built-in model of `num_layers` layers: -1,1,3 (the embedding and
+    the streams leaving layers 1 and 3), each clamped to id L-2 and kept once, so a small model gets
+    ids it captures (id L-1 is the one SGLang-Llama drops, as the built-in model does: 4 layers:
+    -1,1,2; 3 layers: -1,1; 2 layers: -1,0; 1 layer: -1)."""
+    top = max(int(num_layers), 1) - 2
+    return sorted({min(i, top) for i in BUILTIN["layer_ids"]})
 
 
 class Dtype(str, Enum):
@@ -90,27 +101,37 @@ def opt(flag: str, default: Any, help: str, *, cli_type: Any = None, parse: Opti
 class ProbeOptions:
     nproc: int = opt("--nproc", 2, "local ranks to start (ignored under torchrun)")
     layers: list[int] = opt("--layers", list(BUILTIN["layer_ids"]),
-                            "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3; with --backend "
-                            "sglang the ids that capture the embedding and the streams leaving layers 1 and 3 "
-                            "under the architecture's rule, e.g. 0,2,4 for deepseek_v2)",
+                            "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3: the embedding and "
+                            "the streams leaving layers 1 and 3, clamped to id L-2 (id L-1 is dropped, as SGLang-Llama "
+                            "drops it) and each kept once: 4 layers: -1,1,2, 3: -1,1, 2: -1,0, 1: -1; with --backend sglang the "
+                            "ids that capture the same streams under the architecture's rule, e.g. 0,2,4 for "
+                            "deepseek_v2)",
                             cli_type=Optional[str], parse=_ids, show=lambda v: ",".join(map(str, v)),
                             cli_default=None)
-    num_layers: int = opt("--num-layers", BUILTIN["num_layers"], "decoder layers of the built-in (or SGLang) model")
-    hidden: int = opt("--hidden", BUILTIN["hidden"], "built-in model: hidden size (a multiple of --heads)")
-    heads: int = opt("--heads", BUILTIN["heads"], "built-in model: attention heads (divisible by the ranks)")
-    ffn: int = opt("--ffn", BUILTIN["ffn"], "built-in model: MLP width (divisible by the ranks)")
+    num_layers: int = opt("--num-layers", BUILTIN["num_layers"], "decoder layers of the built-in (or SGLang) model "
+                          "(default 6; with --backend sglang --config, the config's num_hidden_layers)",
+                          cli_default=None)
+    hidden: int = opt("--hidden", BUILTIN["hidden"], "built-in model: hidden size (a multiple of --heads; default 64)",
+                      cli_default=None)
+    heads: int = opt("--heads", BUILTIN["heads"], "built-in model: attention heads (divisible by the ranks; default 8)",
+                     cli_default=None)
+    ffn: int = opt("--ffn", BUILTIN["ffn"], "built-in model: MLP width (divisible by the ranks; default 128)",
+                   cli_default=None)
     vocab: int = opt("--vocab", BUILTIN["vocab"],
-                     "built-in model: vocabulary (131 is not divisible by tp: shards are padded)")
+                     "built-in model: vocabulary (default 131: not divisible by tp, so shards are padded)",
+                     cli_default=None)
     embed_std: float = opt("--embed-std", BUILTIN["embed_std"],
-                           "built-in model: standard deviation of the embedding rows (trained Llama/DeepSeek "
-                           "embeddings are of order 0.01; at 1.0 a norm barely changes them)")
+                           "built-in model: standard deviation of the embedding rows (default 1.0; trained "
+                           "Llama/DeepSeek embeddings are of order 0.01; at 1.0 a norm barely changes them)",
+                           cli_default=None)
     tokens: int = opt("--tokens", BUILTIN["tokens"], "tokens in the one forward")
     seed: int = opt("--seed", BUILTIN["seed"], "seed of the weights and token ids")
     dtype: str = opt("--dtype", "float32", "the model's dtype (default: float32, or the torch_dtype of --config)",
                      cli_type=Optional[Dtype], cli_default=None)
     backend: str = opt("--backend", "auto", "auto = nccl with GPUs, else gloo; sglang = SGLang's model classes",
                        cli_type=Backend)
-    arch: str = opt("--arch", "llama", "with --backend sglang: which tiny SGLang model", cli_type=Arch)
+    arch: str = opt("--arch", "llama", "with --backend sglang: which tiny SGLang model (default llama; with --config, "
+                    "the architecture the config names)", cli_type=Optional[Arch], cli_default=None)
     config: Optional[str] = opt("--config", None, "with --backend sglang: a real config.json (random weights)")
     dp_attention: int = opt("--dp-attention", 1, "with --backend sglang: attention-DP groups (SGLang's "
                             "--enable-dp-attention --dp-size N); attention-TP = tp / N, e.g. --nproc 4 "
@@ -156,19 +177,39 @@ class ProbeOptions:
             elif parse is not None:
                 v = parse(v)
             kw[f.name] = _value(v)
+        sglang = kw["backend"] == "sglang" and not kw["model"]
         if kw["dtype"] is None:
             kw["dtype"] = config_dtype(kw["config"]) if kw["config"] and kw["backend"] == "sglang" else "float32"
-        if values.get("layers") is None and kw["backend"] == "sglang" and not kw["model"]:
-            # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3)
-            from .sglang.tiny import default_layer_ids
-            kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
+        given = [f"--{n.replace('_', '-')}" for n in BUILTIN_ONLY if kw.get(n) is not None]
+        if given and (sglang or kw["model"]):
+            whose = (f"--model {kw['model']} builds its own model" if kw["model"] else
+                     "with --backend sglang the shape comes from --arch or --config (a config.json)")
+            raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}")
+        for n in ("num_layers", *BUILTIN_ONLY):
+            if kw.get(n) is None and not (n == "num_layers" and sglang and kw["config"]):
+                kw[n] = BUILTIN[n]
+        if sglang and kw["config"]:
+            # the config's own architecture and depth, unless --arch / --num-layers say otherwise
+            from .sglang.tiny import config_arch_and_layers
+            arch, layers = config_arch_and_layers(kw["config"])
+            kw["arch"] = kw["arch"] or arch
+            if kw["num_layers"] is None:
+                kw["num_layers"] = layers or BUILTIN["num_layers"]
+        kw["arch"] = kw["arch"] or "llama"
+        if values.get("layers") is None and not kw["model"]:
+            if sglang:
+                # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3)
+                from .sglang.tiny import default_layer_ids
+                kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
+            else:
+                kw["layers"] = builtin_layer_ids(kw["num_layers"])
         return cls(**kw)
 
     def to_argv(self) -> list[str]:
         """These options back to the command line the ranks run (`--nproc` stays with the launcher)."""
         a: list[str] = []
         for f in cli_fields(type(self)):
-            if f.name == "nproc":
+            if f.name == "nproc" or (f.name in BUILTIN_ONLY and (self.backend == "sglang" or self.model)):
                 continue
             v, flag, show = getattr(self, f.name), f.metadata["flag"], f.metadata["show"]
             if isinstance(v, bool):

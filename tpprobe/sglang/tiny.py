@@ -63,6 +63,102 @@ def canonical_arch(arch: Optional[str]) -> Optional[str]:
     return ARCH_ALIASES.get(a, a)
 
 
+def _read_config(config_path: str) -> Optional[dict]:
+    path = os.path.join(config_path, "config.json") if os.path.isdir(config_path) else config_path
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def config_arch_and_layers(config_path: str) -> tuple[Optional[str], Optional[int]]:
+    """(tiny-model arch, num_hidden_layers) a config.json names: the arch from its `architectures`
+    (DeepseekV3ForCausalLM -> deepseek_v2) or its model_type; None for what it does not name (or a
+    file that cannot be read: building the model then says what is wrong with it). UsageError for
+    an architecture the SGLang backend does not build."""
+    d = _read_config(config_path)
+    if d is None:
+        return None, None
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    L = d.get("num_hidden_layers", text.get("num_hidden_layers"))
+    L = L if isinstance(L, int) and not isinstance(L, bool) and L >= 1 else None
+    archs = d.get("architectures") if isinstance(d.get("architectures"), list) else []
+    for a in archs:
+        if isinstance(a, str) and canonical_arch(a) in ARCHES:
+            return canonical_arch(a), L
+    mt = d.get("model_type")
+    if mt in _MODEL_TYPES:
+        return _MODEL_TYPES[mt], L
+    if archs or mt:
+        named = archs[0] if archs else mt
+        raise UsageError(f"--config {config_path} is a {named} model (model_type {mt!r}); the SGLang backend builds "
+                         f"{', '.join(ARCHES)} (`tpprobe layers --arch {named}` says what its EAGLE-3 ids capture)")
+    return None, L
+
+
+# the tiny models' shapes (tiny_config); validate() checks them against the TP size before any rank starts.
+# 8 attention heads everywhere, so every tiny model splits over tp 1, 2, 4 and 8 (Kimi-K2's serving shape);
+# 4 KV heads are replicated at tp 8 as SGLang does for any tp over the KV heads; 8 experts, since SGLang's
+# MoE refuses a tp over the number of experts.
+TINY_SHAPES = {
+    "llama": {"heads": 8, "kv_heads": 4, "ffn": 128},
+    "qwen2": {"heads": 8, "kv_heads": 4, "ffn": 128},
+    "qwen3": {"heads": 8, "kv_heads": 4, "ffn": 128},
+    "qwen3_moe": {"heads": 8, "kv_heads": 4, "ffn": 128, "moe_ffn": 32, "experts": 8},
+    "deepseek_v2": {"heads": 8, "ffn": 128, "moe_ffn": 32, "experts": 8},     # MLA: no KV heads to split
+}
+
+
+def shape_of(arch: str, config_path: Optional[str] = None) -> dict:
+    """The sizes tensor parallelism splits, for the tiny model of `arch` or a config.json."""
+    if not config_path:
+        return dict(TINY_SHAPES[arch])
+    d = _read_config(config_path) or {}
+    if isinstance(d.get("text_config"), dict):
+        d = {**d["text_config"], **d}
+    out = {}
+    for key, names in (("heads", ("num_attention_heads",)), ("kv_heads", ("num_key_value_heads",)),
+                       ("ffn", ("intermediate_size",)), ("moe_ffn", ("moe_intermediate_size",)),
+                       ("experts", ("n_routed_experts", "num_experts", "num_local_experts"))):
+        v = next((d[n] for n in names if isinstance(d.get(n), int) and d[n] > 0), None)
+        if v is not None:
+            out[key] = v
+    if arch == "deepseek_v2":
+        out.pop("kv_heads", None)        # MLA: the latent KV is not split over ranks
+    return out
+
+
+def check_tp(arch: str, config_path: Optional[str], tp: int, attn_dp: int = 1) -> None:
+    """UsageError (one line, what to pass) when the model's heads / KV heads / MLP widths do not
+    split over `tp` ranks (attention over tp / attn_dp); runs before any rank starts."""
+    shape = shape_of(arch, config_path)
+    attn_tp = max(tp // max(attn_dp, 1), 1)
+
+    def fits(t: int, a: int) -> list[str]:
+        bad = []
+        if "heads" in shape and shape["heads"] % a:
+            bad.append(f"its {shape['heads']} attention heads do not split over {a} ranks")
+        kv = shape.get("kv_heads")
+        if kv and kv % a and a % kv:
+            bad.append(f"its {kv} KV heads neither split over nor replicate onto {a} ranks")
+        for key, what in (("ffn", "MLP width"), ("moe_ffn", "expert MLP width")):
+            if key in shape and shape[key] % t:
+                bad.append(f"its {what} {shape[key]} does not split over {t} ranks")
+        if "experts" in shape and t > shape["experts"]:
+            bad.append(f"its {shape['experts']} experts are fewer than the {t} ranks (SGLang's MoE refuses that)")
+        return bad
+
+    bad = fits(tp, attn_tp)
+    if bad:
+        model = f"--config {config_path}" if config_path else f"--arch {arch}"
+        ok = [t for t in range(1, 65) if not fits(t, t)]
+        dp = f" --dp-attention {attn_dp}" if attn_dp > 1 else ""
+        raise UsageError(f"{model} at tp={tp}{dp}: {'; '.join(bad)}; use --nproc "
+                         f"{', '.join(map(str, ok[:-1])) + ' or ' + str(ok[-1]) if len(ok) > 1 else ok[0]}")
+
+
 def default_layer_ids(arch: str, num_layers: int) -> list[int]:
     """The probe's default ids for `arch`: those that capture the embedding and the streams leaving
     layers 1 and 3 (HF hidden_states[0], [2], [4]) under that architecture's SGLang rule, i.e.
@@ -105,7 +201,8 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
         from transformers import Qwen3MoeConfig
 
         # every layer MoE: SGLang 0.5.23's Qwen3-MoE ignores mlp_only_layers (qwen3_moe.py:878)
-        return Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=32, num_experts=4,
+        return Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=32,
+                              num_experts=TINY_SHAPES["qwen3_moe"]["experts"],
                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                               norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
     if arch == "deepseek_v2":
@@ -113,9 +210,10 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
 
         c = DeepseekV3Config(
             vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+            num_hidden_layers=num_layers, num_attention_heads=TINY_SHAPES["deepseek_v2"]["heads"],
+            num_key_value_heads=TINY_SHAPES["deepseek_v2"]["heads"],
             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            v_head_dim=16, n_routed_experts=TINY_SHAPES["deepseek_v2"]["experts"], n_shared_experts=1, num_experts_per_tok=2,
             n_group=1, topk_group=1, first_k_dense_replace=_first_dense(num_layers, moe),
             max_position_embeddings=256,
             # SGLang's CPU rope supports only deepseek_yarn (as real DeepSeek-V3 uses)
@@ -391,9 +489,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         given = "default" if layer_ids is None else ",".join(map(str, layer_ids))
         raise UsageError(f"layer ids {given} crash SGLang's {arch} forward ({plan.crash}); see "
                          f"`tpprobe layers --arch {arch} --ids {given} --num-layers {num_layers}`")
-    heads = config.num_attention_heads
-    if heads % (ctx.world_size // max(attn_dp, 1)):
-        raise UsageError(f"{heads} attention heads do not split over tp={ctx.world_size}")
+    check_tp(arch, config_path, ctx.world_size, attn_dp)     # validate() said it before any rank started
 
     from tpprobe.sglang import cpu_mode
 
