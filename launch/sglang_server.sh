@@ -7,7 +7,7 @@
 #   # send one request, then:
 #   tpprobe report "$TPPROBE_CAPTURE_DIR"      (every step; names the first where ranks diverge)
 #
-# Needs: pip install -e '.[sglang]' from the tpprobe checkout, in the server's environment (the entry point
+# Needs: pip install -e /path/to/tpprobe (this checkout; it never changes the server's stack), in the server's environment (the entry point
 # `sglang.srt.plugins: tpprobe` must be installed; SGLANG_PLUGINS=tpprobe whitelists it).
 # Settings (see tpprobe/sglang/plugin.py): TPPROBE_MAX_STEPS (default 1), TPPROBE_FORWARD_MODES
 # (default extend), TPPROBE_KEEP (default none: fingerprints only), TPPROBE_KEEP_TOKENS,

@@ -20,13 +20,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import readme_commands as rc  # noqa: E402
 
 VENV = Path(sys.executable).parent.parent      # the venv running the tests: the README's .venv
-EXPECTED_EXIT = [(r"--inject skip-allreduce@2", 1), (r"^tpprobe diff rows_0-5000/data_0\.ckpt serve$", 1),
+EXPECTED_EXIT = [(r"--inject skip-allreduce@2", 1), (r"^tpprobe diff tpprobe-runs/rows_0-5000/data_0\.ckpt tpprobe-runs/serve$", 1),
                  (r"^tpprobe layers --arch deepseek_v2 --ids -1,2,30", 1),   # its table shows a crash (issue 15)
                  (r"^tpprobe layers --draft-config examples/eagle3", 1)]     # the example's contract differs (F19)
 EXPECTED_OUT = {  # what the README says the command prints (a fragment, whitespace-normalised)
     "tpprobe probe": "HEALTHY: every capture point agrees across ranks",
     "tpprobe probe --inject skip-allreduce@2": "FAILURE partial-allreduce at layer 2 (layers.2.self_attn.o_proj) (all ranks)",
-    "tpprobe diff rows_0-5000/data_0.ckpt serve": "MISMATCH: slots are shifted by 1 position",
+    "tpprobe diff tpprobe-runs/rows_0-5000/data_0.ckpt tpprobe-runs/serve": "MISMATCH: slots are shifted by 1 position",
     "tpprobe --version": "tpprobe 0.1.0",
     "PYTHONPATH=. tpprobe probe --model examples.my_model:build --layers 0,1": "HEALTHY",
     "tpprobe layers --ids -1,2,30 --num-layers 61": "layer.30.out",

@@ -17,6 +17,7 @@ import typer
 from typer.exceptions import Abort, Exit, TyperException
 
 from .errors import TPProbeError, UsageError
+from .knobs import knob_set
 from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -76,7 +77,7 @@ def probe(**kw) -> None:
     dist_backend = tdist.choose_backend(None if opts.backend in ("auto", "sglang") else opts.backend, opts.nproc)
     gpus = tdist.torch.cuda.device_count() if tdist.torch.cuda.is_available() else 0
     if dist_backend == "gloo" and gpus and not (opts.quiet or opts.json_out):
-        where = "its tensors on the GPU (TPPROBE_GLOO_CUDA)" if os.environ.get(tdist.GLOO_CUDA_ENV) else "CPU"
+        where = "its tensors on the GPU (TPPROBE_GLOO_CUDA)" if knob_set(tdist.GLOO_CUDA_ENV) else "CPU"
         print(f"tpprobe: {opts.nproc} ranks on {gpus} GPU(s): every rank runs on gloo ({where}); "
               f"--nproc {gpus} runs NCCL", file=sys.stderr)
     os.environ[tdist.BACKEND_ENV] = dist_backend

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..capture.hooks import current_stream
 from . import _hashdef as F
+from ..knobs import knob_int, knob_set
 
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -551,7 +552,7 @@ def _nsm(device) -> int:
 
 
 def _env(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    return knob_int(name)
 
 
 def tuning(block_r=None, num_warps=None, progs_per_sm=None, maxnreg=None, split=None, depth=None):
@@ -819,7 +820,7 @@ def _no_hook(h) -> bool:
 
 
 def _direct_launch_ok() -> bool:
-    if _INTERP or os.environ.get("TPPROBE_FP_JIT"):
+    if _INTERP or knob_set("TPPROBE_FP_JIT"):
         return False
     try:
         rt = triton.knobs.runtime
@@ -867,7 +868,7 @@ class Batch:
         # the combine: on the device (one small copy per read) unless TPPROBE_FP_HOST_COMBINE=1
         # (bench/fp_small.py times both) or the device combine failed once in this process
         if host_combine is None:
-            host_combine = bool(os.environ.get("TPPROBE_FP_HOST_COMBINE")) or bool(COMBINE_WHY)
+            host_combine = knob_set("TPPROBE_FP_HOST_COMBINE") or bool(COMBINE_WHY)
         self.host_combine = host_combine
         self.knobs = tuning() if knobs is None else knobs
         self.entries = _ENTRIES.setdefault((seed, k, tuple(sorted(self.knobs.items())), skip), {})

@@ -88,9 +88,11 @@ def resolve_summaries(tap, summarize, device_ok: bool) -> None:
 def stacks_after_env() -> None:
     """Diagnosis: TPPROBE_STACKS_AFTER=S dumps every thread's stack if the rank still runs after S s."""
     import os
-    if os.environ.get("TPPROBE_STACKS_AFTER"):
+    from ..knobs import knob
+    after = knob("TPPROBE_STACKS_AFTER")
+    if after:
         import faulthandler
-        faulthandler.dump_traceback_later(float(os.environ["TPPROBE_STACKS_AFTER"]), exit=False)
+        faulthandler.dump_traceback_later(float(after), exit=False)
 
 
 def leave_now(code: int) -> None:

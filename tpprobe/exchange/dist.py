@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import INTERNAL_EXIT, UsageError, internal_line
+from ..knobs import knob, knob_set
 from ..capture.progress import Progress
 from ..target import RankContext
 
@@ -93,7 +94,7 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 def init(backend: Optional[str], timeout: float, seed: int = 0) -> RankContext:
     rank, world, local = env_rank() or (0, 1, 0)
-    decided = os.environ.get(BACKEND_ENV)
+    decided = knob(BACKEND_ENV)
     if decided in ("gloo", "nccl"):
         backend = decided
     else:
@@ -101,7 +102,7 @@ def init(backend: Optional[str], timeout: float, seed: int = 0) -> RankContext:
         if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             backend = _agree_backend(backend, rank, world, timeout)
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
-    if backend == "gloo" and os.environ.get(GLOO_CUDA_ENV) and torch.cuda.is_available():
+    if backend == "gloo" and knob_set(GLOO_CUDA_ENV) and torch.cuda.is_available():
         # diagnostic: gloo ranks with their tensors on CUDA (several ranks may share one GPU), so
         # the CUDA paths (fingerprint kernels, device-lag events, the audit on CUDA tensors) run at
         # tp > 1 on a machine with fewer GPUs than ranks. Not NCCL: proves nothing about NCCL.

@@ -39,6 +39,7 @@ import os
 import torch
 
 from ..capture.params import tensor_bytes
+from ..knobs import knob_set
 
 from ._hashdef import (M32, QA, QB, SA, SKETCH_ROW, Fingerprint, column_signs, hash_hex, mix_a,  # noqa: F401
                        row_signs)
@@ -197,7 +198,7 @@ def host_combine_notes() -> list:
     tf = sys.modules.get(f"{__package__}._triton_fingerprint")
     if tf is None:
         return []
-    return (["TPPROBE_FP_HOST_COMBINE is set"] if os.environ.get("TPPROBE_FP_HOST_COMBINE") else []) + \
+    return (["TPPROBE_FP_HOST_COMBINE is set"] if knob_set("TPPROBE_FP_HOST_COMBINE") else []) + \
         list(getattr(tf, "COMBINE_WHY", []))
 
 
@@ -249,7 +250,7 @@ class Deferred:
         return _fingerprint_torch(t, self.seed, self.k)
 
     def _start(self):
-        if os.environ.get("TPPROBE_FINGERPRINT_TORCH"):
+        if knob_set("TPPROBE_FINGERPRINT_TORCH"):
             self.why, self.batch = "TPPROBE_FINGERPRINT_TORCH is set", False
             return False
         try:

@@ -11,7 +11,29 @@ from __future__ import annotations
 import importlib.util
 
 INSTALL_HINT = "bash ci/sglang-cpu/install.sh .venv"
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = "0.5.23"               # the release the CPU tier pins (ci/sglang-cpu/install.sh)
+TESTED_VERSIONS = (SGLANG_VERSION,)     # the releases tpprobe.sglang was tested against
+
+
+def installed_version():
+    """The installed sglang's version (package metadata; nothing imported), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def version_line() -> str:
+    """What the plugin says at start-up: the SGLang it found and whether it was tested with it."""
+    v = installed_version()
+    tested = ", ".join(TESTED_VERSIONS)
+    if v is None:
+        return f"SGLang not found by its package metadata (tpprobe is tested with {tested})"
+    if v in TESTED_VERSIONS:
+        return f"SGLang {v} found: a version tpprobe is tested with"
+    return (f"SGLang {v} found: NOT a version tpprobe is tested with ({tested}); the plugin follows SGLang's "
+            f"internals, so a capture may fail or miss points (each step's line says so)")
 
 
 def available() -> bool:
@@ -25,4 +47,4 @@ def require() -> None:
         from tpprobe.errors import UsageError
 
         raise UsageError(f"sglang is not installed: on CPU run `{INSTALL_HINT}` "
-                         f"(on GPUs: pip install 'tpprobe[sglang]')")
+                         f"(on GPUs: pip install 'sglang=={SGLANG_VERSION}', the release tpprobe is tested with)")

@@ -91,6 +91,11 @@ def register() -> None:
     if s is None:
         return
     try:
+        from tpprobe.sglang import version_line
+        _say(version_line())
+    except Exception as e:  # noqa: BLE001 - a line of news never stops the server
+        _say(f"could not read SGLang's version: {type(e).__name__}: {e}")
+    try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         for target in s["targets"]:
