@@ -79,12 +79,12 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
                  if len(bad) == world else "")
         op = str(e.get("op") or "SUM")
         defn = "sum" if op == "SUM" else f"{op} reduction"
+        against = ("of its sketch against the sum of its inputs' sketches" if ar.get("method") == "sketch"
+                   else f"against the exact {defn}")
         out.append(Finding(
             "allreduce-incomplete", _where(e, records, live), bad,
             detail=(f"all-reduce #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) ran, "
-                    f"but its output is not the {defn} of its inputs: {what} (relative error "
-                    f"{'of its sketch against the sum of its inputs' sketches' if ar.get('method') == 'sketch' else 'against the exact ' + defn}"
-                    f": {errs}).{agree}"),
+                    f"but its output is not the {defn} of its inputs: {what} (relative error {against}: {errs}).{agree}"),
             evidence={"seq": e["seq"], "path": e.get("path"), "group": e.get("group"), "group_size": n,
                       "per_rank": per, "looks": {t: rs for t, rs in looks.items()},
                       **({"all_ranks": True} if len(bad) == world else {})}))

@@ -27,6 +27,9 @@ from typing import Optional
 import torch
 
 SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather")
+# F22-F25 through SGLang's own all-reduce (GroupCoordinator.all_reduce): see reduce_fault below
+REDUCE_FAULTS = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
+                 "skip-unreadable-allreduce")
 
 _pending = threading.local()
 _ALWAYS: dict = {"fn": None}       # a fault on every aux capture (dp-attention-gather)
@@ -55,10 +58,13 @@ def _patch_collectors() -> None:
         cls.capture = capture
 
 
-def inject(name: str, model) -> None:
+def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     """Apply serving fault `name` to SGLang model `model` (every capturing boundary)."""
     from sglang.srt.layers.layer_boundary.residual.stream import OwedOutput
 
+    if name in REDUCE_FAULTS:
+        reduce_fault(name, model, arg, ctx)
+        return
     _patch_collectors()
     if name == "dp-attention-gather":
         _ALWAYS["fn"] = gather_over_tp_group
@@ -112,3 +118,105 @@ def _partial(hidden, owed_cls) -> Optional[torch.Tensor]:
     if c.owed is None or not isinstance(c.value, torch.Tensor):
         return None
     return c.value.detach().clone()
+
+
+# ---- F22-F25: SGLang's own all-reduce breaks ------------------------------------------------------
+# Every TP reduce of an SGLang model goes through GroupCoordinator.all_reduce, which on GPUs
+# dispatches to custom all-reduce, pynccl, symmetric memory..., the part that breaks. The faults
+# below break it there, at one row-parallel module's reduce (found by its output tensor: SGLang
+# reduces the o_proj output itself, possibly at the next boundary), before the probe's Tap wraps the
+# coordinator, so the audit sees the broken call as SGLang issues it:
+#
+#   allreduce-scaled@K, -one-buffer@K, -stale@K (F22)  layer K's o_proj reduce returns the sum x
+#       TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output, on every rank
+#   allreduce-rank@R (F23)  on rank R, the middle layer's o_proj reduce returns R's own input
+#   skip-allreduce-all (F24)  no o_proj output is ever reduced (reduce_results=False in every layer and
+#       nobody reduces): the tp group's coordinator returns those tensors unreduced, unaudited
+#   skip-unreadable-allreduce@K (F25)  the tp group reduces through an op the audit counts but cannot
+#       read (like vLLM's CPU `_C.shm_allreduce`), bypassing the coordinator; layer K's o_proj reduce
+#       is never issued
+#
+# A corrupt call still runs the real reduce, so every rank issues the same collectives.
+def _o_projs(model) -> list:
+    out = []
+    for layer in _layers(model):
+        attn = getattr(layer, "self_attn", None)
+        out.append(getattr(attn, "o_proj", None))
+    return out
+
+
+def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
+    import os
+
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import GroupCoordinator, get_tp_group
+
+    projs = _o_projs(model)
+    L = len(projs)
+    k = L // 2 if name == "allreduce-rank" else (arg if arg is not None else L // 2)
+    rank = ctx.rank if ctx is not None else dist.get_rank()
+    ptrs: dict = {}            # data_ptr of each watched o_proj output of this forward -> layer index
+
+    def note(i):
+        def hook(m, a, out):
+            t = out[0] if isinstance(out, tuple) else out
+            if isinstance(t, torch.Tensor):
+                ptrs[t.data_ptr()] = i
+        return hook
+    watch = range(L) if name in ("skip-allreduce-all",) else [k]
+    for i in watch:
+        if projs[i] is not None:
+            projs[i].register_forward_hook(note(i))
+
+    def hit(x) -> bool:
+        return isinstance(x, torch.Tensor) and ptrs.pop(x.data_ptr(), None) is not None
+
+    tp = get_tp_group()
+    if name == "skip-allreduce-all":
+        def all_reduce(input_, *a, **kw):
+            if hit(input_):
+                return input_                               # nobody reduces it
+            return GroupCoordinator.all_reduce(tp, input_, *a, **kw)
+        tp.all_reduce = all_reduce
+        return
+    if name == "skip-unreadable-allreduce":
+        from ..faults import shm_allreduce_op
+        shm = shm_allreduce_op(tp.device_group)
+
+        def all_reduce(input_, *a, **kw):
+            if hit(input_):
+                return input_                               # never issued
+            if not isinstance(input_, torch.Tensor) or tp.world_size == 1:
+                return GroupCoordinator.all_reduce(tp, input_, *a, **kw)
+            return input_.copy_(shm(input_))                # in place, like SGLang's
+        tp.all_reduce = all_reduce
+        return
+
+    scale = float(os.environ.get("TPPROBE_INJECT_SCALE", "2"))
+    orig = GroupCoordinator.__dict__["all_reduce"]
+    last: dict = {}
+
+    def all_reduce(self, input_, *a, **kw):
+        if not isinstance(input_, torch.Tensor) or self is not tp or not hit(input_):
+            out = orig(self, input_, *a, **kw)
+            if isinstance(out, torch.Tensor) and self is tp:
+                last["out"] = out.detach().clone()
+            return out
+        mine = input_.detach().clone()
+        out = orig(self, input_, *a, **kw)
+        if name == "allreduce-rank" and rank != arg:
+            pass
+        elif name == "allreduce-scaled":
+            out = out * scale
+        elif name == "allreduce-one-buffer":
+            dist.broadcast(mine, src=self.ranks[0], group=self.device_group)
+            out = mine
+        elif name == "allreduce-stale":
+            prev = last.get("out")
+            out = prev.clone() if prev is not None and prev.shape == out.shape else torch.zeros_like(out)
+        elif name == "allreduce-rank":
+            out = mine
+        last["out"] = out.detach().clone()
+        return out
+
+    GroupCoordinator.all_reduce = all_reduce

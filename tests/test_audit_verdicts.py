@@ -1,0 +1,194 @@
+"""The verdict listens to the audit (issue 29, catalogue rows F22-F25): start at `CASES`.
+
+Each case runs `tpprobe probe` (real gloo ranks, real torch.distributed) with one fault of the
+catalogue and asserts the exact diagnosis (kind, place, ranks) in both exchange modes:
+
+  F22  a reduce that runs and returns the wrong value on every rank (a scaled sum, one rank's
+       buffer handed to all, the previous call's output / a fresh buffer of zeros): the ranks agree,
+       only the audit's input/output pair shows it; named `allreduce-incomplete` at the reduce,
+       with what the output is instead
+  F23  the same on one rank (the sum never happened there): `allreduce-incomplete` on that rank,
+       never "a stale weight shard"
+  F24  the row-parallel reduce missing where no other layer can vouch for it (every layer, layer 0
+       of 2, the last layer, a 1-layer model) at tp 2 and 4: `partial-allreduce` at the module
+  F25  a reduce the audit counts but cannot read goes missing: named at its module and layer with
+       its path, never `subgroup-allreduce`
+
+Every report made here also goes through `assert_verdict_agrees_with_audit`, which renders the
+report as the terminal prints it and parses its audit line and its verdict lines: HEALTHY never
+appears beside an incomplete reduce, and each incomplete reduce has its finding.
+"""
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+import json
+from pathlib import Path
+
+from tests.ranks import failures, run_cli
+from tpprobe.sglang import INSTALL_HINT, available
+
+
+def render(rep: dict) -> str:
+    from rich.console import Console
+
+    from tpprobe.report.terminal import render as term
+    con = Console(file=io.StringIO(), width=400, record=True, color_system=None)
+    term(rep, con)
+    return con.export_text()
+
+
+def assert_verdict_agrees_with_audit(rep: dict) -> None:
+    """The report's audit line and its verdict never contradict each other."""
+    text = render(rep)
+    audit = next((ln for ln in text.splitlines() if ln.startswith("all-reduce audit:")), None)
+    verdict = text[text.index("\nverdict\n"):] if "\nverdict\n" in text else ""
+    assert verdict, text[-2000:]
+    if audit is not None:
+        n = int(re.search(r"(\d+) incomplete", audit).group(1))
+        assert n == rep["allreduce"]["incomplete"], (audit, rep["allreduce"])
+        if n:
+            assert "HEALTHY" not in verdict and "every all-reduce is complete" not in verdict, text[-3000:]
+            named = {f["evidence"]["seq"] for f in rep["findings"] if f["kind"] == "allreduce-incomplete"}
+            bad = {e["seq"] for e in rep["allreduce"]["records"] if e["level"] == "incomplete"}
+            assert bad and bad <= named | set(sorted(bad)[8:]), (bad, named)
+    for f in rep["findings"]:
+        if f["kind"] == "allreduce-incomplete":
+            e = rep["allreduce"]["records"][f["evidence"]["seq"]]
+            assert e["level"] == "incomplete", (f["line"], e)
+    if "HEALTHY" in verdict:
+        assert not rep["findings"] and rep["allreduce"].get("incomplete", 0) == 0
+    # "stale or wrong weight shard" only where a parameter points there
+    for f in rep["findings"]:
+        if "weight shard" in (f.get("explain") or ""):
+            assert "parameter" in f["where"], f
+
+
+def probe(out, *args, nproc=2, timeout=180, env=None):
+    """`tpprobe probe --nproc N --out OUT --quiet ARGS` in a fresh process (env: extra variables)."""
+    cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout, env=env)
+    path = Path(out) / "report.json"
+    rep = json.loads(path.read_text()) if path.exists() else {}
+    rc = cp.returncode
+    assert rep, cp.stderr[-3000:]
+    assert_verdict_agrees_with_audit(rep)
+    return rc, rep, cp
+
+
+O = "layers.{}.self_attn.o_proj"
+# (inject, nproc, extra args, kind, where, ranks, what the detail must say)
+CASES = [
+    ("allreduce-scaled@2", 2, [], "allreduce-incomplete", f"layer 2 ({O.format(2)})", [0, 1], "the sum scaled by 2"),
+    ("allreduce-scaled@0", 4, [], "allreduce-incomplete", f"layer 0 ({O.format(0)})", [0, 1, 2, 3], "the sum scaled by 2"),
+    ("allreduce-one-buffer@1", 4, [], "allreduce-incomplete", f"layer 1 ({O.format(1)})", [0, 1, 2, 3],
+     "rank 0's input alone"),
+    ("allreduce-stale@3", 2, [], "allreduce-incomplete", f"layer 3 ({O.format(3)})", [0, 1],
+     "the previous all-reduce's output"),
+    ("allreduce-stale@0", 2, [], "allreduce-incomplete", f"layer 0 ({O.format(0)})", [0, 1], "returned zeros"),
+    ("allreduce-rank@1", 2, [], "allreduce-incomplete", f"layer 3 ({O.format(3)})", [1], "rank 1's input alone"),
+    ("allreduce-rank@2", 4, [], "allreduce-incomplete", f"layer 3 ({O.format(3)})", [2], "rank 2's input alone"),
+    ("skip-allreduce-all", 2, [], "partial-allreduce", f"layer 0 ({O.format(0)})", [0, 1], "in every layer (6 of 6)"),
+    ("skip-allreduce-all", 4, [], "partial-allreduce", f"layer 0 ({O.format(0)})", [0, 1, 2, 3], "in every layer"),
+    ("skip-allreduce@0", 2, ["--num-layers", "1", "--layers", "-1"], "partial-allreduce", f"layer 0 ({O.format(0)})",
+     [0, 1], "never all-reduced"),
+    ("skip-allreduce@0", 4, ["--num-layers", "1", "--layers", "-1"], "partial-allreduce", f"layer 0 ({O.format(0)})",
+     [0, 1, 2, 3], "never all-reduced"),
+    ("skip-allreduce@0", 2, ["--num-layers", "2", "--layers", "-1,0"], "partial-allreduce", f"layer 0 ({O.format(0)})",
+     [0, 1], "never all-reduced"),
+    ("skip-allreduce@1", 4, ["--num-layers", "2", "--layers", "-1,0"], "partial-allreduce", f"layer 1 ({O.format(1)})",
+     [0, 1, 2, 3], "never all-reduced"),
+    ("skip-unreadable-allreduce@2", 2, [], "partial-allreduce", f"layer 2 ({O.format(2)})", [0, 1],
+     "tpprobe_fault.shm_allreduce"),
+    ("skip-unreadable-allreduce@1", 4, [], "partial-allreduce", f"layer 1 ({O.format(1)})", [0, 1, 2, 3],
+     "tpprobe_fault.shm_allreduce"),
+]
+
+
+@pytest.mark.parametrize("exchange", ["full", "fingerprint"])
+@pytest.mark.parametrize("inject,nproc,extra,kind,where,ranks,says", CASES,
+                         ids=[f"{c[0]}-tp{c[1]}{'-L' + c[2][1] if c[2] else ''}" for c in CASES])
+def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, extra, kind, where, ranks, says, exchange):
+    rc, rep, cp = probe(tmp_path / "r", "--inject", inject, "--exchange", exchange, *extra, nproc=nproc)
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [(kind, where, ranks)], [f["line"] for f in rep["findings"]]
+    f = failures(rep)[0]
+    assert says in f["detail"], f["line"]
+    assert "weight shard" not in f["explain"] and f["explain"]
+    if kind == "allreduce-incomplete":
+        e = rep["allreduce"]["records"][f["evidence"]["seq"]]
+        assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
+        assert rep["allreduce"]["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
+        assert f"all-reduce #{e['seq']} (tpprobe.faults.Communicator.all_reduce" in f["detail"]
+    if inject.startswith("skip-unreadable"):
+        assert not any(x["kind"] == "subgroup-allreduce" for x in rep["findings"])
+        assert any(x["kind"] == "coverage" and x["severity"] == "warning" for x in rep["findings"])
+
+
+@pytest.mark.parametrize("exchange", ["full", "fingerprint"])
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_healthy_run_through_the_models_own_communicator_has_no_finding(tmp_path, exchange, nproc):
+    # the communicator of the F22 faults with nothing corrupted: scale 1 is the plain sum
+    rc, rep, cp = probe(tmp_path / "r", "--inject", "allreduce-scaled@2", "--exchange", exchange, nproc=nproc,
+                        env={"TPPROBE_INJECT_SCALE": "1"})
+    assert rc == 0, [f["line"] for f in rep["findings"]]
+    assert rep["findings"] == []
+    assert rep["allreduce"]["incomplete"] == 0 and rep["allreduce"]["checked"] == len(rep["allreduce"]["records"])
+    cov = rep["coverage"]
+    assert cov["layers_found"] == 6 and cov["embed"] and not cov["unreadable_paths"]
+
+
+@pytest.mark.parametrize("dtype,scale,found", [
+    ("float32", "1.001", True), ("float32", "1.00001", False),
+    ("bfloat16", "1.1", True), ("bfloat16", "1.004", False),
+    ("float16", "1.01", True), ("float16", "1.0005", False),
+])
+def test_the_smallest_scale_error_a_reduce_audit_finds_per_dtype(tmp_path, dtype, scale, found):
+    """docs/noise.md's row for a wrong reduce: a scale error above the reduce bound is always found,
+    one far below it (rounding-sized) never."""
+    rc, rep, _ = probe(tmp_path / "r", "--inject", "allreduce-scaled@2", "--dtype", dtype, nproc=2,
+                       env={"TPPROBE_INJECT_SCALE": scale})
+    kinds = [f["kind"] for f in failures(rep)]
+    assert kinds == (["allreduce-incomplete"] if found else []), [f["line"] for f in rep["findings"]]
+    assert rc == (1 if found else 0)
+
+
+# ---- SGLang's own models: the same faults through GroupCoordinator.all_reduce ----------------------
+SG = "model.layers.{}.self_attn.o_proj"
+SG_CASES = [
+    ("llama", "allreduce-scaled@2", 2, "full", "allreduce-incomplete", f"layer 2 ({SG.format(2)})", [0, 1],
+     "the sum scaled by 2"),
+    ("llama", "allreduce-scaled@2", 2, "fingerprint", "allreduce-incomplete", f"layer 2 ({SG.format(2)})", [0, 1],
+     "the sum scaled by 2"),
+    ("qwen3", "allreduce-one-buffer@1", 4, "fingerprint", "allreduce-incomplete", f"layer 1 ({SG.format(1)})",
+     [0, 1, 2, 3], "rank 0's input alone"),
+    ("llama", "allreduce-stale@2", 2, "full", "allreduce-incomplete", f"layer 2 ({SG.format(2)})", [0, 1],
+     "the previous all-reduce's output"),
+    ("llama", "allreduce-rank@1", 2, "full", "allreduce-incomplete", f"layer 2 ({SG.format(2)})", [1],
+     "rank 1's input alone"),
+    ("llama", "skip-allreduce-all", 2, "full", "partial-allreduce", f"layer 0 ({SG.format(0)})", [0, 1],
+     "in every layer (4 of 4)"),
+    ("llama", "skip-allreduce-all", 4, "fingerprint", "partial-allreduce", f"layer 0 ({SG.format(0)})", [0, 1, 2, 3],
+     "in every layer (4 of 4)"),
+    ("llama", "skip-unreadable-allreduce@2", 2, "fingerprint", "partial-allreduce", f"layer 2 ({SG.format(2)})",
+     [0, 1], "tpprobe_fault.shm_allreduce"),
+]
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
+@pytest.mark.parametrize("arch,inject,nproc,exchange,kind,where,ranks,says", SG_CASES,
+                         ids=[f"{c[0]}-{c[1]}-tp{c[2]}-{c[3]}" for c in SG_CASES])
+def test_sglang_reduce_faults_are_named_exactly(tmp_path, arch, inject, nproc, exchange, kind, where, ranks, says):
+    rc, rep, cp = probe(tmp_path / "r", "--backend", "sglang", "--arch", arch, "--num-layers", "4", "--inject", inject,
+                        "--exchange", exchange, nproc=nproc, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [(kind, where, ranks)], [f["line"] for f in rep["findings"]]
+    f = failures(rep)[0]
+    assert says in f["detail"], f["line"]
+    if kind == "allreduce-incomplete":
+        assert "sglang.GroupCoordinator.all_reduce" in f["detail"] and "group tp:0" in f["detail"]
