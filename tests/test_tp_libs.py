@@ -52,6 +52,18 @@ FAULTS = {
 }
 
 
+def build_with_meta_param(ctx):
+    """The DTensor Llama with one parameter left on the meta device (a load that never filled it):
+    its bytes cannot be read, so its hash cannot be taken."""
+    import torch
+    from examples.dtensor_llama import build
+
+    target = build(ctx)
+    norm = target.model.layers["1"].ffn_norm
+    norm.register_parameter("unloaded", torch.nn.Parameter(torch.empty(3, device="meta"), requires_grad=False))
+    return target
+
+
 def _need(*libs):
     for lib in libs:
         if NEEDS[lib]:
@@ -123,13 +135,20 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     cases = _healthy_cases(LIBS, ("float32", "bfloat16"))
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
+    cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
     res = _probe_all(tmp_path, 2, cases)
     for name, *_ in cases:
-        if name in FAULTS:
+        if name in FAULTS or name == "dtensor-meta_param":
             continue
         assert_healthy(name, res[name], 2, name.split("-")[0])
     for name, (_, expected) in FAULTS.items():
         assert res[name]["code"] == 1 and _failures(res[name]) == [expected], (name, res[name]["findings"])
+    # a parameter tpprobe cannot read is named in a coverage warning; the rank's record is kept
+    meta = res["dtensor-meta_param"]
+    assert meta["code"] == 0 and _failures(meta) == [], meta["findings"]
+    (warn,) = [f for f in meta["findings"] if f["severity"] == "warning"]
+    assert (warn["kind"], warn["where"], warn["ranks"]) == ("coverage", "unreadable tensors", [0, 1]), warn
+    assert "parameter layers.1.ffn_norm.unloaded on ranks 0, 1 (Parameter: NotImplementedError" in warn["detail"], warn
     # transformers' local_rowwise is in every layer's plan: named at the first layer, said for all
     detail = next(f["detail"] for f in res["hf-local_rowwise"]["findings"] if f["severity"] == "failure")
     assert "unreduced in every layer (4 of 4)" in detail, detail

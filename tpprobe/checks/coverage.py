@@ -79,7 +79,30 @@ def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
         out.append(Finding("coverage", "collective audit", list(live), severity=WARNING, detail=(
             f"reduces counted but not readable, so not checked for completeness: {text} (they still count "
             f"per layer: a missing one is named at its layer)"), evidence=all_r))
+    out += unreadable_findings(records, live)
     return out
+
+
+def unreadable_findings(records, live) -> list[Finding]:
+    """A parameter or capture point tpprobe could not read on some rank (a tensor subclass without
+    storage, a meta tensor): kept in the rank's record with the reason, named here, never compared."""
+    what: dict = {}
+    for r in live:
+        meta = records[r].meta
+        for name, e in (meta.get("params") or {}).items():
+            if e.get("hash") is None and e.get("unreadable"):
+                what.setdefault(("parameter", name, e["unreadable"]), []).append(r)
+        for name, why in ((meta.get("coverage") or {}).get("unreadable_points") or {}).items():
+            what.setdefault(("capture point", name, why), []).append(r)
+    if not what:
+        return []
+    ranks = sorted({r for rs in what.values() for r in rs})
+    text = "; ".join(f"{kind} {name} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} ({why})"
+                     for (kind, name, why), rs in list(what.items())[:8])
+    more = f"; and {len(what) - 8} more" if len(what) > 8 else ""
+    return [Finding("coverage", "unreadable tensors", ranks, severity=WARNING, detail=(
+        f"tpprobe could not read {len(what)} tensor(s), so they are not compared across ranks: {text}{more}"),
+        evidence={"unreadable": [{"kind": k, "name": n, "why": w, "ranks": rs} for (k, n, w), rs in what.items()]})]
 
 
 def expected_reduces(records, live) -> dict:
