@@ -122,19 +122,32 @@ def capture_size(target: ProbeTarget, layer_ids: list[int], opts: ProbeOptions) 
     return est
 
 
+def _debugging() -> bool:
+    """--debug is on for this run (the ranks get the launcher's argv)."""
+    import sys
+    return "--debug" in sys.argv
+
+
 def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
     mod_name, _, fn_name = spec.partition(":")
     try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"--model {spec}: cannot import {fn_name!r} from {mod_name!r} ({e}); "
-                         f"check the module is on PYTHONPATH")
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"--model {spec}: cannot import the module {mod_name!r} ({e}); "
+                         f"check the module is on PYTHONPATH") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        names = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == mod.__name__)
+        raise UsageError(f"--model {spec}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no factory "
+                         f"{fn_name!r}{'; it defines ' + ', '.join(names[:8]) if names else ''}")
     try:
         target = fn(ctx)
     except TPProbeError:
         raise
     except Exception as e:
-        raise UsageError(f"--model {spec}: the factory raised {type(e).__name__}: {e}; run with --debug for the traceback") from e
+        raise UsageError(f"--model {spec}: the factory raised {type(e).__name__}: {e}"
+                         f"{'' if _debugging() else '; run with --debug for the traceback'}") from e
     if not isinstance(target, ProbeTarget):
         raise UsageError(f"--model {spec}: the factory returned {type(target).__name__}, expected "
                          f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")

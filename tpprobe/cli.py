@@ -20,7 +20,7 @@ from .errors import TPProbeError, UsageError
 from .knobs import knob_set
 from .options import ProbeOptions, typer_parameters
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage, 3 internal error.")
 
 _DEBUG = {"on": False}
@@ -39,10 +39,23 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """tpprobe: a debugger for tensor-parallel LLM inference (exit 0 healthy, 1 findings, 2 bad usage)."""
 
 
+def _shown(default):
+    """--help's default: a large float as people write it (2e9, not 2000000000.0)."""
+    if isinstance(default, float) and abs(default) >= 1e6:
+        return f"{default:.3g}".replace("e+0", "e").replace("e+", "e")
+    return True
+
+
+def _help(text: str, default) -> str:
+    shown = _shown(default)
+    return text if shown is True else f"{text}  [default: {shown}]"
+
+
 def _with_options(fn, cls):
     """Give `fn(**kw)` the typer signature of `cls`'s declared options (tpprobe/options.py)."""
     params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                annotation=Annotated[t, typer.Option(flag, help=help)])
+                                annotation=Annotated[t, typer.Option(flag, help=_help(help, default),
+                                                                     show_default=_shown(default) is True)])
               for name, t, default, flag, help in typer_parameters(cls)]
     fn.__signature__ = inspect.Signature(params, return_annotation=None)
     fn.__annotations__ = {**{p.name: p.annotation for p in params}, "return": None}

@@ -283,6 +283,8 @@ def check_meta(meta) -> None:
 
 def read_manifest(root: Path) -> dict:
     mp = root / MANIFEST
+    if not root.exists():
+        raise CaptureError(f"{root}: no such file or folder; give a tpprobe capture folder (with {MANIFEST})")
     if not root.is_dir():
         raise CaptureError(f"{root}: not a folder; expected a tpprobe capture folder with {MANIFEST}")
     if not mp.is_file():

@@ -742,9 +742,13 @@ def report_command(path: Path, json_out: bool = False, quiet: bool = False, emit
     data = report_data(path)
     if data["coverage"]["checked"] == 0:
         raise CaptureError(f"{data['path']}: no tensor records to check; expected {EXPECTED}")
-    if emit_dims:
+    if emit_dims:      # the dims are what was asked for: written, exit 0; the findings are named on stderr
         sys.stdout.write(emit_dims_text(data))
-    elif json_out:
+        if data["exit_code"]:
+            print(f"tpprobe: the dims were written; the dump also has findings: `tpprobe report {path}` "
+                  f"names them", file=sys.stderr)
+        return 0
+    if json_out:
         sys.stdout.write(json.dumps(_public(data), indent=1, default=str) + "\n")
     elif not quiet:
         from ..report.terminal import console
