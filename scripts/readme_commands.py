@@ -35,6 +35,7 @@ RULES = [
     (r"^tpprobe probe --inject [a-z-]+(@\d+)?( --\S+ \S+)*$", "run", "slow", ""),
     (r"^tpprobe torchrun ", "run", "slow", ""),
     (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+$", "run", "slow", ""),
+    (r"^python -m examples\.accept_toy_draft$", "run", "slow", ""),
     (r"^tpprobe accept$", "skip", "", "the command's name in prose; tests/test_accept.py and examples/accept_toy_draft.py run it"),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
@@ -79,7 +80,7 @@ def commands(text: str | None = None) -> list[Command]:
     seen = {c.text for c in out}
     for span in re.findall(r"`([^`\n]+)`", prose):
         span = span.strip()
-        if re.match(r"(tpprobe |PYTHONPATH=\. tpprobe |bash |pip |pytest |python scripts/|\. \.venv)", span) \
+        if re.match(r"(tpprobe |PYTHONPATH=\. tpprobe |bash |pip |pytest |python scripts/|python -m examples\.|\. \.venv)", span) \
                 and span not in seen:
             seen.add(span)
             out.append(_classify(Command(span, "inline")))

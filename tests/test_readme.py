@@ -22,7 +22,8 @@ import readme_commands as rc  # noqa: E402
 VENV = Path(sys.executable).parent.parent      # the venv running the tests: the README's .venv
 EXPECTED_EXIT = [(r"--inject skip-allreduce@2", 1), (r"^tpprobe diff tpprobe-runs/rows_0-5000/data_0\.ckpt tpprobe-runs/serve$", 1),
                  (r"^tpprobe layers --arch deepseek_v2 --ids -1,2,30", 1),   # its table shows a crash (issue 15)
-                 (r"^tpprobe layers --draft-config examples/eagle3", 1)]     # the example's contract differs (F19)
+                 (r"^tpprobe layers --draft-config examples/eagle3", 1),     # the example's contract differs (F19)
+                 (r"^python -m examples\.accept_toy_draft$", 1)]              # the broken capture costs accept length
 EXPECTED_OUT = {  # what the README says the command prints (a fragment, whitespace-normalised)
     "tpprobe probe": "HEALTHY: every capture point agrees across ranks",
     "tpprobe probe --inject skip-allreduce@2": "FAILURE partial-allreduce at layer 2 (layers.2.self_attn.o_proj) (all ranks)",
