@@ -136,9 +136,10 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
     cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
+    cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
     res = _probe_all(tmp_path, 2, cases)
     for name, *_ in cases:
-        if name in FAULTS or name == "dtensor-meta_param":
+        if name in FAULTS or name in ("dtensor-meta_param", "dtensor-partial_stream"):
             continue
         assert_healthy(name, res[name], 2, name.split("-")[0])
     for name, (_, expected) in FAULTS.items():
@@ -149,6 +150,12 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     (warn,) = [f for f in meta["findings"] if f["severity"] == "warning"]
     assert (warn["kind"], warn["where"], warn["ranks"]) == ("coverage", "unreadable tensors", [0, 1]), warn
     assert "parameter layers.1.ffn_norm.unloaded on ranks 0, 1 (Parameter: NotImplementedError" in warn["detail"], warn
+    # a layer output that is a DTensor placed Partial owes a reduce: named from its placement, and the
+    # row-parallel module whose reduce never ran in that layer is named too (read locally: no redistribute)
+    ps = res["dtensor-partial_stream"]
+    assert _failures(ps) == [("partial-allreduce", "layer 2 (blocks.2.down)", [0, 1]),
+                             ("partial-allreduce", "layer.2.out", [0, 1])], ps["findings"]
+    assert "placed Partial(sum) on ranks 0, 1" in ps["findings"][1]["detail"], ps["findings"]
     # transformers' local_rowwise is in every layer's plan: named at the first layer, said for all
     detail = next(f["detail"] for f in res["hf-local_rowwise"]["findings"] if f["severity"] == "failure")
     assert "unreduced in every layer (4 of 4)" in detail, detail
@@ -162,3 +169,46 @@ def test_each_library_is_healthy_at_tp4(tmp_path):
     res = _probe_all(tmp_path, 4, cases)
     for name, *_ in cases:
         assert_healthy(name, res[name], 4, name.split("-")[0])
+
+
+def build_partial_stream(ctx):
+    """torch DTensor TP on blocks that keep DTensors in the stream (`use_local_output=False`): every
+    block's row-parallel `down` returns a Replicate DTensor, except layer 2's, whose plan says
+    `output_layouts=Partial()`: the layer returns a DTensor that still owes its reduce (DTensor
+    reduces it lazily, in layer 3's first matmul)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tpprobe import ProbeTarget
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(96, 32)
+            self.blocks = nn.Sequential(*[Block() for _ in range(4)])
+
+        def forward(self, ids):
+            return self.blocks(self.embed(ids)).to_local()
+
+    torch.manual_seed(ctx.seed)
+    model = Net().eval().requires_grad_(False)
+    mesh = DeviceMesh.from_group(ctx.group or dist.group.WORLD, "cpu")
+    parallelize_module(model, mesh, {"embed": RowwiseParallel(input_layouts=Replicate(), use_local_output=False)})
+    for i, block in enumerate(model.blocks):
+        down = RowwiseParallel(output_layouts=Partial() if i == 2 else Replicate(), use_local_output=False)
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": down})
+    ids = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(1))
+    return ProbeTarget(model=model, forward=lambda: model(ids.unsqueeze(0)), input_ids=ids, num_layers=4,
+                       hidden_size=32, dtype=torch.float32, arch="dtensor-mlp")

@@ -190,6 +190,11 @@ def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
     return out
 
 
+def _local(t):
+    """A DTensor's local tensor (no collective), any other tensor as it is."""
+    return t.to_local() if dtensor_placements(t) is not None else t
+
+
 _ROW_KINDS = (STREAM, SHARE, IN_NORM)    # capture points held as [tokens, hidden] (discover.rows)
 AllReduceRecord = CollectiveRecord        # the name earlier code imports
 _ROW_PATTERNS = discover.ROW_PATTERNS        # the name earlier code imports
@@ -484,7 +489,7 @@ class Tap:
             layout = discover.hidden_layout(output, ids)
             if self._embed_pending:           # inside an outer consumer: a fallback, if it emits rows
                 if layout is not None:
-                    out = first_tensor(output)
+                    out = _local(first_tensor(output))      # kept as this rank's tensor: no DTensor op
                     self._embed_fallback = (name, handle, args, out.detach().clone(), layout, tuple(ids.shape))
                 return
             fallback, self._embed_fallback = self._embed_fallback, None
@@ -607,10 +612,24 @@ class Tap:
             self.order.append(name)       # nothing to keep: do not even form hidden + residual
             self.after[name] = len(self.allreduces)
             return
-        self._record(name, residual_stream(output), copied=True)
+        self._record(name, residual_stream(self._local_output(name, output)), copied=True)
+
+    def _local_output(self, name: str, output):
+        """A layer's output with DTensors replaced by their local tensors, placements recorded: any op
+        on a DTensor (even the clone that reads the stream) may redistribute it, a collective of the
+        probe's own inside the model's forward (a Partial one would be reduced and read as healthy)."""
+        if isinstance(output, torch.Tensor):
+            return self._readable(name, output)
+        if isinstance(output, (tuple, list)):
+            return type(output)((self._readable(name, o) if i == 0 else _local(o)) if isinstance(o, torch.Tensor)
+                                and i < 2 else o for i, o in enumerate(output))
+        return output
 
     def _row_post(self, handle, args, output) -> None:
-        self.add_row_output(handle.name, handle.index, first_tensor(output))
+        out = first_tensor(output)
+        if out is not None and dtensor_placements(out) is not None:
+            out = out.to_local()          # a DTensor (use_local_output=False): its storage is the local one
+        self.add_row_output(handle.name, handle.index, out)
 
     def _in_norm_post(self, handle, args, output) -> None:
         self._record(in_norm(handle.index), first_tensor(output), copied=False)

@@ -34,7 +34,7 @@ def dtensor_placements(t) -> tuple | None:
     placements = getattr(t, "placements", None)
     if placements is None or not hasattr(t, "to_local"):
         return None
-    return tuple(str(p) for p in placements)
+    return tuple(repr(p) for p in placements)     # repr: "Shard(0)"; torch 2.13's str() is "S(0)"
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -79,8 +79,24 @@ def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
         out.append(Finding("coverage", "collective audit", list(live), severity=WARNING, detail=(
             f"reduces counted but not readable, so not checked for completeness: {text} (they still count "
             f"per layer: a missing one is named at its layer)"), evidence=all_r))
-    out += unreadable_findings(records, live)
+    out += unreadable_findings(records, live) + partial_placement_findings(records, live)
     return out
+
+
+def partial_placement_findings(records, live) -> list[Finding]:
+    """A capture point that is a DTensor placed Partial still owes its reduce where it was read:
+    DTensor says so itself (capture/hooks.py records each DTensor point's placements)."""
+    owed: dict = {}
+    for r in live:
+        for name, pl in ((records[r].meta.get("coverage") or {}).get("placements") or {}).items():
+            if any(p.startswith("Partial") for p in pl):
+                owed.setdefault(name, ([], pl))[0].append(r)
+    return [Finding("partial-allreduce", name, ranks, detail=(
+        f"{name} is a DTensor placed {', '.join(pl)} on rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))}: each rank holds a partial sum; it owes a reduce (a redistribute to "
+        f"Replicate) that had not run where it was captured"),
+        evidence={"placements": list(pl), "all_ranks": sorted(ranks) == sorted(live)})
+        for name, (ranks, pl) in owed.items()]
 
 
 def unreadable_findings(records, live) -> list[Finding]:
