@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import readme_section  # noqa: E402
 COMMAND = ["probe", "--inject", "skip-allreduce@2"]
 BEGIN, END = "<!-- annotated:begin (python scripts/annotated_report.py --write) -->", "<!-- annotated:end -->"
 # a line that starts with (or, for "~", contains) the key gets the note
@@ -66,16 +68,12 @@ def block(text: str) -> str:
 
 
 def readme_block(readme: str) -> str:
-    m = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), readme, re.S)
-    return m.group(1) if m else ""
+    return readme_section.section(readme, BEGIN, END)
 
 
 if __name__ == "__main__":
     got = block(annotate(run()))
     if "--write" in sys.argv:
-        p = ROOT / "README.md"
-        text = p.read_text()
-        assert BEGIN in text and END in text, "the README has no annotated-report markers"
-        p.write_text(text.replace(f"{BEGIN}\n{readme_block(text)}\n{END}", f"{BEGIN}\n{got}\n{END}"))
+        readme_section.write(BEGIN, END, got)
     else:
         print(got)

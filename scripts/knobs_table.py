@@ -7,13 +7,14 @@ from their one declaration: `tpprobe/options.py` PluginOptions and `tpprobe/knob
 tests/test_knobs.py fails when the README's table differs from this."""
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import readme_section  # noqa: E402
 BEGIN, END = "<!-- knobs:begin (python scripts/knobs_table.py --write) -->", "<!-- knobs:end -->"
 
 
@@ -37,15 +38,11 @@ def table() -> str:
 
 
 def readme_table(text: str) -> str:
-    m = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
-    return m.group(1) if m else ""
+    return readme_section.section(text, BEGIN, END)
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        p = ROOT / "README.md"
-        text = p.read_text()
-        assert BEGIN in text and END in text, "the README has no knobs markers"
-        p.write_text(text.replace(f"{BEGIN}\n{readme_table(text)}\n{END}", f"{BEGIN}\n{table()}\n{END}"))
+        readme_section.write(BEGIN, END, table())
     else:
         print(table())
