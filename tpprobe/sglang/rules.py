@@ -157,11 +157,25 @@ def _hf_causal_lm(model_type: str) -> Optional[str]:
 
 
 # ---- the shell the setter runs on ------------------------------------------------------------
+_SOURCES: dict = {}
+_LINES: dict = {}
+
+
 def _source(obj) -> str:
+    """inspect.getsource, once per object (derive reads the same methods for every id)."""
     try:
-        return inspect.getsource(obj)
+        return _SOURCES[obj]
+    except (KeyError, TypeError):
+        pass
+    try:
+        text = inspect.getsource(obj)
     except (OSError, TypeError):
-        return ""
+        text = ""
+    try:
+        _SOURCES[obj] = text
+    except TypeError:
+        pass
+    return text
 
 
 def _inner_class(cls: type, attr: str) -> Optional[type]:
@@ -297,10 +311,12 @@ def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
     L = int(num_layers)
     setter = getattr(cls, SETTER)
     defining = next(c for c in cls.__mro__ if SETTER in vars(c))
-    try:
-        line = inspect.getsourcelines(setter)[1]
-    except (OSError, TypeError):
-        line = 0
+    line = _LINES.get(setter)
+    if line is None:
+        try:
+            line = _LINES[setter] = inspect.getsourcelines(setter)[1]
+        except (OSError, TypeError):
+            line = 0
     where = f"sglang/srt/models/{defining.__module__.rsplit('.', 1)[-1]}.py:{line}"
     shell = _shell(cls, L)
     d = Derived(cls=defining.__name__, file=where, num_layers=L, ids=None if ids is None else list(ids),
@@ -342,3 +358,241 @@ def all_architectures() -> list[tuple[str, type]]:
             if hasattr(c, SETTER):
                 out.append((f, c))
     return out
+
+
+# ---- the table: the same rules as data, for a machine without SGLang (and fast with it) ------------
+# `tabulate()` runs `derive` on every architecture over a grid of (ids, num_layers) and names, for each,
+# the rule among a few that reproduces every result exactly (what the setter stores, what it flags,
+# what it raises); `render_table` writes that as tpprobe/sglang/rules_table.py. `derive_from_table`
+# replays a rule on any ids. tests/test_layers_table.py regenerates the table from the installed SGLang
+# and asserts it equals the shipped one, and that the replay equals `derive` on another grid.
+TABLE_MODULE = "tpprobe/sglang/rules_table.py"
+MAPS = ("plus1", "plus1_if_first_is_1", "as_given_if_max_is_L", "as_given")
+STORES = ("list", "flags", "list+flags_in_range")
+
+
+def _map(kind: str, ids: list[int], L: int) -> list[int]:
+    if kind == "plus1":
+        return [i + 1 for i in ids]
+    if kind == "plus1_if_first_is_1":          # DeepSeek-V2/V3, GLM-4-MoE-Lite
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+    if kind == "as_given_if_max_is_L":         # gpt_oss: ids naming the final boundary are kept
+        return list(ids) if ids and max(ids) == L else [i + 1 for i in ids]
+    return list(ids)
+
+
+def _replay(rule: dict, ids: Optional[list[int]], L: int) -> tuple[Optional[list[int]], list[int], Optional[str]]:
+    """(layers_to_capture, flagged layers, the setter's error) as SGLang's setter leaves them."""
+    if rule.get("raises"):
+        return None, [], rule["raises"]
+    if ids is None:
+        d = rule["default_shift"]
+        if d is None:       # no default: the setter iterates the ids it was given (an inner model's setter)
+            return None, [], "TypeError: 'NoneType' object is not iterable"
+        ltc = [2 + d, L // 2 + d, L - 3 + d]
+    else:
+        ltc = _map(rule["map"], list(ids), L)
+    flagged: list[int] = []
+    if rule["store"] == "flags":               # setattr(self.layers[i], ...) for each, in order
+        for c in ltc:
+            if not -L <= c < L:
+                return ltc, sorted(set(flagged)), "IndexError: list index out of range"
+            flagged.append(c % L)
+    elif rule["store"] == "list+flags_in_range":
+        flagged = [c for c in ltc if 0 <= c < L]
+    return ltc, sorted(set(flagged)), None
+
+
+def derive_from_table(name: str, ids: Optional[list[int]], num_layers: int, table=None) -> Derived:
+    """`derive`, from the shipped table (no SGLang import)."""
+    tab = table or _table()
+    cls_name = resolve_in_table(name, tab)
+    e = tab["CLASSES"][cls_name]
+    L = int(num_layers)
+    ltc, flagged, err = _replay(e, ids, L)
+    owner = e["owner"] if ltc is not None else e.get("owner_on_error", e["owner"])
+    return Derived(cls=e["cls"], file=e["file"], num_layers=L, ids=None if ids is None else list(ids),
+                   layers_to_capture=ltc, flagged=flagged, set_error=err, owner=owner,
+                   loop_uses_flags=e["loop_uses_flags"], captures_last=e["captures_last"], packer=e["packer"],
+                   forward_of=e["forward_of"])
+
+
+def _table() -> dict:
+    from tpprobe.sglang import rules_table as t
+
+    return {"SGLANG_VERSION": t.SGLANG_VERSION, "CLASSES": t.CLASSES, "FILES": t.FILES,
+            "MODEL_TYPES": t.MODEL_TYPES, "ARCHITECTURES": t.ARCHITECTURES}
+
+
+def resolve_in_table(name: str, tab=None) -> str:
+    """`resolve` over the table: a class name, SGLang model file, HF model_type or alias -> class name."""
+    tab = tab or _table()
+    raw = name.strip()
+    key = _ALIASES.get(raw.lower(), raw)
+    if key in tab["CLASSES"]:
+        return key
+    low = key.lower().replace("-", "_")
+    for where in ("FILES", "MODEL_TYPES"):
+        if low in tab[where]:
+            return tab[where][low]
+    raise UsageError(f"unknown SGLang arch {name!r}: give an architecture from config.json (e.g. "
+                     f"Qwen3MoeForCausalLM), an SGLang model file or a model_type; SGLang {tab['SGLANG_VERSION']} "
+                     f"has EAGLE-3 capture in {len(tab['CLASSES'])} architectures (`tpprobe layers --arch all` "
+                     f"lists them)")
+
+
+def resolve_quiet(name: str):
+    try:
+        return resolve(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def table_rows() -> list[tuple[str, str, str]]:
+    """(file, class, table key) of every architecture, as `all_architectures` lists them."""
+    return [tuple(x) for x in _table()["ARCHITECTURES"]]
+
+
+def installed_version() -> Optional[str]:
+    """The installed SGLang's version from its metadata (no import); None when not installed."""
+    from tpprobe.sglang import available
+
+    if not available():
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - sglang on the path without metadata: read its code
+        return "unknown"
+
+
+def use_table() -> bool:
+    """The table answers unless an SGLang of another release is installed (then its own code does)."""
+    from tpprobe.sglang import rules_table
+
+    v = installed_version()
+    return v is None or v == rules_table.SGLANG_VERSION
+
+
+def probe_grid(Ls=(1, 2, 3, 4, 5, 6, 8, 61)):
+    for L in Ls:
+        for ids in (None, [], [1], [0], [-1], [-2], [1, 2, 3], [-1, 1, 3], [0, 2, 4], [2, 1], [1, 1], [L - 1],
+                    [L], [L + 1], [-L], [-L - 1], [0, L], [1, L], [L - 2, L], [L - 4, L // 2, 1], [1, L - 1]):
+            yield ids, L
+
+
+def _fields(d: Derived) -> tuple:
+    return (d.cls, d.file, d.num_layers, d.ids, d.layers_to_capture, d.flagged, d.set_error, d.owner,
+            d.loop_uses_flags, d.captures_last, d.packer, d.forward_of)
+
+
+def _rule_for(cls: type) -> dict:
+    """The table entry reproducing `derive(cls, ...)` on every point of the grid (UsageError if none)."""
+    grid = list(probe_grid())
+    got = [derive(cls, ids, L) for ids, L in grid]
+    first = got[0]
+    base = {"cls": first.cls, "file": first.file, "loop_uses_flags": first.loop_uses_flags,
+            "captures_last": first.captures_last, "packer": first.packer, "forward_of": first.forward_of}
+    owners = {d.owner for d in got if d.layers_to_capture is not None} or {first.owner}
+    errs = {d.owner for d in got if d.layers_to_capture is None}
+    if len(owners) == 1:
+        base["owner"] = owners.pop()
+        if errs and errs != {base["owner"]}:
+            base["owner_on_error"] = errs.pop()
+    cands = []
+    if all(d.layers_to_capture is None and d.set_error for d in got) and len({d.set_error for d in got}) == 1:
+        cands.append({**base, "raises": first.set_error})
+    cands += [{**base, "default_shift": ds, "map": m, "store": s} for ds in (0, 1, None) for m in MAPS for s in STORES]
+    tab = {"SGLANG_VERSION": "", "CLASSES": {"X": None}, "FILES": {}, "MODEL_TYPES": {}, "ARCHITECTURES": []}
+    for c in cands:
+        if "owner" not in c:
+            break
+        tab["CLASSES"]["X"] = c
+        if all(_fields(derive_from_table("X", ids, L, tab)) == _fields(d) for (ids, L), d in zip(grid, got)):
+            return c
+    raise UsageError(f"{cls.__name__}: no tabulated rule reproduces SGLang's set_eagle3_layers_to_capture "
+                     f"({first.file}); extend tpprobe.sglang.rules.MAPS/STORES")
+
+
+def tabulate() -> dict:
+    """The table, from the installed SGLang (imports every model file with EAGLE-3 capture)."""
+    from tpprobe.sglang import SGLANG_VERSION
+
+    archs = all_architectures()
+    classes: dict[str, dict] = {}
+    rows = []
+    for f, cls in archs:
+        # a name is the class SGLang's lookup finds (resolve); an entry class of another file that
+        # shares the name (Qwen3_5ForCausalLM in qwen3_5 and qwen3_5_text) is kept as "file.Name"
+        key = cls.__name__ if resolve(cls.__name__) is cls else f"{f}.{cls.__name__}"
+        if key not in classes:
+            classes[key] = _rule_for(cls)
+        if cls.__name__ not in classes:
+            classes[cls.__name__] = _rule_for(resolve(cls.__name__))
+        rows.append([f, cls.__name__, key])
+    files = _class_files()
+    for name, f in sorted(files.items()):           # subclasses in other files (MistralForCausalLM, ...)
+        if name in classes:
+            continue
+        mod = importlib.sys.modules.get(f"sglang.srt.models.{f}")
+        if mod is None or getattr(mod, name, None) is not resolve_quiet(name):
+            continue
+        try:
+            c = getattr(mod, name, None) if mod is not None else None
+            if not (isinstance(c, type) and c.__module__ == mod.__name__ and hasattr(c, SETTER)):
+                continue
+            classes[name] = _rule_for(c)
+        except Exception:  # noqa: BLE001 - a stub class, or a shell this class cannot be built on
+            continue
+    by_file = {}
+    for f in sorted({f for f in files.values()}):
+        mod = importlib.sys.modules.get(f"sglang.srt.models.{f}")
+        if mod is None:
+            continue
+        cands = [c for c in _entry_classes(mod) if hasattr(c, SETTER)]
+        if not cands:
+            cands = [c for c in vars(mod).values() if isinstance(c, type) and SETTER in vars(c)
+                     and c.__module__ == mod.__name__ and "Model" != c.__name__[-5:]]
+        if cands and cands[0].__name__ in classes:
+            by_file[f] = cands[0].__name__
+    model_types = {}
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+        mts = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+    except Exception:  # noqa: BLE001
+        mts = []
+    for mt in mts:
+        low = mt.lower().replace("-", "_")
+        if low in by_file or os.path.exists(os.path.join(models_dir(), f"{low}.py")):
+            continue
+        c = _hf_causal_lm(low)
+        if c in classes:
+            model_types[low] = c
+    return {"SGLANG_VERSION": SGLANG_VERSION, "CLASSES": dict(sorted(classes.items())), "FILES": by_file,
+            "MODEL_TYPES": model_types, "ARCHITECTURES": rows}
+
+
+def render_table(tab: dict) -> str:
+    import pprint
+
+    head = (f'"""SGLang {tab["SGLANG_VERSION"]}\'s EAGLE-3 capture rules, one entry per architecture: GENERATED by\n'
+            f'`python -m tpprobe.sglang.rules --write` from that SGLang\'s own code (tpprobe.sglang.rules.tabulate);\n'
+            f'tests/test_layers_table.py regenerates it from the installed SGLang and asserts it equals this file.\n'
+            f'Read by `tpprobe layers` (and the probe report) without importing SGLang."""\n')
+    body = "".join(f"{k} = {pprint.pformat(tab[k], width=110, sort_dicts=False)}\n\n"
+                   for k in ("SGLANG_VERSION", "CLASSES", "FILES", "MODEL_TYPES", "ARCHITECTURES"))
+    return head + "\n" + body.rstrip() + "\n"
+
+
+if __name__ == "__main__":   # python -m tpprobe.sglang.rules --write: regenerate the table
+    import sys
+
+    text = render_table(tabulate())
+    if "--write" in sys.argv:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(os.path.join(root, TABLE_MODULE), "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)

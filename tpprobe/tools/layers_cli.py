@@ -1,8 +1,9 @@
 """`tpprobe layers`: what each EAGLE-3 layer id captures under SGLang's rule for an architecture,
 and (with --draft-config/--target-config) whether a draft and its target agree on the contract.
 
-No model is run. The rule is derived from the installed SGLang (tpprobe.sglang.rules), with the
-pinned 0.5.23 table as fallback when SGLang is not installed (tpprobe.tools.layers).
+No model is run, and SGLang is not needed: the rules of SGLang 0.5.23's architectures are
+tabulated from its code (tpprobe/sglang/rules_table.py); with another SGLang release installed, they
+are derived from that release's code (tpprobe.sglang.rules).
 
 Exit codes: 0 every id captures one slot the draft can use / draft and target agree; 1 a crash,
 a dropped or duplicate id, or (contract) any slot that differs; 2 bad input.
@@ -81,15 +82,16 @@ def layers_command(
 # ---- every architecture ------------------------------------------------------------------
 def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     from tpprobe.tools.layers import plan_from_derived
-    from tpprobe.sglang import available, require
     from tpprobe.sglang import rules
 
-    require()
-    assert available()
+    if rules.use_table():     # SGLang 0.5.23's rules as data: no SGLang needed, none imported
+        pairs = [(f, name, rules.derive_from_table(key, ids, num_layers)) for f, name, key in rules.table_rows()]
+    else:                     # another SGLang release installed: its own code
+        pairs = [(f, cls.__name__, rules.derive(cls, ids, num_layers)) for f, cls in rules.all_architectures()]
     out = []
-    for f, cls in rules.all_architectures():
-        p = plan_from_derived(cls.__name__, rules.derive(cls, ids, num_layers))
-        out.append({"arch": cls.__name__, "file": f, "rule": p.rule, "layers_to_capture": p.layers_to_capture,
+    for f, name, d in pairs:
+        p = plan_from_derived(name, d)
+        out.append({"arch": name, "file": f, "rule": p.rule, "layers_to_capture": p.layers_to_capture,
                     "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash})
     return out
 
@@ -98,8 +100,11 @@ def render_all(rows: list[dict], ids, num_layers: int, con) -> None:
     from rich.table import Table
 
     given = "default" if ids is None else ",".join(map(str, ids))
-    t = Table(title=f"EAGLE-3 capture of every SGLang architecture, ids {given}, {num_layers} layers "
-                    f"(derived from the installed SGLang)")
+    from tpprobe.sglang import rules
+
+    how = ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
+           f"derived from the installed SGLang {rules.installed_version()}")
+    t = Table(title=f"EAGLE-3 capture of every SGLang architecture, ids {given}, {num_layers} layers ({how})")
     for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]", "problem"):
         t.add_column(c)
     for r in rows:
