@@ -18,10 +18,8 @@ and prints each median and its ratio to `off`; writes audit_overhead.json to --o
 The H200 numbers come from bench/nccl_overhead.py (the lead's run).
 """
 import argparse
-import json
 import os
 import socket
-import statistics
 import sys
 import time
 
@@ -30,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import alternate, medians, write_json  # noqa: E402
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture import hooks  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
@@ -81,15 +80,9 @@ def worker(rank, a, port, q):
                 audits[v] = (t.auditor.path.split(" ")[0], len(t.allreduces))
         return time.perf_counter() - t0
 
-    for _ in range(3):
-        for v in VARIANTS:
-            run(v)
-    times = {v: [] for v in VARIANTS}
-    for i in range(a.iters):
-        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            times[v].append(run(v))
+    times = alternate(VARIANTS, run, a.iters, warmup=3)
     if rank == 0:
-        med = {v: statistics.median(times[v]) for v in VARIANTS}
+        med = medians(times)
         q.put({"bench": "audit_overhead", "nproc": a.nproc, "hidden": a.hidden, "num_layers": a.num_layers,
                "tokens": a.tokens, "iters": a.iters, "torch": torch.__version__,
                "rows": [{"variant": v, "median_ms": med[v] * 1e3, "x_off": med[v] / med["off"],
@@ -126,9 +119,7 @@ def main():
     for r in res["rows"]:
         print(f"{r['variant']:<14} {r['median_ms']:>10.3f} {r['x_off']:>7.3f}  {r['audit_path']} "
               f"{r['collectives'] if r['audit_path'] else ''}")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "audit_overhead.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, "audit_overhead.json", res)
 
 
 if __name__ == "__main__":

@@ -4,26 +4,19 @@
 
 Median of N wall-clock runs per method, side by side; writes fingerprint_cpu.json."""
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import repeat, write_json  # noqa: E402
 from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
 
 
 def med(fn, n):
-    fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return statistics.median(repeat(fn, n)) * 1e3
 
 
 def main():
@@ -45,9 +38,7 @@ def main():
                        fp_over_sum=f / s, fp_over_clone=f / c, fp_MBps=mb / f * 1e3)
             res["rows"].append(row)
             print(f"{str(shape):>16s} {str(dt)[6:]:>9s} {s:8.2f} {c:9.2f} {f:8.1f} {f / s:7.0f} {f / c:8.0f} {mb / f * 1e3:7.0f}")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "fingerprint_cpu.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    write_json(a.out, "fingerprint_cpu.json", res)
 
 
 if __name__ == "__main__":

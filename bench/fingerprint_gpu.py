@@ -8,7 +8,6 @@ CUDA-graph replay of the work, warm-up, median of N):
   read-floor  one read by a plain Triton kernel (16-byte loads, xor-folded): the best read rate
   clone       t.clone() per tensor (read + write)
   naive       the plain PyTorch fingerprint (tpprobe.exchange.fingerprint._fingerprint_torch), eager
-  v2 before   the previous 16-bit kernel (bench/_fp_v2_kernel.py), same data
   fused       the Triton kernels for the 3 tensors (device work, no host sync)
   fused+host  the same plus the one D2H copy and the host-side combine, eager
   abl -X      the fused kernel with stage X left out (wrong results): where the time goes
@@ -143,14 +142,11 @@ def main():
     res["config"] = best or "launch() defaults"
     print("config", res["config"], flush=True)
 
-    import _fp_v2_kernel as v2  # noqa: E402  (bench/ is on sys.path as the script's folder)
-
     run("sum-floor", lambda: [t.sum() for t in ts])
     run("read-floor", lambda: read_floor(ts, scratch))
     run("clone", lambda: [t.clone() for t in ts])
     run("naive", lambda: [_fingerprint_torch(t, 0, a.k) for t in ts], graph=False,
         iters=max(5, a.iters // 5))
-    run("v2 before", lambda: v2.launch_v2(ts, 0, a.k))
     run("fused", lambda: tf.launch(ts, 0, a.k))
     if best:
         run("fused tuned", lambda: tf.launch(ts, 0, a.k, **best))

@@ -14,16 +14,15 @@ Weights are drawn on the target device (the model's own full_weights draws on th
 float32, which takes longer than the benchmark at GPU widths); the forward is the model's.
 """
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tpprobe.capture.points import id_point
+from bench.harness import alternate, medians, write_json  # noqa: E402
+from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.model import BuiltinConfig, TPModel, input_ids  # noqa: E402
@@ -70,7 +69,9 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
-    def run(variant) -> tuple[float, int]:
+    kept = {}
+
+    def run(variant) -> float:
         sync()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -91,21 +92,12 @@ def main():
                 _ = [s.to_json() for s in tap.summaries.values()]
                 n = len(tap.captures)
         sync()
-        return time.perf_counter() - t0, n
+        kept[variant] = n
+        return time.perf_counter() - t0
 
     variants = ["none", "installed", "capture3"]
-    for _ in range(a.warmup):
-        for v in variants:
-            run(v)
-    times = {v: [] for v in variants}
-    kept = {}
-    for i in range(a.iters):
-        order = variants if i % 2 == 0 else variants[::-1]   # alternate, so drift hits all alike
-        for v in order:
-            s, n = run(v)
-            times[v].append(s)
-            kept[v] = n
-    med = {v: statistics.median(times[v]) for v in variants}
+    times = alternate(variants, run, a.iters, warmup=a.warmup)
+    med = medians(times)
     cap_bytes = a.tokens * a.hidden * torch.tensor([], dtype=dtype).element_size()
     rows = [{"variant": v, "median_s": med[v], "ratio": med[v] / med["none"], "min_s": min(times[v]),
              "max_s": max(times[v]), "kept_tensors": kept[v], "all_s": times[v]} for v in variants]
@@ -120,10 +112,7 @@ def main():
     for r in rows:
         print(f"{r['variant']:<10} {r['median_s'] * 1e3:>10.2f} {r['min_s'] * 1e3:>9.2f} "
               f"{r['max_s'] * 1e3:>9.2f} {r['ratio']:>7.3f}")
-    os.makedirs(a.out, exist_ok=True)
-    name = f"hook_overhead_{dev.type}.json"
-    with open(os.path.join(a.out, name), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, f"hook_overhead_{dev.type}.json", res)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,13 @@ one forward per variant, alternating the variants (so drift hits all alike), med
                queued during the forward and read with ONE device-to-host copy after it
 With --kernel, installed_kernel / fingerprint_kernel: the same with ProcessGroup's doors closed
 (every collective through the audit's dispatcher kernel, as before the doors).
-With --before, two more: installed_before / fingerprint_before, the same with the Tap this tree
-replaced (bench/_tap_before.py, frozen: a hook pair on every module of every layer keeping a module
-stack, registered through torch's API), side by side in the same run.
 Each timing runs from a synchronised start to the end of the forward's work on the device (and,
 for fingerprint, the host having its fingerprints).  Rank 0 writes nccl_overhead.json to --out.
 Targets (issue 14): fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode.
 """
 import argparse
-import json
 import os
 import queue
-import statistics
 import sys
 import time
 
@@ -36,10 +31,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import alternate, medians, write_json  # noqa: E402
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
-from bench import _tap_before  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
@@ -58,8 +53,7 @@ def worker(rank: int, a, port: int, q):
     dist.init_process_group("nccl", device_id=dev)
     dtype = getattr(torch, a.dtype)
     layer_ids = [-1, 1, 3]
-    variants = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else []) \
-        + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
+    variants = VARIANTS + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
     out = {"rows": []}
     for tokens, iters in [(a.prefill, a.iters)] + [(n, a.decode_iters) for n in a.decode]:
         cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
@@ -82,9 +76,8 @@ def worker(rank: int, a, port: int, q):
         keep_ids = {id_point(i) for i in layer_ids}
 
         def run(v):
-            Tap_ = _tap_before.Tap if v.endswith("_before") else Tap
             audit._doors.set_doors(not v.endswith("_kernel"))
-            v = v.replace("_before", "").replace("_kernel", "")
+            v = v.replace("_kernel", "")
             if v == "off":       # probe off: none of the audit's kernels or doors on the way
                 audit.release()
             torch.cuda.synchronize()
@@ -95,15 +88,15 @@ def worker(rank: int, a, port: int, q):
                 if v == "off":
                     model(ids)
                 elif v == "installed":
-                    with Tap_(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()):
+                    with Tap(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()):
                         model(ids)
                 elif v == "full":
-                    with Tap_(model, keep=lambda n: True, keep_allreduce_tensors=True, progress=Progress()):
+                    with Tap(model, keep=lambda n: True, keep_allreduce_tensors=True, progress=Progress()):
                         model(ids)
                 else:
                     fp = Deferred(0x7470, 32)
                     keep = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
-                    with Tap_(model, keep=keep, summarize=fp, keep_allreduce_tensors=False,
+                    with Tap(model, keep=keep, summarize=fp, keep_allreduce_tensors=False,
                              progress=Progress()) as tap:
                         model(ids)
                     fp.resolve()
@@ -114,13 +107,8 @@ def worker(rank: int, a, port: int, q):
                 audit._doors.sync()
             return t
 
-        for v in variants * 2:          # warm-up (the kernels compile once)
-            run(v)
-        times = {v: [] for v in variants}
-        for i in range(iters):
-            for v in (variants if i % 2 == 0 else variants[::-1]):
-                times[v].append(run(v))
-        med = {v: statistics.median(times[v]) for v in variants}
+        times = alternate(variants, run, iters, warmup=2)      # warm-up: the kernels compile once
+        med = medians(times)
         if a.profile and rank == 0 and tokens == min(a.decode or [0]):
             import cProfile
             import io
@@ -163,8 +151,6 @@ def main():
     ap.add_argument("--collectives", action="store_true", help="with --nproc 1: all-reduce the embedding's and "
                     "every row-parallel output over the world-1 NCCL group, as a tp-2 model does (the per-collective "
                     "host cost on one GPU)")
-    ap.add_argument("--before", action="store_true", help="also time installed / fingerprint with the Tap this "
-                    "tree replaced (bench/_tap_before.py): installed_before, fingerprint_before")
     ap.add_argument("--kernel", action="store_true", help="also time installed / fingerprint with "
                     "ProcessGroup's doors closed (capture/audit.py: every collective through the audit's "
                     "dispatcher kernel, as before the doors), side by side")
@@ -197,15 +183,12 @@ def main():
     print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
           f"{a.num_layers} layers, {a.dtype}" + (", every row output all-reduced at world 1" if
                                                  res.get("collectives_at_world_1") else "") + "; median ms (x off)")
-    shown = VARIANTS + (["installed_before", "fingerprint_before"] if a.before else []) \
-        + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
+    shown = VARIANTS + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
     print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in shown))
     for r in res["rows"]:
         cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in shown[1:]]
         print(f"{r['phase']:<8} {r['tokens']:>6} " + " ".join(cells))
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "nccl_overhead.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, "nccl_overhead.json", res)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import io
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from bench.harness import alternate, medians  # noqa: E402
 
 
 def raw_read(files):
@@ -78,16 +78,15 @@ def main():
     nbytes = sum(f.stat().st_size for f in files)
     variants = {"raw": lambda: raw_read(files), "report": lambda: report_inproc(d),
                 "report-cli": lambda: report_cli(d)}
-    for fn in variants.values():   # warm the page cache and the imports
-        fn()
-    times = {v: [] for v in variants}
     names = list(variants)
-    for i in range(a.iters):
-        for v in (names if i % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            variants[v]()
-            times[v].append(time.perf_counter() - t0)
-    med = {v: statistics.median(t) for v, t in times.items()}
+
+    def run(v):
+        t0 = time.perf_counter()
+        variants[v]()
+        return time.perf_counter() - t0
+
+    times = alternate(names, run, a.iters, warmup=1)    # warm-up: the page cache and the imports
+    med = medians(times)
     rows = [{"variant": v, "median_s": med[v], "MBps": nbytes / med[v] / 1e6,
              "frac_of_raw": med["raw"] / med[v], "all_s": times[v]} for v in names]
     res = {"bench": "offline_report", "dir": d, "files": len(files), "bytes": nbytes, "iters": a.iters,

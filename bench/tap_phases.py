@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import alternate  # noqa: E402
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
@@ -119,14 +120,8 @@ def main():
         ph["total"] = pc() - t0
         return ph
 
-    for _ in range(3):
-        for v in VARIANTS:
-            one(v)
-    got = {v: {p: [] for p in PHASES} for v in VARIANTS}
-    for i in range(a.rounds):
-        for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
-            for p, x in one(v).items():
-                got[v][p].append(x)
+    rounds = alternate(VARIANTS, one, a.rounds, warmup=3)
+    got = {v: {p: [r[p] for r in rounds[v] if p in r] for p in PHASES} for v in VARIANTS}
     med = {v: {p: statistics.median(got[v][p]) * 1e6 for p in PHASES} for v in VARIANTS}
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     print(f"tap phases: {name}, torch {torch.__version__}, hidden {a.hidden}, {a.num_layers} layers, {a.dtype}, "

@@ -61,7 +61,7 @@ def main():
         return f"{len(a.records)} record(s), out fp {a.records[0].out_summary.fp.bit_hash if a.records else None}"
     step("audit + fingerprints", fp_audit)
     with torch.no_grad():
-        from bench.hook_overhead import weights_on
+        from tpprobe.graph_probe import device_weights as weights_on
         from tpprobe.capture.hooks import Tap
         from tpprobe.model import BuiltinConfig, TPModel
         from tpprobe.target import RankContext

@@ -1,8 +1,8 @@
 """The host side of a fused fingerprint launch (exchange/_triton_fingerprint.py `Batch`, used by
 `Deferred`): the same fingerprints, bit for bit, as the launch path it replaced, for less host
-time per launch (bench/fingerprint_host.py measures that on a GPU); and the same, bit for bit,
-whether a forward's partials are combined on the device (`_combine_kernel`) or on the host
-(`combine_many`, which a CUDA-graph tap uses after replay; bench/fp_small.py times both).
+time per launch (docs/benchmarks.md has the H200 numbers); and the same, bit for bit, whether a
+forward's partials are combined on the device (`_combine_kernel`) or on the host (`combine_many`,
+which a CUDA-graph tap uses after replay; bench/fp_small.py times both).
 
 Without a GPU the kernels run in Triton's CPU interpreter (tests/fp_interp.py, a subprocess:
 TRITON_INTERPRET must be set before triton imports): every kernel branch at small shapes, each

@@ -10,8 +10,8 @@
 #      draft_vocab", default Llama-3-8B's 4096 2048 128256 32000) with the target = the baseline's
 #      slots 0 and 1 swapped, `--fix`: the same timings. Its agreement numbers mean nothing (random
 #      weights); the cpu and cuda rows must still agree.
-#   OUT=dir bash scripts/gpu_accept.sh
-#   DEVICE=cpu WIDE="256 64 1000 500" OUT=/tmp/x bash scripts/gpu_accept.sh   (the dry run on a CPU machine:
+#   OUT=dir bash bench/accept_device.sh      (bash scripts/gpu.sh accept runs it)
+#   DEVICE=cpu WIDE="256 64 1000 500" OUT=$(mktemp -d) bash bench/accept_device.sh   (the dry run on a CPU machine:
 #      cpu stands in for cuda, the GPU test is not run)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-.}; W=$OUT/w; mkdir -p $W
