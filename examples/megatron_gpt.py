@@ -13,6 +13,12 @@ Faults, made Megatron's own way (`build_*` factories):
                        `explicit_expert_comm` set: it skips its reduce, the caller is to
                        communicate, and nobody does
   build_stale_norm     layer FAULT_LAYER's `pre_mlp_layernorm.weight` differs on rank FAULT_RANK
+  build_sequence_parallel          the same model with `sequence_parallel=True` (healthy): the stream is
+                       split over the ranks between layers ([s / tp, b, h]); tpprobe gathers each point
+  build_sequence_parallel_scatter  with sequence parallelism, layer FAULT_LAYER's `mlp.linear_fc2` skips
+                       its reduce-scatter (`explicit_expert_comm`) and keeps its own chunk of the partial
+                       sum (Megatron's `scatter_to_sequence_parallel_region`: a scatter where the
+                       reduce-scatter belongs)
 Settings from the environment: TPLIBS_DTYPE (float32 | bfloat16), TPLIBS_LAYERS (4).
 """
 from __future__ import annotations
@@ -36,7 +42,7 @@ def _layers() -> int:
     return int(os.environ.get("TPLIBS_LAYERS", "4"))
 
 
-def gpt_model(tp: int, n_layers: int, dtype: torch.dtype, seed: int):
+def gpt_model(tp: int, n_layers: int, dtype: torch.dtype, seed: int, sequence_parallel: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -46,7 +52,7 @@ def gpt_model(tp: int, n_layers: int, dtype: torch.dtype, seed: int):
     cfg = TransformerConfig(num_layers=n_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                             ffn_hidden_size=FFN, tensor_model_parallel_size=tp, use_cpu_initialization=True,
                             params_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0,
-                            attention_dropout=0.0)
+                            attention_dropout=0.0, sequence_parallel=sequence_parallel and tp > 1)
     torch.manual_seed(seed)                 # the same full weights on every rank before sharding
     with megatron_cpu.cpu_mode():
         model = GPTModel(cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
@@ -54,13 +60,26 @@ def gpt_model(tp: int, n_layers: int, dtype: torch.dtype, seed: int):
     return model.to(dtype).eval()
 
 
-def _build(ctx: RankContext, explicit_comm: bool = False, stale: bool = False) -> ProbeTarget:
+def _build(ctx: RankContext, explicit_comm: bool = False, stale: bool = False, sp: bool = False,
+           scatter: bool = False) -> ProbeTarget:
     n_layers = _layers()
-    model = gpt_model(ctx.world_size, n_layers, _dtype(), ctx.seed)
+    model = gpt_model(ctx.world_size, n_layers, _dtype(), ctx.seed, sequence_parallel=sp)
     for p in model.parameters():
         p.requires_grad_(False)
     if explicit_comm:
         model.decoder.layers[FAULT_LAYER].mlp.linear_fc2.explicit_expert_comm = True   # "the caller reduces"
+    if scatter:
+        # a scatter where the reduce-scatter belongs: the layer keeps its own chunk of the partial sum
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        fc2 = model.decoder.layers[FAULT_LAYER].mlp.linear_fc2
+        fc2.explicit_expert_comm = True                # RowParallelLinear skips its reduce-scatter
+        inner = fc2.forward
+
+        def forward(x):
+            out, bias = inner(x)
+            return scatter_to_sequence_parallel_region(out), bias
+        fc2.forward = forward
     if stale and ctx.rank == FAULT_RANK:
         with torch.no_grad():
             model.decoder.layers[FAULT_LAYER].pre_mlp_layernorm.weight.add_(1e-2)
@@ -88,3 +107,11 @@ def build_explicit_comm(ctx: RankContext) -> ProbeTarget:
 
 def build_stale_norm(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, stale=True)
+
+
+def build_sequence_parallel(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, sp=True)
+
+
+def build_sequence_parallel_scatter(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, sp=True, scatter=True)

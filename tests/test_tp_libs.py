@@ -49,6 +49,8 @@ FAULTS = {
                                ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", [0, 1])),
     "megatron-stale": ("examples.megatron_gpt:build_stale_norm",
                        ("rank-divergence", "layer 2 parameter decoder.layers.2.pre_mlp_layernorm.weight", [1])),
+    "megatron-sp_scatter": ("examples.megatron_gpt:build_sequence_parallel_scatter",
+                            ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", [0, 1])),
 }
 
 
@@ -134,6 +136,7 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     _need("dtensor", "hf", "megatron")
     cases = _healthy_cases(LIBS, ("float32", "bfloat16"))
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
+    cases.append(("megatron-sp-bfloat16", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
     cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
     cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
@@ -159,13 +162,17 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     # transformers' local_rowwise is in every layer's plan: named at the first layer, said for all
     detail = next(f["detail"] for f in res["hf-local_rowwise"]["findings"] if f["severity"] == "failure")
     assert "unreduced in every layer (4 of 4)" in detail, detail
+    # Megatron's sequence parallelism: the reduces are reduce-scatters, the stream a chunk per rank
+    sp = res["megatron-sp-bfloat16"]
+    assert {a["kind"] for a in sp["allreduce"]["records"]} == {"reduce_scatter", "all_gather"}, sp["allreduce"]
 
 
 def test_each_library_is_healthy_at_tp4(tmp_path):
     _need("dtensor", "hf", "megatron")
     cases = [("dtensor-bfloat16", "examples.dtensor_llama:build", {"TPLIBS_DTYPE": "bfloat16"}),
              ("hf-float32", "examples.hf_tp:build", {"TPLIBS_DTYPE": "float32"}),
-             ("megatron-bfloat16", "examples.megatron_gpt:build", {"TPLIBS_DTYPE": "bfloat16"})]
+             ("megatron-bfloat16", "examples.megatron_gpt:build", {"TPLIBS_DTYPE": "bfloat16"}),
+             ("megatron-sp-float32", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "float32"})]
     res = _probe_all(tmp_path, 4, cases)
     for name, *_ in cases:
         assert_healthy(name, res[name], 4, name.split("-")[0])

@@ -180,11 +180,13 @@ def consumes_ids(args, kwargs, ids: Optional[torch.Tensor]) -> Optional[torch.Te
 
 
 BSH, SBH, TH = "bsh", "sbh", "th"          # token layouts of an embedding's rows (see rows())
+SBH_SP = "sbh/sp"     # [s / world, b, h]: this rank's chunk of the sequence (Megatron's sequence parallelism)
 
 
-def hidden_layout(output, ids: torch.Tensor) -> Optional[str]:
+def hidden_layout(output, ids: torch.Tensor, world: int = 1) -> Optional[str]:
     """The token layout of a module's first output for these ids (BSH: ids.shape + [h]; SBH: the two
-    leading dims swapped; TH: [tokens, h]), or None when it is not one hidden row per token."""
+    leading dims swapped; TH: [tokens, h]; SBH_SP: SBH's sequence split in `world` chunks, one per
+    rank), or None when it is not one hidden row per token."""
     t = output if isinstance(output, torch.Tensor) else next(
         (o for o in output if isinstance(o, torch.Tensor)), None) if isinstance(output, (tuple, list)) else None
     if t is None or not t.dtype.is_floating_point or t.dim() < 2:
@@ -196,7 +198,15 @@ def hidden_layout(output, ids: torch.Tensor) -> Optional[str]:
         return SBH
     if lead == (ids.numel(),):
         return TH
+    if world > 1 and ids.dim() == 2 and ids.shape[1] % world == 0 and lead == (ids.shape[1] // world, ids.shape[0]):
+        return SBH_SP
     return None
+
+
+def is_sequence_shard(t: torch.Tensor, layout: Optional[str], ids_shape: Optional[tuple], world: int) -> bool:
+    """A stream tensor that holds this rank's chunk of the sequence (SBH_SP), to be gathered."""
+    return layout == SBH_SP and ids_shape is not None and t.dim() == 3 and \
+        tuple(t.shape[:2]) == (ids_shape[1] // world, ids_shape[0])
 
 
 def emits_hidden(output, ids: torch.Tensor) -> bool:
@@ -211,7 +221,7 @@ def rows(t: torch.Tensor, layout: Optional[str], ids_shape: Optional[tuple]) -> 
     n = 1
     for d in ids_shape:
         n *= d
-    if layout == SBH and t.dim() == 3 and tuple(t.shape[:2]) == (ids_shape[1], ids_shape[0]):
+    if layout in (SBH, SBH_SP) and t.dim() == 3 and tuple(t.shape[:2]) == (ids_shape[1], ids_shape[0]):
         t = t.transpose(0, 1)
     elif tuple(t.shape[:-1]) not in (tuple(ids_shape), (n,)):
         return t

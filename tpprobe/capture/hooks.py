@@ -359,6 +359,10 @@ class Tap:
                  device_lag: Optional[tuple[int, float]] = None):
         self.model = model
         self.embed_spec, self.layer_spec, self.input_ids = embed, layers, input_ids
+        # the ranks a sequence-parallel stream is split over (Megatron): the default group's
+        self._world = (torch.distributed.get_world_size() if torch.distributed.is_available()
+                       and torch.distributed.is_initialized() else 1)
+        self._seq_shards: dict[str, torch.Tensor] = {}   # point -> this rank's sequence chunk
         # admit(name, tensor): asked BEFORE a kept point is copied (a byte budget); sample_rows:
         # keep only the first rows of each kept tensor (both: the SGLang plugin's bounded memory)
         self.admit, self.sample_rows = admit, sample_rows
@@ -421,6 +425,27 @@ class Tap:
 
     def __exit__(self, *exc) -> None:
         self._remove()
+        if self._seq_shards and exc[0] is None:
+            self._gather_sequence_shards()
+
+    def _gather_sequence_shards(self) -> None:
+        """Sequence parallelism (Megatron): between the reduce-scatter and the all-gather each rank holds
+        its chunk of the sequence; a stream point read there is gathered here, once the forward is over
+        and the audit stopped (so none of these gathers is counted as the model's), into the full
+        [tokens, hidden] every rank must hold alike. Only after a forward that ran every layer: a
+        forward that stopped early (a peer died) has no chunk to gather on some rank."""
+        shards, self._seq_shards = self._seq_shards, {}
+        if len(self.layers_ran) < len(self.layer_indices):
+            return
+        dist = torch.distributed
+        for name, t in shards.items():
+            full = torch.empty((t.shape[0] * self._world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(full, t.contiguous())
+            full = discover.rows(full, discover.SBH, self._ids_shape)
+            if self.keep(name) and self._admitted(name, full):
+                self.captures[name] = full
+            if self.summarize is not None:
+                self.summaries[name] = self.summarize(full)
 
     def _install(self) -> None:
         plan = _plan(self.model, self.layer_spec, self.embed_spec)
@@ -486,7 +511,7 @@ class Tap:
             _, ids = self._embed_pending.pop()
             if self._stack and self._stack[-1][0] == name:
                 self._stack.pop()
-            layout = discover.hidden_layout(output, ids)
+            layout = discover.hidden_layout(output, ids, self._world)
             if self._embed_pending:           # inside an outer consumer: a fallback, if it emits rows
                 if layout is not None:
                     out = _local(first_tensor(output))      # kept as this rank's tensor: no DTensor op
@@ -550,6 +575,11 @@ class Tap:
         if t is None:
             return
         if self.embed_layout is not None and parse(name).kind in _ROW_KINDS:
+            if discover.is_sequence_shard(t, self.embed_layout, self._ids_shape, self._world):
+                self.after[name] = len(self.allreduces)
+                self.order.append(name)
+                self._seq_shards[name] = t.detach().clone()     # gathered after the forward
+                return
             t = discover.rows(t, self.embed_layout, self._ids_shape)
         self.after[name] = len(self.allreduces)
         self.order.append(name)
@@ -595,7 +625,8 @@ class Tap:
             self.after[EMBED_LOCAL] = local.seq
             if local.inp is not None and self.keep(EMBED_LOCAL):
                 self.captures[EMBED_LOCAL] = discover.rows(local.inp, self.embed_layout, self._ids_shape)
-            if self.summarize is not None and local.inp_summary is not None:
+            if self.summarize is not None and local.inp_summary is not None \
+                    and not isinstance(local.inp_summary, (list, tuple)):   # a reduce-scatter's: one per chunk
                 self.summaries[EMBED_LOCAL] = local.inp_summary
         self._record(EMBED_OUT, out, copied=False)
 

@@ -10,6 +10,12 @@ places, each `AssertionError: Torch not compiled with CUDA enabled` on a CPU bui
 3. `tensor_parallel/mappings.py`'s gather / reduce-scatter output buffers allocate on it;
 4. `CudaRNGStatesTracker.fork` around dropout reads and sets the CUDA RNG state.
 
+5. Sequence parallelism with the local spec: `WrappedTorchNorm` (torch's LayerNorm / RMSNorm, the
+   norm without Apex or Transformer Engine) refuses `sequence_parallel=True` ("sequence parallel not
+   supported by torch LayerNorm"); the flag matters to a norm only in training (its weight's gradient
+   is all-reduced across the sequence shards): `cpu_mode()` builds the norm with a copy of the config
+   that says False. The norm of a token is the same either way.
+
 `cpu_mode()` (a context manager, around the build and every forward) makes
 `torch.cuda.current_device()` answer "cpu" while it is open and puts it back on exit, so 1–3
 allocate where the model lives; `enable_rng()` installs Megatron's own inference RNG tracker, whose
@@ -18,6 +24,7 @@ allocate where the model lives; `enable_rng()` installs Megatron's own inference
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -28,13 +35,26 @@ def _cpu() -> str:
 
 @contextlib.contextmanager
 def cpu_mode():
-    """torch.cuda.current_device() answers "cpu" inside (what Megatron allocates on), then back."""
-    saved = torch.cuda.current_device
+    """torch.cuda.current_device() answers "cpu" inside (what Megatron allocates on), and torch norms
+    accept a sequence-parallel config (5), then both back."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    saved, saved_new = torch.cuda.current_device, WrappedTorchNorm.__dict__["__new__"]
+    orig_new = WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, *args, **kwargs):
+        if getattr(config, "sequence_parallel", False):
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        return orig_new(cls, config, *args, **kwargs)
+
     torch.cuda.current_device = _cpu
+    WrappedTorchNorm.__new__ = norm_new
     try:
         yield
     finally:
         torch.cuda.current_device = saved
+        WrappedTorchNorm.__new__ = saved_new
 
 
 def enable_rng() -> None:
