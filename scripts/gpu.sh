@@ -19,6 +19,7 @@
 # Exit status: 0 when every step gave the exit code it expects, 1 otherwise. GPUS=N overrides the
 # GPU count (what --list and --dry-run show for a 2-GPU machine: GPUS=2 ... --list).
 set -uo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.." || exit 2
 
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -39,6 +40,7 @@ while (($#)); do
 done
 ((LIST)) && ((${#SUITES[@]} == 0)) && SUITES=(tier probes bench accept)
 ((${#SUITES[@]})) || { echo "gpu.sh: name a suite: tier probes bench accept all (--list shows their steps)" >&2; exit 2; }
+[[ -n $OUTDIR && $OUTDIR != /* ]] && OUTDIR=$CALLER/$OUTDIR     # relative to where it was called
 if ((DRY)); then OUTDIR=${OUTDIR:-OUTDIR}; else OUTDIR=${OUTDIR:-$(mktemp -d)}; mkdir -p "$OUTDIR"; fi
 NGPU=${GPUS:-$( ((DRY)) && echo 1 || $PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)}
 FAILED=0
