@@ -71,9 +71,9 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         span = (f"; the same module's output is unreduced in every layer ({len(every)} of {n_layers})"
                 if n_layers > 1 and len(every) == n_layers else
                 f"; also unreduced in layers {[k for k in every if k != layer]}" if len(every) > 1 else "")
-        path = _path_of(records, live, mod, layer)
+        path = _path_of(records, live, mod, layer, unreadable_only=True)
         return [Finding("partial-allreduce", f"layer {layer} ({mod})", ranks,
-                        detail=f"{mod} output (row-parallel: each rank holds a partial sum) was never all-reduced"
+                        detail=f"{mod} output was never all-reduced"
                                f"{' (' + path + ')' if path else ''}: {n_here.get(layer_place(layer), 0)} "
                                f"all-reduce(s) ran in layer {layer}{others}{span}; from here on the stream holds "
                                f"each rank's partial sum",
@@ -180,11 +180,15 @@ def _layer_name(records, live, k) -> str:
     return names[k] if k is not None and 0 <= k < len(names) else f"layer {k}"
 
 
-def _path_of(records, live, module: str, layer) -> str:
-    """The door the same module's reduce takes in another layer (what the missing one would go through)."""
+def _path_of(records, live, module: str, layer, unreadable_only: bool = False) -> str:
+    """The door the same module's reduce takes in another layer (what the missing one would go through);
+    unreadable_only: only when that door is one the audit counts but cannot read (it is then the
+    only trace of the reduce: say it)."""
     rel = _relative(module, _layer_name(records, live, layer))
     for a in _reduces(records[live[0]].meta):
         k = a.get("layer")
+        if unreadable_only and a.get("checked", True):
+            continue
         if k is not None and k != layer and _relative(a.get("source") or a["module"], _layer_name(records, live, k)) == rel:
             return f"its reduce goes through {a.get('path', 'c10d.allreduce_')} in layer {k}"
     return ""
