@@ -56,8 +56,12 @@ run() {
   echo "rc=$rc wall=$($PY -c "print(round($(date +%s.%N)-$s,1))")" >> "$D/$name.log"
   local mark=ok; [[ $rc == "$want" ]] || { mark="FAILED (expected rc $want)"; FAILED=1; }
   echo "== $name: $(tail -1 "$D/$name.log") $mark"
-  grep -E "^  (HEALTHY|FAILURE|BITWISE|NOT BITWISE|WARNING)|tpprobe: error|Fatal| passed| failed|error" \
-    "$D/$name.log" | tail -3
+  if [[ $mark == ok ]]; then
+    grep -E "^  (HEALTHY|FAILURE|BITWISE|NOT BITWISE|WARNING)|tpprobe: error|Fatal| passed| failed|error" \
+      "$D/$name.log" | tail -3
+  else
+    tail -15 "$D/$name.log"          # what went wrong, in the device call's own output
+  fi
 }
 
 machine() {
