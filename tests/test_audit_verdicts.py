@@ -192,3 +192,44 @@ def test_sglang_reduce_faults_are_named_exactly(tmp_path, arch, inject, nproc, e
     assert says in f["detail"], f["line"]
     if kind == "allreduce-incomplete":
         assert "sglang.GroupCoordinator.all_reduce" in f["detail"] and "group tp:0" in f["detail"]
+
+
+# ---- row-parallel modules recognised from structure (capture/rowparallel.py) ------------------------
+def test_row_parallel_modules_are_recognised_from_their_attributes_and_shape_not_their_name():
+    import torch
+
+    from tpprobe.capture import discover
+    from tpprobe.capture.rowparallel import is_row_parallel
+
+    class OutProj(torch.nn.Module):            # vLLM / Megatron style, named like nothing we know
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(64, 32))
+            self.input_is_parallel = True
+
+    class Dense(torch.nn.Module):              # SGLang style: a reduce flag on a linear shard
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(64, 64))
+            self.reduce_results = False
+
+    class Column(torch.nn.Module):             # column-parallel: no input shard, no reduce flag
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(96, 64))
+            self.gather_output = False
+
+    class Experts(torch.nn.Module):            # FusedMoE: a reduce flag, but no 2-D weight
+        def __init__(self):
+            super().__init__()
+            self.w2_weight = torch.nn.Parameter(torch.zeros(4, 64, 32))
+            self.reduce_results = True
+
+    assert is_row_parallel(OutProj()) and discover.is_row_parallel(OutProj())
+    assert is_row_parallel(Dense()) and discover.is_row_parallel(Dense())
+    assert not is_row_parallel(Column()) and not discover.is_row_parallel(Column())
+    assert not is_row_parallel(Experts())
+    shard = torch.nn.Linear(32, 64, bias=False)          # weight [hidden, hidden / tp] at tp 2
+    assert not is_row_parallel(shard, hidden=64, world=2)
+    assert is_row_parallel(shard, hidden=64, world=2, shape=True)
+    assert not is_row_parallel(torch.nn.Linear(64, 64), hidden=64, world=2, shape=True)

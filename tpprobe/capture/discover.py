@@ -85,6 +85,9 @@ def is_row_parallel(m: nn.Module) -> bool:
     dim (torch's RowwiseParallel, transformers' rowwise plans): each rank multiplies its slice."""
     if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in ROW_PATTERNS):
         return True
+    from .rowparallel import by_attributes     # input_is_parallel / reduce_results (issue 29)
+    if by_attributes(m):
+        return True
     if not isinstance(m, nn.Linear):
         return False
     placements = getattr(m._parameters.get("weight"), "placements", None) or ()
