@@ -167,7 +167,7 @@ def test_emit_dims_is_sglangs_grammar(dumps):
 
 def test_diff_tp1_vs_tp2_batched_differently(dumps):
     code, out, err = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt"), "--json")
-    assert code == 0, out + err
+    assert code == 1, out + err
     rep = json.loads(out)
     rows = {r["name"]: r for r in rep["rows"]}
     assert set(rows) == {"embed", "o_proj", "qkv", "h"} and all(r["step"] == "all" for r in rows.values())
@@ -175,15 +175,20 @@ def test_diff_tp1_vs_tp2_batched_differently(dumps):
     assert rows["embed"]["level"] == "bitwise" and rows["embed"]["target_how"] == "Σ 2 ranks [inferred: ranks differ]"
     assert rows["qkv"]["level"] == "bitwise" and rows["qkv"]["target_how"].startswith("cat dim 1 × 2 ranks [inferred")
     assert rows["o_proj"]["target_how"] == "Σ 2 ranks [dims]" and rows["o_proj"]["level"] in ("bitwise", "noise")
-    assert rows["h"]["shape"] == [16, 32] and rep["findings"] == []
+    assert rows["h"]["shape"] == [16, 32]
+    # the embedding's ranks hold partial sums with no dims saying so: summed to compare, it matches,
+    # but diff names it as `report` does (issue 29: it used to be a MATCH, exit 0)
+    assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"]] == \
+        [("partial-allreduce", "embed (step all, target)", [0, 1])]
 
 
 def test_diff_names_the_material_record(dumps):
     code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt_bad"), "--json")
     rep = json.loads(out)
     assert code == 1
+    # and the target's embedding, each rank's partial sum with no dims, named as `report` names it
     assert [(f["kind"], f["where"]) for f in rep["findings"] if f["severity"] == "failure"] == \
-        [("reference-mismatch", "h (step 0)")]
+        [("reference-mismatch", "h (step 0)"), ("partial-allreduce", "embed (step 0, target)")]
     assert {r["name"]: r["first_token"] for r in rep["rows"] if r["level"] == "material"} == {"h": 3}
 
 
@@ -206,6 +211,20 @@ def test_diff_refuses_a_dumper_folder_against_a_file(dumps, tmp_path):
     torch.save(torch.zeros(2, 4), f)
     code, _, err = cli("diff", str(dumps / "tp1" / "base"), str(f))
     assert code == 2 and "is an SGLang dumper folder" in err and len(err.strip().splitlines()) == 1
+
+
+def test_report_names_the_partial_embedding_diff_names(dumps):
+    rc, rep = report(dumps / "tp2" / "tgt_bad")
+    assert ("partial-allreduce", "embed (step 0)", [0, 1]) in failures(rep)
+
+
+def test_diff_and_report_agree_on_a_partial_record_without_dims(dumps):
+    """A record whose ranks each hold a partial sum, with no dims: `report` names it; `diff` never
+    sums it into a MATCH without saying so (issue 29, point 5)."""
+    rc, rep = report(dumps / "tp2" / "pe_bare")
+    assert rc == 1 and failures(rep) == [("partial-allreduce", "embed (step 0)", [0, 1])]
+    code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "pe_bare"))
+    assert code == 1 and "MATCH" not in out and "partial-allreduce at embed (step 0, target)" in out, out
 
 
 def test_diff_names_a_partial_declared_replicated(dumps):

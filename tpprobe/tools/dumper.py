@@ -809,7 +809,10 @@ def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
     if not odd:
         return Full(first, f"rank {ranks[0]} (replicated)", "inferred: ranks equal", tdim)
     del first
-    return Full(_sum_over(by_rank, ranks, tdim, masks=False)[0], f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim)
+    # no dims, and the ranks differ: summed to compare, but a partial sum is never passed off as a
+    # match (`tpprobe report` names such a record partial-allreduce): every rank is an odd one
+    total = _sum_over(by_rank, ranks, tdim, masks=False)[0]
+    return Full(total, f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim, odd_ranks=list(ranks), sum_all=total)
 
 
 def _tensor(f: DumpFile) -> torch.Tensor:
@@ -903,7 +906,16 @@ def _diff_data(bpath, tpath) -> dict:
     for r in rows:
         for side, o in r["odd"].items():
             other = "target" if side == "baseline" else "baseline"
-            if o["sum_matches"]:
+            if o["sum_matches"] and not o.get("declared", True):
+                findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
+                                        detail=f"no dims say how it is split over tp and its ranks differ: it was summed "
+                                               f"over the {side}'s ranks to compare, and that sum equals the {other}, so "
+                                               f"each rank holds a partial sum (its all-reduce had not run; if the record "
+                                               f"is meant partial, its dims should say so: h[tp:partial]), as `tpprobe "
+                                               f"report` names it", evidence={"all_ranks": True, "summed": "inferred"}).to_json())
+            elif not o.get("declared", True):
+                continue     # summed by inference and still different: the reference-mismatch above says it
+            elif o["sum_matches"]:
                 findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
                                         detail=f"its dims declare it replicated, but ranks {o['ranks']} differ from the first "
                                                f"and Σ over the {side}'s ranks equals the {other}: each rank holds a partial "
@@ -952,7 +964,7 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
             m = measure(mine.sum_all, other.value)["level"] if mine.sum_all is not None else "shape"
             run, keys = (b, bkeys) if side == "baseline" else (t, tkeys)
             odd[side] = {"ranks": mine.odd_ranks, "all_ranks": sorted(run.groups[keys[0]]),
-                         "sum_matches": m in ("bitwise", "noise")}
+                         "sum_matches": m in ("bitwise", "noise"), "declared": mine.source == "dims"}
     row = {"odd": odd, "name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
            "baseline_how": f"{bfull.how} [{bfull.source}]", "target_how": f"{tfull.how} [{tfull.source}]",
            "inferred": [side for side, f in (("baseline", bfull), ("target", tfull)) if f.source.startswith("inferred")],
