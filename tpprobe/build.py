@@ -104,6 +104,9 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     target = build_target(ctx, opts, layer_ids)
     if opts.model:   # a user's model: its own depth bounds the ids
         L = target.num_layers
+        if not opts.layers_given:      # the default ids follow the depth, known only now
+            from .options import builtin_layer_ids
+            opts.layers = layer_ids = builtin_layer_ids(L)
         bad = [i for i in opts.layers if i < -1 or i >= L]
         if bad:
             raise UsageError(f"--layers {bad} out of range for {opts.model} ({L} layers): ids run from -1 "

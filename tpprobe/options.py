@@ -103,7 +103,8 @@ class ProbeOptions:
     layers: list[int] = opt("--layers", list(BUILTIN["layer_ids"]),
                             "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3: the embedding and "
                             "the streams leaving layers 1 and 3, clamped to id L-2 (id L-1 is dropped, as SGLang-Llama "
-                            "drops it) and each kept once: 4 layers: -1,1,2, 3: -1,1, 2: -1,0, 1: -1; with --backend sglang the "
+                            "drops it) and each kept once: 4 layers: -1,1,2, 3: -1,1, 2: -1,0, 1: -1 (with --model: of the "
+                            "model's own depth); with --backend sglang the "
                             "ids that capture the same streams under the architecture's rule, e.g. 0,2,4 for "
                             "deepseek_v2)",
                             cli_type=Optional[str], parse=_ids, show=lambda v: ",".join(map(str, v)),
@@ -156,6 +157,9 @@ class ProbeOptions:
     markdown: Optional[str] = opt("--markdown", None, "also write a Markdown summary (for an issue) to this file")
     quiet: bool = opt("--quiet", False, "print the verdict lines only")
     debug: bool = opt("--debug", False, "show the traceback of an error, also one raised on a rank")
+    # not an option: whether --layers was given (else the default follows the model's depth; with --model
+    # that is known only on the ranks, after the factory ran, so the ranks are started without --layers)
+    layers_given: bool = True
 
     @property
     def torch_dtype(self):
@@ -196,6 +200,7 @@ class ProbeOptions:
             if kw["num_layers"] is None:
                 kw["num_layers"] = layers or BUILTIN["num_layers"]
         kw["arch"] = kw["arch"] or "llama"
+        kw["layers_given"] = values.get("layers") is not None
         if values.get("layers") is None and not kw["model"]:
             if sglang:
                 # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3)
@@ -210,6 +215,8 @@ class ProbeOptions:
         a: list[str] = []
         for f in cli_fields(type(self)):
             if f.name == "nproc" or (f.name in BUILTIN_ONLY and (self.backend == "sglang" or self.model)):
+                continue
+            if f.name == "layers" and not self.layers_given:    # each rank resolves the same default
                 continue
             v, flag, show = getattr(self, f.name), f.metadata["flag"], f.metadata["show"]
             if isinstance(v, bool):
