@@ -233,3 +233,24 @@ def test_row_parallel_modules_are_recognised_from_their_attributes_and_shape_not
     assert not is_row_parallel(shard, hidden=64, world=2)
     assert is_row_parallel(shard, hidden=64, world=2, shape=True)
     assert not is_row_parallel(torch.nn.Linear(64, 64), hidden=64, world=2, shape=True)
+
+
+# ---- every op by its own definition (point 2) ---------------------------------------------------------
+def test_max_min_and_product_reduces_are_checked_by_their_definition(tmp_path):
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:build", "--layers", "-1,1", nproc=2)
+    ops = [e["op"] for e in rep["allreduce"]["records"]]
+    assert {"MAX", "MIN", "PRODUCT", "SUM"} <= set(ops), ops
+    assert all(e["level"] in ("exact", "noise") for e in rep["allreduce"]["records"] if e["op"] != "CAT"), \
+        [(e["op"], e["level"]) for e in rep["allreduce"]["records"]]
+    assert rep["allreduce"]["unchecked"] == 0 and rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
+
+
+def test_an_op_sketches_cannot_check_is_counted_unchecked_and_said(tmp_path):
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:build", "--layers", "-1,1", "--exchange",
+                        "fingerprint", nproc=2)
+    why = rep["allreduce"]["unchecked_why"]
+    assert why == {"op MAX not checkable from sketches": 4, "op MIN not checkable from sketches": 4,
+                   "op PRODUCT not checkable from sketches": 4}, why
+    [w] = [f for f in rep["findings"] if f["kind"] == "coverage"]
+    assert w["severity"] == "warning" and "4 × op MAX not checkable from sketches" in w["detail"]
+    assert rc == 0 and not failures(rep)

@@ -26,7 +26,7 @@ from .collectives import sequence_mismatch
 from .coverage import coverage_findings, summary as coverage_summary
 from .crossrank import cross_rank, point_names, rounding_noise
 from .evidence import TensorEvidence
-from .findings import FAILURE, Finding
+from .findings import FAILURE, WARNING, Finding
 from .liveness import missing_rank_findings, rank_error_findings
 from .noise import dtype_from_str
 from .reduces import first_divergence, incomplete_findings, incomplete_records, point_key, reduce_key
@@ -108,6 +108,11 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------
     out["coverage"] = coverage_summary(records, live)
     cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
+    ops = {w: n for w, n in ar.get("unchecked_why", {}).items() if w.startswith("op ")}
+    if ops:      # a collective whose op this exchange mode cannot check: counted, never silently passed
+        cov_findings.append(Finding("coverage", "collective audit", list(live), severity=WARNING, detail=(
+            "collectives not checked for completeness: " + ", ".join(f"{n} × {w}" for w, n in ops.items())
+            + " (--exchange full checks MAX, MIN and PRODUCT element by element)"), evidence={"all_ranks": True}))
     findings += roots + wrong + slot_findings + set_findings + cov_findings
     explained = {f.where for f in findings} | ({AUX_PACKED} if slot_findings else set())
     findings += rounding_noise(names, point_stats, explained)
