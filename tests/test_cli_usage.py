@@ -44,7 +44,7 @@ CASES = {
     "fault-rank": (["probe", "--inject", "kill-rank@5"], "rank 5 out of range"),
     "fault-arg": (["probe", "--inject", "kill-rank"], "needs @R"),
     "out-unwritable": (["probe", "--out", "{file}/sub"], "cannot write to --out"),
-    "report-missing": (["report", "{tmp}/nothing-here"], "not a folder"),
+    "report-missing": (["report", "{tmp}/nothing-here"], "no such file or folder"),
     "report-emit-dims": (["report", "{tmp}", "--emit-dims"], "--emit-dims reads SGLang dumper folders"),
     "model-no-colon": (["probe", "--model", "nocolon"], "must be package.module:factory"),
     "arch": (["probe", "--arch", "gpt-j"], "arch"),

@@ -121,8 +121,9 @@ def validate(opts: InvarianceOptions) -> None:
         probe_validate(p, t)
         if builtin:
             _builtin_cfg(opts, p.layers).validate(t)
-        elif p.backend == "sglang" and t > 4:
-            raise UsageError(f"--tp {t}: the tiny SGLang models split 8 heads over 4 KV heads; use tp 1, 2 or 4")
+        elif p.backend == "sglang":      # the shapes' own rule, as the probe checks it (before any rank starts)
+            from ..sglang.tiny import check_tp
+            check_tp(p.arch, p.config, t)
     if p.tokens < 1:
         raise UsageError(f"--tokens must be >= 1 (got {p.tokens})")
     if len(opts.configs) < 2:
