@@ -127,3 +127,30 @@ def test_the_model_itself_is_never_the_embedding():
     assert tap.embed_name is None and tap.coverage()["embed_how"] == "not found"
     tap = _tap(Model("list").eval(), IDS[0])                 # 1-D ids fed as they are: still the embedding
     assert tap.embed_name == "tok"
+
+
+class _NoStorage(torch.Tensor):
+    """A tensor subclass with no storage of its own (as a wrapper subclass is): its bytes cannot be read."""
+
+    @staticmethod
+    def __new__(cls, like):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} is not supported on this tensor")
+
+
+def test_a_capture_point_tpprobe_cannot_read_is_named_and_the_others_are_kept():
+    class Opaque(Block):
+        def forward(self, x):
+            return _NoStorage(x)
+
+    model = Model("list", n=3).eval()
+    model.layers[2] = Opaque()
+    model.forward = lambda ids: model.layers[2](model.layers[1](model.layers[0](model.tok(ids))))
+    tap = _tap(model, IDS)
+    cov = tap.coverage()
+    assert list(cov["unreadable_points"]) == ["layer.2.out"], cov["unreadable_points"]
+    assert "_NoStorage" in cov["unreadable_points"]["layer.2.out"]
+    assert {"embed.out", "layer.0.out", "layer.1.out"} <= set(tap.captures) and "layer.2.out" not in tap.captures

@@ -600,7 +600,8 @@ class Tap:
                 self.unreadable[name] = f"{type(t).__name__}: {type(e).__name__}: {e}"[:200]
                 return None
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            try:
+            try:                       # a subclass: read it once here, where a failure is named
+                t = t.detach().clone()
                 t.data_ptr()
             except Exception as e:     # a tensor subclass with no readable storage
                 self.unreadable[name] = f"{type(t).__name__}: {type(e).__name__}: {e}"[:200]
