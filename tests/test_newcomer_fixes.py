@@ -95,3 +95,14 @@ def test_with_debug_a_factory_error_shows_the_traceback_and_no_debug_hint(tmp_pa
     assert "Traceback" in cp.stderr
     last = cp.stderr.strip().splitlines()[-1]
     assert "the factory raised RuntimeError: the factory's own bug" in last and "--debug" not in last
+
+
+def test_the_html_paints_reduces_complete_within_rounding_green_not_yellow(tmp_path):
+    from tpprobe.report.html import render_html
+    code, rep, _ = probe(tmp_path / "fp", "--exchange", "fingerprint", "--dtype", "bfloat16")
+    assert code == 0 and rep["allreduce"]["noise"] == rep["allreduce"]["checked"] > 0   # sketches: within rounding
+    html = render_html(rep)
+    audit = html[html.index('<section id="allreduce">'):]
+    audit = audit[:audit.index("</section>")]
+    assert 'class="noise"' not in audit and 'class="bad"' not in audit
+    assert audit.count('class="ok"') >= rep["allreduce"]["checked"]

@@ -24,6 +24,9 @@ LEVEL_LEGEND = [("reference", "the rank the others are compared to"), ("bitwise"
                 ("noise", "differs within the dtype's rounding (reduction order)"),
                 ("material", "differs beyond rounding: a bug"), ("shape", "shapes or dtypes differ"),
                 ("own share", "a rank's own shard before the all-reduce: not compared")]
+# an all-reduce complete within rounding is a healthy reduce: green like an exact one, never yellow
+AUDIT_CLASS = {**LEVEL_CLASS, "noise": "ok"}
+AUDIT_LABEL = {"noise": "complete (within rounding)", "exact": "complete (exact)"}
 SEV_CLASS = {"failure": "bad", "warning": "noise", "info": "ref"}
 
 CSS = """
@@ -223,12 +226,12 @@ def _allreduce(report: dict, world: int) -> str:
                 continue
             out.append(f'<tr><td>{_e(rec.get("seq"))}</td><td>{_e(rec.get("where"))}</td><td>{_e(rec.get("module"))}</td>'
                        f'<td>{_e(rec.get("shape"))}</td><td>{_e(rec.get("group_size"))}</td>'
-                       f'<td class="{LEVEL_CLASS.get(lv, "")}">{_e(lv)}</td>')
+                       f'<td class="{AUDIT_CLASS.get(lv, "")}">{_e(AUDIT_LABEL.get(lv, lv))}</td>')
             for r in range(world):
                 s = (rec.get("per_rank") or {}).get(str(r))
                 if s:
                     txt = s.get("level", "?") + (f' {s["rel_diff"]:.2g}' if isinstance(s.get("rel_diff"), (int, float)) and s.get("rel_diff") else "")
-                    out.append(f'<td class="{LEVEL_CLASS.get(s.get("level"), "")}" title="{_e(_cell_title(s))}">{_e(txt)}</td>')
+                    out.append(f'<td class="{AUDIT_CLASS.get(s.get("level"), "")}" title="{_e(_cell_title(s))}">{_e(txt)}</td>')
                 else:
                     out.append('<td class="dim">—</td>')
             out.append("</tr>")
