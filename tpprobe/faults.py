@@ -19,7 +19,8 @@ import torch.distributed as dist
 from .errors import UsageError
 from .target import ProbeTarget, RankContext
 
-from .fault_names import BOTH, FAULTS, SGLANG_ONLY, inject_help  # noqa: F401  (the names, torch-free for --help)
+from .fault_names import BOTH, FAULTS, SGLANG_ONLY, inject_help
+from .fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
 
 
 def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
@@ -208,30 +209,6 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
 # Each corrupt call still runs the real reduce, so every rank issues the same collectives (a rank
 # that skipped one would hang its peers, a different fault: F12/F14).
 PATH = "tpprobe.faults.Communicator.all_reduce"
-_SHM: dict = {"lib": None, "group": None}
-
-
-def _shm_allreduce_impl(x: torch.Tensor) -> torch.Tensor:
-    # the sum runs on a helper thread: the audit watches its own thread only, so like the real
-    # shared-memory kernel the op is one collective the audit can count and not look inside
-    import threading
-
-    y = x.clone()
-    t = threading.Thread(target=dist.all_reduce, args=(y,), kwargs={"group": _SHM["group"]})
-    t.start()
-    t.join()
-    return y
-
-
-def shm_allreduce_op(group):
-    """torch.ops.tpprobe_fault.shm_allreduce: an all-reduce the audit counts by name but cannot read."""
-    _SHM["group"] = group
-    if _SHM["lib"] is None:
-        lib = torch.library.Library("tpprobe_fault", "DEF")
-        lib.define("shm_allreduce(Tensor x) -> Tensor")
-        lib.impl("shm_allreduce", _shm_allreduce_impl, "CompositeExplicitAutograd")
-        _SHM["lib"] = lib
-    return torch.ops.tpprobe_fault.shm_allreduce
 
 
 class Communicator:

@@ -180,7 +180,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
         tp.all_reduce = all_reduce
         return
     if name == "skip-unreadable-allreduce":
-        from ..faults import shm_allreduce_op
+        from ..fault_ops import shm_allreduce_op
         shm = shm_allreduce_op(tp.device_group)
 
         def all_reduce(input_, *a, **kw):
