@@ -175,6 +175,13 @@ SG_CASES = [
      "in every layer (4 of 4)"),
     ("llama", "skip-unreadable-allreduce@2", 2, "fingerprint", "partial-allreduce", f"layer 2 ({SG.format(2)})",
      [0, 1], "tpprobe_fault.shm_allreduce"),
+    # MLA + MoE: layer 0 dense, layers 1-3 MoE (their reduce counts differ from the dense layer's)
+    ("deepseek_v2", "skip-allreduce-all", 2, "full", "partial-allreduce", f"layer 0 ({SG.format(0)})", [0, 1],
+     "in every layer (4 of 4)"),
+    ("deepseek_v2", "allreduce-scaled@1", 2, "fingerprint", "allreduce-incomplete", f"layer 1 ({SG.format(1)})",
+     [0, 1], "the sum scaled by 2"),
+    ("deepseek_v2", "skip-unreadable-allreduce@0", 2, "fingerprint", "partial-allreduce", f"layer 0 ({SG.format(0)})",
+     [0, 1], "tpprobe_fault.shm_allreduce"),
 ]
 
 
