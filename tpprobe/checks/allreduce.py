@@ -33,8 +33,8 @@ def allreduce_audit(ev, records, live, world) -> dict:
         elif len(live) != world:
             why = "not every rank's record"
         per = None if why else ev.allreduce(i, live, m)
-        if per is None:
-            why = why or "tensors not kept"
+        if per is None or isinstance(per, str):
+            why = why or per or "tensors not kept"
             entry["level"], entry["unchecked"] = "unchecked", why
             res["unchecked"] += 1
             res["unchecked_why"][why] = res["unchecked_why"].get(why, 0) + 1

@@ -271,6 +271,9 @@ class FingerprintEvidence(TensorEvidence):
             else:
                 ins = [Fingerprint.from_json(recs[q]["in_fp"]) for q in members]
             out = Fingerprint.from_json(a["out_fp"])
+            if any(f.n_nan or f.n_inf for f in [out, *ins]):
+                # NaN / Inf cannot be summed on sketches (the non-finite check names where they start)
+                return "non-finite values (a sketch cannot sum them)"
             if op == "AVG":
                 out = scaled_fp(out, float(len(members)))
             ok, rel = sum_matches(out, ins, getattr(torch, out.dtype))
