@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UsageError
+from .knobs import knob
 from .target import ProbeTarget, RankContext
 
 from .fault_names import BOTH, FAULTS, SGLANG_ONLY, inject_help
@@ -214,7 +215,7 @@ PATH = "tpprobe.faults.Communicator.all_reduce"
 class Communicator:
     def __init__(self, ctx: RankContext, fault: str, at: torch.nn.Module, rank: Optional[int] = None):
         self.ctx, self.fault, self.at, self.rank = ctx, fault, at, rank
-        self.scale = float(os.environ.get("TPPROBE_INJECT_SCALE", "2"))
+        self.scale = float(knob("TPPROBE_INJECT_SCALE"))
         self.tap = None
         self.last: Optional[torch.Tensor] = None
         self.shm = shm_allreduce_op(ctx.group) if fault == "skip-unreadable-allreduce" else None

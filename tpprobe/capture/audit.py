@@ -96,6 +96,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..knobs import knob
 from .points import allreduce_in, allreduce_out
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "unknown")
@@ -318,7 +319,7 @@ class _Doors:
         self.scans = 0
         self.active = 0                      # Audits on the kernel path, every thread
         self.doors: dict[str, Any] = {}      # ProcessGroup method -> its own binding, while wrapped
-        self.want_doors = os.environ.get("TPPROBE_AUDIT_DOORS", "1") != "0"
+        self.want_doors = knob("TPPROBE_AUDIT_DOORS") != "0"
 
     @staticmethod
     def _stamp():

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from ..knobs import knob
+
 SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather")
 # F22-F25 through SGLang's own all-reduce (GroupCoordinator.all_reduce): see reduce_fault below
 REDUCE_FAULTS = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
@@ -192,7 +194,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
         tp.all_reduce = all_reduce
         return
 
-    scale = float(os.environ.get("TPPROBE_INJECT_SCALE", "2"))
+    scale = float(knob("TPPROBE_INJECT_SCALE"))
     orig = GroupCoordinator.__dict__["all_reduce"]
     last: dict = {}
 
