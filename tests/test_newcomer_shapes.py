@@ -117,6 +117,7 @@ def test_a_config_without_arch_builds_its_own_depth(tmp_path):
 
 
 @pytest.mark.sglang
+@pytest.mark.sweep      # 8 ranks on 2 cores: ~100 s, the sweep tier's (run before a change is called done)
 @no_sglang
 def test_the_tiny_deepseek_runs_at_tp_8(tmp_path):
     """Kimi-K2's serving shape: MLA + MoE over 8 gloo ranks, healthy (about 2 minutes on 2 cores)."""

@@ -43,12 +43,26 @@ BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduc
 
 def inject_help() -> str:
     """--inject's help: every fault, and which take @K (a layer) or @R (a rank)."""
-    names = []
+    names, sglang = [], []
     for name, (_, kind, required) in FAULTS.items():
         arg = {"layer": "@K", "rank": "@R"}.get(kind, "")
-        names.append(name + (arg if required else f"(optional {arg})" if arg else ""))
+        shown = name + (arg if required else f"(optional {arg})" if arg else "")
+        (sglang if name in SGLANG_ONLY else names).append(shown)
     return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
-            "e.g. skip-allreduce@2 or nan@1 (with --backend sglang: fused-allreduce-capture, capture-no-residual, "
-            "dp-attention-gather, and the reduce faults " + ", ".join(BOTH) + "; allreduce-scaled multiplies "
-            "by TPPROBE_INJECT_SCALE, default 2). Faults: " + ", ".join(names) +
-            ". What each looks like: README 'The faults it names'")
+            "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
+            "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
+            "README 'The faults it names'. Faults:\n\n\b\n" + _lines(names, 44)
+            + "\n\n\b\nwith --backend sglang only:\n" + _lines(sglang, 44))
+
+
+def _lines(names: list[str], width: int) -> str:
+    """The names a few to a line, never one cut in two (--help wraps text at its hyphens; a `\\b`
+    paragraph is printed as written)."""
+    out, cur = [], ""
+    for n in names:
+        if cur and len(cur) + len(n) + 2 > width:
+            out.append(cur + ",")
+            cur = n
+        else:
+            cur = f"{cur}, {n}" if cur else n
+    return "\n".join(out + [cur])

@@ -127,8 +127,11 @@ def remove_if_empty(out: Path) -> None:
 
 
 def check_parent_exists(path: Path, flag: str) -> None:
-    """Only the last folder of a path is ever created: a missing parent is a typo, not a request."""
+    """Only the last folder of a path is ever created: a missing parent is a typo, not a request
+    (except ./tpprobe-runs itself, tpprobe's own folder, which the default creates too)."""
     parent = Path(path).absolute().parent
+    if parent == Path(RUNS_DIR).absolute():
+        parent.mkdir(exist_ok=True)
     if parent.exists() and not parent.is_dir():
         raise UsageError(f"cannot write to {flag} {path}: {parent} is a file, not a folder; choose a writable folder")
     if not parent.is_dir():
