@@ -192,8 +192,10 @@ SG_CASES = [
 
 # CI's 2 cores run llama at tp 2 (every fault kind, both modes); the tp-4, qwen3 and deepseek_v2 cases
 # run in the sweep tier (`-m sweep`), which is run before a change is called done
+SWEEP_ONLY = {("allreduce-scaled@2", "fingerprint"), ("allreduce-stale@2", "full")}   # the same kinds run in CI
 SG_PARAMS = [pytest.param(*c, id=f"{c[0]}-{c[1]}-tp{c[2]}-{c[3]}",
-                          marks=() if c[0] == "llama" and c[2] == 2 else pytest.mark.sweep) for c in SG_CASES]
+                          marks=() if c[0] == "llama" and c[2] == 2 and c[1:4:2] not in SWEEP_ONLY else pytest.mark.sweep)
+             for c in SG_CASES]
 
 
 @pytest.mark.sglang

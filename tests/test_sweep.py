@@ -94,7 +94,7 @@ def _same_verdict_both_modes(tmp_path, nproc, dtype, seed, inject, scale):
     assert got["full"] == want and got["fingerprint"] == want, got
 
 
-@pytest.mark.parametrize("cfg", [WRONG[0], WRONG[5], WRONG[10], WRONG[15]], ids=_wrong_id)
+@pytest.mark.parametrize("cfg", [WRONG[0], WRONG[10]], ids=_wrong_id)   # the whole list: -m sweep
 def test_wrong_reduce_slice_same_verdict_in_both_modes(tmp_path, cfg):
     _same_verdict_both_modes(tmp_path, *cfg)
 
