@@ -264,8 +264,31 @@ def test_max_min_and_product_reduces_are_checked_by_their_definition(tmp_path):
     assert rep["allreduce"]["unchecked"] == 0 and rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
 
 
+def test_a_wrong_max_min_or_product_is_named_at_its_reduce_in_full_mode(tmp_path):
+    """tests/amax_model.py's `wrong`: layer 0's MAX on rank 1 returns rank 1's own amax, layer 1's MIN
+    rank 0's value on every rank, layer 2's PRODUCT the product x 2: each named, by its op."""
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:wrong", "--layers", "-1,1", nproc=2)
+    assert rc == 1, cp.stderr[-3000:]
+    D = "layer {} (layers.{}.mlp.down_proj)"
+    got = [(f["kind"], f["where"], f["ranks"], f["evidence"]["op"]) for f in failures(rep)]
+    assert got == [("allreduce-incomplete", D.format(0, 0), [1], "MAX"),
+                   ("allreduce-incomplete", D.format(1, 1), [0, 1], "MIN"),
+                   ("allreduce-incomplete", D.format(2, 2), [0, 1], "PRODUCT")], [f["line"] for f in rep["findings"]]
+    mx, mn, pr = failures(rep)
+    assert "not the MAX reduction of its inputs: on rank 1 it returned rank 1's input alone" in mx["detail"]
+    assert "not the MIN reduction of its inputs: on ranks [0, 1] it returned rank 0's input alone" in mn["detail"]
+    assert "not the PRODUCT reduction of its inputs: on ranks [0, 1] it returned the PRODUCT reduction scaled by 2" \
+        in pr["detail"]
+    assert "tests.amax_model.Sync.all_reduce+c10d.allreduce_" in mx["detail"]
+    assert rep["allreduce"]["incomplete"] == 3 and rep["allreduce"]["unchecked"] == 0
+    line = next(ln for ln in render(rep).splitlines() if ln.startswith("all-reduce audit:"))
+    assert "(the MAX, MIN, PRODUCT ones by their own definition)" in line and "3 incomplete" in line
+
+
 def test_an_op_sketches_cannot_check_is_counted_unchecked_and_said(tmp_path):
-    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:build", "--layers", "-1,1", "--exchange",
+    """The same broken MAX / MIN / PRODUCT in fingerprint mode: sketches cannot check them, so they are
+    counted unchecked in coverage and on the audit line, never passed silently (and never HEALTHY)."""
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:wrong", "--layers", "-1,1", "--exchange",
                         "fingerprint", nproc=2)
     why = rep["allreduce"]["unchecked_why"]
     assert why == {"op MAX not checkable from sketches": 4, "op MIN not checkable from sketches": 4,
@@ -273,3 +296,78 @@ def test_an_op_sketches_cannot_check_is_counted_unchecked_and_said(tmp_path):
     [w] = [f for f in rep["findings"] if f["kind"] == "coverage"]
     assert w["severity"] == "warning" and "4 × op MAX not checkable from sketches" in w["detail"]
     assert rc == 0 and not failures(rep)
+    text = render(rep)
+    line = next(ln for ln in text.splitlines() if ln.startswith("all-reduce audit:"))
+    assert ("0 incomplete, 12 unchecked (4 × op MAX not checkable from sketches (fingerprint mode), "
+            "4 × op MIN not checkable from sketches (fingerprint mode), 4 × op PRODUCT") in line, line
+    assert "HEALTHY" not in text
+
+
+def test_avg_is_checked_by_its_definition_on_real_tensors():
+    """Gloo has no AVG (NCCL's ReduceOp.AVG), so no gloo run can issue one: the check itself, on real
+    tensors, in both exchange modes: the mean is complete, the sum handed back for a mean is not."""
+    import torch
+
+    from tpprobe.capture.files import RankRecord
+    from tpprobe.capture.points import allreduce_in, allreduce_out
+    from tpprobe.checks.allreduce import allreduce_audit
+    from tpprobe.checks.evidence import FingerprintEvidence, TensorEvidence
+    from tpprobe.exchange.fingerprint import fingerprint
+
+    g = torch.Generator().manual_seed(3)
+    ins = [torch.randn(8, 16, generator=g) for _ in range(4)]
+    mean, total = sum(ins) / 4, sum(ins)
+
+    def records(out):
+        meta = {"seq": 0, "where": "layer.0", "module": "m", "layer": 0, "shape": [8, 16], "dtype": "float32",
+                "group_size": 4, "op": "AVG", "kind": "all_reduce", "path": "c10d.allreduce_"}
+        return {r: RankRecord(r, {"allreduces": [dict(meta, in_fp=fingerprint(ins[r]).to_json(),
+                                                       out_fp=fingerprint(out).to_json())]},
+                              {allreduce_in(0): ins[r], allreduce_out(0): out.clone()}) for r in range(4)}
+
+    for ev in (lambda rec: TensorEvidence(rec, torch.float32), lambda rec: FingerprintEvidence(rec, torch.float32, {})):
+        ok = allreduce_audit(ev(records(mean)), records(mean), [0, 1, 2, 3], 4)
+        assert (ok["complete"], ok["incomplete"], ok["unchecked"]) == (1, 0, 0), ok
+        bad = allreduce_audit(ev(records(total)), records(total), [0, 1, 2, 3], 4)
+        assert (bad["complete"], bad["incomplete"]) == (0, 1), bad
+        assert {p["level"] for p in bad["records"][0]["per_rank"].values()} == {"material"}
+
+
+# ---- all-to-all by its own definition (tests/a2a_model.py) -------------------------------------------
+A2A = [pytest.param("healthy", mode, id=f"healthy-{mode}", marks=() if mode == "full" else pytest.mark.sweep)
+       for mode in ("full", "fingerprint")] + \
+      [pytest.param("wrong", mode, id=f"wrong-{mode}", marks=() if mode == "fingerprint" else pytest.mark.sweep)
+       for mode in ("full", "fingerprint")]
+
+
+@pytest.mark.parametrize("factory,exchange", A2A)
+def test_an_all_to_all_is_checked_chunk_by_chunk(tmp_path, factory, exchange):
+    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.a2a_model:{factory}", "--exchange", exchange, nproc=2)
+    a2a = [e for e in rep["allreduce"]["records"] if e["kind"] == "all_to_all"]
+    assert len(a2a) == 3 and all(e["op"] == "PERMUTE" for e in a2a), rep["allreduce"]["records"]
+    assert rep["allreduce"]["checked"] == 6 and rep["allreduce"]["unchecked"] == 0
+    if factory == "healthy":
+        assert rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
+        assert all(e["level"] == "exact" for e in rep["allreduce"]["records"] if e["kind"] == "all_to_all")
+        assert rep["coverage"]["layers_found"] == 3 and rep["coverage"]["embed"]
+        assert {w: v for w, v in rep["coverage"]["reduces_per_place"].items()} == \
+            {f"layer.{k}": {"0": 1, "1": 1} for k in range(3)}      # an all-to-all is not a reduce
+        return
+    assert rc == 1, cp.stderr[-3000:]
+    [f] = failures(rep)
+    assert (f["kind"], f["where"], f["ranks"]) == ("allreduce-incomplete", "layer 1 (layers.1)", [1]), f["line"]
+    assert f["detail"].startswith("all-to-all #2 (tests.a2a_model.Comm.all_to_all+c10d.alltoall_base_, 2 ranks")
+    assert "on rank 1 it returned wrong chunks from rank 0 (not what that rank sent it)" in f["detail"], f["line"]
+
+
+# ---- a dropped id in a 1-layer model is a missing capture, not a TP slice ------------------------------
+@pytest.mark.parametrize("exchange", ["full", pytest.param("fingerprint", marks=pytest.mark.sweep)])
+def test_a_dropped_id_whose_width_looks_like_a_tp_slice_is_named_missing(tmp_path, exchange):
+    """--num-layers 1 --layers -1,0 at tp 2: id 0 maps past the only layer, so the packed aux holds one
+    full-width slot, 64 wide, which is also 2 slots x hidden / tp: the slot equals the embedding, so
+    it is no slice."""
+    rc, rep, cp = probe(tmp_path / "r", "--num-layers", "1", "--layers", "-1,0", "--exchange", exchange, nproc=2)
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [("missing-capture", "aux slot for id 0", [0, 1])], [f["line"] for f in rep["findings"]]
+    assert "maps to layer 1 = num_layers, past the last layer" in failures(rep)[0]["detail"]

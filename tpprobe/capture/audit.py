@@ -88,6 +88,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -99,15 +100,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..knobs import knob
 from .points import allreduce_in, allreduce_out
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "unknown")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "unknown")
 REDUCES = ("all_reduce", "reduce_scatter", "unknown")       # kinds that sum partial results
 _OPS = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 _PASS = frozenset(("aten", "prim", "prims", "quantized", "_c10d_functional_autograd"))
-_HINTS = ("all_reduce", "allreduce", "reduce_scatter", "reducescatter", "all_gather", "allgather")
+_HINTS = ("all_reduce", "allreduce", "reduce_scatter", "reducescatter", "all_gather", "allgather", "alltoall",
+          "all_to_all")
 # c10d ops that move data without summing partial results: not part of the reduce audit
 _NOT_REDUCE = frozenset(("broadcast_", "barrier", "send", "recv_", "recv_any_source_", "monitored_barrier_",
-                         "gather_", "scatter_", "alltoall_", "alltoall_base_", "wait_tensor",
-                         "_wrap_tensor_autograd", "broadcast", "all_to_all_single",
+                         "gather_", "scatter_", "wait_tensor",
+                         "_wrap_tensor_autograd", "broadcast",
                          # point-to-point, and the NaN check NCCL runs before a collective
                          # (TORCH_NCCL_NAN_CHECK=1): none is a collective of its own
                          "isend", "irecv", "batch_p2p_ops", "check_for_nan"))
@@ -131,6 +133,7 @@ class CollectiveRecord:
     checked: bool = True            # False: the tensors could not be read (counted only)
     group: Optional[str] = None     # the issuing group's name when a wrapper knows it (SGLang: tp:0, attention_tp:0)
     group_ranks: Optional[list] = None   # its global ranks when not the whole world (a sub-group reduce)
+    splits: Optional[list] = None   # an all-to-all's [output split sizes, input split sizes] ([] = equal chunks)
     inp: Optional[torch.Tensor] = None     # copy of the input (kept points only)
     out: Optional[torch.Tensor] = None
     inp_summary: Any = None
@@ -143,7 +146,8 @@ class CollectiveRecord:
                 "where": self.where, "shape": list(self.shape), "dtype": self.dtype,
                 "group_size": self.group_size, "op": _op_name(self.op), "kind": self.kind,
                 "path": "+".join([self.path] + list(dict.fromkeys(self.via))), "checked": self.checked,
-                "group": self.group, "group_ranks": self.group_ranks}
+                "group": self.group, "group_ranks": self.group_ranks,
+                **({"splits": self.splits} if self.splits is not None else {})}
 
     # an outer-level wrapper hands the result here
     def output(self, t: Optional[torch.Tensor]) -> None:
@@ -486,7 +490,8 @@ def _wait(result):
     torch 2.11 + NCCL 2.28 on an H200; gloo's did not): that is how the 2-GPU runs' NCCL ranks
     died without a word."""
     try:
-        work = result[1]
+        # (tensors, work) from most c10d ops; a lone Work from alltoall_base_
+        work = result[1] if isinstance(result, (tuple, list)) else result
         if work is None:
             return
         if isinstance(work, torch.ScriptObject) and _Work is not None and hasattr(_Work, "unbox"):
@@ -522,6 +527,7 @@ class Audit:
         self.path = ""                   # "kernel" | "mode (why)": how this Audit watched (module docstring)
         # True: watch through the TorchDispatchMode (the caller's tensors may be inference tensors)
         self.use_mode = use_mode
+        self._observers: OrderedDict = OrderedDict()     # observe(): called as each collective begins
 
     # -- on / off -------------------------------------------------------------------------------
     def __enter__(self) -> "Audit":
@@ -555,7 +561,7 @@ class Audit:
 
     # -- the one way to record a collective ------------------------------------------------------
     def begin(self, kind: str, path: str, inp: Optional[torch.Tensor], group_size: int, op: str = "SUM",
-              checked: bool = True) -> CollectiveRecord:
+              checked: bool = True, splits: Optional[list] = None) -> CollectiveRecord:
         if self.before is not None:
             self.before(inp)
         module, layer, where, source = self.attribute(inp)
@@ -563,17 +569,29 @@ class Audit:
         rec = CollectiveRecord(len(self.records), module, source, layer, where,
                                tuple(t.shape) if t is not None else (), _dtype_name(t) if t is not None else "?",
                                group_size, op, kind, path, [], checked and t is not None)
+        rec.splits = splits
         if rec.checked:
             if self.keep(where):
                 rec.inp = self.copy(allreduce_in(rec.seq), t, where)
             if self.summarize is not None:
-                rec.inp_summary = self._summ(t, kind, group_size, is_input=True)
+                rec.inp_summary = self._summ(t, kind, group_size, is_input=True, splits=rec.splits)
         self.records.append(rec)
         if self.progress is not None:
             self.progress.collective = {"seq": rec.seq, "module": module, "where": where,
                                         "shape": list(rec.shape), "since": time.time(), "kind": kind}
+        for fn in tuple(self._observers.values()) if self._observers else ():
+            fn(rec, inp)
         rec.t0 = time.perf_counter()
         return rec
+
+    def observe(self, fn: Callable[["CollectiveRecord", Any], None]):
+        """Call fn(record, input) as each collective begins, once it is recorded (its input summarized;
+        the output is filled in when it ends): for a caller that places the collectives among its
+        own events (`tpprobe invariance`). Returns a handle whose `remove()` stops it."""
+        from torch.utils.hooks import RemovableHandle
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = fn
+        return handle
 
     def end(self, rec: CollectiveRecord, out: Optional[torch.Tensor]) -> None:
         rec.seconds = time.perf_counter() - rec.t0 if rec.t0 else 0.0
@@ -589,12 +607,16 @@ class Audit:
             if rec.out is None:
                 rec.inp = None            # both or neither: the budget refused the output
         if self.summarize is not None:
-            rec.out_summary = self._summ(out, rec.kind, rec.group_size, is_input=False)
+            rec.out_summary = self._summ(out, rec.kind, rec.group_size, is_input=False, splits=rec.splits)
 
-    def _summ(self, t, kind, group_size, is_input):
-        # reduce-scatter inputs and all-gather outputs are checked chunk by chunk (dim 0, one per rank)
+    def _summ(self, t, kind, group_size, is_input, splits=None):
+        # reduce-scatter inputs and all-gather outputs are checked chunk by chunk (dim 0, one per rank);
+        # an all-to-all's input by destination and its output by source
         if kind == "all_reduce":
             return self.summarize(t)
+        if kind == "all_to_all":
+            parts = a2a_chunks(t, splits, group_size, is_input)
+            return [self.summarize(c.contiguous()) for c in parts] if parts is not None else self.summarize(t)
         if (kind == "reduce_scatter" and is_input or kind == "all_gather" and not is_input) and group_size > 0 \
                 and t.dim() and t.shape[0] % group_size == 0:
             return [self.summarize(c.contiguous()) for c in t.chunk(group_size, 0)]
@@ -633,7 +655,9 @@ class Audit:
             if t is None:
                 t = next((a[0] for a in args if isinstance(a, (list, tuple)) and a
                           and isinstance(a[0], torch.Tensor)), None)
-            kind = "all_gather" if "gather" in name else "unknown"
+            low = name.lower()
+            kind = "all_gather" if "gather" in low else "all_to_all" if "alltoall" in low or "all_to_all" in low \
+                else "unknown"
             rec = self.begin(kind, key, t, -1, "?", checked=False)
             rec.shape = tuple(t.shape) if t is not None else ()
             try:
@@ -708,6 +732,28 @@ def _fn_all_gather(a: Audit, func, args, kwargs):
     return out
 
 
+def _c10d_alltoall(a: Audit, func, args, kwargs):
+    out, inp, pg, out_splits, in_splits = args[0], args[1], args[2], args[3], args[4]
+    rec = a.begin("all_to_all", "c10d.alltoall_base_", inp, _group_size_of(pg), "PERMUTE",
+                  splits=[[int(x) for x in out_splits], [int(x) for x in in_splits]])
+    rec.group_ranks = _sub_ranks(pg, rec.group_size)
+    res = func(*args, **kwargs)
+    _wait(res)
+    a.end(rec, out)
+    return res
+
+
+def _fn_alltoall(a: Audit, func, args, kwargs):
+    inp, out_splits, in_splits, group = args[0], args[1], args[2], args[3]
+    rec = a.begin("all_to_all", "_c10d_functional.all_to_all_single", inp, _named_group_size(group), "PERMUTE",
+                  splits=[[int(x) for x in out_splits], [int(x) for x in in_splits]])
+    rec.group_ranks = _sub_ranks(group, rec.group_size)
+    out = func(*args, **kwargs)
+    torch.ops._c10d_functional.wait_tensor(out)
+    a.end(rec, out)
+    return out
+
+
 _HANDLERS = {
     "c10d.allreduce_": _c10d_allreduce,
     "_c10d_functional.all_reduce": _fn_allreduce,
@@ -716,6 +762,8 @@ _HANDLERS = {
     "_c10d_functional.reduce_scatter_tensor": _fn_reduce_scatter,
     "c10d._allgather_base_": _c10d_all_gather,
     "_c10d_functional.all_gather_into_tensor": _fn_all_gather,
+    "c10d.alltoall_base_": _c10d_alltoall,
+    "_c10d_functional.all_to_all_single": _fn_alltoall,
 }
 
 
@@ -735,11 +783,33 @@ def _reduce(ins: list[torch.Tensor], op: str) -> Optional[torch.Tensor]:
     return None
 
 
+def a2a_chunks(t: torch.Tensor, splits: Optional[list], world: int, is_input: bool) -> Optional[list]:
+    """An all-to-all's input cut by destination rank, or its output by source rank (dim 0, by the
+    split sizes it was given; none: equal chunks); None when the sizes do not fit the tensor."""
+    sizes = list((splits or [[], []])[1 if is_input else 0])
+    if not sizes:
+        if world <= 0 or not t.dim() or t.shape[0] % world:
+            return None
+        sizes = [t.shape[0] // world] * world
+    if not t.dim() or sum(sizes) != t.shape[0] or len(sizes) != world:
+        return None
+    return list(t.split(sizes, 0))
+
+
 def expected_output(kind: str, ins: list[torch.Tensor], rank: int, world: int,
-                    op: str = "SUM") -> Optional[torch.Tensor]:
+                    op: str = "SUM", splits: Optional[list] = None) -> Optional[torch.Tensor]:
     """What a complete collective returns on `rank`, from every rank's input (float64), by its
     own definition: the reduction `op` (SUM, AVG, MAX, MIN, PRODUCT); a reduce-scatter's `rank`-th
-    slice of it; an all-gather's concatenation."""
+    slice of it; an all-gather's concatenation; an all-to-all's chunk `rank` of every rank's input,
+    in rank order (`splits`: each member's [output, input] split sizes, in member order)."""
+    if kind == "all_to_all":
+        parts = []
+        for q, t in enumerate(ins):
+            chunks = a2a_chunks(t, (splits or [None] * len(ins))[q], world, is_input=True)
+            if chunks is None:
+                return None
+            parts.append(chunks[rank].double())
+        return torch.cat(parts, 0)
     if kind == "all_reduce":
         return _reduce(ins, op)
     if kind == "reduce_scatter":

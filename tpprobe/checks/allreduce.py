@@ -1,14 +1,16 @@
 """All-reduce completeness: every audited collective's output against what its own definition
 returns from every rank's input (SUM, AVG, MAX, MIN, PRODUCT; a reduce-scatter's slice of the
-reduction, an all-gather's concatenation): exact, within rounding, or incomplete. What cannot be
+reduction, an all-gather's concatenation, an all-to-all's chunks from each sender, bit for bit):
+exact, within rounding, or incomplete. What cannot be
 checked (tensors not readable, an op the exchange mode cannot judge) is counted under `unchecked`
 with the reason, never dropped."""
 from __future__ import annotations
 
 # ops each exchange mode can check: full tensors check every op exactly; linear sketches only the
-# linear ones (the sketch of a max or a product is not a function of the inputs' sketches)
-TENSOR_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "CAT")
-SKETCH_OPS = ("SUM", "AVG", "CAT")
+# linear ones (the sketch of a max or a product is not a function of the inputs' sketches) and the
+# data movers (an all-gather's CAT, an all-to-all's PERMUTE: each chunk's hash against its sender's)
+TENSOR_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "CAT", "PERMUTE")
+SKETCH_OPS = ("SUM", "AVG", "CAT", "PERMUTE")
 
 
 def allreduce_audit(ev, records, live, world) -> dict:

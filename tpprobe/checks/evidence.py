@@ -160,19 +160,27 @@ class TensorEvidence:
         from ..capture.audit import expected_output
         ins = {r: self.tensor(allreduce_in(i), r) for r in live}
         outs = {r: self.tensor(allreduce_out(i), r) for r in live}
-        if any(v is None for v in list(ins.values()) + list(outs.values())) \
-                or len({tuple(v.shape) for v in ins.values()}) > 1:
-            return None
         kind, op = meta.get("kind", "all_reduce"), meta.get("op", "SUM")
+        if any(v is None for v in list(ins.values()) + list(outs.values())) \
+                or (kind != "all_to_all" and len({tuple(v.shape) for v in ins.values()}) > 1):
+            return None
         per = {}
         for j, r in enumerate(live):
             # a sub-group reduce (SGLang's attention-TP group under DP attention) involves its members only
             members = group_members(self.records[r].meta["allreduces"][i], live)
-            exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members), op)
+            splits = [self.records[q].meta["allreduces"][i].get("splits") for q in members]
+            exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members), op, splits)
             if exp is None:
                 return None
-            c = reduce_check(outs[r], [ins[q] for q in members] if op in ("SUM", "AVG", "CAT") else [exp],
-                             exp, outs[r].dtype)
+            if kind == "all_to_all":       # data moved, not summed: every chunk bit for bit what its sender sent
+                per[str(r)] = a2a_check(outs[r], exp, ins, members, r, splits)
+                continue
+            # the terms the output is a sum of (the rounding bound, the ring orders a backend adds in): a
+            # mean's are the inputs / m (never the inputs themselves: the sum handed back for a mean is
+            # bit for bit their sum); a MAX / MIN / PRODUCT is judged against its one exact result
+            terms = [ins[q] for q in members] if op in ("SUM", "CAT") else \
+                [ins[q].double() / len(members) for q in members] if op == "AVG" else [exp]
+            c = reduce_check(outs[r], terms, exp, outs[r].dtype)
             per[str(r)] = {"level": c["level"], "rel_norm": c["rel_norm"], "max_abs": c["max_abs"]}
             if c["level"] == "material" and kind == "all_reduce":
                 prev = self.tensor(allreduce_out(i - 1), r) if i > 0 else None
@@ -266,6 +274,17 @@ class FingerprintEvidence(TensorEvidence):
                 ok = len(outs) == len(ins) and all(o.bit_hash == x.bit_hash for o, x in zip(outs, ins))
                 per[str(r)] = {"level": "exact" if ok else "material", "rel_norm": 0.0 if ok else None}
                 continue
+            if kind == "all_to_all":
+                # output chunk q (from rank q) must be bit for bit rank q's input chunk for this rank
+                outs, got = a.get("out_fp"), [recs[q].get("in_fp") for q in members]
+                if not isinstance(outs, list) or any(not isinstance(g, list) for g in got) \
+                        or len(outs) != len(members) or any(len(g) != len(members) for g in got):
+                    return "all-to-all split sizes not readable from the sketches"
+                wrong = [q for n, q in enumerate(members)
+                         if Fingerprint.from_json(outs[n]).bit_hash != Fingerprint.from_json(got[n][j]).bit_hash]
+                per[str(r)] = {"level": "material" if wrong else "exact", "rel_norm": None if wrong else 0.0,
+                               **({"chunks_wrong": wrong} if wrong else {})}
+                continue
             if kind == "reduce_scatter":
                 ins = [Fingerprint.from_json(recs[q]["in_fp"][j]) for q in members]
             else:
@@ -287,6 +306,24 @@ class FingerprintEvidence(TensorEvidence):
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         return self.records[r].meta.get("slot_match")
+
+
+def a2a_check(out: torch.Tensor, exp: torch.Tensor, ins: dict, members: list, r: int, splits: list) -> dict:
+    """An all-to-all's output on rank r against what its peers sent it: exact (bit for bit) or
+    material, with the source ranks whose chunk is wrong."""
+    from ..capture.audit import a2a_chunks
+    if tuple(out.shape) != tuple(exp.shape):
+        return {"level": "material", "rel_norm": math.inf, "max_abs": math.inf, "chunks_wrong": list(members)}
+    o = out.double()
+    if bool(torch.equal(o, exp)):
+        return {"level": "exact", "rel_norm": 0.0, "max_abs": 0.0}
+    sizes = [a2a_chunks(ins[q], splits[n], len(members), True)[members.index(r)].shape[0]
+             for n, q in enumerate(members)]
+    wrong = [q for q, a, b in zip(members, o.split(sizes, 0), exp.split(sizes, 0)) if not bool(torch.equal(a, b))]
+    d = o - exp
+    n = float(torch.linalg.vector_norm(exp))
+    return {"level": "material", "rel_norm": float(torch.linalg.vector_norm(d)) / n if n else math.inf,
+            "max_abs": float(d.abs().max()), "chunks_wrong": wrong}
 
 
 # ---- what a wrong reduce output looks like -------------------------------------------------------
@@ -359,16 +396,15 @@ def fp_looks_like(out: Fingerprint, ins: dict, prev: Optional[Fingerprint], dtyp
     return {"as": "other"}
 
 
-def looks_text(lk: Optional[dict]) -> str:
+def looks_text(lk: Optional[dict], op: str = "SUM") -> str:
+    what = "sum" if op in ("SUM", "", None) else f"{op} reduction"
     if not lk:
-        return "not the sum of its inputs"
+        return f"not the {what} of its inputs"
     return {"zeros": "zeros",
-            "input": f"rank {lk.get('rank')}'s input alone (the sum never happened)",
+            "input": f"rank {lk.get('rank')}'s input alone (the {'sum' if what == 'sum' else 'reduce'} never happened)",
             "previous": "the previous all-reduce's output (a stale buffer)",
-            "scaled": f"the sum scaled by {lk.get('factor', float('nan')):.4g}"}.get(lk["as"], "not the sum of its inputs "
-                                                                                              "(nor a scaled sum, one "
-                                                                                              "rank's input, zeros or "
-                                                                                              "the previous output)")
+            "scaled": f"the {what} scaled by {lk.get('factor', float('nan')):.4g}"}.get(
+        lk["as"], f"not the {what} of its inputs (nor a scaled {what}, one rank's input, zeros or the previous output)")
 
 
 # ---- what a rank sends instead of its tensors (--exchange fingerprint) ---------------------------

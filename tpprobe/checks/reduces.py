@@ -59,34 +59,58 @@ def _where(e: dict, records, live) -> str:
     return f"layer {e['layer']} ({who})" if e.get("layer") is not None else f"{e.get('where')} ({who})"
 
 
+KIND_NAME = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
+             "all_to_all": "all-to-all"}
+
+
+def _definition(kind: str, op: str) -> str:
+    """What a complete collective of this kind returns, in words."""
+    red = "sum" if op in ("SUM", "") else f"{op} reduction"
+    return {"reduce_scatter": f"this rank's slice of the {red}", "all_gather": "concatenation",
+            "all_to_all": "chunks its peers sent it"}.get(kind, red)
+
+
 def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[Finding]:
     recs = incomplete_records(ar)
     out = []
     for e in recs[:MAX_FINDINGS]:
         per = e.get("per_rank") or {}
         bad = sorted(int(r) for r, p in per.items() if p["level"] == "material")
+        kind = e.get("kind") or "all_reduce"
         looks = {}
+        op = str(e.get("op") or "SUM")
         for r in bad:
-            lk = per[str(r)].get("looks")
-            looks.setdefault(looks_text(lk), []).append(r)
+            p = per[str(r)]
+            if kind == "all_to_all":
+                ws = p.get("chunks_wrong") or []
+                t = (f"wrong chunks from {'rank ' + str(ws[0]) if len(ws) == 1 else 'ranks ' + str(ws)} (not what "
+                     f"{'that rank' if len(ws) == 1 else 'those ranks'} sent it)") if ws else "wrong chunks"
+            else:
+                t = looks_text(p.get("looks"), op)
+            looks.setdefault(t, []).append(r)
         errs = ", ".join(f"rank {r} {per[str(r)]['rel_norm']:.3g}" for r in bad
                          if per[str(r)].get("rel_norm") is not None)
+        defn = _definition(kind, op)
         what = "; ".join(f"on {'rank ' + str(rs[0]) if len(rs) == 1 else 'ranks ' + str(rs)} it returned {t}"
-                         for t, rs in looks.items()) if looks else "its output is not the sum of its inputs"
+                         for t, rs in looks.items()) if looks else f"its output is not the {defn} of its inputs"
         grp = f"group {e['group']}, " if e.get("group") else ""
         n = e.get("group_size")
         agree = (" The ranks agree with each other, so only the audit's input/output pair shows it."
-                 if len(bad) == world else "")
-        op = str(e.get("op") or "SUM")
-        defn = "sum" if op == "SUM" else f"{op} reduction"
-        against = ("of its sketch against the sum of its inputs' sketches" if ar.get("method") == "sketch"
-                   else f"against the exact {defn}")
+                 if len(bad) == world and kind == "all_reduce" else "")
+        if kind in ("all_gather", "all_to_all"):
+            against = "against the chunks sent, bit for bit" + (" (their sketches' hashes)"
+                                                               if ar.get("method") == "sketch" else "")
+        else:
+            against = ("of its sketch against the sum of its inputs' sketches" if ar.get("method") == "sketch"
+                       else f"against the exact {defn}")
         out.append(Finding(
             "allreduce-incomplete", _where(e, records, live), bad,
-            detail=(f"all-reduce #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) ran, "
-                    f"but its output is not the {defn} of its inputs: {what} (relative error {against}: {errs}).{agree}"),
+            detail=(f"{KIND_NAME.get(kind, kind)} #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) "
+                    f"ran, but its output is not the {defn}" + ("" if kind == "all_to_all" else " of its inputs")
+                    + f": {what}" + (f" (relative error {against}: {errs})" if errs else f" ({against})")
+                    + f".{agree}"),
             evidence={"seq": e["seq"], "path": e.get("path"), "group": e.get("group"), "group_size": n,
-                      "per_rank": per, "looks": {t: rs for t, rs in looks.items()},
+                      "kind": kind, "op": op, "per_rank": per, "looks": {t: rs for t, rs in looks.items()},
                       **({"all_ranks": True} if len(bad) == world else {})}))
     if len(recs) > MAX_FINDINGS:
         out[-1].consequences.append(f"{len(recs) - MAX_FINDINGS} more incomplete all-reduces in report.json "

@@ -33,6 +33,12 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
         width = ev.packed_width(r)
         aux_meta = rec.meta.get("aux", {})
         bad_layout = layout_verdict(width, aux_meta, settings.get("dtype"), ids, n_slots, hidden, world)
+        if bad_layout is not None and bad_layout[0] == "tp-sliced" and width % hidden == 0 \
+                and _whole_slots(ev.slot_match(r, hidden)):
+            # the width is both n × hidden/tp and a whole number of fewer slots (2 ids, tp 2, one slot
+            # dropped): each hidden-wide slot equals a full-width capture point, so it is no TP slice;
+            # the slot check below names what is missing
+            bad_layout = None
         if bad_layout is not None:
             verdicts[r] = bad_layout
             continue
@@ -65,6 +71,11 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
         findings.append(Finding(kind, where, sorted(ranks), detail=detail,
                                 evidence={"all_ranks": len(ranks) == world}))
     return findings, rows_out
+
+
+def _whole_slots(match) -> bool:
+    """Every hidden-wide slot of the packed aux equals some full-width capture point."""
+    return bool(match) and all(m is not None for m in match)
 
 
 def slot_verdict(ids, expected, match, L):

@@ -70,17 +70,27 @@ def audit_text(ar: dict, missing: Optional[list] = None) -> str:
     show whether each output is exactly the sum of its inputs or within rounding of it; sketches
     (--exchange fingerprint) prove complete within rounding only, never bit-exact."""
     checked, complete, incomplete = ar.get("checked", 0), ar.get("complete", 0), ar.get("incomplete", 0)
+    # the ops and collectives checked other than a plain sum, each by its own definition
+    other = sorted({str(e.get("op")) if e.get("kind", "all_reduce") in ("all_reduce", "reduce_scatter")
+                    else str(e.get("kind")).replace("_", "-") for e in ar.get("records", [])
+                    if e.get("level") != "unchecked"} - {"SUM", "None"})
+    own = f" (the {', '.join(other)} ones by their own definition)" if other else ""
     if ar.get("method") == "sketch":
-        how = ("each output's sketch against the sum of its inputs' sketches (--exchange fingerprint: proves "
-               "complete within rounding, not bit-exact)")
+        how = ("each output's sketch against the sum of its inputs' sketches" + own + " (--exchange fingerprint: "
+               "proves complete within rounding, not bit-exact)")
         done = f"{complete} complete within rounding"
     else:
         noise = ar.get("noise", 0)
-        how = "each output against the sum of its inputs over the ranks, element by element"
+        how = "each output against the sum of its inputs over the ranks" + own + ", element by element"
         done = f"{complete} complete ({complete - noise} exactly the sum, {noise} within rounding)"
     counts = ar.get("count_per_rank") or {}
     issued = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
     text = f"{checked} all-reduces checked, {how}: {done}, {incomplete} incomplete"
+    if ar.get("unchecked"):      # counted, never passed silently: how many and why
+        why = ar.get("unchecked_why") or {}
+        text += f", {ar['unchecked']} unchecked" + (" (" + ", ".join(
+            f"{n} × {w}{' (fingerprint mode)' if w.endswith('from sketches') else ''}" for w, n in why.items())
+            + ")" if why else "")
     if issued:
         text += f"; issued per rank: {issued}"
     for m in missing or []:
