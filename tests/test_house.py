@@ -88,15 +88,59 @@ def test_the_diff_package_points_one_way_and_its_renderer_reads_only_the_report(
     assert bad == []
 
 
+# invariance/ by concern, in order: each module imports only those before it (the renderer only the
+# shared words), and it reads the probe's pieces, never the other way round
+INVARIANCE_ORDER = ["options", "levels", "verdict", "compare", "keep", "render", "rank", "run"]
+
+
+def test_the_invariance_package_points_one_way():
+    pkg = "tpprobe.invariance"
+    assert sorted(m for m in MODS if m.startswith(pkg + ".")) == sorted(f"{pkg}.{m}" for m in INVARIANCE_ORDER)
+    bad = []
+    for i, m in enumerate(INVARIANCE_ORDER):
+        allowed = {f"{pkg}.levels"} if m == "render" else {f"{pkg}.{x}" for x in INVARIANCE_ORDER[:i]}
+        bad += [f"{m} -> {t}" for t, _, _, _ in GRAPH[f"{pkg}.{m}"]
+                if (t == pkg or t.startswith(pkg + ".")) and t not in allowed]
+    assert bad == []
+
+
+def test_invariance_reads_collectives_from_the_audit_only():
+    """No second collective recorder: nothing in invariance/ patches torch.distributed, hooks every
+    module or reads the Tap's private attributes (issue 31, point 3)."""
+    bad = []
+    for mod, path in MODS.items():
+        if not mod.startswith("tpprobe.invariance"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                bad.append(f"{mod}:{node.lineno} setattr")
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                bad.append(f"{mod}:{node.lineno} reaches {ast.unparse(node)}")
+            if isinstance(node, ast.Attribute) and "module_forward" in node.attr:      # global module hooks
+                bad.append(f"{mod}:{node.lineno} {node.attr}")
+            if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) \
+                    and getattr(node.iter.func, "attr", "") in ("modules", "named_modules") \
+                    and any(getattr(getattr(n, "func", None), "attr", "").startswith("register_forward")
+                            for n in ast.walk(node)):
+                bad.append(f"{mod}:{node.lineno} hooks every module")
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                                                    and t.value.id in ("dist", "c10d", "torch") for t in node.targets):
+                bad.append(f"{mod}:{node.lineno} assigns into {ast.unparse(node.targets[0])}")
+    assert bad == []
+
+
 # room -> rooms it must never import (the arrows point the other way)
 FORBIDDEN = {
-    "capture": {"exchange", "checks", "report", "tools", "sglang", "probe", "cli", "options"},
-    "exchange": {"checks", "report", "tools", "sglang", "probe", "cli"},
-    "checks": {"report", "tools", "sglang", "probe", "cli"},
-    "report": {"sglang", "probe", "cli", "options"},
-    "tools": {"probe", "cli"},
-    "sglang": {"probe", "cli"},
-    "probe": {"cli"},
+    "capture": {"exchange", "checks", "report", "tools", "sglang", "probe", "invariance", "cli", "options"},
+    "exchange": {"checks", "report", "tools", "sglang", "probe", "invariance", "cli"},
+    "checks": {"report", "tools", "sglang", "probe", "invariance", "cli"},
+    "report": {"sglang", "probe", "invariance", "cli", "options"},
+    "tools": {"probe", "invariance", "cli"},
+    "sglang": {"probe", "invariance", "cli"},
+    "probe": {"invariance", "cli"},
+    "invariance": {"cli"},
 }
 # the one arrow from exchange into checks: each rank measures its own difference with THE noise rule
 ALLOWED = {("exchange", "tpprobe.checks.noise")}

@@ -80,7 +80,8 @@ def test_default_gloo_is_rounding_noise_first_broken_by_the_tp_split(tmp_path):
         assert all(e["cells"][name]["level"] == "bitwise" for e in rep["rows"] if e["key"] in before)
     # the same files, judged with --expect noise: exit 0 (a real run's fingerprints, re-compared)
     from tpprobe.probe import ProbeOptions
-    from tpprobe.tools.invariance import InvarianceOptions, compare
+    from tpprobe.invariance.compare import compare
+    from tpprobe.invariance.options import InvarianceOptions
     runs = {tp: [json.loads((tmp_path / "d" / f"tp{tp}" / f"rank{r}.json").read_text()) for r in range(tp)]
             for tp in (1, 2)}
     again = compare(runs, InvarianceOptions(tp=[1, 2], batch=[1, 3], expect="noise", probe=ProbeOptions()))

@@ -18,6 +18,7 @@ from typer.exceptions import Abort, Exit, TyperException
 
 from .errors import TPProbeError, UsageError
 from .knobs import knob_set
+from .invariance.options import HIDDEN as INVARIANCE_HIDDEN, InvarianceOptions
 from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -51,11 +52,13 @@ def _help(text: str, default) -> str:
     return text if shown is True else f"{text}  [default: {shown}]"
 
 
-def _with_options(fn, cls):
-    """Give `fn(**kw)` the typer signature of `cls`'s declared options (tpprobe/options.py)."""
+def _with_options(fn, cls, hidden=frozenset()):
+    """Give `fn(**kw)` the typer signature of `cls`'s declared options (tpprobe/options.py); the
+    options named in `hidden` are left out of --help."""
     params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                 annotation=Annotated[t, typer.Option(flag, help=_help(help, default),
-                                                                     show_default=_shown(default) is True)])
+                                                                     show_default=_shown(default) is True,
+                                                                     hidden=name in hidden)])
               for name, t, default, flag, help in typer_parameters(cls)]
     fn.__signature__ = inspect.Signature(params, return_annotation=None)
     fn.__annotations__ = {**{p.name: p.annotation for p in params}, "return": None}
@@ -160,58 +163,24 @@ def specforge(
           f"(aux_hidden_state {aux.shape[0]} tokens × {aux.shape[1]})")
 
 
-@app.command()
-def invariance(
-    tp: Annotated[str, typer.Option("--tp", help="TP sizes to compare, e.g. 1,2,4 (each its own group of ranks)")] = "1,2",
-    batch: Annotated[str, typer.Option("--batch", help="batch sizes: the prompt alone (1) and among other prompts")] = "1,3,8",
-    reference: Annotated[Optional[str], typer.Option("--reference", help="the configuration compared against, e.g. tp1,b1 (default: smallest tp and batch)")] = None,
-    expect: Annotated[str, typer.Option("--expect", help="bitwise | noise: what every configuration must be for exit 0")] = "bitwise",
-    model: Annotated[Optional[str], typer.Option("--model", help="your own model: package.module:factory (its ProbeTarget.forward_batch batches)")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")] = "auto",
-    arch: Annotated[str, typer.Option("--arch", help="with --backend sglang: llama | deepseek_v2")] = "llama",
-    config: Annotated[Optional[str], typer.Option("--config", help="with --backend sglang: a real config.json (random weights)")] = None,
-    reduce: Annotated[str, typer.Option("--reduce", help="built-in model: default (the backend's all-reduce) | ordered (TP- and batch-invariant: fixed-order all-gather + tree sum, per-row matmuls)")] = "default",
-    switch_above: Annotated[Optional[int], typer.Option("--switch-above", help="with --reduce ordered: messages over this many bytes take the backend's all-reduce instead (a size-dependent path, injected)")] = None,
-    num_layers: Annotated[int, typer.Option("--num-layers", help="built-in model: decoder layers")] = 6,
-    hidden: Annotated[int, typer.Option("--hidden", help="built-in model: hidden size")] = 64,
-    heads: Annotated[int, typer.Option("--heads", help="built-in model: attention heads (divisible by every --tp)")] = 8,
-    ffn: Annotated[int, typer.Option("--ffn", help="built-in model: MLP width")] = 128,
-    vocab: Annotated[int, typer.Option("--vocab", help="built-in model: vocabulary size")] = 131,
-    tokens: Annotated[int, typer.Option("--tokens", help="the prompt's length; the other prompts are half to twice as long")] = 16,
-    seed: Annotated[int, typer.Option("--seed", help="weights and prompts come from this seed")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
-    keep: Annotated[bool, typer.Option("--keep", help="also keep the prompt rows of every cell that is not bitwise (and the reference's), with exact stats")] = False,
-    out: Annotated[Optional[str], typer.Option("--out", help="output folder (default: a fresh folder under ./tpprobe-runs)")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="seconds any rank waits on another")] = 60.0,
-    json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
-    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-    part: Annotated[bool, typer.Option("--part", hidden=True, help="rank side of one TP size (internal)")] = False,
-    sites: Annotated[Optional[str], typer.Option("--sites", hidden=True, help="modules standing for collectives (internal)")] = None,
-) -> None:
+def invariance(**kw) -> None:
     """Where bitwise equality across TP sizes and batch sizes breaks, and which collective breaks it."""
     from .exchange import dist as tdist
-    from .options import ProbeOptions
-    from .tools.invariance import InvarianceOptions, parse_reference, parse_sizes, rank_main, run as run_inv
+    from .invariance.rank import rank_main
+    from .invariance.run import run as run_inv
 
-    _DEBUG["on"] = debug
-    popts = ProbeOptions(layers=[-1], num_layers=num_layers, hidden=hidden, heads=heads, ffn=ffn, vocab=vocab,
-                         tokens=tokens, seed=seed, dtype=dtype, backend=backend, arch=arch, config=config,
-                         model=model, out=out, timeout=timeout, exchange="fingerprint", json_out=json_out,
-                         html=html, markdown=markdown, quiet=quiet, debug=debug)
-    opts = InvarianceOptions(tp=parse_sizes(tp, "--tp"), batch=parse_sizes(batch, "--batch"),
-                             reference=parse_reference(reference), expect=expect, reduce=reduce,
-                             switch_above=switch_above, keep=keep, part=part,
-                             sites=[x for x in (sites or "").split(",") if x], probe=popts)
-    if part:
+    _DEBUG["on"] = bool(kw.get("debug"))
+    opts = InvarianceOptions.from_cli(**kw)
+    if opts.part:
         if tdist.env_rank() is None:
             raise UsageError("--part is the rank side of tpprobe invariance: run tpprobe invariance without it")
         raise typer.Exit(rank_main(opts))
     if tdist.env_rank() is not None:
         raise UsageError("tpprobe invariance starts one group of ranks per TP size itself: run it without torchrun")
     raise typer.Exit(run_inv(opts))
+
+
+app.command("invariance")(_with_options(invariance, InvarianceOptions, hidden=INVARIANCE_HIDDEN))
 
 
 @app.command("diff")

@@ -1,3 +1,3 @@
 """Tools: commands beside the probe. diff (two captures or dumps), layers (what EAGLE-3 layer ids
 capture), specforge (SpecForge samples), offline (`tpprobe report DIR`), dumper (SGLang's dumper
-folders), invariance (TP- and batch-invariance audit), accept (what a capture costs the draft)."""
+folders), accept (what a capture costs the draft). `tpprobe invariance` is tpprobe/invariance/."""
