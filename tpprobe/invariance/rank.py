@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..capture.hooks import first_tensor
 from ..capture.points import EMBED_LOCAL, decoder_layer
+from ..capture.record import dtype_name
 from ..errors import UsageError
 from .levels import FP_K, FP_SEED
 from .options import InvarianceOptions, builtin_cfg
@@ -72,6 +73,7 @@ class RowSelector:
         elif t.dim() >= 1 and t.shape[0] == self.total:
             return t[self.off:self.off + self.n], True
         return t, False
+
 
 # ---- what one forward produced ------------------------------------------------------------------
 @dataclass
@@ -303,7 +305,7 @@ def rank_main(opts: InvarianceOptions) -> int:
         prepare_audit(target.model)     # the audit's one-off registration, before the first forward
         configs, kept = _configs(target, opts, ctx.world_size)
         doc = {"tp": ctx.world_size, "rank": ctx.rank, "backend": ctx.backend, "device": str(ctx.device),
-               "arch": target.arch, "dtype": str(target.dtype).replace("torch.", ""),
+               "arch": target.arch, "dtype": dtype_name(target.dtype),
                "tokens": int(target.input_ids.numel()), "hidden": target.hidden_size,
                "layout": target.batch_layout if target.forward_batch else "single",
                "info": {k: v for k, v in target.info.items() if isinstance(v, (int, float, str))},
