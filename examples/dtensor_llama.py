@@ -11,6 +11,9 @@ replicated parameters through their local tensors.
 Faults, each made the library's own way (`build_*` factories):
   build_partial      layer FAULT_LAYER's `feed_forward.w2` is `RowwiseParallel(output_layouts=Partial(),
                      use_local_output=True)`: the plan says the caller reduces, and nobody does
+  build_colwise_w2   layer FAULT_LAYER's `feed_forward.w2` is `ColwiseParallel()` where `RowwiseParallel()`
+                     belongs (a plan entry swapped): DTensor itself refuses it, with a shape error in that
+                     module's matmul on every rank; tpprobe names that module
   build_stale_norm   layer FAULT_LAYER's `ffn_norm.weight` differs on rank FAULT_RANK (a stale copy)
 Settings from the environment: TPLIBS_DTYPE (float32 | bfloat16), TPLIBS_LAYERS (4).
 """
@@ -92,7 +95,8 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def parallelize(model: Transformer, mesh, partial_layer: int | None = None) -> Transformer:
+def parallelize(model: Transformer, mesh, partial_layer: int | None = None,
+                colwise_layer: int | None = None) -> Transformer:
     """torchtitan's plan for a Llama: vocab-parallel embedding, column-parallel q/k/v and w1/w3,
     row-parallel wo and w2, a column-parallel output gathered to every rank."""
     from torch.distributed.tensor import Partial, Replicate
@@ -104,7 +108,9 @@ def parallelize(model: Transformer, mesh, partial_layer: int | None = None) -> T
     })
     for name, block in model.layers.items():
         w2 = (RowwiseParallel(output_layouts=Partial(), use_local_output=True)     # "the caller reduces"
-              if partial_layer is not None and int(name) == partial_layer else RowwiseParallel())
+              if partial_layer is not None and int(name) == partial_layer else
+              ColwiseParallel() if colwise_layer is not None and int(name) == colwise_layer  # the wrong style
+              else RowwiseParallel())
         parallelize_module(block, mesh, {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
@@ -114,7 +120,8 @@ def parallelize(model: Transformer, mesh, partial_layer: int | None = None) -> T
     return model
 
 
-def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = False) -> ProbeTarget:
+def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = False,
+           colwise_layer: int | None = None) -> ProbeTarget:
     from torch.distributed.device_mesh import DeviceMesh
 
     import torch.distributed as dist
@@ -124,7 +131,7 @@ def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = Fal
     for p in model.parameters():
         p.requires_grad_(False)
     mesh = DeviceMesh.from_group(ctx.group or dist.group.WORLD, ctx.device.type)
-    parallelize(model, mesh, partial_layer)
+    parallelize(model, mesh, partial_layer, colwise_layer)
     if stale and ctx.rank == FAULT_RANK:
         w = model.layers[str(FAULT_LAYER)].ffn_norm.weight
         with torch.no_grad():
@@ -144,3 +151,7 @@ def build_partial(ctx: RankContext) -> ProbeTarget:
 
 def build_stale_norm(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, stale=True)
+
+
+def build_colwise_w2(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, colwise_layer=FAULT_LAYER)

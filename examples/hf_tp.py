@@ -12,6 +12,9 @@ Faults, made with transformers' own plan vocabulary (`build_*` factories):
   build_local_rowwise  the plan entry `model.layers.*.mlp.down_proj` is changed from `rowwise` to
                        `local_rowwise`, a style registered in transformers' ParallelInterface as its
                        own RowwiseParallel with a Partial output ("the caller reduces"): nobody does
+  build_swapped_plan   the plan entry `model.layers.*.mlp.down_proj` is `colwise` where `rowwise` belongs:
+                       transformers shards it on the wrong dimension and the matmul refuses it in every
+                       layer's down_proj (the first, layer 0, raises) on every rank; tpprobe names that module
   build_stale_norm     layer FAULT_LAYER's `post_attention_layernorm.weight` differs on rank FAULT_RANK
 Settings from the environment: TPLIBS_DTYPE (float32 | bfloat16), TPLIBS_LAYERS (4).
 """
@@ -109,6 +112,10 @@ def build_tp_plan_auto(ctx: RankContext) -> ProbeTarget:
 def build_local_rowwise(ctx: RankContext) -> ProbeTarget:
     register_local_rowwise()
     return _build(ctx, plan={"model.layers.*.mlp.down_proj": "local_rowwise"})
+
+
+def build_swapped_plan(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, plan={"model.layers.*.mlp.down_proj": "colwise"})
 
 
 def build_stale_norm(ctx: RankContext) -> ProbeTarget:

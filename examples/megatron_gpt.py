@@ -12,7 +12,12 @@ Faults, made Megatron's own way (`build_*` factories):
   build_explicit_comm  layer FAULT_LAYER's `mlp.linear_fc2` (a RowParallelLinear) has
                        `explicit_expert_comm` set: it skips its reduce, the caller is to
                        communicate, and nobody does
+  build_input_not_parallel  layer FAULT_LAYER's `mlp.linear_fc2` (a RowParallelLinear) has
+                       `input_is_parallel=False` where its input is already split: it splits it again and
+                       its matmul refuses the shape on every rank; tpprobe names that module
   build_stale_norm     layer FAULT_LAYER's `pre_mlp_layernorm.weight` differs on rank FAULT_RANK
+  build_stale_bias     layer FAULT_LAYER's `mlp.linear_fc2.bias` differs on rank FAULT_RANK: a RowParallelLinear's
+                       bias is replicated (added after the reduce), so every rank must hold the same one
   build_sequence_parallel          the same model with `sequence_parallel=True` (healthy): the stream is
                        split over the ranks between layers ([s / tp, b, h]); tpprobe gathers each point
   build_sequence_parallel_scatter  with sequence parallelism, layer FAULT_LAYER's `mlp.linear_fc2` skips
@@ -61,13 +66,15 @@ def gpt_model(tp: int, n_layers: int, dtype: torch.dtype, seed: int, sequence_pa
 
 
 def _build(ctx: RankContext, explicit_comm: bool = False, stale: bool = False, sp: bool = False,
-           scatter: bool = False) -> ProbeTarget:
+           scatter: bool = False, input_not_parallel: bool = False, stale_bias: bool = False) -> ProbeTarget:
     n_layers = _layers()
     model = gpt_model(ctx.world_size, n_layers, _dtype(), ctx.seed, sequence_parallel=sp)
     for p in model.parameters():
         p.requires_grad_(False)
     if explicit_comm:
         model.decoder.layers[FAULT_LAYER].mlp.linear_fc2.explicit_expert_comm = True   # "the caller reduces"
+    if input_not_parallel:     # a wrong placement: the input is declared whole, so it is split again
+        model.decoder.layers[FAULT_LAYER].mlp.linear_fc2.input_is_parallel = False
     if scatter:
         # a scatter where the reduce-scatter belongs: the layer keeps its own chunk of the partial sum
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
@@ -83,6 +90,9 @@ def _build(ctx: RankContext, explicit_comm: bool = False, stale: bool = False, s
     if stale and ctx.rank == FAULT_RANK:
         with torch.no_grad():
             model.decoder.layers[FAULT_LAYER].pre_mlp_layernorm.weight.add_(1e-2)
+    if stale_bias and ctx.rank == FAULT_RANK:
+        with torch.no_grad():
+            model.decoder.layers[FAULT_LAYER].mlp.linear_fc2.bias.add_(0.1)
     ids = torch.randint(0, VOCAB, (TOKENS,), generator=torch.Generator().manual_seed(1)).to(ctx.device)
     pos = torch.arange(TOKENS, device=ctx.device).unsqueeze(0)
     # Megatron's causal mask (True = masked), as its inference code passes it: without one the
@@ -105,8 +115,16 @@ def build_explicit_comm(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, explicit_comm=True)
 
 
+def build_input_not_parallel(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, input_not_parallel=True)
+
+
 def build_stale_norm(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, stale=True)
+
+
+def build_stale_bias(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, stale_bias=True)
 
 
 def build_sequence_parallel(ctx: RankContext) -> ProbeTarget:

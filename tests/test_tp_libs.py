@@ -8,11 +8,15 @@ Every healthy run must come out with zero findings and complete coverage: the em
 structure (the module the library builds), 4 of 4 layers hooked and run, a reduce audited in every
 layer on every rank, every reduce attributed (to the embedding, or to the row-parallel module that
 issued it in its layer) and complete. Every fault is made the library's own way and must be named
-exactly (kind, place, ranks): a plan or flag that says "the caller reduces" and nobody does, a
-stale replicated parameter on one rank.
+exactly (kind, place, ranks): a plan or flag that says "the caller reduces" and nobody does, a wrong
+placement (which each library refuses itself: named at the module that raised, once for all ranks),
+sequence parallelism's reduce-scatter skipped, a stale replicated parameter on one rank; a DTensor
+capture point placed Partial is one root cause at its module, with what follows as its consequences.
 
 CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.run` exactly as a rank
-of `tpprobe probe` runs it, on a process group kept between cases); tp 4 runs one case per library.
+of `tpprobe probe` runs it, on a process group kept between cases); CI runs every fault at tp 2 in
+fp32 and tp 4 healthy cases; the rest of the matrix (every fault in bf16 and at tp 4, every library
+healthy at tp 4 in both dtypes) is `-m sweep`.
 Needs the tier: `bash ci/tp-libs/install.sh .venv` (marker `tplibs`).
 """
 from __future__ import annotations
@@ -35,22 +39,35 @@ LIBS = {
                  ("self_attention.linear_proj", "mlp.linear_fc2")),
 }
 NEEDS = {"dtensor": None, "hf": "transformers", "megatron": "megatron.core"}
-# fault case -> (factory, the one failure: kind, where, ranks)
+ALL = "all"          # the ranks of a fault every rank has: all of them, at any tp
+# fault case -> (factory, the one failure: kind, where, ranks). Each made the library's own way:
+# (a) a plan or flag that says "the caller reduces" and nobody does; (b) a wrong placement (a plan
+# entry swapped, an input declared whole): each library refuses it itself, with a shape error in that
+# module's matmul, and tpprobe names that module; (c) sequence parallelism's reduce-scatter skipped;
+# (d) a stale replicated parameter on one rank, named as that parameter on that rank.
 FAULTS = {
-    "dtensor-partial": ("examples.dtensor_llama:build_partial",
-                        ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", [0, 1])),
-    "dtensor-stale": ("examples.dtensor_llama:build_stale_norm",
+    "dtensor-partial": ("examples.dtensor_llama:build_partial",                                  # (a)
+                        ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", ALL)),
+    "dtensor-colwise": ("examples.dtensor_llama:build_colwise_w2",                               # (b)
+                        ("rank-error", "layer 2 (layers.2.feed_forward.w2)", ALL)),
+    "dtensor-stale": ("examples.dtensor_llama:build_stale_norm",                                 # (d)
                       ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
-    "hf-local_rowwise": ("examples.hf_tp:build_local_rowwise",
-                         ("partial-allreduce", "layer 0 (model.layers.0.mlp.down_proj)", [0, 1])),
-    "hf-stale": ("examples.hf_tp:build_stale_norm",
+    "hf-local_rowwise": ("examples.hf_tp:build_local_rowwise",                                   # (a)
+                         ("partial-allreduce", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
+    "hf-swapped_plan": ("examples.hf_tp:build_swapped_plan",                                     # (b)
+                        ("rank-error", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
+    "hf-stale": ("examples.hf_tp:build_stale_norm",                                              # (d)
                  ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight", [1])),
-    "megatron-explicit_comm": ("examples.megatron_gpt:build_explicit_comm",
-                               ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", [0, 1])),
-    "megatron-stale": ("examples.megatron_gpt:build_stale_norm",
+    "megatron-explicit_comm": ("examples.megatron_gpt:build_explicit_comm",                      # (a)
+                               ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
+    "megatron-input_not_parallel": ("examples.megatron_gpt:build_input_not_parallel",            # (b)
+                                    ("rank-error", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
+    "megatron-stale": ("examples.megatron_gpt:build_stale_norm",                                 # (d)
                        ("rank-divergence", "layer 2 parameter decoder.layers.2.pre_mlp_layernorm.weight", [1])),
-    "megatron-sp_scatter": ("examples.megatron_gpt:build_sequence_parallel_scatter",
-                            ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", [0, 1])),
+    "megatron-stale_bias": ("examples.megatron_gpt:build_stale_bias",                              # (d)
+                            ("rank-divergence", "layer 2 parameter decoder.layers.2.mlp.linear_fc2.bias", [1])),
+    "megatron-sp_scatter": ("examples.megatron_gpt:build_sequence_parallel_scatter",             # (c)
+                            ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
 }
 
 
@@ -136,7 +153,8 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     _need("dtensor", "hf", "megatron")
     cases = _healthy_cases(LIBS, ("float32", "bfloat16"))
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
-    cases.append(("megatron-sp-bfloat16", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "bfloat16"}))
+    cases.append(("megatron-sp-bfloat16", "examples.megatron_gpt:build_sequence_parallel",
+                  {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
     cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
     cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
@@ -145,8 +163,8 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
         if name in FAULTS or name in ("dtensor-meta_param", "dtensor-partial_stream"):
             continue
         assert_healthy(name, res[name], 2, name.split("-")[0])
-    for name, (_, expected) in FAULTS.items():
-        assert res[name]["code"] == 1 and _failures(res[name]) == [expected], (name, res[name]["findings"])
+    for name in FAULTS:
+        assert_fault(name, res[name], 2)
     # a parameter tpprobe cannot read is named in a coverage warning; the rank's record is kept
     meta = res["dtensor-meta_param"]
     assert meta["code"] == 0 and _failures(meta) == [], meta["findings"]
@@ -155,16 +173,34 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     assert "parameter layers.1.ffn_norm.unloaded on ranks 0, 1 (Parameter: NotImplementedError" in warn["detail"], warn
     # a layer output that is a DTensor placed Partial owes a reduce: named from its placement, and the
     # row-parallel module whose reduce never ran in that layer is named too (read locally: no redistribute)
+    # it is one root cause at its place (module, layer, ranks): the stream's missing reduce in that layer
+    # and the divergence of every later point are its consequences, never findings of their own
     ps = res["dtensor-partial_stream"]
-    assert _failures(ps) == [("partial-allreduce", "layer 2 (blocks.2.down)", [0, 1]),
-                             ("partial-allreduce", "layer.2.out", [0, 1])], ps["findings"]
-    assert "placed Partial(sum) on ranks 0, 1" in ps["findings"][1]["detail"], ps["findings"]
+    assert ps["code"] == 1 and _failures(ps) == [("partial-allreduce", "layer 2 (blocks.2.down)", [0, 1])], \
+        ps["findings"]
+    (root,) = ps["findings"]
+    assert "layer 2's output is a DTensor placed Partial(sum) on ranks 0, 1 (the output of blocks.2.down, " \
+           "placed Partial)" in root["detail"], root
+    assert root["evidence"]["placements"] == ["Partial(sum)"] and root["evidence"]["point"] == "layer.2.out", root
+    assert root["consequences"][0].startswith("layer 2 (blocks.2.down): blocks.2.down output was never "
+                                              "all-reduced"), root["consequences"]
+    assert any(c.startswith("layer.2.out: ranks ") for c in root["consequences"]), root["consequences"]
     # transformers' local_rowwise is in every layer's plan: named at the first layer, said for all
     detail = next(f["detail"] for f in res["hf-local_rowwise"]["findings"] if f["severity"] == "failure")
     assert "unreduced in every layer (4 of 4)" in detail, detail
     # Megatron's sequence parallelism: the reduces are reduce-scatters, the stream a chunk per rank
     sp = res["megatron-sp-bfloat16"]
     assert {a["kind"] for a in sp["allreduce"]["records"]} == {"reduce_scatter", "all_gather"}, sp["allreduce"]
+
+
+def assert_fault(name, res, world):
+    kind, where, ranks = FAULTS[name][1]
+    ranks = list(range(world)) if ranks == ALL else ranks
+    assert res["code"] == 1 and _failures(res) == [(kind, where, ranks)], (name, world, res["findings"])
+    if kind == "rank-error":        # the library's own refusal, said once for every rank that raised it
+        (f,) = [f for f in res["findings"] if f["severity"] == "failure"]
+        assert f["detail"].startswith("RuntimeError: ") and ("shape" in f["detail"] or " dim" in f["detail"]), \
+            (name, f)
 
 
 def test_each_library_is_healthy_at_tp4(tmp_path):
@@ -219,3 +255,29 @@ def build_partial_stream(ctx):
     ids = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(1))
     return ProbeTarget(model=model, forward=lambda: model(ids.unsqueeze(0)), input_ids=ids, num_layers=4,
                        hidden_size=32, dtype=torch.float32, arch="dtensor-mlp")
+
+
+def _sweep_cases(world):
+    """The full matrix beside CI's subset: every fault in fp32 and bf16 (CI runs them in fp32 at tp 2),
+    and at tp 4 every library healthy in both dtypes, with Megatron's sequence parallelism."""
+    cases = [(f"{name}-{d}", factory, {"TPLIBS_DTYPE": d}) for name, (factory, _) in FAULTS.items()
+             for d in ("float32", "bfloat16") if world > 2 or d == "bfloat16"]
+    if world > 2:
+        cases += _healthy_cases(LIBS, ("float32", "bfloat16"))
+        cases += [(f"megatron-sp-{d}", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+                  for d in ("float32", "bfloat16")]
+    return cases
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("world", [2, 4])
+def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path, world):
+    _need("dtensor", "hf", "megatron")
+    cases = _sweep_cases(world)
+    res = _probe_all(tmp_path, world, cases)
+    for name, *_ in cases:
+        base = name.rsplit("-", 1)[0]
+        if base in FAULTS:
+            assert_fault(base, res[name], world)
+        else:
+            assert_healthy(name, res[name], world, name.split("-")[0])

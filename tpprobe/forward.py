@@ -35,5 +35,6 @@ def forward_under_tap(target, opts, progress, layer_ids: list, keep_all: bool, g
             if progress.collective is None and raised_in_tpprobe(e):
                 raise InternalError("forward", e) from e   # a hook of ours failed, not the model
             status, error = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            tap.note_error(e)        # the module it raised in: the finding's place
     status, error, settled = after_forward(tap, progress, target, summarize, opts.timeout, grace, status, error, cuda)
     return tap, result, status, error, settled

@@ -387,6 +387,8 @@ class Tap:
         self.embed_layout: Optional[str] = None    # discover.BSH | SBH | TH: how the stream holds tokens
         self._ids_shape: Optional[tuple] = None
         self.placements: dict[str, list] = {}      # capture point -> a DTensor's placements
+        self.row_placements: dict[str, list] = {}  # row-parallel module -> its DTensor output's placements
+        self.raised_in: Optional[str] = None       # where the model's forward raised: "layer K (module)"
         self.unreadable: dict[str, str] = {}       # capture point -> why tpprobe could not read it
         self._layer_names: list[str] = []
         self.handles: list[HookHandle] = []
@@ -660,7 +662,10 @@ class Tap:
     def _row_post(self, handle, args, output) -> None:
         out = first_tensor(output)
         if out is not None and dtensor_placements(out) is not None:
-            out = out.to_local()          # a DTensor (use_local_output=False): its storage is the local one
+            # a DTensor (use_local_output=False): its placements say whether it still owes its reduce
+            # (Partial), its storage is the local one
+            self.row_placements[handle.name] = list(dtensor_placements(out))
+            out = out.to_local()
         self.add_row_output(handle.name, handle.index, out)
 
     def _in_norm_post(self, handle, args, output) -> None:
@@ -766,6 +771,7 @@ class Tap:
                 unread[r.meta()["path"]] += 1
         return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
                 "embed_layout": self.embed_layout, "placements": dict(self.placements),
+                "row_placements": dict(self.row_placements), "raised_in": self.raised_in,
                 "unreadable_points": dict(self.unreadable),
                 "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
                 "layer_names": list(self._layer_names),
@@ -774,6 +780,26 @@ class Tap:
                 "audit": self.audit,
                 # how the audit watched: "kernel" (its dispatcher kernels) | "mode (why)" (the dispatch mode)
                 "audit_path": self.auditor.path}
+
+    def note_error(self, exc: BaseException) -> None:
+        """Where the model's own forward raised: the innermost module of the model whose frame is on the
+        exception's traceback (a plan that places a shard wrong fails in that module's matmul, as the
+        library itself refuses it), as "layer K (module)", "embedding (module)" or the module's path."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        inner = None
+        tb = exc.__traceback__
+        while tb is not None:
+            me = tb.tb_frame.f_locals.get("self")
+            if isinstance(me, torch.nn.Module) and id(me) in names and names[id(me)]:
+                inner = names[id(me)]
+            tb = tb.tb_next
+        if inner is None:
+            return
+        if self.embed_name and (inner == self.embed_name or inner.startswith(self.embed_name + ".")):
+            self.raised_in = f"embedding ({inner})"
+            return
+        k = next((k for k, n in enumerate(self._layer_names) if inner == n or inner.startswith(n + ".")), None)
+        self.raised_in = f"layer {k} ({inner})" if k is not None else inner
 
     def _layer_modules(self):
         return [self.model.get_submodule(n) for n in self._layer_names]

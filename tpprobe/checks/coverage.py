@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..capture.points import is_layer_place
+from ..capture.points import is_layer_place, point_label, point_layer
 from .findings import FAILURE, WARNING, Finding
 
 REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
@@ -85,18 +85,62 @@ def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
 
 def partial_placement_findings(records, live) -> list[Finding]:
     """A capture point that is a DTensor placed Partial still owes its reduce where it was read:
-    DTensor says so itself (capture/hooks.py records each DTensor point's placements)."""
+    DTensor says so itself (capture/hooks.py records each DTensor point's placements, and those of
+    each row-parallel module's DTensor output). Named at its place: the layer and the module in it
+    whose output was placed Partial (the layer itself when no such module was seen)."""
     owed: dict = {}
     for r in live:
         for name, pl in ((records[r].meta.get("coverage") or {}).get("placements") or {}).items():
             if any(p.startswith("Partial") for p in pl):
                 owed.setdefault(name, ([], pl))[0].append(r)
-    return [Finding("partial-allreduce", name, ranks, detail=(
-        f"{name} is a DTensor placed {', '.join(pl)} on rank{'s' if len(ranks) > 1 else ''} "
-        f"{', '.join(map(str, ranks))}: each rank holds a partial sum; it owes a reduce (a redistribute to "
-        f"Replicate) that had not run where it was captured"),
-        evidence={"placements": list(pl), "all_ranks": sorted(ranks) == sorted(live)})
-        for name, (ranks, pl) in owed.items()]
+    out = []
+    for name, (ranks, pl) in owed.items():
+        where, k, module = _owed_place(records, ranks, name)
+        by = f" (the output of {module}, placed Partial)" if module else ""
+        out.append(Finding("partial-allreduce", where, ranks, detail=(
+            f"{point_label(name)} is a DTensor placed {', '.join(pl)} on rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))}{by}: each rank holds a partial sum; it owes a reduce (a redistribute "
+            f"to Replicate) that had not run where it was captured"),
+            evidence={"placements": list(pl), "point": name, "layer": k, "module": module,
+                      "all_ranks": sorted(ranks) == sorted(live)}))
+    return out
+
+
+def _owed_place(records, ranks, name: str) -> tuple:
+    """(where, layer, module) of a point placed Partial: "layer K (MODULE)", MODULE the first module of
+    that layer whose DTensor output was placed Partial, else the layer's own module."""
+    k = point_layer(name)
+    cov = records[ranks[0]].meta.get("coverage") or {}
+    if k == -1 and cov.get("embed"):
+        return f"embedding ({cov['embed']})", k, cov["embed"]
+    if k is None or k < 0:
+        return name, k, None
+    names = cov.get("layer_names") or []
+    layer = names[k] if k < len(names) else None
+    rows = cov.get("row_placements") or {}
+    module = next((m for m, pl in rows.items() if layer and m.startswith(layer + ".")
+                   and any(p.startswith("Partial") for p in pl)), None)
+    return f"layer {k} ({module or layer or name})", k, module
+
+
+def adopt_owed_placements(roots: list[Finding], cov_findings: list[Finding]) -> None:
+    """A placement that owes a reduce is the root cause at its layer: where the stream's diagnosis
+    found that layer's reduce missing, the placement's finding takes its place in `roots` (the stream's
+    finding and its consequences listed under it) and leaves the coverage findings: one finding."""
+    for p in [f for f in cov_findings if f.kind == "partial-allreduce" and "placements" in f.evidence]:
+        k = p.evidence.get("layer")
+        head = "embedding (" if k == -1 else f"layer {k} ("
+        i = next((i for i, r in enumerate(roots) if k is not None and r.kind == "partial-allreduce"
+                  and r.where.startswith(head)), None)
+        if i is None:
+            continue
+        r = roots[i]
+        p.ranks = sorted(set(p.ranks) | set(r.ranks))
+        p.evidence["all_ranks"] = bool(p.evidence.get("all_ranks") or r.evidence.get("all_ranks"))
+        p.evidence["stream"] = {"where": r.where, "missing_allreduce": r.evidence.get("missing_allreduce")}
+        p.consequences = [f"{r.where}: {r.detail}"] + r.consequences
+        roots[i] = p
+        cov_findings.remove(p)
 
 
 def unreadable_findings(records, live) -> list[Finding]:

@@ -82,13 +82,22 @@ def peer_gone(error: str) -> bool:
     return any(p in str(error) for p in PEER_GONE)
 
 
-def rank_error_findings(errors: dict[int, str], roots: list[Finding]) -> list[Finding]:
+def rank_error_findings(errors: dict[int, str], roots: list[Finding], places: dict | None = None) -> list[Finding]:
     """A rank whose own forward raised is the root; the ranks whose collectives then failed because
     that peer stopped (gloo's "Connection closed by peer", a recv timeout) are its consequences, listed
-    under it (under a missing or crashed rank's finding when there is one), never a failure of their own."""
+    under it (under a missing or crashed rank's finding when there is one), never a failure of their own.
+    `places`: rank -> the module its forward raised in ("layer K (module)"); ranks that raised the same
+    error in the same module are one finding there."""
     causes = {r: e for r, e in errors.items() if not peer_gone(e)}
     after = {r: e for r, e in errors.items() if r not in causes}
-    found = [Finding("rank-error", "probe", [r], detail=str(e)[:300]) for r, e in sorted(causes.items())]
+    found = []
+    for r, e in sorted(causes.items()):
+        where = (places or {}).get(r) or "probe"
+        same = next((f for f in found if where != "probe" and f.where == where and f.detail == str(e)[:300]), None)
+        if same is not None:
+            same.ranks.append(r)
+        else:
+            found.append(Finding("rank-error", where, [r], detail=str(e)[:300]))
     if not found and not roots:      # every error was a peer's absence, and no peer is known missing
         return [Finding("rank-error", "probe", [r], detail=str(e)[:300]) for r, e in sorted(errors.items())]
     head = (roots or found)[0]

@@ -23,7 +23,7 @@ from ..capture.files import RankRecord, point_set_mismatches
 from ..capture.points import AUX_PACKED
 from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
-from .coverage import coverage_findings, summary as coverage_summary
+from .coverage import adopt_owed_placements, coverage_findings, summary as coverage_summary
 from .crossrank import cross_rank, point_names, rounding_noise
 from .evidence import TensorEvidence
 from .findings import FAILURE, WARNING, Finding
@@ -58,7 +58,11 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     roots += missing_rank_findings(missing, records, live, counts, (liveness or {}).get("flight_recorder"))
     errors = {r: records[r].meta.get("error") for r in live if records[r].meta.get("status") == "error"}
     if errors:
-        roots += rank_error_findings(errors, roots)
+        places = {r: (records[r].meta.get("coverage") or {}).get("raised_in") for r in errors}
+        raised = rank_error_findings(errors, roots, places)
+        for f in raised:             # one error in one module on every rank: said once, for all ranks
+            f.evidence["all_ranks"] = f.evidence.get("all_ranks") or len(f.ranks) == world
+        roots += raised
     complete = not missing and not errors
 
     # ---- collective sequences ------------------------------------------------------------------
@@ -108,6 +112,7 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------
     out["coverage"] = coverage_summary(records, live)
     cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
+    adopt_owed_placements(roots, cov_findings)   # a Partial placement is the root at its layer: one finding
     ops = {w: n for w, n in ar.get("unchecked_why", {}).items() if w.startswith("op ")}
     if ops:      # a collective whose op this exchange mode cannot check: counted, never silently passed
         cov_findings.append(Finding("coverage", "collective audit", list(live), severity=WARNING, detail=(
