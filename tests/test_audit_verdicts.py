@@ -100,6 +100,8 @@ CASES = [
      [0, 1], "never all-reduced"),
     ("skip-allreduce@1", 4, ["--num-layers", "2", "--layers", "-1,0"], "partial-allreduce", f"layer 1 ({O.format(1)})",
      [0, 1, 2, 3], "never all-reduced"),
+    ("skip-allreduce@5", 2, [], "partial-allreduce", f"layer 5 ({O.format(5)})", [0, 1],
+     "1 all-reduce(s) ran in layer 5 (other layers: 2)"),
     ("skip-unreadable-allreduce@2", 2, [], "partial-allreduce", f"layer 2 ({O.format(2)})", [0, 1],
      "tpprobe_fault.shm_allreduce"),
     ("skip-unreadable-allreduce@1", 4, [], "partial-allreduce", f"layer 1 ({O.format(1)})", [0, 1, 2, 3],
@@ -123,6 +125,13 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
     f = failures(rep)[0]
     assert says in f["detail"], f["line"]
     assert "weight shard" not in f["explain"] and f["explain"]
+    if kind == "partial-allreduce" and not inject.startswith("skip-unreadable"):
+        # the data's own signature (point 3b) beside the structure's or the count's evidence
+        sig = f["evidence"]["partial_sum_signature"]
+        assert sig["max_cosine"] < 0.95 and sig["ranks"] == list(range(nproc)), f["evidence"]
+        # the o_proj reduce is followed by the MLP's in each layer, so the increments do not sum to the tp=1
+        # reference (they do only where the missing reduce is the layer's last sum): never claimed here
+        assert sig["sum_vs_reference"] == "material" and "tp=1 reference" not in f["detail"] + f["explain"]
     if kind == "allreduce-incomplete":
         e = rep["allreduce"]["records"][f["evidence"]["seq"]]
         assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
@@ -187,6 +196,11 @@ SG_CASES = [
      [0, 1], "the sum scaled by 2"),
     ("deepseek_v2", "skip-unreadable-allreduce@0", 2, "fingerprint", "partial-allreduce", f"layer 0 ({SG.format(0)})",
      [0, 1], "tpprobe_fault.shm_allreduce"),
+    # one layer's o_proj reduce: the dense layer 0 (no other layer of its kind) and an MoE layer
+    ("deepseek_v2", "skip-allreduce@0", 2, "full", "partial-allreduce", f"layer 0 ({SG.format(0)})", [0, 1],
+     "(no other layer of its kind)"),
+    ("deepseek_v2", "skip-allreduce@2", 4, "fingerprint", "partial-allreduce", f"layer 2 ({SG.format(2)})",
+     [0, 1, 2, 3], "(other layers of its kind: 2)"),
 ]
 
 
@@ -371,3 +385,70 @@ def test_a_dropped_id_whose_width_looks_like_a_tp_slice_is_named_missing(tmp_pat
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
     assert got == [("missing-capture", "aux slot for id 0", [0, 1])], [f["line"] for f in rep["findings"]]
     assert "maps to layer 1 = num_layers, past the last layer" in failures(rep)[0]["detail"]
+
+
+# ---- point 3: a missing reduce from positive evidence that does not depend on other layers ----------------
+# tests/block_model.py: GPT-J blocks that reduce their own sum, nothing row-parallel by structure, so only
+# the data (3b: the partial-sum signature) or another layer's count (3c) can name a missing reduce
+SHARES = "the ranks' increments are distinct shares of one sum"
+BLOCK = [  # (factory, nproc, exchange, [(kind, where, ranks)], what the first finding's detail says)
+    ("drop_all", 2, "full", [("partial-allreduce", "layer 0 (blocks.0)", [0, 1]),
+                             ("coverage", "collective audit", [0, 1])], "so only the data show it"),
+    ("drop_all", 4, "fingerprint", [("partial-allreduce", "layer 0 (blocks.0)", [0, 1, 2, 3]),
+                                    ("coverage", "collective audit", [0, 1, 2, 3])], "every layer alike"),
+    ("one_layer", 2, "fingerprint", [("partial-allreduce", "layer 0 (blocks.0)", [0, 1]),
+                                     ("coverage", "collective audit", [0, 1])], "a reduce in blocks.0 never ran"),
+    ("one_layer", 4, "full", [("partial-allreduce", "layer 0 (blocks.0)", [0, 1, 2, 3]),
+                              ("coverage", "collective audit", [0, 1, 2, 3])], "a reduce in blocks.0 never ran"),
+    ("first_of_two", 2, "full", [("partial-allreduce", "layer 0 (blocks.0)", [0, 1])], "the other layers issue 1"),
+    ("last", 4, "full", [("partial-allreduce", "layer 2 (blocks.2)", [0, 1, 2, 3])], "the other layers issue 1"),
+    # the negative control: a rank-dependent computation is not a partial sum, at tp 2 and tp 4
+    ("nudged", 2, "full", [("rank-divergence", "layer.0.out", [1])], "differs materially on rank 1"),
+    ("nudged", 4, "fingerprint", [("rank-divergence", "layer.0.out", [1])], "differs materially on rank 1"),
+]
+# CI runs every layer at tp 2, the 1-layer model at tp 4 and the control at tp 2; the sweep tier the rest
+BLOCK_PARAMS = [pytest.param(*c, id=f"{c[0]}-tp{c[1]}-{c[2]}",
+                             marks=() if (c[0], c[1]) in (("drop_all", 2), ("one_layer", 4), ("nudged", 2))
+                             else pytest.mark.sweep) for c in BLOCK]
+
+
+@pytest.mark.parametrize("factory,nproc,exchange,want,says", BLOCK_PARAMS)
+def test_a_missing_reduce_is_named_from_the_partial_sum_signature(tmp_path, factory, nproc, exchange, want, says):
+    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.block_model:{factory}", "--exchange", exchange,
+                        nproc=nproc)
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == want, [f["line"] for f in rep["findings"]]
+    f = failures(rep)[0]
+    assert says in f["detail"], f["line"]
+    assert "weight shard" not in f["explain"], f["explain"]
+    if f["kind"] == "partial-allreduce":
+        sig = f["evidence"]["partial_sum_signature"]
+        assert SHARES in f["detail"] and sig["max_cosine"] < 0.95 and sig["ranks"] == list(range(nproc))
+    else:
+        assert SHARES not in f["detail"] and "partial_sum_signature" not in f["evidence"]
+
+
+# tests/moe_kinds_model.py: a dense layer 0 (2 reduces) beside MoE layers (3: a shared expert reduced on its own)
+@pytest.mark.parametrize("factory,nproc,want", [
+    ("healthy", 2, []),
+    ("drop_shared", 2, [("partial-allreduce", "layer 2 (layers.2.mlp.shared)", [0, 1])]),
+    pytest.param("drop_shared", 4, [("partial-allreduce", "layer 2 (layers.2.mlp.shared)", [0, 1, 2, 3])],
+                 marks=pytest.mark.sweep),
+])
+def test_reduce_counts_are_compared_within_a_layer_kind(tmp_path, factory, nproc, want):
+    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.moe_kinds_model:{factory}", "--layers", "-1,1",
+                        nproc=nproc)
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == want, [f["line"] for f in rep["findings"]]
+    per = rep["coverage"]["reduces_per_place"]
+    assert [per[f"layer.{k}"]["0"] for k in range(4)] == ([2, 3, 3, 3] if factory == "healthy" else [2, 3, 2, 3])
+    if factory == "healthy":      # the dense layer's 2 is not "a reduce missing" beside the MoE layers' 3
+        assert rc == 0 and rep["findings"] == [] and rep["allreduce"]["incomplete"] == 0
+        assert rep["allreduce"]["checked"] == len(rep["allreduce"]["records"])
+        assert rep["coverage"]["layers_found"] == 4 and rep["coverage"]["embed"]
+        return
+    assert rc == 1
+    f = failures(rep)[0]
+    assert "the audit counted 2 reduce(s) in layer 2 where the other layers of its kind issue 3" in f["detail"]
+    assert SHARES in f["detail"], f["line"]

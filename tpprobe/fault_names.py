@@ -38,7 +38,7 @@ FAULTS = {
 SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
 BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
-        "skip-unreadable-allreduce")
+        "skip-unreadable-allreduce", "skip-allreduce")
 
 
 def inject_help() -> str:

@@ -23,6 +23,10 @@ from ..exchange.fingerprint import (PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint
                                    sum_matches)
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
+# sketches of the ranks' increments summed against a reference stream's sketch: within this
+# relative difference it is that stream (a tp=1 reference differs from a tp run by rounding, 1e-2
+# at most in bf16; a stream missing a share of its sum is off by tens of percent)
+SKETCH_SUM_REL = 0.05
 SLOT_CANDIDATES = (EMBED_OUT, in_norm(0), EMBED_LOCAL)
 
 
@@ -153,6 +157,23 @@ class TensorEvidence:
         s = sum(self.tensor(name, r).double() for r in live)
         return compare(s, reference.double(), dtype=self.dtype)["level"]
 
+    def increments(self, out: str, inp: str, live) -> Optional[dict]:
+        """Each rank's increment over a layer (its output minus its input), flat, in float64."""
+        ts = {r: (self.tensor(out, r), self.tensor(inp, r)) for r in live}
+        if any(o is None or i is None or o.shape != i.shape for o, i in ts.values()):
+            return None
+        return {r: (o.double() - i.double()).flatten() for r, (o, i) in ts.items()}
+
+    def increments_sum_vs(self, out: str, inp: str, live, reference: torch.Tensor) -> Optional[str]:
+        """The stream the ranks' increments sum to (input + the sum of the increments) against a
+        reference stream: bitwise / noise when the increments are the shares of its increment."""
+        from .noise import RESHARDED
+        inc = self.increments(out, inp, live)
+        if inc is None or reference.numel() != inc[live[0]].numel():
+            return None
+        s = self.tensor(inp, live[0]).double().flatten() + sum(inc.values())
+        return compare(s, reference.double().flatten(), dtype=self.dtype, context=RESHARDED)["level"]
+
     def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
         """Each rank's output of collective i against what a complete one returns by its own
         definition (the op over every rank's input; for a reduce-scatter, this rank's chunk of it;
@@ -247,6 +268,26 @@ class FingerprintEvidence(TensorEvidence):
     def rows_nonzero(self, name, r) -> Optional[torch.Tensor]:
         f = self.fp(name, r)
         return None if f is None or not f.row_nonzero else bitmap_rows(f, f.shape[0])
+
+    def increments(self, out: str, inp: str, live) -> Optional[dict]:
+        """The sketches of each rank's increment (linear: sketch(out) - sketch(in))."""
+        fs = {r: (self.fp(out, r), self.fp(inp, r)) for r in live}
+        if any(o is None or i is None or o.shape != i.shape or o.k != i.k for o, i in fs.values()):
+            return None
+        return {r: torch.tensor(o.sketch, dtype=torch.float64) - torch.tensor(i.sketch, dtype=torch.float64)
+                for r, (o, i) in fs.items()}
+
+    def increments_sum_vs(self, out: str, inp: str, live, reference: torch.Tensor) -> Optional[str]:
+        inc = self.increments(out, inp, live)
+        base = self.fp(inp, live[0])
+        if inc is None:
+            return None
+        ref = fingerprint(reference.to(getattr(torch, base.dtype)), seed=base.seed, k=base.k)
+        s = torch.tensor(base.sketch, dtype=torch.float64) + sum(inc.values())
+        r = torch.tensor(ref.sketch, dtype=torch.float64)
+        # the sketch's estimate of the relative difference; a partial sum misses O(1) of the stream
+        rel = float(torch.linalg.vector_norm(s - r) / max(float(torch.linalg.vector_norm(r)), 1e-300))
+        return "noise" if rel <= SKETCH_SUM_REL else "material"
 
     def sum_vs(self, name, live, reference: torch.Tensor) -> str:
         fps = [self.fp(name, r) for r in live]

@@ -100,7 +100,10 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
         if bad:
             roots.append(Finding("rank-divergence", AUX_PACKED, bad,
                                  detail=f"the packed aux hidden state differs on ranks {bad} while the "
-                                        f"residual streams agree"))
+                                        f"residual streams agree",
+                                 evidence={"explain": "the ranks packed different aux hidden states from residual "
+                                                      "streams that agree: the packing or the capture runs a "
+                                                      "rank-dependent path (no weight takes part in packing)"}))
 
     # ---- consequences and noise ----------------------------------------------------------------
     material = [n for n in names if any(s["level"] in ("material", "shape") for s in point_stats.get(n, {}).values())]

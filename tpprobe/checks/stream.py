@@ -56,14 +56,24 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                         detail=f"all-reduce #{a['seq']} summed over {a['group_size']} of {world} ranks; "
                                f"ranks agree within {groups} and differ across them",
                         evidence={"groups": groups, **all_r})]
+    # (b) the partial-sum signature in the data, from this layer alone (its input and its output)
+    sig = partial_sum_signature(ev, live, world, point_stats, first, references)
+    sig_text = signature_text(sig, layer)
     # a row-parallel output in this layer that no all-reduce consumed
     unreduced = [u for r in live for u in records[r].meta.get("unreduced_rows", []) if u["layer"] == layer]
     if unreduced:
         mod = unreduced[0]["module"]
         ranks = sorted({r for r in live for u in records[r].meta.get("unreduced_rows", []) if u["module"] == mod})
         n_here = Counter(a["where"] for a in records[live[0]].meta.get("allreduces", []))
-        typical = Counter(n for w, n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
-        others = f" (other layers: {typical[0][0]})" if typical else ""
+        kinds = layer_kinds(records, live)
+        if layer is not None and 0 <= layer < len(kinds) and len(set(kinds)) > 1:
+            # a dense layer beside MoE layers: only the layers of its own kind are a measure
+            same = Counter(n_here.get(layer_place(k), 0) for k in range(len(kinds))
+                           if k != layer and kinds[k] == kinds[layer]).most_common(1)
+            others = f" (other layers of its kind: {same[0][0]})" if same else " (no other layer of its kind)"
+        else:
+            typical = Counter(n for w, n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
+            others = f" (other layers: {typical[0][0]})" if typical else ""
         every = sorted({u["layer"] for r in live for u in records[r].meta.get("unreduced_rows", [])
                         if u["layer"] is not None and _relative(u["module"], _layer_name(records, live, u["layer"]))
                         == _relative(mod, _layer_name(records, live, layer))})
@@ -77,15 +87,34 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                f"{' (' + path + ')' if path else ''}: {n_here.get(layer_place(layer), 0)} "
                                f"all-reduce(s) ran in layer {layer}{others}{span}; from here on the stream holds "
                                f"each rank's partial sum",
+                        # the data's signature beside it, in the evidence (the line and its why keep their
+                        # words: the README's fault table and annotated report are generated from them)
                         evidence={"unreduced": unreduced, "missing_allreduce": {"where": layer_place(layer), "module": mod},
+                                  **({"partial_sum_signature": sig} if sig else {}),
                                   **({"all_ranks": True} if len(ranks) == world else {})})]
     # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
     # row-parallel module, the block itself, a hook, a reduce-scatter)
     missing = missing_reduce(records, live, world, layer)
     if missing is not None:
+        if sig:
+            missing.detail += sig_text
+            missing.evidence["partial_sum_signature"] = sig
         return [missing]
     if pf:
         return pf
+    if sig is not None and layer is not None:
+        # no module known row-parallel, no count to vouch (every layer, the first of two, a 1-layer
+        # model): the data alone show the ranks hold shares of one sum
+        name = _layer_name(records, live, layer)
+        return [Finding("partial-allreduce", f"layer {layer} ({name})", list(live),
+                        detail=(f"the stream leaving layer {layer} is each rank's partial sum: a reduce in {name} "
+                                f"never ran{sig_text}; the audit counted "
+                                f"{sum(1 for a in _reduces(records[live[0]].meta) if a.get('layer') == layer)} "
+                                f"reduce(s) there, and no other layer of its kind issues more (every layer alike, "
+                                f"or the only one of its kind), so only the data show it"),
+                        evidence={"partial_sum_signature": sig, "missing_allreduce": {"where": layer_place(layer),
+                                                                                      "module": name},
+                                  "all_ranks": True})]
     groups = classes(ev, first, [r for r in live if r in point_stats[first]])
     odd = sorted(r for g in groups[1:] for r in g) if len(groups) > 1 else bad(first)
     s = point_stats[first][odd[0]] if odd and odd[0] in point_stats[first] else {}
@@ -101,6 +130,63 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                         "code path, or a computation outside the audited collectives")})]
 
 
+# the partial-sum signature (point 3b of issue 29): ranks that hold shares of one sum hold distinct
+# increments (pairwise cosine measured 0.01 (GPT-J block), 0.72 (tp 2), <= 0.81 (tp 4) on the zoo
+# and the built-in model); ranks that ran one computation and drifted on one rank (a nudged stream,
+# a stale norm weight) hold near-copies (cosine 1.00): below SHARE_COS they are shares
+SHARE_COS = 0.95
+
+
+def partial_sum_signature(ev, live, world, point_stats, first, references=None) -> dict | None:
+    """Positive evidence, from one layer's input and output alone, that the ranks hold partial sums
+    where `first` (the first stream point that differs) was read: the layer's input agrees on every
+    rank, its output differs on every rank (at tp >= 3 no two ranks agree: a stale copy on one rank
+    leaves the others agreeing), and the ranks' increments over the layer are distinct shares, not
+    copies of one computation (pairwise cosine < SHARE_COS). With a tp=1 reference, also whether the
+    increments sum to its stream (they do when the missing reduce is the layer's last sum)."""
+    order = stream_order(point_stats)
+    if first not in order or order.index(first) == 0 or len(live) < 2:
+        return None
+    prev, k = order[order.index(first) - 1], point_layer(first)
+    if k is None or (prev != EMBED_OUT if k == 0 else point_layer(prev) != k - 1):
+        return None
+    if any(point_stats[prev].get(r, {}).get("level") not in ("reference", "bitwise", "noise") for r in live):
+        return None
+    if any(point_stats[first].get(r, {}).get("level") not in ("reference", "material") for r in live):
+        return None
+    if len(live) >= 3 and any(len(g) > 1 for g in classes(ev, first, live)):
+        return None
+    inc = ev.increments(first, prev, live)
+    if inc is None:
+        return None
+    cos = []
+    for i, a in enumerate(live):
+        for b in live[i + 1:]:
+            na, nb = float(torch.linalg.vector_norm(inc[a])), float(torch.linalg.vector_norm(inc[b]))
+            if na == 0 or nb == 0:
+                return None
+            cos.append(float((inc[a] * inc[b]).sum()) / (na * nb))
+    if max(cos) >= SHARE_COS:
+        return None
+    sig = {"input": prev, "max_cosine": round(max(cos), 4), "ranks": list(live)}
+    if references and first in references:
+        level = ev.increments_sum_vs(first, prev, live, references[first])
+        if level is not None:
+            sig["sum_vs_reference"] = level
+    return sig
+
+
+def signature_text(sig: dict | None, layer) -> str:
+    if not sig:
+        return ""
+    text = (f"; the data agree: over layer {layer} (from {point_label(sig['input'])}, the same on every rank) "
+            f"the ranks' increments are distinct shares of one sum, not copies (pairwise cosine at most "
+            f"{sig['max_cosine']:.2f})")
+    if sig.get("sum_vs_reference") in ("bitwise", "noise"):
+        text += ", and they sum to the unsharded tp=1 reference's stream"
+    return text
+
+
 REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
 
 
@@ -112,26 +198,53 @@ def _relative(module: str, prefix: str) -> str:
     return module[len(prefix):] if module == prefix or module.startswith(prefix + ".") else module
 
 
+def layer_kinds(records, live) -> list:
+    """Each decoder layer's kind, from its structure: the names (relative to the layer) of the
+    replicated parameters it holds, so a dense layer and an MoE layer (its router) are two kinds
+    and their reduce counts are compared within each kind only; one kind when nothing is known."""
+    meta = records[live[0]].meta
+    cov = meta.get("coverage") or {}
+    names = cov.get("layer_names") or []
+    n = cov.get("layers_found") or len(names)
+    own: dict = {k: set() for k in range(n)}
+    for name, e in (meta.get("params") or {}).items():
+        k = e.get("layer")
+        if isinstance(k, int) and k in own:
+            own[k].add(_relative(name, names[k]) if k < len(names) else name)
+    return [frozenset(own[k]) for k in range(n)]
+
+
+def _typical(per_layer: list, kinds: list, layer: int) -> tuple:
+    """(the typical reduce count of `layer`'s kind over the OTHER layers of that kind, how many of
+    them hold it, how many there are); (0, 0, 0) when the layer is the only one of its kind."""
+    same = [per_layer[k] for k in range(len(per_layer)) if k != layer and kinds[k] == kinds[layer]]
+    if not same:
+        return 0, 0, 0
+    typical, held = Counter(same).most_common(1)[0]
+    return typical, held, len(same)
+
+
 def silent_missing_reduce(records, live, world) -> list[Finding]:
-    """A layer that lacks a reduce every other layer issues, while the ranks still agree (a
-    reduce-scatter skipped before an all-gather makes every rank hold the same wrong stream): the
-    audit's count is the evidence. Only when a strict majority of layers share the typical count
-    (models whose layers differ, dense + MoE, are judged on data alone)."""
+    """A layer that lacks a reduce every other layer of its kind issues, while the ranks still agree
+    (a reduce-scatter skipped before an all-gather makes every rank hold the same wrong stream): the
+    audit's count is the evidence. Only when a strict majority of the other layers of that kind
+    share the typical count (a dense layer 0 beside MoE layers is judged against dense layers only:
+    with none, on data alone)."""
     cov = records[live[0]].meta.get("coverage") or {}
     n = cov.get("layers_found") or 0
     counts = Counter(a["layer"] for a in _reduces(records[live[0]].meta) if a.get("layer") is not None)
     per_layer = [counts.get(k, 0) for k in range(n)]
     if not per_layer:
         return []
-    typical, held = Counter(per_layer).most_common(1)[0]
-    if held * 2 <= n:
-        return []
+    kinds = layer_kinds(records, live)
     for k in range(n):
-        if per_layer[k] < typical:
-            f = missing_reduce(records, live, world, k)
-            if f is not None:
-                f.detail += " (the ranks agree with each other, so only the audit's count shows it)"
-                return [f]
+        typical, held, others = _typical(per_layer, kinds, k)
+        if others < 2 or held * 2 <= others or per_layer[k] >= typical:
+            continue
+        f = missing_reduce(records, live, world, k)
+        if f is not None:
+            f.detail += " (the ranks agree with each other, so only the audit's count shows it)"
+            return [f]
     return []
 
 
@@ -147,11 +260,17 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
                                                 if a.get("layer") is not None), default=-1) + 1)
     counts = {r: Counter(a["layer"] for a in _reduces(records[r].meta) if a.get("layer") is not None) for r in live}
     per_layer = [counts[live[0]].get(k, 0) for k in range(n_layers)]
-    typical = Counter(per_layer).most_common(1)[0][0] if per_layer else 0
+    if layer >= n_layers:
+        return None
+    # the typical count of this layer's kind, over the other layers of that kind (a dense layer is
+    # never held to its MoE neighbours' count, nor an MoE layer to the dense one's)
+    kinds = layer_kinds(records, live)
+    kinds = kinds if len(kinds) == n_layers else [frozenset()] * n_layers
+    typical, _, _ = _typical(per_layer, kinds, layer)
     short = [r for r in live if counts[r].get(layer, 0) < typical]
     if not typical or not short:
         return None
-    like = [k for k in range(n_layers) if per_layer[k] == typical and k != layer]
+    like = [k for k in range(n_layers) if per_layer[k] == typical and k != layer and kinds[k] == kinds[layer]]
     j = min(like, key=lambda k: abs(k - layer)) if like else None
     prefix = (lambda k: names[k] if k < len(names) else f"layer {k}")
     what = "a reduce"
@@ -169,8 +288,8 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
     n_here = counts[short[0]].get(layer, 0)
     return Finding("partial-allreduce", f"layer {layer} ({module})", short,
                    detail=(f"{what} issued by {module} never ran: the audit counted {n_here} reduce(s) in layer "
-                           f"{layer} where the other layers issue {typical}; from here on the stream holds each "
-                           f"rank's partial sum"),
+                           f"{layer} where the other layers{' of its kind' if len(set(kinds)) > 1 else ''} issue "
+                           f"{typical}; from here on the stream holds each rank's partial sum"),
                    evidence={"reduces_in_layer": n_here, "typical": typical,
                              **({"all_ranks": True} if len(short) == world else {})})
 

@@ -31,7 +31,7 @@ from ..knobs import knob
 SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather")
 # F22-F25 through SGLang's own all-reduce (GroupCoordinator.all_reduce): see reduce_fault below
 REDUCE_FAULTS = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
-                 "skip-unreadable-allreduce")
+                 "skip-unreadable-allreduce", "skip-allreduce")
 
 _pending = threading.local()
 _ALWAYS: dict = {"fn": None}       # a fault on every aux capture (dp-attention-gather)
@@ -134,6 +134,7 @@ def _partial(hidden, owed_cls) -> Optional[torch.Tensor]:
 #   allreduce-rank@R (F23)  on rank R, the middle layer's o_proj reduce returns R's own input
 #   skip-allreduce-all (F24)  no o_proj output is ever reduced (reduce_results=False in every layer and
 #       nobody reduces): the tp group's coordinator returns those tensors unreduced, unaudited
+#   skip-allreduce@K (F2)  the same in layer K only (a dense or an MoE layer: their reduce counts differ)
 #   skip-unreadable-allreduce@K (F25)  the tp group reduces through an op the audit counts but cannot
 #       read (like vLLM's CPU `_C.shm_allreduce`), bypassing the coordinator; layer K's o_proj reduce
 #       is never issued
@@ -174,7 +175,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
         return isinstance(x, torch.Tensor) and ptrs.pop(x.data_ptr(), None) is not None
 
     tp = get_tp_group()
-    if name == "skip-allreduce-all":
+    if name in ("skip-allreduce-all", "skip-allreduce"):
         def all_reduce(input_, *a, **kw):
             if hit(input_):
                 return input_                               # nobody reduces it
