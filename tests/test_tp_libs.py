@@ -109,11 +109,37 @@ def _run_cases(rank, world, cases, root):
                 rep = json.load(f)
             out[name] = {"code": code, "findings": rep["findings"], "coverage": rep.get("coverage", {}),
                          "allreduce": rep["allreduce"], "seconds": round(time.time() - t0, 1)}
+        if _raises(name):
+            _fresh_group(rank, world, root, i)
     return out
 
 
-def _probe_all(tmp_path, world, cases):
-    res = spawn(_run_cases, world, cases, str(tmp_path), timeout=600)[0]
+def _raises(name: str) -> bool:
+    """A case whose forward raises on every rank (a wrong placement the library refuses)."""
+    f = FAULTS.get(name) or FAULTS.get(name.rsplit("-", 1)[0])
+    return f is not None and f[1][0] == "rank-error"
+
+
+def _fresh_group(rank, world, root, i):
+    """A new gloo group (and Megatron's groups over it) after a case whose forward raised: at tp 4 the
+    next case's first collective on the kept group was refused ("Connection reset by peer"), which a
+    real `tpprobe probe` (one process per run) never meets; each case must be judged on its own."""
+    import sys
+
+    import torch.distributed as dist
+    if "megatron.core.parallel_state" in sys.modules:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    from tpprobe.exchange import gather
+    dist.destroy_process_group()
+    gather._GROUP = None        # the probe's own gloo group lived on the old one: made again on first use
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, f'rdzv-after-{i}')}", rank=rank,
+                            world_size=world)
+
+
+def _probe_all(tmp_path, world, cases, timeout=600):
+    res = spawn(_run_cases, world, cases, str(tmp_path), timeout=timeout)[0]
     print({k: v["seconds"] for k, v in res.items()})          # each case's wall time (pytest -s)
     return res
 
@@ -274,10 +300,44 @@ def _sweep_cases(world):
 def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path, world):
     _need("dtensor", "hf", "megatron")
     cases = _sweep_cases(world)
-    res = _probe_all(tmp_path, world, cases)
+    # 34 cases at tp 4: four processes on a shared 2-core machine took over 600 s in one spawn
+    res = _probe_all(tmp_path, world, cases, timeout=1800)
     for name, *_ in cases:
         base = name.rsplit("-", 1)[0]
         if base in FAULTS:
             assert_fault(base, res[name], world)
         else:
             assert_healthy(name, res[name], world, name.split("-")[0])
+
+
+def test_the_documented_parameter_attributes_are_honoured_for_any_library():
+    """README, "Parameter attributes for every other library": `tp_sharded = True` is never compared
+    across ranks, `tp_replicated = True` always is (even inside a module whose class says sharded), an
+    unmarked parameter of an unknown module is compared as unknown (None: stale only by a majority)."""
+    import torch
+    from torch import nn
+
+    from tpprobe.capture.params import replicated_param_hashes
+
+    class MyColumnShard(nn.Module):          # a class name no pattern knows
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4, 2))
+            self.scale = nn.Parameter(torch.ones(4))
+
+    class FooParallelLinear(nn.Module):      # the class says sharded
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2, 2))
+            self.gain = nn.Parameter(torch.ones(2))
+
+    model = nn.ModuleDict({"a": MyColumnShard(), "b": FooParallelLinear()})
+    hashes = replicated_param_hashes(model)
+    assert {n: e["replicated"] for n, e in hashes.items()} == {"a.weight": None, "a.scale": None}
+    model["a"].weight.tp_sharded = True
+    model["a"].scale.tp_replicated = True
+    model["b"].gain.tp_replicated = True
+    hashes = replicated_param_hashes(model)
+    assert {n: e["replicated"] for n, e in hashes.items()} == {"a.scale": True, "b.gain": True}
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert "p.tp_sharded = True" in readme and "p.tp_replicated = True" in readme
