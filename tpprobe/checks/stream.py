@@ -102,15 +102,17 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         return [missing]
     if pf:
         return pf
-    if sig is not None and layer is not None:
-        # no module known row-parallel, no count to vouch (every layer, the first of two, a 1-layer
-        # model): the data alone show the ranks hold shares of one sum
+    n_layer = sum(1 for a in _reduces(records[live[0]].meta) if a.get("layer") == layer)
+    if sig is not None and layer is not None and (len(live) >= 3 or n_layer == 0):
+        # no module known row-parallel, no count to vouch (every layer, a 1-layer model): the data
+        # alone show the ranks hold shares of one sum. Alone only where it cannot be a drift: at tp >= 3
+        # (no two ranks agree, a drift on one rank leaves the others agreeing) or where the layer issued
+        # no reduce at all; at tp 2 beside reduces that ran, a drift as large as the layer's increment
+        # could look like shares, so that stays rank-divergence (its why names no weight)
         name = _layer_name(records, live, layer)
         return [Finding("partial-allreduce", f"layer {layer} ({name})", list(live),
                         detail=(f"the stream leaving layer {layer} is each rank's partial sum: a reduce in {name} "
-                                f"never ran{sig_text}; the audit counted "
-                                f"{sum(1 for a in _reduces(records[live[0]].meta) if a.get('layer') == layer)} "
-                                f"reduce(s) there, and no other layer of its kind issues more (every layer alike, "
+                                f"never ran{sig_text}; the audit counted {n_layer} reduce(s) there, and no other layer of its kind issues more (every layer alike, "
                                 f"or the only one of its kind), so only the data show it"),
                         evidence={"partial_sum_signature": sig, "missing_allreduce": {"where": layer_place(layer),
                                                                                       "module": name},
