@@ -98,7 +98,11 @@ def probe(**kw) -> None:
               f"--nproc {gpus} runs NCCL", file=sys.stderr)
     os.environ[tdist.BACKEND_ENV] = dist_backend
     from .launch import launch_local
-    code = launch_local(opts.nproc, ["probe", *opts.to_argv()])
+    warm = None
+    if opts.backend == "sglang":
+        from .sglang.tiny import preload
+        warm = lambda: preload(opts.arch)    # noqa: E731
+    code = launch_local(opts.nproc, ["probe", *opts.to_argv()], warm=warm)
     if not existed:
         remove_if_empty(Path(opts.out))
     raise typer.Exit(code)

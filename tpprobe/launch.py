@@ -98,9 +98,12 @@ def _openmp_released() -> bool:
     return True
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run `tpprobe <argv>` on nproc local ranks; return the ranks' agreed exit code."""
-    if start_method() == "fork":
+def launch_local(nproc: int, argv: list[str], warm=None) -> int:
+    """Run `tpprobe <argv>` on nproc local ranks; return the ranks' agreed exit code. `warm()`, when
+    the ranks are forked: imports every rank would make (once, in the launcher, before the fork)."""
+    if start_method() == "fork" and warm is not None:
+        warm()
+    if start_method() == "fork":        # asked again: warm() started no thread
         return _launch_forked(nproc, argv)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -34,7 +34,7 @@ import torch
 
 from tpprobe.tools import layers as lid
 from tpprobe.errors import UsageError
-from tpprobe.sglang import INSTALL_HINT, SGLANG_VERSION, require
+from tpprobe.sglang import INSTALL_HINT, SGLANG_VERSION, available, require
 from tpprobe.target import ProbeTarget, RankContext
 
 ARCHES = ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2")
@@ -466,6 +466,35 @@ def packed_aux(result) -> Optional[torch.Tensor]:
 
         aux = pack_aux_hidden_states(aux)
     return aux
+
+
+# what every rank's build_target imports (SGLang's model stack: ~7 s of CPU a rank)
+_RANK_IMPORTS = ("sglang.srt.distributed.parallel_state", "sglang.srt.runtime_context", "sglang.srt.server_args",
+                 "sglang.srt.model_loader.utils", "sglang.srt.layers.attention.torch_native_backend",
+                 "sglang.srt.mem_cache.memory_pool", "sglang.srt.model_executor.forward_batch_info",
+                 "sglang.srt.model_executor.forward_context", "sglang.srt.layers.dp_attention",
+                 "sglang.srt.layers.sampler", "sglang.srt.model_executor.runner", "torch.utils.cpp_extension")
+
+
+def preload(arch: Optional[str]) -> None:
+    """Import, once, what each rank would import, in a launcher that forks its ranks (tpprobe.launch):
+    imports only, no tensor, no thread, no distributed state. Best effort: a rank that finds a module
+    missing imports it itself, and says why then."""
+    if not available():
+        return
+    import importlib
+
+    from tpprobe.sglang import cpu_mode
+
+    cpu_mode.enable()
+    arch = canonical_arch(arch)
+    names = [*_RANK_IMPORTS, *([f"sglang.srt.models.{_SGLANG_CLASSES[arch][0]}"] if arch in _SGLANG_CLASSES else [])]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            return
+    import transformers  # noqa: F401   (the seeded HF model every rank builds its weights from)
 
 
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
