@@ -1,9 +1,9 @@
 """Test helpers that run real processes: the CLI as a subprocess, and N gloo ranks in-process.
 
 How the multi-rank helper works (like PyTorch's MultiProcessTestCase): `spawn(fn, world)` starts
-`world` processes with the spawn start method, each joins a gloo group through a `file://`
-rendezvous in a temp dir (no ports), runs `fn(rank, world, *args)` and sends back its return
-value or its formatted traceback. The parent waits up to `timeout` seconds, terminates every
+`world` processes (forked where that is safe, else with the spawn start method), each joins a
+gloo group through a `file://` rendezvous in a temp dir (no ports), runs `fn(rank, world, *args)`
+and sends back its return value or its formatted traceback. The parent waits up to `timeout` seconds, terminates every
 straggler when one fails or time runs out, and raises with the child's traceback.
 """
 from __future__ import annotations
@@ -82,9 +82,17 @@ def _child(fn, rank, world, init_file, q, args):
         q.put((rank, "error", traceback.format_exc()))
 
 
+def start_method() -> str:
+    """fork when it is safe here (no other thread; GNU OpenMP's pool released, as tpprobe's own
+    launcher does): each rank then skips the interpreter start and the torch import; else spawn."""
+    import threading
+    from tpprobe.launch import release_openmp
+    return "fork" if hasattr(os, "fork") and threading.active_count() == 1 and release_openmp() else "spawn"
+
+
 def spawn(fn, world: int, *args, timeout: float = 120) -> dict:
     """Run fn(rank, world, *args) on `world` gloo ranks; return {rank: result}."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "rdzv")

@@ -2,7 +2,8 @@
 
     results = run_ranks("test_sglang_models:_worker", world=2, kwargs={...}, timeout=120)
 
-Each child: initializes torch.distributed (gloo, file:// rendezvous in a fresh temp dir), builds
+Each child (forked from the test process where that is safe, else a fresh python): initializes
+torch.distributed (gloo, file:// rendezvous in a fresh temp dir), builds
 a tpprobe RankContext, calls `fn(ctx, **kwargs)` (fn given as "module:function"; the tests folder
 is on sys.path), pickles the return value, destroys the process group. The parent waits up to
 `timeout` seconds in total, kills every straggler, and raises RanksFailed with each failed
@@ -40,12 +41,18 @@ def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 
         child_env["PYTHONPATH"] = os.pathsep.join([HERE, ROOT, child_env.get("PYTHONPATH", "")])
         child_env.setdefault("OMP_NUM_THREADS", "1")
         procs, logs = [], []
+        fork = _fork_ok()
+        if fork:
+            _preload_sglang()
         for r in range(world):
             log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
             logs.append(log)
+            argv = [fn, str(r), str(world), init, args_path, os.path.join(tmp, f"rank{r}.pkl")]
+            if fork:
+                procs.append(_Forked(argv, log, env or {}))
+                continue
             procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), fn, str(r), str(world), init,
-                 args_path, os.path.join(tmp, f"rank{r}.pkl")],
+                [sys.executable, os.path.abspath(__file__), *argv],
                 stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT))
         deadline = time.monotonic() + timeout
         timed_out = False
@@ -79,6 +86,70 @@ def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 
             with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _fork_ok() -> bool:
+    """Fork the ranks from this process where that is safe (no other thread; GNU OpenMP's pool
+    released, as tpprobe's own launcher does): each skips the interpreter start and the torch and
+    SGLang imports. TPPROBE_RANK_START=spawn says no here too."""
+    import threading
+    from tpprobe.knobs import knob
+    from tpprobe.launch import release_openmp
+    return (knob("TPPROBE_RANK_START") != "spawn" and hasattr(os, "fork") and threading.active_count() == 1
+            and release_openmp())
+
+
+def _preload_sglang() -> None:
+    """SGLang's model stack, imported once here, before the forks (imports only)."""
+    from tpprobe.sglang.tiny import preload
+    preload(None)
+
+
+class _Forked:
+    """One rank forked from this process, with Popen's poll / wait / kill / returncode."""
+
+    def __init__(self, argv: list[str], log, env: dict):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                os.environ.update(env)
+                sys.path[:0] = [HERE, ROOT]
+                _child(argv[0], int(argv[1]), int(argv[2]), *argv[3:])
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("rank", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, 9)
 
 
 def _child(fn: str, rank: int, world: int, init: str, args_path: str, out_path: str) -> None:

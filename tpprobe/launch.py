@@ -68,7 +68,7 @@ def start_method() -> str:
     if not cpu_gloo or _entry() is None:
         return "spawn"
     # a thread of the launcher's (none today) would not be copied into the ranks: never fork beside one
-    return "fork" if threading.active_count() == 1 and _openmp_released() else "spawn"
+    return "fork" if threading.active_count() == 1 and release_openmp() else "spawn"
 
 
 def _entry():
@@ -77,7 +77,7 @@ def _entry():
     return getattr(sys.modules.get("tpprobe.cli"), "main", None)
 
 
-def _openmp_released() -> bool:
+def release_openmp() -> bool:
     """Release GNU OpenMP's thread pool (torch's CPU build ships libgomp) so a forked rank starts its
     own; False when it is loaded and says no. Another OpenMP runtime (LLVM's, Intel's) re-creates its
     pool after a fork by itself."""
