@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -101,14 +102,23 @@ def spawn(fn, world: int, *args, timeout: float = 120) -> dict:
             p.start()
         results, errors = {}, {}
         try:
-            for _ in range(world):
-                rank, status, value = q.get(timeout=timeout)
+            deadline, gone_at = time.monotonic() + timeout, None
+            while len(results) < world and not errors:
+                try:
+                    rank, status, value = q.get(timeout=0.5)
+                except queue.Empty:
+                    gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                    gone_at = gone_at or (time.monotonic() if gone else None)
+                    if gone and time.monotonic() - gone_at > 5:       # its last put had 5 s to arrive
+                        errors[gone[0]] = (f"rank {gone[0]} ended (exit code {procs[gone[0]].exitcode}) without "
+                                           f"a result (got results from {sorted(results)})")
+                    elif time.monotonic() > deadline:
+                        errors[-1] = f"ranks timed out after {timeout}s (got results from {sorted(results)})"
+                    continue
                 if status == "error":
                     errors[rank] = value
                     break
                 results[rank] = torch.load(io.BytesIO(value), weights_only=True)
-        except queue.Empty:
-            errors.setdefault(-1, f"ranks timed out after {timeout}s (got results from {sorted(results)})")
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)

@@ -43,7 +43,7 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     progress = Progress()
     from .exchange.live import attach as live_display
     live = live_display(progress, ctx.rank, quiet=opts.quiet or opts.json_out)
-    ch, watchdog = start_channels(ctx, opts.timeout, progress)
+    ch, watchdog = start_channels(ctx, opts.timeout, progress, end_stuck=not keep_group)
     # The elastic agent sends SIGTERM to every worker once one worker failed. We are already on our way
     # to report that failure (the dead peer breaks our collectives): keep going; SIGKILL follows later.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
