@@ -58,7 +58,7 @@ def main():
     new = [ph.fp for ph in tags]
     with open(GOLDEN) as f:              # the replaced path's launch and combine, per tensor
         ref = json.load(f)
-    same = [_js(a) == json.dumps(r) for a, r in zip(new, ref)] + [False] * (len(new) - len(ref))
+    same = [_same(a, r, t.dtype) for a, r, t in zip(new, ref, tensors)] + [False] * (len(new) - len(ref))
     torch_ok = []
     for t, f in zip(tensors, new):       # the CPU reference hashes with blake2b: the rest agrees
         r = _fingerprint_torch(t, 3, 32)
@@ -72,6 +72,23 @@ def main():
     print(json.dumps({"n": len(tensors), "buffers": nbuf, "same": same, "torch_ok": torch_ok,
                       "entries": entries, "device_combine": not b.host_combine and not tf.COMBINE_WHY,
                       **dev_host, "synthetic": synthetic(g)}))
+
+
+def _same(fp, ref: dict, dtype) -> bool:
+    """Bit for bit, except an fp32 tensor's float sums (sketch, sumsq): under the interpreter numpy
+    adds them in an order its SIMD dispatch picks for the host CPU (the golden was written on another
+    machine: an AVX-512 host differs from it in the last bits of those sums, seen here). Those are
+    held to a few fp32 ULPs of the tensor's scale; the hashes, counts, absmax and flags stay exact."""
+    got = json.loads(_js(fp))
+    if dtype != torch.float32 or not all(isinstance(got.get(k), (list, float)) for k in ("sketch", "sumsq")):
+        return json.dumps(got) == json.dumps(ref)
+    floats = ("sketch", "sumsq")
+    if {k: v for k, v in got.items() if k not in floats} != {k: v for k, v in ref.items() if k not in floats}:
+        return False
+    scale = math.sqrt(abs(ref["sumsq"])) or 1.0
+    ulps = 8 * 2.0 ** -23
+    return (abs(got["sumsq"] - ref["sumsq"]) <= ulps * abs(ref["sumsq"]) and len(got["sketch"]) == len(ref["sketch"])
+            and all(abs(x - y) <= ulps * scale for x, y in zip(got["sketch"], ref["sketch"])))
 
 
 def _js(fp) -> str:

@@ -191,7 +191,7 @@ def test_config_sets_the_dtype_unless_dtype_is_given(tmp_path, monkeypatch, caps
     """--config's torch_dtype is the probe's dtype (the ranks are started with it); --dtype wins."""
     import tpprobe.launch
     started = []
-    monkeypatch.setattr(tpprobe.launch, "launch_local", lambda n, argv: started.append(argv) or 0)
+    monkeypatch.setattr(tpprobe.launch, "launch_local", lambda n, argv, **kw: started.append(argv) or 0)
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
