@@ -101,9 +101,11 @@ def release_openmp() -> bool:
 def launch_local(nproc: int, argv: list[str], warm=None) -> int:
     """Run `tpprobe <argv>` on nproc local ranks; return the ranks' agreed exit code. `warm()`, when
     the ranks are forked: imports every rank would make (once, in the launcher, before the fork)."""
-    if start_method() == "fork" and warm is not None:
+    method = start_method()
+    if method == "fork" and warm is not None:
         warm()
-    if start_method() == "fork":        # asked again: warm() started no thread
+        method = start_method()         # asked again: warm() must have started no thread
+    if method == "fork":
         return _launch_forked(nproc, argv)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
