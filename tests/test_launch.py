@@ -91,7 +91,7 @@ def test_no_forked_rank_outlives_a_launcher_that_was_killed(tmp_path):
     import time
     code = PRELUDE + ("print(os.getpid(), flush=True)\n"
                       f"sys.exit(launch_local(2, ['probe', '--out', {str(tmp_path / 'r')!r}, '--quiet', "
-                      "'--inject', 'hang-rank']))\n")
+                      "'--inject', 'hang-rank@1']))\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     launcher = int(p.stdout.readline())

@@ -132,6 +132,8 @@ def _prepare(me: _Rank) -> int:
     me.timings["start_s"] = time.time() - me.t_start
     if bad and ctx.rank == 0:
         from .report.terminal import error_line
+        if bad[0].get("traceback"):
+            print(bad[0]["traceback"], end="", file=sys.stderr, flush=True)
         if bad[0].get("internal"):
             from .errors import internal_message
             print(internal_message(bad[0]["error"], opts.debug), file=sys.stderr, flush=True)

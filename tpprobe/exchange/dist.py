@@ -377,20 +377,19 @@ def agree_ready(ch: Channel, world: int, timeout: float) -> list[dict]:
 
 def post_ready(ch: Channel, rank: int, debug: bool, prepare) -> None:
     """Run `prepare()` and post "ready": ok, or its error with the exit code every rank will end with
-    (a UsageError: 2; anything else, a bug in tpprobe or a broken install: 3, its traceback with --debug)."""
+    (a UsageError: 2; anything else, a bug in tpprobe or a broken install: 3). With --debug the
+    traceback travels in the post, so the rank that reports prints one traceback above its one line
+    (each rank printing its own interleaved them, and a rank ended mid-print left a torn last line)."""
     import traceback
     try:
         prepare()
         ch.post("ready", {"ok": True})
     except UsageError as e:
-        if debug:    # the message says "run with --debug": show where it came from (the cause too)
-            traceback.print_exc()
-        ch.post("ready", {"ok": False, "error": str(e), "code": 2})
+        ch.post("ready", {"ok": False, "error": str(e), "code": 2,
+                          **({"traceback": traceback.format_exc()} if debug else {})})
     except Exception as e:      # tpprobe's own failure to build (or a broken install): exit 3
-        if debug:
-            traceback.print_exc()
         ch.post("ready", {"ok": False, "error": internal_line(e, rank, "build"), "code": INTERNAL_EXIT,
-                          "internal": True})
+                          "internal": True, **({"traceback": traceback.format_exc()} if debug else {})})
 
 
 def start_channels(ctx: RankContext, timeout: float, progress, end_stuck: bool = True) -> tuple[Channel, "Watchdog"]:
