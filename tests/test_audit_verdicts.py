@@ -61,6 +61,9 @@ def assert_verdict_agrees_with_audit(rep: dict) -> None:
             assert e["level"] == "incomplete", (f["line"], e)
     if "HEALTHY" in verdict:
         assert not rep["findings"] and rep["allreduce"].get("incomplete", 0) == 0
+    if audit is not None and re.search(r"[1-9]\d* unchecked", audit):   # counted unchecked: said, never HEALTHY
+        assert "HEALTHY" not in verdict, text[-3000:]
+        assert any(f["kind"] == "coverage" and f["where"] == "collective audit" for f in rep["findings"]), audit
     # "stale or wrong weight shard" only where a parameter points there
     for f in rep["findings"]:
         if "weight shard" in (f.get("explain") or ""):
@@ -315,6 +318,20 @@ def test_an_op_sketches_cannot_check_is_counted_unchecked_and_said(tmp_path):
     assert ("0 incomplete, 12 unchecked (4 × op MAX not checkable from sketches (fingerprint mode), "
             "4 × op MIN not checkable from sketches (fingerprint mode), 4 × op PRODUCT") in line, line
     assert "HEALTHY" not in text
+
+
+def test_a_reduce_left_unchecked_for_a_reason_other_than_its_op_is_said_too(tmp_path):
+    """A NaN in fingerprint mode leaves the reduces it reaches unchecked (a sketch cannot sum it): the
+    audit line's count and a coverage warning with what to do say so, beside the non-finite root (before,
+    only an op's reason was said and any other reason could stand under HEALTHY)."""
+    rc, rep, cp = probe(tmp_path / "r", "--inject", "nan@0", "--exchange", "fingerprint", nproc=2)
+    assert rc == 1, cp.stderr[-2000:]
+    assert [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)] == [("non-finite", "layer.3.out", [0])]
+    n = rep["allreduce"]["unchecked_why"]["non-finite values (a sketch cannot sum them)"]
+    [w] = [f for f in rep["findings"] if f["kind"] == "coverage" and f["where"] == "collective audit"]
+    assert w["severity"] == "warning" and f"{n} × non-finite values" in w["detail"], w["detail"]
+    assert "--exchange full judges its finite elements" in w["detail"]
+    assert_verdict_agrees_with_audit(rep)
 
 
 def test_avg_is_checked_by_its_definition_on_real_tensors():

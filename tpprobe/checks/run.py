@@ -34,6 +34,14 @@ from .reference import reference_check
 from .slots import check_slots
 from .stream import diagnose_stream, silent_missing_reduce
 
+# what to do about a collective the audit could not check, by reason (checks/allreduce.py's words)
+_UNCHECKED_HINT = {
+    "op": "--exchange full checks MAX, MIN and PRODUCT element by element",
+    "tensors not kept": "its tensors were over the byte budget: raise --max-bytes to check it",
+    "all-to-all split sizes not readable from the sketches": "--exchange full checks an uneven all-to-all",
+    "non-finite values (a sketch cannot sum them)": "--exchange full judges its finite elements",
+}
+
 
 def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optional[dict] = None,
                references: Optional[dict[str, torch.Tensor]] = None, evidence=None) -> dict:
@@ -116,11 +124,15 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     out["coverage"] = coverage_summary(records, live)
     cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
     adopt_owed_placements(roots, cov_findings)   # a Partial placement is the root at its layer: one finding
-    ops = {w: n for w, n in ar.get("unchecked_why", {}).items() if w.startswith("op ")}
-    if ops:      # a collective whose op this exchange mode cannot check: counted, never silently passed
+    # a collective left unchecked, for any reason, is counted and said, never under HEALTHY (an unreadable
+    # path has its own warning from coverage_findings, which names the path)
+    unchecked = {w: n for w, n in (ar.get("unchecked_why") or {}).items() if w != "tensors not readable"}
+    if unchecked and complete:
         cov_findings.append(Finding("coverage", "collective audit", list(live), severity=WARNING, detail=(
-            "collectives not checked for completeness: " + ", ".join(f"{n} × {w}" for w, n in ops.items())
-            + " (--exchange full checks MAX, MIN and PRODUCT element by element)"), evidence={"all_ranks": True}))
+            "collectives not checked for completeness: " + ", ".join(f"{n} × {w}" for w, n in unchecked.items())
+            + " (" + "; ".join(dict.fromkeys(_UNCHECKED_HINT.get(w.split(" ", 1)[0] if w.startswith("op ") else w,
+                                                                 "see the audit records in report.json")
+                                             for w in unchecked)) + ")"), evidence={"all_ranks": True}))
     findings += roots + wrong + slot_findings + set_findings + cov_findings
     explained = {f.where for f in findings} | ({AUX_PACKED} if slot_findings else set())
     findings += rounding_noise(names, point_stats, explained)
