@@ -132,6 +132,9 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
     code, rep = report(dumps / "tp2" / "scale")
     assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
     assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
+    # a dump holds no parameters: its why never blames a weight shard (issue 29, point 3)
+    why = rep["findings"][0]["explain"]
+    assert "weight shard" not in why and "holds no parameters" in why, why
 
 
 def test_nan_on_one_rank(dumps):

@@ -72,6 +72,13 @@ def parse_name(fname: str) -> Optional[dict]:
     return tags
 
 
+# a dump holds no parameters and no collective audit: it cannot tell a weight from a code path, so its
+# divergence never blames a weight shard (tpprobe probe reads both)
+DUMP_DIVERGENCE = ("one rank's tensor differs materially from the others': a rank-dependent code path, a collective "
+                   "that ran wrong, or a weight loaded differently; the dump holds no parameters or collective "
+                   "records to tell which (tpprobe probe compares the replicated parameters and audits every reduce)")
+
+
 def _dump_files(d: Path) -> list[Path]:
     try:
         return [p for p in d.iterdir() if p.is_file() and parse_name(p.name) is not None]
@@ -552,7 +559,7 @@ def _divergent(g: GroupResult, bad, s: dict, against: str, note: str, declared: 
                               detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially from "
                                      f"{against} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
                                      f"{s.get('rel_diff', 0) or 0:.3g}, first token {s.get('first_token')}){note}{declared}",
-                              evidence={"groups": classes}))
+                              evidence={"groups": classes, "explain": DUMP_DIVERGENCE}))
 
 
 def _shares(g: GroupResult, ranks, read: str, evidence: Optional[dict] = None) -> None:
@@ -923,7 +930,8 @@ def _diff_data(bpath, tpath) -> dict:
             else:
                 findings.append(Finding("rank-divergence", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
                                         detail=f"its dims declare it replicated, but ranks {o['ranks']} differ materially "
-                                               f"from the first (and Σ over ranks does not equal the {other})").to_json())
+                                               f"from the first (and Σ over ranks does not equal the {other})",
+                                        evidence={"explain": DUMP_DIVERGENCE}).to_json())
     for side, only in (("baseline", only_b), ("target", only_t)):
         if only:
             findings.append(Finding("missing-capture", ", ".join(n for n, _ in only[:6]), [], severity=WARNING,
