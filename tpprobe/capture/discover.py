@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from .rowparallel import NAME_PATTERNS
+from .rowparallel import is_row_parallel as row_parallel_rule
 
 _IDX = re.compile(r"(\d+)$")
 
@@ -76,22 +78,14 @@ def _elements(name: str, m: nn.Module) -> list[tuple[int, str, nn.Module]]:
     return sorted(out, key=lambda x: x[0]) if by_key else out
 
 
-ROW_PATTERNS = ("*RowParallel*",)
+ROW_PATTERNS = NAME_PATTERNS     # the class-name fallback, for code that reads it here
 
 
 def is_row_parallel(m: nn.Module) -> bool:
-    """A module whose output is a partial sum until a reduce: a row-parallel class (Megatron's and
-    SGLang's RowParallelLinear), or an nn.Linear whose weight is a DTensor sharded on its input
-    dim (torch's RowwiseParallel, transformers' rowwise plans): each rank multiplies its slice."""
-    if any(fnmatch.fnmatchcase(type(m).__name__, p) for p in ROW_PATTERNS):
-        return True
-    from .rowparallel import by_attributes     # input_is_parallel / reduce_results (issue 29)
-    if by_attributes(m):
-        return True
-    if not isinstance(m, nn.Linear):
-        return False
-    placements = getattr(m._parameters.get("weight"), "placements", None) or ()
-    return any(getattr(p, "is_shard", lambda: False)() and getattr(p, "dim", None) in (1, -1) for p in placements)
+    """A module whose output is a partial sum until a reduce, recognised from what it declares
+    (a DTensor weight sharded on its input dim, `input_is_parallel`, a reduce flag) before its class
+    name: one rule, `rowparallel.is_row_parallel`."""
+    return row_parallel_rule(m)
 
 
 def _suggest(model: nn.Module) -> str:

@@ -14,8 +14,8 @@ Recognised from structure, for any model, never from the class name alone:
               reduce consumes, so by shape alone a healthy GPT-J would look unreduced.
 
 The class-name glob `*RowParallel*` stays a last fallback for models older code recognised so.
-The Tap's plan asks `discover.is_row_parallel` (its DTensor and name rules), which asks
-`by_attributes` here; `is_row_parallel` is the whole rule in one call for other recognisers.
+`is_row_parallel` is the whole rule in one call; the Tap's plan asks it through
+`discover.is_row_parallel`.
 """
 from __future__ import annotations
 
