@@ -52,6 +52,13 @@ FAULTS = {
                         ("rank-error", "layer 2 (layers.2.feed_forward.w2)", ALL)),
     "dtensor-stale": ("examples.dtensor_llama:build_stale_norm",                                 # (d)
                       ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
+    # torchtitan's sequence parallelism: the norms are SequenceParallel, their weights Replicate DTensors
+    # (each rank normalises its own chunk, so a stale one leaves the gathered stream alike on every rank:
+    # only the parameter's local tensor, hashed, shows it); the reduce-scatter skipped the library's way
+    "dtensor-sp_stale": ("examples.dtensor_llama:build_sequence_parallel_stale_norm",            # (d)
+                         ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
+    "dtensor-sp_scatter": ("examples.dtensor_llama:build_sequence_parallel_scatter",             # (c)
+                           ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", ALL)),
     "hf-local_rowwise": ("examples.hf_tp:build_local_rowwise",                                   # (a)
                          ("partial-allreduce", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
     "hf-swapped_plan": ("examples.hf_tp:build_swapped_plan",                                     # (b)
@@ -181,6 +188,8 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
     cases.append(("megatron-sp-bfloat16", "examples.megatron_gpt:build_sequence_parallel",
                   {"TPLIBS_DTYPE": "bfloat16"}))
+    cases += [(f"dtensor-sp-{d}", "examples.dtensor_llama:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+              for d in ("float32", "bfloat16")]
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
     cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
     cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
@@ -217,6 +226,26 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     # Megatron's sequence parallelism: the reduces are reduce-scatters, the stream a chunk per rank
     sp = res["megatron-sp-bfloat16"]
     assert {a["kind"] for a in sp["allreduce"]["records"]} == {"reduce_scatter", "all_gather"}, sp["allreduce"]
+    assert_dtensor_sequence_parallel(res, 2)
+
+
+def assert_dtensor_sequence_parallel(res, world):
+    """torch's own sequence parallelism (torchtitan's plan): every reduce is a reduce-scatter to Shard(1)
+    (the stream a [b, s / tp, h] chunk per rank, gathered by tpprobe after the forward); its faults (when
+    run) are named from what they are: the stale norm weight as the Replicate DTensor it is, read through
+    its local tensor, and the skipped reduce-scatter as the one w2 owed."""
+    for name in [n for n in res if n.startswith("dtensor-sp-")]:
+        reduces = {a["kind"] for a in res[name]["allreduce"]["records"] if a["kind"] != "all_gather"}
+        assert reduces == {"reduce_scatter"}, (name, world, res[name]["allreduce"])
+    if "dtensor-sp_stale" in res:
+        (stale,) = [f for f in res["dtensor-sp_stale"]["findings"] if f["severity"] == "failure"]
+        assert stale["evidence"]["placements"] == ["Replicate()"], stale
+        assert "layers.2.ffn_norm.weight (a DTensor placed Replicate(): its local tensor) differs on rank 1" \
+            in stale["detail"], stale
+    if "dtensor-sp_scatter" in res:
+        (scatter,) = [f for f in res["dtensor-sp_scatter"]["findings"] if f["severity"] == "failure"]
+        assert "the reduce-scatter (_c10d_functional.reduce_scatter_tensor) issued by layers.2.feed_forward.w2 " \
+               "never ran" in scatter["detail"], scatter
 
 
 def assert_fault(name, res, world):
@@ -234,10 +263,12 @@ def test_each_library_is_healthy_at_tp4(tmp_path):
     cases = [("dtensor-bfloat16", "examples.dtensor_llama:build", {"TPLIBS_DTYPE": "bfloat16"}),
              ("hf-float32", "examples.hf_tp:build", {"TPLIBS_DTYPE": "float32"}),
              ("megatron-bfloat16", "examples.megatron_gpt:build", {"TPLIBS_DTYPE": "bfloat16"}),
-             ("megatron-sp-float32", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "float32"})]
+             ("megatron-sp-float32", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "float32"}),
+             ("dtensor-sp-bfloat16", "examples.dtensor_llama:build_sequence_parallel", {"TPLIBS_DTYPE": "bfloat16"})]
     res = _probe_all(tmp_path, 4, cases)
     for name, *_ in cases:
         assert_healthy(name, res[name], 4, name.split("-")[0])
+    assert_dtensor_sequence_parallel(res, 4)
 
 
 def build_partial_stream(ctx):
@@ -290,7 +321,8 @@ def _sweep_cases(world):
              for d in ("float32", "bfloat16") if world > 2 or d == "bfloat16"]
     if world > 2:
         cases += _healthy_cases(LIBS, ("float32", "bfloat16"))
-        cases += [(f"megatron-sp-{d}", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+        cases += [(f"{lib}-sp-{d}", f"examples.{mod}:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+                  for lib, mod in (("megatron", "megatron_gpt"), ("dtensor", "dtensor_llama"))
                   for d in ("float32", "bfloat16")]
     return cases
 

@@ -431,7 +431,7 @@ class Tap:
             self._gather_sequence_shards()
 
     def _gather_sequence_shards(self) -> None:
-        """Sequence parallelism (Megatron): between the reduce-scatter and the all-gather each rank holds
+        """Sequence parallelism (Megatron's, torch's SequenceParallel): between the reduce-scatter and the all-gather each rank holds
         its chunk of the sequence; a stream point read there is gathered here, once the forward is over
         and the audit stopped (so none of these gathers is counted as the model's), into the full
         [tokens, hidden] every rank must hold alike. Only after a forward that ran every layer: a
@@ -443,7 +443,12 @@ class Tap:
         for name, t in shards.items():
             full = torch.empty((t.shape[0] * self._world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
             dist.all_gather_into_tensor(full, t.contiguous())
-            full = discover.rows(full, discover.SBH, self._ids_shape)
+            if self.embed_layout == discover.BSH_SP:     # [world * b, s / world, h] -> [b, s, h], rank-major
+                b, chunk = t.shape[0], t.shape[1]
+                full = full.view(self._world, b, chunk, -1).transpose(0, 1).reshape(b, chunk * self._world, -1)
+                full = discover.rows(full, discover.BSH, self._ids_shape)
+            else:
+                full = discover.rows(full, discover.SBH, self._ids_shape)
             if self.keep(name) and self._admitted(name, full):
                 self.captures[name] = full
             if self.summarize is not None:
