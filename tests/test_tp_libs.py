@@ -271,6 +271,49 @@ def test_each_library_is_healthy_at_tp4(tmp_path):
     assert_dtensor_sequence_parallel(res, 4)
 
 
+# the README's tp-2 example commands (scripts/readme_commands.py leaves them to the test below)
+CLI = r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build --nproc 2$"
+
+
+@pytest.mark.parametrize("lib", list(LIBS))
+def test_the_command_line_probes_each_library_healthy_at_tp2(tmp_path, lib):
+    """The path the issue's crash was on: the README's own `tpprobe probe --model examples.X:build
+    --nproc 2`, run as written (a fresh bash with only the venv activated, in a folder holding the
+    checkout, as tests/test_readme.py runs README commands): tpprobe's launcher starts the ranks, each
+    imports the user's factory by name and builds the library's model. Exit 0, HEALTHY, and its
+    report.json is healthy with complete coverage (assert_healthy)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import importlib.util
+    if NEEDS[lib] and importlib.util.find_spec(NEEDS[lib].split(".")[0]) is None:   # not imported here: the
+        pytest.skip("the tp-libs tier: bash ci/tp-libs/install.sh .venv")           # ranks do (megatron: 12 s)
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    import readme_commands as rc
+    cmds = {re.match(CLI, c.text).group(1): c.text for c in rc.commands() if re.match(CLI, c.text)}
+    assert sorted(cmds) == sorted(m.split(".")[1] for m, *_ in LIBS.values()), cmds   # one per library
+    cmd = cmds[LIBS[lib][0].split(".")[1]]
+    for entry in root.iterdir():          # the checkout's files, as in a clone; outputs stay here
+        if entry.name not in ("tpprobe-runs",) and not entry.name.startswith("."):
+            (tmp_path / entry.name).symlink_to(entry)
+    venv = Path(sys.executable).parent.parent
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "LANG": "C.UTF-8", "TERM": "dumb"}
+    t0 = time.time()
+    p = subprocess.run(["bash", "--noprofile", "--norc", "-c", f". {venv}/bin/activate && {cmd}"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    print(f"{cmd}: {time.time() - t0:.1f} s")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, (cmd, p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "HEALTHY: every capture point agrees across ranks" in " ".join(p.stdout.split()), p.stdout[-2000:]
+    (report,) = (tmp_path / "tpprobe-runs").glob("*/report.json")
+    rep = json.loads(report.read_text())
+    assert_healthy(cmd, {"code": p.returncode, "findings": rep["findings"], "coverage": rep.get("coverage", {}),
+                         "allreduce": rep["allreduce"]}, 2, lib)
+
+
 def build_partial_stream(ctx):
     """torch DTensor TP on blocks that keep DTensors in the stream (`use_local_output=False`): every
     block's row-parallel `down` returns a Replicate DTensor, except layer 2's, whose plan says
