@@ -14,6 +14,8 @@ Faults, each made the library's own way (`build_*` factories):
   build_colwise_w2   layer FAULT_LAYER's `feed_forward.w2` is `ColwiseParallel()` where `RowwiseParallel()`
                      belongs (a plan entry swapped): DTensor itself refuses it, with a shape error in that
                      module's matmul on every rank; tpprobe names that module
+  build_rowwise_wq   layer FAULT_LAYER's `attention.wq` is `RowwiseParallel()` where `ColwiseParallel()` belongs
+                     (a column-parallel projection in attention swapped): refused the same way, in that wq
   build_stale_norm   layer FAULT_LAYER's `ffn_norm.weight` differs on rank FAULT_RANK (a stale copy)
   build_sequence_parallel  torchtitan's plan with sequence parallelism (healthy): `SequenceParallel()` norms
                      (their weights `Replicate` DTensors), `PrepareModuleInput` all-gathers before attention
@@ -108,7 +110,7 @@ class Transformer(nn.Module):
 
 
 def parallelize(model: Transformer, mesh, partial_layer: int | None = None,
-                colwise_layer: int | None = None) -> Transformer:
+                colwise_layer: int | None = None, rowwise_wq_layer: int | None = None) -> Transformer:
     """torchtitan's plan for a Llama: vocab-parallel embedding, column-parallel q/k/v and w1/w3,
     row-parallel wo and w2, a column-parallel output gathered to every rank."""
     from torch.distributed.tensor import Partial, Replicate
@@ -124,7 +126,9 @@ def parallelize(model: Transformer, mesh, partial_layer: int | None = None,
               ColwiseParallel() if colwise_layer is not None and int(name) == colwise_layer  # the wrong style
               else RowwiseParallel())
         parallelize_module(block, mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wq": (RowwiseParallel() if rowwise_wq_layer is not None and int(name) == rowwise_wq_layer
+                             else ColwiseParallel()),                      # the wrong style, in attention
+            "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": w2,
@@ -175,7 +179,8 @@ def parallelize_sequence_parallel(model: Transformer, mesh, scatter_layer: int |
 
 
 def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = False,
-           colwise_layer: int | None = None, sp: bool = False, scatter_layer: int | None = None) -> ProbeTarget:
+           colwise_layer: int | None = None, sp: bool = False, scatter_layer: int | None = None,
+           rowwise_wq_layer: int | None = None) -> ProbeTarget:
     from torch.distributed.device_mesh import DeviceMesh
 
     import torch.distributed as dist
@@ -188,7 +193,7 @@ def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = Fal
     if sp:
         parallelize_sequence_parallel(model, mesh, scatter_layer)
     else:
-        parallelize(model, mesh, partial_layer, colwise_layer)
+        parallelize(model, mesh, partial_layer, colwise_layer, rowwise_wq_layer)
     if stale and ctx.rank == FAULT_RANK:
         w = model.layers[str(FAULT_LAYER)].ffn_norm.weight
         with torch.no_grad():
@@ -224,3 +229,7 @@ def build_sequence_parallel_stale_norm(ctx: RankContext) -> ProbeTarget:
 
 def build_sequence_parallel_scatter(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, sp=True, scatter_layer=FAULT_LAYER)
+
+
+def build_rowwise_wq(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, rowwise_wq_layer=FAULT_LAYER)

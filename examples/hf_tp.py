@@ -15,6 +15,8 @@ Faults, made with transformers' own plan vocabulary (`build_*` factories):
   build_swapped_plan   the plan entry `model.layers.*.mlp.down_proj` is `colwise` where `rowwise` belongs:
                        transformers shards it on the wrong dimension and the matmul refuses it in every
                        layer's down_proj (the first, layer 0, raises) on every rank; tpprobe names that module
+  build_swapped_q_proj the plan entry `model.layers.*.self_attn.q_proj` is `rowwise` where `colwise` belongs (a
+                       column-parallel projection in attention): refused in every layer's q_proj (layer 0 raises)
   build_stale_norm     layer FAULT_LAYER's `post_attention_layernorm.weight` differs on rank FAULT_RANK
 Settings from the environment: TPLIBS_DTYPE (float32 | bfloat16), TPLIBS_LAYERS (4).
 """
@@ -120,3 +122,7 @@ def build_swapped_plan(ctx: RankContext) -> ProbeTarget:
 
 def build_stale_norm(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, stale=True)
+
+
+def build_swapped_q_proj(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, plan={"model.layers.*.self_attn.q_proj": "rowwise"})

@@ -41,15 +41,17 @@ LIBS = {
 NEEDS = {"dtensor": None, "hf": "transformers", "megatron": "megatron.core"}
 ALL = "all"          # the ranks of a fault every rank has: all of them, at any tp
 # fault case -> (factory, the one failure: kind, where, ranks). Each made the library's own way:
-# (a) a plan or flag that says "the caller reduces" and nobody does; (b) a wrong placement (a plan
-# entry swapped, an input declared whole): each library refuses it itself, with a shape error in that
-# module's matmul, and tpprobe names that module; (c) sequence parallelism's reduce-scatter skipped;
+# (a) a plan or flag that says "the caller reduces" and nobody does; (b) a wrong placement, two per
+# library (the MLP's row-parallel projection, and a column-parallel projection in attention): each library
+# refuses it itself, with a shape error, and tpprobe names the module the forward raised in; (c) sequence parallelism's reduce-scatter skipped;
 # (d) a stale replicated parameter on one rank, named as that parameter on that rank.
 FAULTS = {
     "dtensor-partial": ("examples.dtensor_llama:build_partial",                                  # (a)
                         ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", ALL)),
     "dtensor-colwise": ("examples.dtensor_llama:build_colwise_w2",                               # (b)
                         ("rank-error", "layer 2 (layers.2.feed_forward.w2)", ALL)),
+    "dtensor-rowwise_wq": ("examples.dtensor_llama:build_rowwise_wq",                            # (b) attention
+                           ("rank-error", "layer 2 (layers.2.attention.wq)", ALL)),
     "dtensor-stale": ("examples.dtensor_llama:build_stale_norm",                                 # (d)
                       ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
     # torchtitan's sequence parallelism: the norms are SequenceParallel, their weights Replicate DTensors
@@ -63,12 +65,18 @@ FAULTS = {
                          ("partial-allreduce", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
     "hf-swapped_plan": ("examples.hf_tp:build_swapped_plan",                                     # (b)
                         ("rank-error", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
+    "hf-swapped_q_proj": ("examples.hf_tp:build_swapped_q_proj",                                 # (b) attention
+                          ("rank-error", "layer 0 (model.layers.0.self_attn.q_proj)", ALL)),
     "hf-stale": ("examples.hf_tp:build_stale_norm",                                              # (d)
                  ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight", [1])),
     "megatron-explicit_comm": ("examples.megatron_gpt:build_explicit_comm",                      # (a)
                                ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
     "megatron-input_not_parallel": ("examples.megatron_gpt:build_input_not_parallel",            # (b)
                                     ("rank-error", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
+    # the column-parallel qkv gathered whole: refused where the attention splits it per head (its
+    # forward, not linear_qkv's: tpprobe names the module the forward raised in)
+    "megatron-gather_qkv": ("examples.megatron_gpt:build_gather_qkv",                            # (b) attention
+                            ("rank-error", "layer 2 (decoder.layers.2.self_attention)", ALL)),
     "megatron-stale": ("examples.megatron_gpt:build_stale_norm",                                 # (d)
                        ("rank-divergence", "layer 2 parameter decoder.layers.2.pre_mlp_layernorm.weight", [1])),
     "megatron-stale_bias": ("examples.megatron_gpt:build_stale_bias",                              # (d)
