@@ -69,6 +69,10 @@ FAULTS = {
                           ("rank-error", "layer 0 (model.layers.0.self_attn.q_proj)", ALL)),
     "hf-stale": ("examples.hf_tp:build_stale_norm",                                              # (d)
                  ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight", [1])),
+    # transformers' own `sequence_parallel` style on the norms: the stale weight is a Replicate DTensor
+    "hf-sp_norms_stale": ("examples.hf_tp:build_sequence_parallel_norms_stale",                  # (d)
+                          ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight",
+                           [1])),
     "megatron-explicit_comm": ("examples.megatron_gpt:build_explicit_comm",                      # (a)
                                ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
     "megatron-input_not_parallel": ("examples.megatron_gpt:build_input_not_parallel",            # (b)
@@ -198,6 +202,7 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
                   {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(f"dtensor-sp-{d}", "examples.dtensor_llama:build_sequence_parallel", {"TPLIBS_DTYPE": d})
               for d in ("float32", "bfloat16")]
+    cases.append(("hf-sp_norms-bfloat16", "examples.hf_tp:build_sequence_parallel_norms", {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
     cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
     cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
@@ -245,11 +250,13 @@ def assert_dtensor_sequence_parallel(res, world):
     for name in [n for n in res if n.startswith("dtensor-sp-")]:
         reduces = {a["kind"] for a in res[name]["allreduce"]["records"] if a["kind"] != "all_gather"}
         assert reduces == {"reduce_scatter"}, (name, world, res[name]["allreduce"])
-    if "dtensor-sp_stale" in res:
-        (stale,) = [f for f in res["dtensor-sp_stale"]["findings"] if f["severity"] == "failure"]
-        assert stale["evidence"]["placements"] == ["Replicate()"], stale
-        assert "layers.2.ffn_norm.weight (a DTensor placed Replicate(): its local tensor) differs on rank 1" \
-            in stale["detail"], stale
+    for name, param in (("dtensor-sp_stale", "layers.2.ffn_norm.weight"),
+                        ("hf-sp_norms_stale", "model.layers.2.post_attention_layernorm.weight")):
+        if name in res:
+            (stale,) = [f for f in res[name]["findings"] if f["severity"] == "failure"]
+            assert stale["evidence"]["placements"] == ["Replicate()"], stale
+            assert f"{param} (a DTensor placed Replicate(): its local tensor) differs on rank 1" in stale["detail"], \
+                stale
     if "dtensor-sp_scatter" in res:
         (scatter,) = [f for f in res["dtensor-sp_scatter"]["findings"] if f["severity"] == "failure"]
         assert "the reduce-scatter (_c10d_functional.reduce_scatter_tensor) issued by layers.2.feed_forward.w2 " \
@@ -374,6 +381,8 @@ def _sweep_cases(world):
         cases += _healthy_cases(LIBS, ("float32", "bfloat16"))
         cases += [(f"{lib}-sp-{d}", f"examples.{mod}:build_sequence_parallel", {"TPLIBS_DTYPE": d})
                   for lib, mod in (("megatron", "megatron_gpt"), ("dtensor", "dtensor_llama"))
+                  for d in ("float32", "bfloat16")]
+        cases += [(f"hf-sp_norms-{d}", "examples.hf_tp:build_sequence_parallel_norms", {"TPLIBS_DTYPE": d})
                   for d in ("float32", "bfloat16")]
     return cases
 
