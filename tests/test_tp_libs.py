@@ -13,10 +13,15 @@ placement (which each library refuses itself: named at the module that raised, o
 sequence parallelism's reduce-scatter skipped, a stale replicated parameter on one rank; a DTensor
 capture point placed Partial is one root cause at its module, with what follows as its consequences.
 
+Sequence parallelism: Megatron's (`sequence_parallel=True`), torch's own (torchtitan's plan:
+`SequenceParallel()` norms whose weights are Replicate DTensors, `RowwiseParallel(output_layouts=Shard(1))`)
+and transformers' one SP style (`sequence_parallel` on the norms; 5.19 has no SP plan beyond it).
+
 CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.run` exactly as a rank
 of `tpprobe probe` runs it, on a process group kept between cases); CI runs every fault at tp 2 in
-fp32 and tp 4 healthy cases; the rest of the matrix (every fault in bf16 and at tp 4, every library
-healthy at tp 4 in both dtypes) is `-m sweep`.
+fp32 and tp 4 healthy cases, and the README's `tpprobe probe --model examples.X:build --nproc 2` once per
+library through the command line (its own launcher and ranks); the rest of the matrix (every fault in
+bf16 and at tp 4, every library healthy at tp 4 in both dtypes) is `-m sweep`.
 Needs the tier: `bash ci/tp-libs/install.sh .venv` (marker `tplibs`).
 """
 from __future__ import annotations
