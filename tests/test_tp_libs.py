@@ -200,6 +200,7 @@ def _healthy_cases(libs, dtypes):
 
 
 def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named_exactly(tmp_path):
+    import torch
     _need("dtensor", "hf", "megatron")
     cases = _healthy_cases(LIBS, ("float32", "bfloat16"))
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
@@ -245,6 +246,15 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     sp = res["megatron-sp-bfloat16"]
     assert {a["kind"] for a in sp["allreduce"]["records"]} == {"reduce_scatter", "all_gather"}, sp["allreduce"]
     assert_dtensor_sequence_parallel(res, 2)
+    # the sequence-parallel stream tpprobe gathers from each rank's [b, s / tp, h] chunk is the plain TP
+    # stream, token for token (the same weights): a misordered gather would look alike on every rank,
+    # so only this comparison shows one
+    from tpprobe.capture.files import load_run
+    plain, sp = (load_run(tmp_path / n).records[0].tensors for n in ("dtensor-float32", "dtensor-sp-float32"))
+    for point in ("embed.out", "layer.0.out", "layer.3.out"):
+        assert sp[point].shape == plain[point].shape == (8, 32), point
+        assert torch.allclose(sp[point], plain[point], rtol=1e-4, atol=1e-5), \
+            (point, (sp[point] - plain[point]).abs().max())
 
 
 def assert_dtensor_sequence_parallel(res, world):
