@@ -407,7 +407,8 @@ def _sweep_cases(world):
 def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path, world):
     _need("dtensor", "hf", "megatron")
     cases = _sweep_cases(world)
-    # 34 cases at tp 4: four processes on a shared 2-core machine took over 600 s in one spawn
+    # 46 cases at tp 4 (34 before the sequence-parallel and attention cases): four processes on a shared
+    # 2-core machine took over 600 s for 34 in one spawn
     res = _probe_all(tmp_path, world, cases, timeout=1800)
     for name, *_ in cases:
         base = name.rsplit("-", 1)[0]
@@ -415,6 +416,7 @@ def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path,
             assert_fault(base, res[name], world)
         else:
             assert_healthy(name, res[name], world, name.split("-")[0])
+    assert_dtensor_sequence_parallel(res, world)
 
 
 def test_the_documented_parameter_attributes_are_honoured_for_any_library():
