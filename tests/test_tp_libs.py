@@ -255,6 +255,11 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
         assert sp[point].shape == plain[point].shape == (8, 32), point
         assert torch.allclose(sp[point], plain[point], rtol=1e-4, atol=1e-5), \
             (point, (sp[point] - plain[point]).abs().max())
+    # each rank's own share of the embedding (the reduce-scatter's input) in token rows too: the ranks' shares
+    # sum to the embedding's output
+    shares = [load_run(tmp_path / "dtensor-sp-float32").records[r].tensors["embed.local"] for r in (0, 1)]
+    assert shares[0].shape == (8, 32) and torch.allclose(shares[0] + shares[1], sp["embed.out"], atol=1e-6), \
+        [tuple(t.shape) for t in shares]
 
 
 def assert_dtensor_sequence_parallel(res, world):

@@ -632,7 +632,14 @@ class Tap:
             self.order.append(EMBED_LOCAL)
             self.after[EMBED_LOCAL] = local.seq
             if local.inp is not None and self.keep(EMBED_LOCAL):
-                self.captures[EMBED_LOCAL] = discover.rows(local.inp, self.embed_layout, self._ids_shape)
+                inp, ids = local.inp, self._ids_shape
+                if self.embed_layout == discover.BSH_SP and inp.dim() == 3 and ids is not None and len(ids) == 2 \
+                        and tuple(inp.shape[:2]) == (self._world * ids[0], ids[1] // self._world):
+                    # funcol's reduce_scatter_tensor to Shard(1) cats the dim-1 chunks along dim 0 before
+                    # it scatters: this rank's whole partial sum, back in [b, s, h]
+                    inp = inp.view(self._world, ids[0], ids[1] // self._world, -1).transpose(0, 1) \
+                        .reshape(ids[0], ids[1], -1)
+                self.captures[EMBED_LOCAL] = discover.rows(inp, self.embed_layout, self._ids_shape)
             if self.summarize is not None and local.inp_summary is not None \
                     and not isinstance(local.inp_summary, (list, tuple)):   # a reduce-scatter's: one per chunk
                 self.summaries[EMBED_LOCAL] = local.inp_summary
