@@ -47,8 +47,9 @@ NEEDS = {"dtensor": None, "hf": "transformers", "megatron": "megatron.core"}
 ALL = "all"          # the ranks of a fault every rank has: all of them, at any tp
 # fault case -> (factory, the one failure: kind, where, ranks). Each made the library's own way:
 # (a) a plan or flag that says "the caller reduces" and nobody does; (b) a wrong placement, two per
-# library (the MLP's row-parallel projection, and a column-parallel projection in attention): each library
-# refuses it itself, with a shape error, and tpprobe names the module the forward raised in; (c) sequence parallelism's reduce-scatter skipped;
+# library (the MLP's row-parallel projection, and a column-parallel projection in attention): each
+# library refuses it itself, with a shape error, and tpprobe names the module the forward raised in;
+# (c) sequence parallelism's reduce-scatter skipped;
 # (d) a stale replicated parameter on one rank, named as that parameter on that rank.
 FAULTS = {
     "dtensor-partial": ("examples.dtensor_llama:build_partial",                                  # (a)

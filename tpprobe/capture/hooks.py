@@ -431,8 +431,8 @@ class Tap:
             self._gather_sequence_shards()
 
     def _gather_sequence_shards(self) -> None:
-        """Sequence parallelism (Megatron's, torch's SequenceParallel): between the reduce-scatter and the all-gather each rank holds
-        its chunk of the sequence; a stream point read there is gathered here, once the forward is over
+        """Sequence parallelism (Megatron's; torch's SequenceParallel, Shard(1)): between the reduce-scatter
+        and the all-gather each rank holds its chunk of the sequence; a stream point read there is gathered here, once the forward is over
         and the audit stopped (so none of these gathers is counted as the model's), into the full
         [tokens, hidden] every rank must hold alike. Only after a forward that ran every layer: a
         forward that stopped early (a peer died) has no chunk to gather on some rank."""

@@ -29,9 +29,9 @@ def param_divergence(records, live) -> list[Finding]:
             how = f" (a DTensor placed {', '.join(placements)}: its local tensor)" if placements else ""
             found.append(Finding("rank-divergence", f"{'layer ' + str(layer) + ' ' if layer is not None else ''}"
                                  f"parameter {name}", odd,
-                                 detail=f"replicated parameter {name}{how} differs on rank{'s' if len(odd) > 1 else ''} "
-                                        f"{', '.join(map(str, odd))} (a stale or wrong copy: every rank must hold "
-                                        f"the same values)",
+                                 detail=f"replicated parameter {name}{how} differs on "
+                                        f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} (a stale or "
+                                        f"wrong copy: every rank must hold the same values)",
                                  evidence={"placements": list(placements)} if placements else {}))
             break
     return found
