@@ -14,7 +14,21 @@ Faults, each made the library's own way (`build_*` factories):
   build_colwise_w2   layer FAULT_LAYER's `feed_forward.w2` is `ColwiseParallel()` where `RowwiseParallel()`
                      belongs (a plan entry swapped): DTensor itself refuses it, with a shape error in that
                      module's matmul on every rank; tpprobe names that module
+  build_rowwise_wq   layer FAULT_LAYER's `attention.wq` is `RowwiseParallel()` where `ColwiseParallel()` belongs
+                     (a column-parallel projection in attention swapped): refused the same way, in that wq
   build_stale_norm   layer FAULT_LAYER's `ffn_norm.weight` differs on rank FAULT_RANK (a stale copy)
+  build_sequence_parallel  torchtitan's plan with sequence parallelism (healthy): `SequenceParallel()` norms
+                     (their weights `Replicate` DTensors), `PrepareModuleInput` all-gathers before attention
+                     and the feed-forward, `RowwiseParallel(output_layouts=Shard(1))` reduce-scatters; between
+                     the layers each rank holds its chunk `[b, s / tp, h]`, which tpprobe gathers to check
+  build_sequence_parallel_stale_norm  the same, layer FAULT_LAYER's `ffn_norm.weight` (a Replicate DTensor)
+                     differs on rank FAULT_RANK in its local tensor: each rank normalises its own chunk, so the
+                     gathered stream is alike on every rank and only the parameter's hash shows it
+  build_sequence_parallel_scatter  the same, layer FAULT_LAYER's `w2` is `RowwiseParallel(output_layouts=
+                     Partial(), use_local_output=True)` and its `feed_forward` declares that output
+                     `Replicate` (`PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=
+                     Shard(1))`): a local slice where the reduce-scatter belongs, each rank keeps its chunk of
+                     the partial sum
 Settings from the environment: TPLIBS_DTYPE (float32 | bfloat16), TPLIBS_LAYERS (4).
 """
 from __future__ import annotations
@@ -96,7 +110,7 @@ class Transformer(nn.Module):
 
 
 def parallelize(model: Transformer, mesh, partial_layer: int | None = None,
-                colwise_layer: int | None = None) -> Transformer:
+                colwise_layer: int | None = None, rowwise_wq_layer: int | None = None) -> Transformer:
     """torchtitan's plan for a Llama: vocab-parallel embedding, column-parallel q/k/v and w1/w3,
     row-parallel wo and w2, a column-parallel output gathered to every rank."""
     from torch.distributed.tensor import Partial, Replicate
@@ -112,7 +126,9 @@ def parallelize(model: Transformer, mesh, partial_layer: int | None = None,
               ColwiseParallel() if colwise_layer is not None and int(name) == colwise_layer  # the wrong style
               else RowwiseParallel())
         parallelize_module(block, mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wq": (RowwiseParallel() if rowwise_wq_layer is not None and int(name) == rowwise_wq_layer
+                             else ColwiseParallel()),                      # the wrong style, in attention
+            "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": w2,
@@ -120,8 +136,51 @@ def parallelize(model: Transformer, mesh, partial_layer: int | None = None,
     return model
 
 
+def parallelize_sequence_parallel(model: Transformer, mesh, scatter_layer: int | None = None) -> Transformer:
+    """torchtitan's plan with sequence parallelism: between the layers' row-parallel outputs and the next
+    norm each rank holds its chunk of the sequence (`Shard(1)`: `[b, s / tp, h]`). The norms are
+    `SequenceParallel()` (their weights become `Replicate` DTensors, each rank normalising its chunk),
+    `PrepareModuleInput` all-gathers the chunks before attention and the feed-forward, the row-parallel
+    `wo` / `w2` reduce-scatter (`RowwiseParallel(output_layouts=Shard(1))`), the embedding too.
+
+    scatter_layer: that layer's `w2` is `RowwiseParallel(output_layouts=Partial(), use_local_output=True)`
+    ("the caller reduce-scatters") and its `feed_forward` declares that output `Replicate` and takes
+    this rank's chunk (`PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))`:
+    a local slice, no collective): the reduce-scatter is skipped, each rank keeps its chunk of the
+    partial sum."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for name, block in model.layers.items():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if scatter_layer is not None and int(name) == scatter_layer:
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Partial(), use_local_output=True)
+            plan["feed_forward_out"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        out_style = plan.pop("feed_forward_out", None)
+        parallelize_module(block, mesh, plan)
+        if out_style is not None:        # a second style on the same module: applied after its input's
+            parallelize_module(block.feed_forward, mesh, out_style)
+    return model
+
+
 def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = False,
-           colwise_layer: int | None = None) -> ProbeTarget:
+           colwise_layer: int | None = None, sp: bool = False, scatter_layer: int | None = None,
+           rowwise_wq_layer: int | None = None) -> ProbeTarget:
     from torch.distributed.device_mesh import DeviceMesh
 
     import torch.distributed as dist
@@ -131,7 +190,10 @@ def _build(ctx: RankContext, partial_layer: int | None = None, stale: bool = Fal
     for p in model.parameters():
         p.requires_grad_(False)
     mesh = DeviceMesh.from_group(ctx.group or dist.group.WORLD, ctx.device.type)
-    parallelize(model, mesh, partial_layer, colwise_layer)
+    if sp:
+        parallelize_sequence_parallel(model, mesh, scatter_layer)
+    else:
+        parallelize(model, mesh, partial_layer, colwise_layer, rowwise_wq_layer)
     if stale and ctx.rank == FAULT_RANK:
         w = model.layers[str(FAULT_LAYER)].ffn_norm.weight
         with torch.no_grad():
@@ -155,3 +217,19 @@ def build_stale_norm(ctx: RankContext) -> ProbeTarget:
 
 def build_colwise_w2(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, colwise_layer=FAULT_LAYER)
+
+
+def build_sequence_parallel(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, sp=True)
+
+
+def build_sequence_parallel_stale_norm(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, sp=True, stale=True)
+
+
+def build_sequence_parallel_scatter(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, sp=True, scatter_layer=FAULT_LAYER)
+
+
+def build_rowwise_wq(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, rowwise_wq_layer=FAULT_LAYER)

@@ -15,7 +15,16 @@ Faults, made with transformers' own plan vocabulary (`build_*` factories):
   build_swapped_plan   the plan entry `model.layers.*.mlp.down_proj` is `colwise` where `rowwise` belongs:
                        transformers shards it on the wrong dimension and the matmul refuses it in every
                        layer's down_proj (the first, layer 0, raises) on every rank; tpprobe names that module
+  build_swapped_q_proj the plan entry `model.layers.*.self_attn.q_proj` is `rowwise` where `colwise` belongs (a
+                       column-parallel projection in attention): refused in every layer's q_proj (layer 0 raises)
   build_stale_norm     layer FAULT_LAYER's `post_attention_layernorm.weight` differs on rank FAULT_RANK
+  build_sequence_parallel_norms    the plan adds transformers' own `sequence_parallel` style on every norm (as
+                       its fbgemm-fp8 plan does; healthy): the norms' weights become Replicate DTensors. It is the
+                       only sequence-parallel piece transformers 5.19 registers: no style reduce-scatters a
+                       row-parallel output or all-gathers a column-parallel input, and no model's plan uses it, so
+                       the stream stays whole
+  build_sequence_parallel_norms_stale  the same, layer FAULT_LAYER's `post_attention_layernorm.weight` (a
+                       Replicate DTensor) differs on rank FAULT_RANK in its local tensor
 Settings from the environment: TPLIBS_DTYPE (float32 | bfloat16), TPLIBS_LAYERS (4).
 """
 from __future__ import annotations
@@ -120,3 +129,20 @@ def build_swapped_plan(ctx: RankContext) -> ProbeTarget:
 
 def build_stale_norm(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, stale=True)
+
+
+def build_swapped_q_proj(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, plan={"model.layers.*.self_attn.q_proj": "rowwise"})
+
+# transformers' own `sequence_parallel` style on the norms (as its fbgemm-fp8 plan writes it): their weights
+# become Replicate DTensors; the stream stays whole (no registered style reduce-scatters or all-gathers it)
+SP_NORMS = {"model.layers.*.input_layernorm": "sequence_parallel",
+            "model.layers.*.post_attention_layernorm": "sequence_parallel", "model.norm": "sequence_parallel"}
+
+
+def build_sequence_parallel_norms(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, plan=SP_NORMS)
+
+
+def build_sequence_parallel_norms_stale(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, plan=SP_NORMS, stale=True)

@@ -15,6 +15,9 @@ Faults, made Megatron's own way (`build_*` factories):
   build_input_not_parallel  layer FAULT_LAYER's `mlp.linear_fc2` (a RowParallelLinear) has
                        `input_is_parallel=False` where its input is already split: it splits it again and
                        its matmul refuses the shape on every rank; tpprobe names that module
+  build_gather_qkv     layer FAULT_LAYER's `self_attention.linear_qkv` (a ColumnParallelLinear) has
+                       `gather_output=True`: every rank gets all heads' q/k/v where its own belong, and the
+                       attention refuses the shape when it splits them per head on every rank
   build_stale_norm     layer FAULT_LAYER's `pre_mlp_layernorm.weight` differs on rank FAULT_RANK
   build_stale_bias     layer FAULT_LAYER's `mlp.linear_fc2.bias` differs on rank FAULT_RANK: a RowParallelLinear's
                        bias is replicated (added after the reduce), so every rank must hold the same one
@@ -66,7 +69,8 @@ def gpt_model(tp: int, n_layers: int, dtype: torch.dtype, seed: int, sequence_pa
 
 
 def _build(ctx: RankContext, explicit_comm: bool = False, stale: bool = False, sp: bool = False,
-           scatter: bool = False, input_not_parallel: bool = False, stale_bias: bool = False) -> ProbeTarget:
+           scatter: bool = False, input_not_parallel: bool = False, stale_bias: bool = False,
+           gather_qkv: bool = False) -> ProbeTarget:
     n_layers = _layers()
     model = gpt_model(ctx.world_size, n_layers, _dtype(), ctx.seed, sequence_parallel=sp)
     for p in model.parameters():
@@ -75,6 +79,8 @@ def _build(ctx: RankContext, explicit_comm: bool = False, stale: bool = False, s
         model.decoder.layers[FAULT_LAYER].mlp.linear_fc2.explicit_expert_comm = True   # "the caller reduces"
     if input_not_parallel:     # a wrong placement: the input is declared whole, so it is split again
         model.decoder.layers[FAULT_LAYER].mlp.linear_fc2.input_is_parallel = False
+    if gather_qkv:             # a wrong placement in attention: the column-parallel qkv gathered whole
+        model.decoder.layers[FAULT_LAYER].self_attention.linear_qkv.gather_output = True
     if scatter:
         # a scatter where the reduce-scatter belongs: the layer keeps its own chunk of the partial sum
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
@@ -133,3 +139,7 @@ def build_sequence_parallel(ctx: RankContext) -> ProbeTarget:
 
 def build_sequence_parallel_scatter(ctx: RankContext) -> ProbeTarget:
     return _build(ctx, sp=True, scatter=True)
+
+
+def build_gather_qkv(ctx: RankContext) -> ProbeTarget:
+    return _build(ctx, gather_qkv=True)

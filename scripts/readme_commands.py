@@ -27,6 +27,8 @@ RULES = [
     (r"^bash scripts/test\.sh", "skip", "", "the whole test suite (CI runs it)"),
     (r"^bash ci/sglang-cpu/install\.sh", "skip", "", "installs the SGLang CPU tier (scripts/test.sh runs it)"),
     (r"^bash ci/tp-libs/install\.sh", "skip", "", "installs the TP-libraries tier (scripts/test.sh runs it)"),
+    (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build --nproc 2$", "skip", "",
+     "tests/test_tp_libs.py runs it as written in the default tier and checks its report's coverage"),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build(_sequence_parallel)? --nproc [24]$",
      "run", "slow", ""),
     (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/test_reports.py renders the page"),

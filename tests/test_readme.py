@@ -33,8 +33,7 @@ EXPECTED_OUT = {  # what the README says the command prints (a fragment, whitesp
     "tpprobe invariance --tp 1,2,4 --batch 1,3,8": "bitwise equality breaks at the collective of layers.0.self_attn.o_proj",
     "PYTHONPATH=. tpprobe probe --model examples.my_model:build --layers 0,1": "HEALTHY",
     **{f"PYTHONPATH=. tpprobe probe --model examples.{m} --nproc {n}": "HEALTHY" for m, n in (
-        ("dtensor_llama:build", 2), ("hf_tp:build", 4), ("megatron_gpt:build", 2),
-        ("megatron_gpt:build_sequence_parallel", 4))},
+        ("dtensor_llama:build_sequence_parallel", 4), ("megatron_gpt:build_sequence_parallel", 4))},
     "tpprobe layers --ids -1,2,30 --num-layers 61": "layer.30.out",
     "tpprobe layers --draft-config examples/eagle3/draft_config.json --target-config examples/eagle3/target_config.json":
         "FAILURE id-contract (capture-offset at aux slot 0)",

@@ -13,10 +13,15 @@ placement (which each library refuses itself: named at the module that raised, o
 sequence parallelism's reduce-scatter skipped, a stale replicated parameter on one rank; a DTensor
 capture point placed Partial is one root cause at its module, with what follows as its consequences.
 
+Sequence parallelism: Megatron's (`sequence_parallel=True`), torch's own (torchtitan's plan:
+`SequenceParallel()` norms whose weights are Replicate DTensors, `RowwiseParallel(output_layouts=Shard(1))`)
+and transformers' one SP style (`sequence_parallel` on the norms; 5.19 has no SP plan beyond it).
+
 CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.run` exactly as a rank
 of `tpprobe probe` runs it, on a process group kept between cases); CI runs every fault at tp 2 in
-fp32 and tp 4 healthy cases; the rest of the matrix (every fault in bf16 and at tp 4, every library
-healthy at tp 4 in both dtypes) is `-m sweep`.
+fp32 and tp 4 healthy cases, and the README's `tpprobe probe --model examples.X:build --nproc 2` once per
+library through the command line (its own launcher and ranks); the rest of the matrix (every fault in
+bf16 and at tp 4, every library healthy at tp 4 in both dtypes) is `-m sweep`.
 Needs the tier: `bash ci/tp-libs/install.sh .venv` (marker `tplibs`).
 """
 from __future__ import annotations
@@ -41,27 +46,47 @@ LIBS = {
 NEEDS = {"dtensor": None, "hf": "transformers", "megatron": "megatron.core"}
 ALL = "all"          # the ranks of a fault every rank has: all of them, at any tp
 # fault case -> (factory, the one failure: kind, where, ranks). Each made the library's own way:
-# (a) a plan or flag that says "the caller reduces" and nobody does; (b) a wrong placement (a plan
-# entry swapped, an input declared whole): each library refuses it itself, with a shape error in that
-# module's matmul, and tpprobe names that module; (c) sequence parallelism's reduce-scatter skipped;
+# (a) a plan or flag that says "the caller reduces" and nobody does; (b) a wrong placement, two per
+# library (the MLP's row-parallel projection, and a column-parallel projection in attention): each
+# library refuses it itself, with a shape error, and tpprobe names the module the forward raised in;
+# (c) sequence parallelism's reduce-scatter skipped;
 # (d) a stale replicated parameter on one rank, named as that parameter on that rank.
 FAULTS = {
     "dtensor-partial": ("examples.dtensor_llama:build_partial",                                  # (a)
                         ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", ALL)),
     "dtensor-colwise": ("examples.dtensor_llama:build_colwise_w2",                               # (b)
                         ("rank-error", "layer 2 (layers.2.feed_forward.w2)", ALL)),
+    "dtensor-rowwise_wq": ("examples.dtensor_llama:build_rowwise_wq",                            # (b) attention
+                           ("rank-error", "layer 2 (layers.2.attention.wq)", ALL)),
     "dtensor-stale": ("examples.dtensor_llama:build_stale_norm",                                 # (d)
                       ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
+    # torchtitan's sequence parallelism: the norms are SequenceParallel, their weights Replicate DTensors
+    # (each rank normalises its own chunk, so a stale one leaves the gathered stream alike on every rank:
+    # only the parameter's local tensor, hashed, shows it); the reduce-scatter skipped the library's way
+    "dtensor-sp_stale": ("examples.dtensor_llama:build_sequence_parallel_stale_norm",            # (d)
+                         ("rank-divergence", "layer 2 parameter layers.2.ffn_norm.weight", [1])),
+    "dtensor-sp_scatter": ("examples.dtensor_llama:build_sequence_parallel_scatter",             # (c)
+                           ("partial-allreduce", "layer 2 (layers.2.feed_forward.w2)", ALL)),
     "hf-local_rowwise": ("examples.hf_tp:build_local_rowwise",                                   # (a)
                          ("partial-allreduce", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
     "hf-swapped_plan": ("examples.hf_tp:build_swapped_plan",                                     # (b)
                         ("rank-error", "layer 0 (model.layers.0.mlp.down_proj)", ALL)),
+    "hf-swapped_q_proj": ("examples.hf_tp:build_swapped_q_proj",                                 # (b) attention
+                          ("rank-error", "layer 0 (model.layers.0.self_attn.q_proj)", ALL)),
     "hf-stale": ("examples.hf_tp:build_stale_norm",                                              # (d)
                  ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight", [1])),
+    # transformers' own `sequence_parallel` style on the norms: the stale weight is a Replicate DTensor
+    "hf-sp_norms_stale": ("examples.hf_tp:build_sequence_parallel_norms_stale",                  # (d)
+                          ("rank-divergence", "layer 2 parameter model.layers.2.post_attention_layernorm.weight",
+                           [1])),
     "megatron-explicit_comm": ("examples.megatron_gpt:build_explicit_comm",                      # (a)
                                ("partial-allreduce", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
     "megatron-input_not_parallel": ("examples.megatron_gpt:build_input_not_parallel",            # (b)
                                     ("rank-error", "layer 2 (decoder.layers.2.mlp.linear_fc2)", ALL)),
+    # the column-parallel qkv gathered whole: refused where the attention splits it per head (its
+    # forward, not linear_qkv's: tpprobe names the module the forward raised in)
+    "megatron-gather_qkv": ("examples.megatron_gpt:build_gather_qkv",                            # (b) attention
+                            ("rank-error", "layer 2 (decoder.layers.2.self_attention)", ALL)),
     "megatron-stale": ("examples.megatron_gpt:build_stale_norm",                                 # (d)
                        ("rank-divergence", "layer 2 parameter decoder.layers.2.pre_mlp_layernorm.weight", [1])),
     "megatron-stale_bias": ("examples.megatron_gpt:build_stale_bias",                              # (d)
@@ -176,11 +201,15 @@ def _healthy_cases(libs, dtypes):
 
 
 def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named_exactly(tmp_path):
+    import torch
     _need("dtensor", "hf", "megatron")
     cases = _healthy_cases(LIBS, ("float32", "bfloat16"))
     cases.append(("hf-tp_plan_auto", "examples.hf_tp:build_tp_plan_auto", {"TPLIBS_DTYPE": "bfloat16"}))
     cases.append(("megatron-sp-bfloat16", "examples.megatron_gpt:build_sequence_parallel",
                   {"TPLIBS_DTYPE": "bfloat16"}))
+    cases += [(f"dtensor-sp-{d}", "examples.dtensor_llama:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+              for d in ("float32", "bfloat16")]
+    cases.append(("hf-sp_norms-bfloat16", "examples.hf_tp:build_sequence_parallel_norms", {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
     cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
     cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
@@ -217,6 +246,42 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     # Megatron's sequence parallelism: the reduces are reduce-scatters, the stream a chunk per rank
     sp = res["megatron-sp-bfloat16"]
     assert {a["kind"] for a in sp["allreduce"]["records"]} == {"reduce_scatter", "all_gather"}, sp["allreduce"]
+    assert_dtensor_sequence_parallel(res, 2)
+    # the sequence-parallel stream tpprobe gathers from each rank's [b, s / tp, h] chunk is the plain TP
+    # stream, token for token (the same weights): a misordered gather would look alike on every rank,
+    # so only this comparison shows one
+    from tpprobe.capture.files import load_run
+    plain, sp = (load_run(tmp_path / n).records[0].tensors for n in ("dtensor-float32", "dtensor-sp-float32"))
+    for point in ("embed.out", "layer.0.out", "layer.3.out"):
+        assert sp[point].shape == plain[point].shape == (8, 32), point
+        assert torch.allclose(sp[point], plain[point], rtol=1e-4, atol=1e-5), \
+            (point, (sp[point] - plain[point]).abs().max())
+    # each rank's own share of the embedding (the reduce-scatter's input) in token rows too: the ranks' shares
+    # sum to the embedding's output
+    shares = [load_run(tmp_path / "dtensor-sp-float32").records[r].tensors["embed.local"] for r in (0, 1)]
+    assert shares[0].shape == (8, 32) and torch.allclose(shares[0] + shares[1], sp["embed.out"], atol=1e-6), \
+        [tuple(t.shape) for t in shares]
+
+
+def assert_dtensor_sequence_parallel(res, world):
+    """torch's own sequence parallelism (torchtitan's plan): every reduce is a reduce-scatter to Shard(1)
+    (the stream a [b, s / tp, h] chunk per rank, gathered by tpprobe after the forward); its faults (when
+    run) are named from what they are: the stale norm weight as the Replicate DTensor it is, read through
+    its local tensor, and the skipped reduce-scatter as the one w2 owed."""
+    for name in [n for n in res if n.startswith("dtensor-sp-")]:
+        reduces = {a["kind"] for a in res[name]["allreduce"]["records"] if a["kind"] != "all_gather"}
+        assert reduces == {"reduce_scatter"}, (name, world, res[name]["allreduce"])
+    for name, param in (("dtensor-sp_stale", "layers.2.ffn_norm.weight"),
+                        ("hf-sp_norms_stale", "model.layers.2.post_attention_layernorm.weight")):
+        if name in res:
+            (stale,) = [f for f in res[name]["findings"] if f["severity"] == "failure"]
+            assert stale["evidence"]["placements"] == ["Replicate()"], stale
+            assert f"{param} (a DTensor placed Replicate(): its local tensor) differs on rank 1" in stale["detail"], \
+                stale
+    if "dtensor-sp_scatter" in res:
+        (scatter,) = [f for f in res["dtensor-sp_scatter"]["findings"] if f["severity"] == "failure"]
+        assert "the reduce-scatter (_c10d_functional.reduce_scatter_tensor) issued by layers.2.feed_forward.w2 " \
+               "never ran" in scatter["detail"], scatter
 
 
 def assert_fault(name, res, world):
@@ -234,10 +299,55 @@ def test_each_library_is_healthy_at_tp4(tmp_path):
     cases = [("dtensor-bfloat16", "examples.dtensor_llama:build", {"TPLIBS_DTYPE": "bfloat16"}),
              ("hf-float32", "examples.hf_tp:build", {"TPLIBS_DTYPE": "float32"}),
              ("megatron-bfloat16", "examples.megatron_gpt:build", {"TPLIBS_DTYPE": "bfloat16"}),
-             ("megatron-sp-float32", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "float32"})]
+             ("megatron-sp-float32", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": "float32"}),
+             ("dtensor-sp-bfloat16", "examples.dtensor_llama:build_sequence_parallel", {"TPLIBS_DTYPE": "bfloat16"})]
     res = _probe_all(tmp_path, 4, cases)
     for name, *_ in cases:
         assert_healthy(name, res[name], 4, name.split("-")[0])
+    assert_dtensor_sequence_parallel(res, 4)
+
+
+# the README's tp-2 example commands (scripts/readme_commands.py leaves them to the test below)
+CLI = r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build --nproc 2$"
+
+
+@pytest.mark.parametrize("lib", list(LIBS))
+def test_the_command_line_probes_each_library_healthy_at_tp2(tmp_path, lib):
+    """The path the issue's crash was on: the README's own `tpprobe probe --model examples.X:build
+    --nproc 2`, run as written (a fresh bash with only the venv activated, in a folder holding the
+    checkout, as tests/test_readme.py runs README commands): tpprobe's launcher starts the ranks, each
+    imports the user's factory by name and builds the library's model. Exit 0, HEALTHY, and its
+    report.json is healthy with complete coverage (assert_healthy)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import importlib.util
+    if NEEDS[lib] and importlib.util.find_spec(NEEDS[lib].split(".")[0]) is None:   # not imported here: the
+        pytest.skip("the tp-libs tier: bash ci/tp-libs/install.sh .venv")           # ranks do (megatron: 12 s)
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    import readme_commands as rc
+    cmds = {re.match(CLI, c.text).group(1): c.text for c in rc.commands() if re.match(CLI, c.text)}
+    assert sorted(cmds) == sorted(m.split(".")[1] for m, *_ in LIBS.values()), cmds   # one per library
+    cmd = cmds[LIBS[lib][0].split(".")[1]]
+    for entry in root.iterdir():          # the checkout's files, as in a clone; outputs stay here
+        if entry.name not in ("tpprobe-runs",) and not entry.name.startswith("."):
+            (tmp_path / entry.name).symlink_to(entry)
+    venv = Path(sys.executable).parent.parent
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "LANG": "C.UTF-8", "TERM": "dumb"}
+    t0 = time.time()
+    p = subprocess.run(["bash", "--noprofile", "--norc", "-c", f". {venv}/bin/activate && {cmd}"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    print(f"{cmd}: {time.time() - t0:.1f} s")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, (cmd, p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "HEALTHY: every capture point agrees across ranks" in " ".join(p.stdout.split()), p.stdout[-2000:]
+    (report,) = (tmp_path / "tpprobe-runs").glob("*/report.json")
+    rep = json.loads(report.read_text())
+    assert_healthy(cmd, {"code": p.returncode, "findings": rep["findings"], "coverage": rep.get("coverage", {}),
+                         "allreduce": rep["allreduce"]}, 2, lib)
 
 
 def build_partial_stream(ctx):
@@ -290,7 +400,10 @@ def _sweep_cases(world):
              for d in ("float32", "bfloat16") if world > 2 or d == "bfloat16"]
     if world > 2:
         cases += _healthy_cases(LIBS, ("float32", "bfloat16"))
-        cases += [(f"megatron-sp-{d}", "examples.megatron_gpt:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+        cases += [(f"{lib}-sp-{d}", f"examples.{mod}:build_sequence_parallel", {"TPLIBS_DTYPE": d})
+                  for lib, mod in (("megatron", "megatron_gpt"), ("dtensor", "dtensor_llama"))
+                  for d in ("float32", "bfloat16")]
+        cases += [(f"hf-sp_norms-{d}", "examples.hf_tp:build_sequence_parallel_norms", {"TPLIBS_DTYPE": d})
                   for d in ("float32", "bfloat16")]
     return cases
 
@@ -300,7 +413,8 @@ def _sweep_cases(world):
 def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path, world):
     _need("dtensor", "hf", "megatron")
     cases = _sweep_cases(world)
-    # 34 cases at tp 4: four processes on a shared 2-core machine took over 600 s in one spawn
+    # 46 cases at tp 4 (34 before the sequence-parallel and attention cases): four processes on a shared
+    # 2-core machine took over 600 s for 34 in one spawn
     res = _probe_all(tmp_path, world, cases, timeout=1800)
     for name, *_ in cases:
         base = name.rsplit("-", 1)[0]
@@ -308,6 +422,7 @@ def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path,
             assert_fault(base, res[name], world)
         else:
             assert_healthy(name, res[name], world, name.split("-")[0])
+    assert_dtensor_sequence_parallel(res, world)
 
 
 def test_the_documented_parameter_attributes_are_honoured_for_any_library():

@@ -178,6 +178,7 @@ def consumes_ids(args, kwargs, ids: Optional[torch.Tensor]) -> Optional[torch.Te
 
 BSH, SBH, TH = "bsh", "sbh", "th"          # token layouts of an embedding's rows (see rows())
 SBH_SP = "sbh/sp"     # [s / world, b, h]: this rank's chunk of the sequence (Megatron's sequence parallelism)
+BSH_SP = "bsh/sp"     # [b, s / world, h]: the same chunk in [b, s, h] (torch's SequenceParallel, Shard(1))
 
 
 def hidden_layout(output, ids: torch.Tensor, world: int = 1) -> Optional[str]:
@@ -197,13 +198,18 @@ def hidden_layout(output, ids: torch.Tensor, world: int = 1) -> Optional[str]:
         return TH
     if world > 1 and ids.dim() == 2 and ids.shape[1] % world == 0 and lead == (ids.shape[1] // world, ids.shape[0]):
         return SBH_SP
+    if world > 1 and ids.dim() == 2 and ids.shape[1] % world == 0 and lead == (ids.shape[0], ids.shape[1] // world):
+        return BSH_SP
     return None
 
 
 def is_sequence_shard(t: torch.Tensor, layout: Optional[str], ids_shape: Optional[tuple], world: int) -> bool:
-    """A stream tensor that holds this rank's chunk of the sequence (SBH_SP), to be gathered."""
-    return layout == SBH_SP and ids_shape is not None and t.dim() == 3 and \
-        tuple(t.shape[:2]) == (ids_shape[1] // world, ids_shape[0])
+    """A stream tensor that holds this rank's chunk of the sequence (SBH_SP, BSH_SP), to be gathered."""
+    if ids_shape is None or t.dim() != 3 or len(ids_shape) != 2:
+        return False
+    if layout == SBH_SP:
+        return tuple(t.shape[:2]) == (ids_shape[1] // world, ids_shape[0])
+    return layout == BSH_SP and tuple(t.shape[:2]) == (ids_shape[0], ids_shape[1] // world)
 
 
 def emits_hidden(output, ids: torch.Tensor) -> bool:

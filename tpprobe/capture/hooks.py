@@ -431,8 +431,8 @@ class Tap:
             self._gather_sequence_shards()
 
     def _gather_sequence_shards(self) -> None:
-        """Sequence parallelism (Megatron): between the reduce-scatter and the all-gather each rank holds
-        its chunk of the sequence; a stream point read there is gathered here, once the forward is over
+        """Sequence parallelism (Megatron's; torch's SequenceParallel, Shard(1)): between the reduce-scatter
+        and the all-gather each rank holds its chunk of the sequence; a stream point read there is gathered here, once the forward is over
         and the audit stopped (so none of these gathers is counted as the model's), into the full
         [tokens, hidden] every rank must hold alike. Only after a forward that ran every layer: a
         forward that stopped early (a peer died) has no chunk to gather on some rank."""
@@ -443,7 +443,12 @@ class Tap:
         for name, t in shards.items():
             full = torch.empty((t.shape[0] * self._world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
             dist.all_gather_into_tensor(full, t.contiguous())
-            full = discover.rows(full, discover.SBH, self._ids_shape)
+            if self.embed_layout == discover.BSH_SP:     # [world * b, s / world, h] -> [b, s, h], rank-major
+                b, chunk = t.shape[0], t.shape[1]
+                full = full.view(self._world, b, chunk, -1).transpose(0, 1).reshape(b, chunk * self._world, -1)
+                full = discover.rows(full, discover.BSH, self._ids_shape)
+            else:
+                full = discover.rows(full, discover.SBH, self._ids_shape)
             if self.keep(name) and self._admitted(name, full):
                 self.captures[name] = full
             if self.summarize is not None:
@@ -627,7 +632,14 @@ class Tap:
             self.order.append(EMBED_LOCAL)
             self.after[EMBED_LOCAL] = local.seq
             if local.inp is not None and self.keep(EMBED_LOCAL):
-                self.captures[EMBED_LOCAL] = discover.rows(local.inp, self.embed_layout, self._ids_shape)
+                inp, ids = local.inp, self._ids_shape
+                if self.embed_layout == discover.BSH_SP and inp.dim() == 3 and ids is not None and len(ids) == 2 \
+                        and tuple(inp.shape[:2]) == (self._world * ids[0], ids[1] // self._world):
+                    # funcol's reduce_scatter_tensor to Shard(1) cats the dim-1 chunks along dim 0 before
+                    # it scatters: this rank's whole partial sum, back in [b, s, h]
+                    inp = inp.view(self._world, ids[0], ids[1] // self._world, -1).transpose(0, 1) \
+                        .reshape(ids[0], ids[1], -1)
+                self.captures[EMBED_LOCAL] = discover.rows(inp, self.embed_layout, self._ids_shape)
             if self.summarize is not None and local.inp_summary is not None \
                     and not isinstance(local.inp_summary, (list, tuple)):   # a reduce-scatter's: one per chunk
                 self.summaries[EMBED_LOCAL] = local.inp_summary

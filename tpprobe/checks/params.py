@@ -23,10 +23,15 @@ def param_divergence(records, live) -> list[Finding]:
             if len(odd) * 2 == len(live):      # a tie: call the ranks other than the lowest one's group odd
                 odd = [r for r in live if hashes[r] != hashes[live[0]]]
             layer = params[live[0]][name].get("layer")
+            # a DTensor parameter (capture/params.py hashed its local tensor): its placements say it is
+            # replicated by the library's own account, so the odd copy is that rank's local tensor
+            placements = params[live[0]][name].get("placements")
+            how = f" (a DTensor placed {', '.join(placements)}: its local tensor)" if placements else ""
             found.append(Finding("rank-divergence", f"{'layer ' + str(layer) + ' ' if layer is not None else ''}"
                                  f"parameter {name}", odd,
-                                 detail=f"replicated parameter {name} differs on rank{'s' if len(odd) > 1 else ''} "
-                                        f"{', '.join(map(str, odd))} (a stale or wrong copy: every rank must hold "
-                                        f"the same values)"))
+                                 detail=f"replicated parameter {name}{how} differs on "
+                                        f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} (a stale or "
+                                        f"wrong copy: every rank must hold the same values)",
+                                 evidence={"placements": list(placements)} if placements else {}))
             break
     return found
