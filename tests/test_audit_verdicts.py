@@ -67,6 +67,45 @@ def assert_verdict_agrees_with_audit(rep: dict) -> None:
             assert "parameter" in f["where"], f
 
 
+def tensor_bytes_moved(rep: dict, out) -> tuple[int, int]:
+    """(tensor bytes the reference rank sent in a fingerprint exchange, what the exchange's detail
+    path allows it): the only tensors that path moves are the reference rank's copies of kept
+    stream points whose ranks differ, to each other rank; never a collective's input or output,
+    so an audit verdict there came from the sketches alone. Where every rank agrees it is 0."""
+    from safetensors import safe_open
+    with safe_open(str(Path(out) / "rank-000.safetensors"), "pt") as f:
+        kept = {k: f.get_slice(k) for k in f.keys()}
+    differ = {p["name"] for p in rep["points"]
+              if any(s["level"] not in ("reference", "bitwise", "share") for s in p["per_rank"].values())}
+    world = rep["settings"]["world_size"]
+    allowed = 0
+    for name in differ & set(kept):
+        sl = kept[name]
+        n = 1
+        for d in sl.get_shape():
+            n *= d
+        allowed += n * {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}[sl.get_dtype()] * (world - 1)
+    return rep["exchange"]["bytes_per_rank"]["0"]["tensor_sent"], allowed
+
+
+def implied_one_rank_error(out, seq: int, rank: int, nproc: int, exchange: str) -> float:
+    """||x_R - S|| / ||S||: the error of an all-reduce that returns rank R's input x_R instead of the
+    sum S, computed here from the inputs alone (never the output): in full mode from the captured
+    tensors, exactly; in fingerprint mode from the inputs' posted sketches (linear: S's sketch is
+    their sum), the estimate the probe can make without moving a tensor."""
+    import math
+    if exchange == "full":
+        from safetensors.torch import load_file
+        ins = [load_file(str(Path(out) / f"rank-{q:03d}.safetensors"))[f"allreduce.{seq}.in"].double()
+               for q in range(nproc)]
+        s = sum(ins)
+        return float((ins[rank] - s).norm() / s.norm())
+    sk = [json.loads((Path(out) / f"rank-{q:03d}.json").read_text())["allreduces"][seq]["in_fp"]["sketch"]
+          for q in range(nproc)]
+    s = [math.fsum(col) for col in zip(*sk)]
+    return math.dist(sk[rank], s) / math.hypot(*s)
+
+
 def probe(out, *args, nproc=2, timeout=180, env=None):
     """`tpprobe probe --nproc N --out OUT --quiet ARGS` in a fresh process (env: extra variables)."""
     cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(out), "--quiet", *args], timeout=timeout, env=env)
@@ -137,6 +176,26 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
         assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
         assert rep["allreduce"]["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
         assert f"all-reduce #{e['seq']} (tpprobe.faults.Communicator.all_reduce" in f["detail"]
+        # each wrong rank's error, relative to the sum, is what the injection implies: a sum x 2 is off
+        # by exactly 1 (in fingerprint mode too: the sketch of a scaled sum is the scaled sketch); one
+        # rank's input x_R for the sum S by ||x_R - S|| / ||S|| (in fingerprint mode, the sketches' estimate of it)
+        per = f["evidence"]["per_rank"]
+        assert sorted(int(r) for r, p in per.items() if p["level"] == "material") == ranks, per
+        if inject.startswith("allreduce-scaled"):
+            assert all(abs(per[str(r)]["error"] - 1.0) < 1e-4 for r in ranks), per
+            assert ", ".join(f"rank {r} 1" for r in ranks) + ")" in f["detail"], f["detail"]
+        if inject.startswith(("allreduce-rank", "allreduce-one-buffer")):
+            src = ranks[0] if inject.startswith("allreduce-rank") else 0
+            want = implied_one_rank_error(tmp_path / "r", e["seq"], src, nproc, exchange)
+            tol = 1e-6
+            for r in ranks:
+                assert abs(per[str(r)]["error"] - want) <= tol * want, (r, per[str(r)]["error"], want)
+        if exchange == "fingerprint":   # "no full tensor moved": the verdict came from the sketches alone
+            sent, allowed = tensor_bytes_moved(rep, tmp_path / "r")
+            assert sent == allowed, (sent, allowed)
+            if len(ranks) == nproc:     # the ranks agree: not one tensor byte
+                assert all(b["tensor_sent"] == b["tensor_received"] == 0
+                           for b in rep["exchange"]["bytes_per_rank"].values()), rep["exchange"]
     if inject.startswith("skip-unreadable"):
         assert not any(x["kind"] == "subgroup-allreduce" for x in rep["findings"])
         assert any(x["kind"] == "coverage" and x["severity"] == "warning" for x in rep["findings"])
