@@ -433,6 +433,91 @@ def test_an_all_to_all_is_checked_chunk_by_chunk(tmp_path, factory, exchange):
     assert "on rank 1 it returned wrong chunks from rank 0 (not what that rank sent it)" in f["detail"], f["line"]
 
 
+# ---- a reduce-scatter and an all-gather by their own definition (tests/sp_model.py) ---------------------
+# a sequence-parallel model whose reduce-scatter / all-gather go through a communicator above c10d
+# (`tap.collective`, as the F22 faults do), broken as a custom kernel breaks; layer k issues
+# reduce-scatter #(2k+1) and all-gather #(2k+2) (#0: the embedding's all-reduce)
+RS, AG = "reduce-scatter", "all-gather"
+SP = [  # (SP_FAULT, nproc, collective, layer, ranks, what the detail says, each wrong rank's error or None)
+    ("rs-scaled@2", 2, RS, 2, [0, 1], "on ranks [0, 1] it returned its slice of the sum scaled by 2", 1.0),
+    ("rs-scaled@1", 4, RS, 1, [0, 1, 2, 3], "on ranks [0, 1, 2, 3] it returned its slice of the sum scaled by 2", 1.0),
+    ("rs-own@1:1", 2, RS, 1, [1], "on rank 1 it returned rank 1's own slice of its input alone (the sum never happened)",
+     None),
+    ("rs-own@3:2", 4, RS, 3, [2], "on rank 2 it returned rank 2's own slice of its input alone", None),
+    ("rs-other@0", 4, RS, 0, [0, 1, 2, 3], "on rank 0 it returned rank 1's slice of the sum (not its own); on rank 1 "
+     "it returned rank 2's slice of the sum (not its own); on rank 2 it returned rank 3's slice", None),
+    ("ag-stale@2", 2, AG, 2, [0, 1], "on ranks [0, 1] it returned a stale block in rank 1's place (the previous "
+     "all-gather's: that write never landed)", None),
+    ("ag-stale@0", 4, AG, 0, [0, 1, 2, 3], "on ranks [0, 1, 2, 3] it returned zeros in rank 1's block", None),
+    ("ag-stale@3:0", 2, AG, 3, [0], "on rank 0 it returned a stale block in rank 1's place", None),
+    ("ag-swap@1", 2, AG, 1, [0, 1], "on ranks [0, 1] it returned rank 1's block in rank 0's place and rank 0's block "
+     "in rank 1's place", None),
+    ("ag-swap@2:3", 4, AG, 2, [3], "on rank 3 it returned rank 1's block in rank 0's place and rank 0's block in "
+     "rank 1's place", None),
+]
+# each case in both modes; CI runs each in one (alternating down the list: 10 runs of ~4 s), `-m sweep` the other
+SP_PARAMS = [pytest.param(*c, mode, id=f"{c[0]}-tp{c[1]}-{mode}",
+                          marks=() if (i + (mode == "fingerprint")) % 2 == 0 else pytest.mark.sweep)
+             for i, c in enumerate(SP) for mode in ("full", "fingerprint")]
+
+
+def assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange, out):
+    """The one failure: `allreduce-incomplete` at the collective (kind, number, path, layer, module,
+    ranks), in words that fit it; every other collective of the run complete; in fingerprint mode
+    proven from the sketches alone (no tensor moved beyond the diverging stream points' detail)."""
+    kind = {RS: "reduce_scatter", AG: "all_gather"}[collective]
+    seq = 2 * layer + (1 if kind == "reduce_scatter" else 2)
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [("allreduce-incomplete", f"layer {layer} (blocks.{layer})", ranks)], \
+        [f["line"] for f in rep["findings"]]
+    f = failures(rep)[0]
+    c10d = "c10d._reduce_scatter_base_" if kind == "reduce_scatter" else "c10d._allgather_base_"
+    assert f["detail"].startswith(f"{collective} #{seq} (tests.sp_model.Comm.{kind}+{c10d}"), f["detail"]
+    defn = "its slice of the sum" if kind == "reduce_scatter" else "the concatenation"
+    assert f"ran, but its output is not {defn} of its inputs: " in f["detail"], f["detail"]
+    assert says in f["detail"], f["detail"]
+    assert "all-reduce" not in f["detail"] and "the this" not in f["detail"]
+    ev = f["evidence"]
+    assert (ev["seq"], ev["kind"], ev["op"]) == (seq, kind, "SUM" if kind == "reduce_scatter" else "CAT")
+    ar = rep["allreduce"]
+    assert [e["seq"] for e in ar["records"] if e["level"] == "incomplete"] == [seq], ar["records"]
+    assert ar["incomplete"] == 1 and ar["unchecked"] == 0 and ar["checked"] == 1 + 2 * 4
+    assert ar["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
+    assert sorted(int(r) for r, p in ev["per_rank"].items() if p["level"] == "material") == ranks
+    if kind == "all_gather":       # the wrong blocks, by their sender
+        assert all(ev["per_rank"][str(r)]["chunks_wrong"] for r in ranks), ev["per_rank"]
+    if exchange == "fingerprint":
+        sent, allowed = tensor_bytes_moved(rep, out)
+        assert sent == allowed, (sent, allowed)
+        if len(ranks) == nproc or kind == "reduce_scatter":
+            # the ranks agree (a wrong chunk is all-gathered to every rank): not one tensor byte moved
+            assert all(b["tensor_sent"] == b["tensor_received"] == 0
+                       for b in rep["exchange"]["bytes_per_rank"].values()), rep["exchange"]
+    return f
+
+
+@pytest.mark.parametrize("fault,nproc,collective,layer,ranks,says,error,exchange", SP_PARAMS)
+def test_a_wrong_reduce_scatter_or_all_gather_is_named_exactly(tmp_path, fault, nproc, collective, layer, ranks,
+                                                               says, error, exchange):
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.sp_model:wrong", "--exchange", exchange, nproc=nproc,
+                        env={"SP_FAULT": fault})
+    assert rc == 1, cp.stderr[-3000:]
+    f = assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange, tmp_path / "r")
+    if error is not None:          # a slice of the sum x 2 is off by exactly 1, from tensors or sketches
+        assert all(abs(f["evidence"]["per_rank"][str(r)]["error"] - error) < 1e-4 for r in ranks), f["evidence"]
+
+
+@pytest.mark.parametrize("exchange,nproc", [("full", 2), pytest.param("fingerprint", 4, marks=pytest.mark.sweep),
+                                            pytest.param("full", 4, marks=pytest.mark.sweep), ("fingerprint", 2)])
+def test_a_healthy_reduce_scatter_and_all_gather_through_a_communicator_have_no_finding(tmp_path, exchange, nproc):
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.sp_model:healthy", "--exchange", exchange, nproc=nproc)
+    assert rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
+    ar = rep["allreduce"]
+    assert [e["kind"] for e in ar["records"]] == ["all_reduce"] + ["reduce_scatter", "all_gather"] * 4
+    assert ar["checked"] == 9 and ar["incomplete"] == 0 and ar["unchecked"] == 0
+    assert all(e["level"] == "exact" for e in ar["records"] if e["kind"] == "all_gather")
+
+
 # ---- a dropped id in a 1-layer model is a missing capture, not a TP slice ------------------------------
 @pytest.mark.parametrize("exchange", ["full", pytest.param("fingerprint", marks=pytest.mark.sweep)])
 def test_a_dropped_id_whose_width_looks_like_a_tp_slice_is_named_missing(tmp_path, exchange):
