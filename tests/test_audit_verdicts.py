@@ -477,6 +477,8 @@ def assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange
     assert f"ran, but its output is not {defn} of its inputs: " in f["detail"], f["detail"]
     assert says in f["detail"], f["detail"]
     assert "all-reduce" not in f["detail"] and "the this" not in f["detail"]
+    assert f["explain"].startswith(f"{'a' if kind == 'reduce_scatter' else 'an'} {collective} ran and returned"), \
+        f["explain"]
     ev = f["evidence"]
     assert (ev["seq"], ev["kind"], ev["op"]) == (seq, kind, "SUM" if kind == "reduce_scatter" else "CAT")
     ar = rep["allreduce"]

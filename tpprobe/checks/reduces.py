@@ -63,6 +63,19 @@ KIND_NAME = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "al
              "all_to_all": "all-to-all"}
 
 
+# the kind's sentence (findings.EXPLAIN) speaks of a reduce; a data mover's says what it moved wrong
+EXPLAIN_KIND = {
+    "reduce_scatter": "a reduce-scatter ran and returned the wrong value: not this rank's slice of the sum (a custom "
+                      "or fused reduce-scatter that read its peers' buffers before their writes landed, skipped the "
+                      "sum, or took the wrong offset); the audit's own input and output of that collective show it",
+    "all_gather": "an all-gather ran and returned the wrong value: a block is not what its rank sent (a peer's write "
+                  "that never landed, leaving the previous call's block or zeros; blocks placed in the wrong rank "
+                  "order); the audit's own input and output of that collective show it, block by block",
+    "all_to_all": "an all-to-all ran and returned chunks that are not what its peers sent it (a write that never "
+                  "landed, wrong split sizes or offsets); the audit's own input and output of that collective show it",
+}
+
+
 def _definition(kind: str, op: str) -> str:
     """What a complete collective of this kind returns, in words (with its article: "the sum",
     "its slice of the sum", "the concatenation")."""
@@ -120,6 +133,7 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
                     + f".{agree}"),
             evidence={"seq": e["seq"], "path": e.get("path"), "group": e.get("group"), "group_size": n,
                       "kind": kind, "op": op, "per_rank": per, "looks": {t: rs for t, rs in looks.items()},
+                      **({"explain": EXPLAIN_KIND[kind]} if kind in EXPLAIN_KIND else {}),
                       **({"all_ranks": True} if len(bad) == world else {})}))
     if len(recs) > MAX_FINDINGS:
         out[-1].consequences.append(f"{len(recs) - MAX_FINDINGS} more incomplete all-reduces in report.json "
