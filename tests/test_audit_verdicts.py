@@ -521,6 +521,10 @@ def test_a_healthy_reduce_scatter_and_all_gather_through_a_communicator_have_no_
     assert [e["kind"] for e in ar["records"]] == ["all_reduce"] + ["reduce_scatter", "all_gather"] * 4
     assert ar["checked"] == 9 and ar["incomplete"] == 0 and ar["unchecked"] == 0
     assert all(e["level"] == "exact" for e in ar["records"] if e["kind"] == "all_gather")
+    # the audit line counts them by kind and says each is checked by its own definition (never "all-reduces")
+    line = next(ln for ln in render(rep).splitlines() if ln.startswith("all-reduce audit:"))
+    assert line.startswith("all-reduce audit: 9 collectives checked (1 all-reduce, 4 reduce-scatters, 4 all-gathers)"), line
+    assert "(the all-gather, reduce-scatter ones by their own definition)" in line and "9 complete" in line, line
 
 
 # ---- a dropped id in a 1-layer model is a missing capture, not a TP slice ------------------------------
