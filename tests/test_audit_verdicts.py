@@ -14,6 +14,12 @@ catalogue and asserts the exact diagnosis (kind, place, ranks) in both exchange 
   F25  a reduce the audit counts but cannot read goes missing: named at its module and layer with
        its path, never `subgroup-allreduce`
 
+The same verdict for a reduce-scatter (not its slice of the sum) and an all-gather (a block not
+what its rank sent) on tests/sp_model.py, and for MAX / MIN / PRODUCT (tests/amax_model.py) and an
+all-to-all (tests/a2a_model.py), each by its own definition. Each wrong rank's error (relative to
+what a complete collective returns) is asserted where the injection implies it; in fingerprint mode
+no tensor moves beyond the diverging stream points' detail (none where the ranks agree).
+
 Every report made here also goes through `assert_verdict_agrees_with_audit`, which renders the
 report as the terminal prints it and parses its audit line and its verdict lines: HEALTHY never
 appears beside an incomplete reduce, and each incomplete reduce has its finding.
