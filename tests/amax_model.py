@@ -15,7 +15,12 @@ Factories (`tpprobe probe --model tests.amax_model:NAME`, from the repository ro
             layer 2's PRODUCT returns the product x 2 on every rank (a wrong value everywhere)
           each call still runs the real reduce, so every rank issues the same collectives; the
           values only feed the syncs, so the stream agrees and only the audit's pairs show it
+  drawn   one such fault, as AMAX_FAULT says (tests/test_sweep.py draws it): OP:HOW@K[:R], OP MAX or
+          MIN, at layer K: own@K:R (rank R's own value on rank R), rank0@K (rank 0's on every rank),
+          scaled@K (the reduction x 2 on every rank)
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -55,7 +60,10 @@ class Sync:
         y = x.clone()
         dist.all_reduce(y, op=getattr(dist.ReduceOp, op), group=self.ctx.group)
         how = self.wrong.get((layer, op))
-        if how == "own" and self.ctx.rank == 1:
+        own = 1                                   # the rank whose sync never happened ("own")
+        if isinstance(how, tuple):
+            how, own = how
+        if how == "own" and self.ctx.rank == own:
             return mine
         if how == "rank0":
             dist.broadcast(mine, src=dist.get_global_rank(self.ctx.group, 0) if self.ctx.group else 0,
@@ -99,3 +107,10 @@ def synced(ctx: RankContext) -> ProbeTarget:
 
 def wrong(ctx: RankContext) -> ProbeTarget:
     return _make(ctx, Sync(ctx, WRONG))
+
+
+def drawn(ctx: RankContext) -> ProbeTarget:
+    op, _, rest = os.environ["AMAX_FAULT"].partition(":")
+    how, _, at = rest.partition("@")
+    k, _, r = at.partition(":")
+    return _make(ctx, Sync(ctx, {(int(k), op): (how, int(r)) if how == "own" else how}))

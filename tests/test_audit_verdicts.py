@@ -14,6 +14,12 @@ catalogue and asserts the exact diagnosis (kind, place, ranks) in both exchange 
   F25  a reduce the audit counts but cannot read goes missing: named at its module and layer with
        its path, never `subgroup-allreduce`
 
+The same verdict for a reduce-scatter (not its slice of the sum) and an all-gather (a block not
+what its rank sent) on tests/sp_model.py, and for MAX / MIN / PRODUCT (tests/amax_model.py) and an
+all-to-all (tests/a2a_model.py), each by its own definition. Each wrong rank's error (relative to
+what a complete collective returns) is asserted where the injection implies it; in fingerprint mode
+no tensor moves beyond the diverging stream points' detail (none where the ranks agree).
+
 Every report made here also goes through `assert_verdict_agrees_with_audit`, which renders the
 report as the terminal prints it and parses its audit line and its verdict lines: HEALTHY never
 appears beside an incomplete reduce, and each incomplete reduce has its finding.
@@ -68,6 +74,45 @@ def assert_verdict_agrees_with_audit(rep: dict) -> None:
     for f in rep["findings"]:
         if "weight shard" in (f.get("explain") or ""):
             assert "parameter" in f["where"], f
+
+
+def tensor_bytes_moved(rep: dict, out) -> tuple[int, int]:
+    """(tensor bytes the reference rank sent in a fingerprint exchange, what the exchange's detail
+    path allows it): the only tensors that path moves are the reference rank's copies of kept
+    stream points whose ranks differ, to each other rank; never a collective's input or output,
+    so an audit verdict there came from the sketches alone. Where every rank agrees it is 0."""
+    from safetensors import safe_open
+    with safe_open(str(Path(out) / "rank-000.safetensors"), "pt") as f:
+        kept = {k: f.get_slice(k) for k in f.keys()}
+    differ = {p["name"] for p in rep["points"]
+              if any(s["level"] not in ("reference", "bitwise", "share") for s in p["per_rank"].values())}
+    world = rep["settings"]["world_size"]
+    allowed = 0
+    for name in differ & set(kept):
+        sl = kept[name]
+        n = 1
+        for d in sl.get_shape():
+            n *= d
+        allowed += n * {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}[sl.get_dtype()] * (world - 1)
+    return rep["exchange"]["bytes_per_rank"]["0"]["tensor_sent"], allowed
+
+
+def implied_one_rank_error(out, seq: int, rank: int, nproc: int, exchange: str) -> float:
+    """||x_R - S|| / ||S||: the error of an all-reduce that returns rank R's input x_R instead of the
+    sum S, computed here from the inputs alone (never the output): in full mode from the captured
+    tensors, exactly; in fingerprint mode from the inputs' posted sketches (linear: S's sketch is
+    their sum), the estimate the probe can make without moving a tensor."""
+    import math
+    if exchange == "full":
+        from safetensors.torch import load_file
+        ins = [load_file(str(Path(out) / f"rank-{q:03d}.safetensors"))[f"allreduce.{seq}.in"].double()
+               for q in range(nproc)]
+        s = sum(ins)
+        return float((ins[rank] - s).norm() / s.norm())
+    sk = [json.loads((Path(out) / f"rank-{q:03d}.json").read_text())["allreduces"][seq]["in_fp"]["sketch"]
+          for q in range(nproc)]
+    s = [math.fsum(col) for col in zip(*sk)]
+    return math.dist(sk[rank], s) / math.hypot(*s)
 
 
 def probe(out, *args, nproc=2, timeout=180, env=None):
@@ -140,6 +185,26 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
         assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
         assert rep["allreduce"]["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
         assert f"all-reduce #{e['seq']} (tpprobe.faults.Communicator.all_reduce" in f["detail"]
+        # each wrong rank's error, relative to the sum, is what the injection implies: a sum x 2 is off
+        # by exactly 1 (in fingerprint mode too: the sketch of a scaled sum is the scaled sketch); one
+        # rank's input x_R for the sum S by ||x_R - S|| / ||S|| (in fingerprint mode, the sketches' estimate of it)
+        per = f["evidence"]["per_rank"]
+        assert sorted(int(r) for r, p in per.items() if p["level"] == "material") == ranks, per
+        if inject.startswith("allreduce-scaled"):
+            assert all(abs(per[str(r)]["error"] - 1.0) < 1e-4 for r in ranks), per
+            assert ", ".join(f"rank {r} 1" for r in ranks) + ")" in f["detail"], f["detail"]
+        if inject.startswith(("allreduce-rank", "allreduce-one-buffer")):
+            src = ranks[0] if inject.startswith("allreduce-rank") else 0
+            want = implied_one_rank_error(tmp_path / "r", e["seq"], src, nproc, exchange)
+            tol = 1e-6
+            for r in ranks:
+                assert abs(per[str(r)]["error"] - want) <= tol * want, (r, per[str(r)]["error"], want)
+        if exchange == "fingerprint":   # "no full tensor moved": the verdict came from the sketches alone
+            sent, allowed = tensor_bytes_moved(rep, tmp_path / "r")
+            assert sent == allowed, (sent, allowed)
+            if len(ranks) == nproc:     # the ranks agree: not one tensor byte
+                assert all(b["tensor_sent"] == b["tensor_received"] == 0
+                           for b in rep["exchange"]["bytes_per_rank"].values()), rep["exchange"]
     if inject.startswith("skip-unreadable"):
         assert not any(x["kind"] == "subgroup-allreduce" for x in rep["findings"])
         assert any(x["kind"] == "coverage" and x["severity"] == "warning" for x in rep["findings"])
@@ -389,6 +454,100 @@ def test_an_all_to_all_is_checked_chunk_by_chunk(tmp_path, factory, exchange):
     assert (f["kind"], f["where"], f["ranks"]) == ("allreduce-incomplete", "layer 1 (layers.1)", [1]), f["line"]
     assert f["detail"].startswith("all-to-all #2 (tests.a2a_model.Comm.all_to_all+c10d.alltoall_base_, 2 ranks")
     assert "on rank 1 it returned wrong chunks from rank 0 (not what that rank sent it)" in f["detail"], f["line"]
+
+
+# ---- a reduce-scatter and an all-gather by their own definition (tests/sp_model.py) ---------------------
+# a sequence-parallel model whose reduce-scatter / all-gather go through a communicator above c10d
+# (`tap.collective`, as the F22 faults do), broken as a custom kernel breaks; layer k issues
+# reduce-scatter #(2k+1) and all-gather #(2k+2) (#0: the embedding's all-reduce)
+RS, AG = "reduce-scatter", "all-gather"
+SP = [  # (SP_FAULT, nproc, collective, layer, ranks, what the detail says, each wrong rank's error or None)
+    ("rs-scaled@2", 2, RS, 2, [0, 1], "on ranks [0, 1] it returned its slice of the sum scaled by 2", 1.0),
+    ("rs-scaled@1", 4, RS, 1, [0, 1, 2, 3], "on ranks [0, 1, 2, 3] it returned its slice of the sum scaled by 2", 1.0),
+    ("rs-own@1:1", 2, RS, 1, [1], "on rank 1 it returned rank 1's own slice of its input alone (the sum never happened)",
+     None),
+    ("rs-own@3:2", 4, RS, 3, [2], "on rank 2 it returned rank 2's own slice of its input alone", None),
+    ("rs-other@0", 4, RS, 0, [0, 1, 2, 3], "on rank 0 it returned rank 1's slice of the sum (not its own); on rank 1 "
+     "it returned rank 2's slice of the sum (not its own); on rank 2 it returned rank 3's slice", None),
+    ("ag-stale@2", 2, AG, 2, [0, 1], "on ranks [0, 1] it returned a stale block in rank 1's place (the previous "
+     "all-gather's: that write never landed)", None),
+    ("ag-stale@0", 4, AG, 0, [0, 1, 2, 3], "on ranks [0, 1, 2, 3] it returned zeros in rank 1's block", None),
+    ("ag-stale@3:0", 2, AG, 3, [0], "on rank 0 it returned a stale block in rank 1's place", None),
+    ("ag-swap@1", 2, AG, 1, [0, 1], "on ranks [0, 1] it returned rank 1's block in rank 0's place and rank 0's block "
+     "in rank 1's place", None),
+    ("ag-swap@2:3", 4, AG, 2, [3], "on rank 3 it returned rank 1's block in rank 0's place and rank 0's block in "
+     "rank 1's place", None),
+]
+# each case in both modes under `-m sweep`; CI runs each mechanism once (6 runs, each mode covering a
+# reduce-scatter and an all-gather, on every rank and on one)
+SP_CI = {("rs-scaled@2", "full"), ("rs-own@1:1", "fingerprint"), ("rs-other@0", "full"), ("ag-stale@2", "fingerprint"),
+         ("ag-stale@3:0", "full"), ("ag-swap@1", "fingerprint")}
+SP_PARAMS = [pytest.param(*c, mode, id=f"{c[0]}-tp{c[1]}-{mode}",
+                          marks=() if (c[0], mode) in SP_CI else pytest.mark.sweep)
+             for c in SP for mode in ("full", "fingerprint")]
+
+
+def assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange, out):
+    """The one failure: `allreduce-incomplete` at the collective (kind, number, path, layer, module,
+    ranks), in words that fit it; every other collective of the run complete; in fingerprint mode
+    proven from the sketches alone (no tensor moved beyond the diverging stream points' detail)."""
+    kind = {RS: "reduce_scatter", AG: "all_gather"}[collective]
+    seq = 2 * layer + (1 if kind == "reduce_scatter" else 2)
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [("allreduce-incomplete", f"layer {layer} (blocks.{layer})", ranks)], \
+        [f["line"] for f in rep["findings"]]
+    f = failures(rep)[0]
+    c10d = "c10d._reduce_scatter_base_" if kind == "reduce_scatter" else "c10d._allgather_base_"
+    assert f["detail"].startswith(f"{collective} #{seq} (tests.sp_model.Comm.{kind}+{c10d}"), f["detail"]
+    defn = "its slice of the sum" if kind == "reduce_scatter" else "the concatenation"
+    assert f"ran, but its output is not {defn} of its inputs: " in f["detail"], f["detail"]
+    assert says in f["detail"], f["detail"]
+    assert "all-reduce" not in f["detail"] and "the this" not in f["detail"]
+    assert f["explain"].startswith(f"{'a' if kind == 'reduce_scatter' else 'an'} {collective} ran and returned"), \
+        f["explain"]
+    ev = f["evidence"]
+    assert (ev["seq"], ev["kind"], ev["op"]) == (seq, kind, "SUM" if kind == "reduce_scatter" else "CAT")
+    ar = rep["allreduce"]
+    assert [e["seq"] for e in ar["records"] if e["level"] == "incomplete"] == [seq], ar["records"]
+    assert ar["incomplete"] == 1 and ar["unchecked"] == 0 and ar["checked"] == 1 + 2 * 4
+    assert ar["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
+    assert sorted(int(r) for r, p in ev["per_rank"].items() if p["level"] == "material") == ranks
+    if kind == "all_gather":       # the wrong blocks, by their sender
+        assert all(ev["per_rank"][str(r)]["chunks_wrong"] for r in ranks), ev["per_rank"]
+    if exchange == "fingerprint":
+        sent, allowed = tensor_bytes_moved(rep, out)
+        assert sent == allowed, (sent, allowed)
+        if len(ranks) == nproc or kind == "reduce_scatter":
+            # the ranks agree (a wrong chunk is all-gathered to every rank): not one tensor byte moved
+            assert all(b["tensor_sent"] == b["tensor_received"] == 0
+                       for b in rep["exchange"]["bytes_per_rank"].values()), rep["exchange"]
+    return f
+
+
+@pytest.mark.parametrize("fault,nproc,collective,layer,ranks,says,error,exchange", SP_PARAMS)
+def test_a_wrong_reduce_scatter_or_all_gather_is_named_exactly(tmp_path, fault, nproc, collective, layer, ranks,
+                                                               says, error, exchange):
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.sp_model:wrong", "--exchange", exchange, nproc=nproc,
+                        env={"SP_FAULT": fault})
+    assert rc == 1, cp.stderr[-3000:]
+    f = assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange, tmp_path / "r")
+    if error is not None:          # a slice of the sum x 2 is off by exactly 1, from tensors or sketches
+        assert all(abs(f["evidence"]["per_rank"][str(r)]["error"] - error) < 1e-4 for r in ranks), f["evidence"]
+
+
+@pytest.mark.parametrize("exchange,nproc", [("full", 2), pytest.param("fingerprint", 4, marks=pytest.mark.sweep),
+                                            pytest.param("full", 4, marks=pytest.mark.sweep), ("fingerprint", 2)])
+def test_a_healthy_reduce_scatter_and_all_gather_through_a_communicator_have_no_finding(tmp_path, exchange, nproc):
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.sp_model:healthy", "--exchange", exchange, nproc=nproc)
+    assert rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
+    ar = rep["allreduce"]
+    assert [e["kind"] for e in ar["records"]] == ["all_reduce"] + ["reduce_scatter", "all_gather"] * 4
+    assert ar["checked"] == 9 and ar["incomplete"] == 0 and ar["unchecked"] == 0
+    assert all(e["level"] == "exact" for e in ar["records"] if e["kind"] == "all_gather")
+    # the audit line counts them by kind and says each is checked by its own definition (never "all-reduces")
+    line = next(ln for ln in render(rep).splitlines() if ln.startswith("all-reduce audit:"))
+    assert line.startswith("all-reduce audit: 9 collectives checked (1 all-reduce, 4 reduce-scatters, 4 all-gathers)"), line
+    assert "(the all-gather, reduce-scatter ones by their own definition)" in line and "9 complete" in line, line
 
 
 # ---- a dropped id in a 1-layer model is a missing capture, not a TP slice ------------------------------

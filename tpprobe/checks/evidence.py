@@ -196,6 +196,10 @@ class TensorEvidence:
             if kind == "all_to_all":       # data moved, not summed: every chunk bit for bit what its sender sent
                 per[str(r)] = a2a_check(outs[r], exp, ins, members, r, splits)
                 continue
+            if kind == "all_gather":       # data moved: each block bit for bit what its rank sent
+                prev = self._previous(i, r, "all_gather", outs[r].shape)
+                per[str(r)] = ag_check(outs[r], exp, {q: ins[q] for q in members}, prev)
+                continue
             # the terms the output is a sum of (the rounding bound, the ring orders a backend adds in): a
             # mean's are the inputs / m (never the inputs themselves: the sum handed back for a mean is
             # bit for bit their sum); a MAX / MIN / PRODUCT is judged against its one exact result
@@ -203,10 +207,26 @@ class TensorEvidence:
                 [ins[q].double() / len(members) for q in members] if op == "AVG" else [exp]
             c = reduce_check(outs[r], terms, exp, outs[r].dtype)
             per[str(r)] = {"level": c["level"], "rel_norm": c["rel_norm"], "max_abs": c["max_abs"]}
+            if c["level"] == "material":
+                per[str(r)]["error"] = rel_error(outs[r], exp)
             if c["level"] == "material" and kind == "all_reduce":
                 prev = self.tensor(allreduce_out(i - 1), r) if i > 0 else None
                 per[str(r)]["looks"] = looks_like(outs[r], exp, {q: ins[q] for q in members}, prev, outs[r].dtype)
+            elif c["level"] == "material" and kind == "reduce_scatter" and op == "SUM":
+                per[str(r)]["looks"] = rs_looks_like(outs[r], {q: ins[q] for q in members}, members.index(r),
+                                                     outs[r].dtype)
         return per
+
+    def _previous(self, i: int, r: int, kind: str, shape) -> Optional[torch.Tensor]:
+        """Rank r's output of the last collective of this kind and shape before collective i (what a
+        buffer not written this time still holds)."""
+        recs = self.records[r].meta.get("allreduces", [])
+        for j in range(i - 1, -1, -1):
+            if recs[j].get("kind", "all_reduce") == kind:
+                t = self.tensor(allreduce_out(j), r)
+                if t is not None and tuple(t.shape) == tuple(shape):
+                    return t
+        return None
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         rec = self.records[r]
@@ -310,10 +330,12 @@ class FingerprintEvidence(TensorEvidence):
             members = group_members(a, live)
             j = members.index(r)
             if kind == "all_gather":
+                if not isinstance(a["out_fp"], list):
+                    return "all-gather blocks not readable from the sketches"
                 outs = [Fingerprint.from_json(f) for f in a["out_fp"]]
                 ins = [Fingerprint.from_json(recs[q]["in_fp"]) for q in members]
-                ok = len(outs) == len(ins) and all(o.bit_hash == x.bit_hash for o, x in zip(outs, ins))
-                per[str(r)] = {"level": "exact" if ok else "material", "rel_norm": 0.0 if ok else None}
+                prev = self._previous_fp(i, r, "all_gather", len(outs))
+                per[str(r)] = fp_ag_check(outs, dict(zip(members, ins)), prev)
                 continue
             if kind == "all_to_all":
                 # output chunk q (from rank q) must be bit for bit rank q's input chunk for this rank
@@ -338,12 +360,29 @@ class FingerprintEvidence(TensorEvidence):
                 out = scaled_fp(out, float(len(members)))
             ok, rel = sum_matches(out, ins, getattr(torch, out.dtype))
             per[str(r)] = {"level": "noise" if ok else "material", "rel_norm": rel}
+            if not ok:
+                per[str(r)]["error"] = fp_rel_error(out.sketch, [math.fsum(f.sketch[n] for f in ins)
+                                                                 for n in range(out.k)])
             if not ok and kind == "all_reduce" and op == "SUM":
                 prev = self.records[r].meta["allreduces"][i - 1] if i > 0 else None
                 prev_fp = Fingerprint.from_json(prev["out_fp"]) if prev and isinstance(prev.get("out_fp"), dict) \
                     else None
                 per[str(r)]["looks"] = fp_looks_like(out, dict(zip(members, ins)), prev_fp, getattr(torch, out.dtype))
+            elif not ok and kind == "reduce_scatter" and op == "SUM":
+                slices = {n: [Fingerprint.from_json(recs[q]["in_fp"][n]) for q in members]
+                          for n in range(len(members))}
+                per[str(r)]["looks"] = fp_rs_looks_like(out, members, j, slices, getattr(torch, out.dtype))
         return per
+
+    def _previous_fp(self, i: int, r: int, kind: str, n: int) -> Optional[list]:
+        """The block fingerprints of rank r's last all-gather of n blocks before collective i."""
+        recs = self.records[r].meta.get("allreduces", [])
+        for j in range(i - 1, -1, -1):
+            if recs[j].get("kind", "all_reduce") == kind:
+                o = recs[j].get("out_fp")
+                if isinstance(o, list) and len(o) == n:
+                    return [Fingerprint.from_json(f) for f in o]
+        return None
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         return self.records[r].meta.get("slot_match")
@@ -365,6 +404,89 @@ def a2a_check(out: torch.Tensor, exp: torch.Tensor, ins: dict, members: list, r:
     n = float(torch.linalg.vector_norm(exp))
     return {"level": "material", "rel_norm": float(torch.linalg.vector_norm(d)) / n if n else math.inf,
             "max_abs": float(d.abs().max()), "chunks_wrong": wrong}
+
+
+# ---- an all-gather, block by block ---------------------------------------------------------------
+def _ag_block_looks(got_equal, q: int, members: list, zeros: bool, stale: bool) -> dict:
+    """What a wrong block in rank q's place is: another rank's block (swapped), the previous
+    all-gather's block (a stale buffer: the write never landed), zeros, or none of these."""
+    if zeros:
+        return {"as": "zeros"}
+    other = next((m for m in members if m != q and got_equal(m)), None)
+    if other is not None:
+        return {"as": "input", "rank": other}
+    return {"as": "previous"} if stale else {"as": "other"}
+
+
+def ag_check(out: torch.Tensor, exp: torch.Tensor, ins: dict, prev: Optional[torch.Tensor]) -> dict:
+    """An all-gather's output on one rank against the concatenation of what every rank sent: exact
+    (bit for bit) or material, with the ranks whose block is wrong and what each wrong block is."""
+    members = list(ins)
+    if tuple(out.shape) != tuple(exp.shape):
+        return {"level": "material", "rel_norm": math.inf, "max_abs": math.inf, "error": math.inf,
+                "chunks_wrong": members}
+    o = out.double()
+    if bool(torch.equal(o, exp)):
+        return {"level": "exact", "rel_norm": 0.0, "max_abs": 0.0}
+    sizes = [ins[q].shape[0] if ins[q].dim() else 1 for q in members]
+    got, want = o.split(sizes, 0), exp.split(sizes, 0)
+    prevs = prev.double().split(sizes, 0) if prev is not None and tuple(prev.shape) == tuple(out.shape) else None
+    blocks = {}
+    for n, q in enumerate(members):
+        if bool(torch.equal(got[n], want[n])):
+            continue
+        g = got[n]
+        blocks[str(q)] = _ag_block_looks(
+            lambda m: tuple(ins[m].shape) == tuple(g.shape) and bool(torch.equal(g, ins[m].double())), q, members,
+            bool((g == 0).all()) and bool((want[n] != 0).any()),
+            prevs is not None and bool(torch.equal(g, prevs[n])))
+    d = o - exp
+    return {"level": "material", "rel_norm": rel_error(out, exp), "max_abs": float(d.abs().max()),
+            "error": rel_error(out, exp), "chunks_wrong": [int(q) for q in blocks],
+            "looks": {"as": "blocks", "blocks": blocks}}
+
+
+def fp_ag_check(outs: list, ins: dict, prev: Optional[list]) -> dict:
+    """ag_check() from fingerprints: each output block's hash against its sender's input's (and,
+    for a wrong block, against the other ranks' inputs and the previous all-gather's block); the
+    relative error estimated from the blocks' sketches."""
+    members = list(ins)
+    if len(outs) != len(members):
+        return {"level": "material", "rel_norm": None, "error": math.inf, "chunks_wrong": members}
+    blocks = {}
+    for n, q in enumerate(members):
+        g = outs[n]
+        if g.bit_hash == ins[q].bit_hash:
+            continue
+        blocks[str(q)] = _ag_block_looks(lambda m: ins[m].bit_hash == g.bit_hash, q, members,
+                                         g.sumsq == 0.0 and ins[q].sumsq != 0.0,
+                                         prev is not None and prev[n].bit_hash == g.bit_hash)
+    if not blocks:
+        return {"level": "exact", "rel_norm": 0.0}
+    k = outs[0].k
+    err2 = math.fsum((x - y) ** 2 for o, q in zip(outs, members) for x, y in zip(o.sketch, ins[q].sketch))
+    norm2 = math.fsum(ins[q].sumsq for q in members)
+    err = math.sqrt(err2 / k) / math.sqrt(norm2) if norm2 > 0 else math.inf
+    return {"level": "material", "rel_norm": err, "error": err, "chunks_wrong": [int(q) for q in blocks],
+            "looks": {"as": "blocks", "blocks": blocks}}
+
+
+def rel_error(out: torch.Tensor, exp: torch.Tensor) -> float:
+    """||out - expected|| / ||expected||: how far a collective's output is from what a complete one
+    returns (a sum scaled by f: |f - 1|; one of two equal, independent shares alone: about 0.7)."""
+    if tuple(out.shape) != tuple(exp.shape):
+        return math.inf
+    d = float(torch.linalg.vector_norm(out.double() - exp.double()))
+    n = float(torch.linalg.vector_norm(exp.double()))
+    return d / n if n > 0 else (0.0 if d == 0 else math.inf)
+
+
+def fp_rel_error(out_sketch: list, exp_sketch: list) -> float:
+    """rel_error() from linear sketches: ||sk(out) - sk(expected)|| / ||sk(expected)|| (exact for a
+    scaled output, whose difference is a multiple of the expected; an estimate otherwise)."""
+    d = math.sqrt(math.fsum((x - y) ** 2 for x, y in zip(out_sketch, exp_sketch)))
+    n = math.sqrt(math.fsum(y * y for y in exp_sketch))
+    return d / n if n > 0 else (0.0 if d == 0 else math.inf)
 
 
 # ---- what a wrong reduce output looks like -------------------------------------------------------
@@ -398,6 +520,44 @@ def looks_like(out: torch.Tensor, exp: torch.Tensor, ins: dict, prev: Optional[t
         if _scale_ok(float(torch.linalg.vector_norm(o - alpha * e)), no, dtype, len(ins)):
             return {"as": "scaled", "factor": alpha}
     return {"as": "other"}
+
+
+def rs_looks_like(out: torch.Tensor, ins: dict, j: int, dtype: torch.dtype) -> dict:
+    """What a reduce-scatter output that is not this rank's (j-th) slice of the sum is: zeros, one
+    rank's own slice alone (the sum never happened: the unsummed local slice), this slice of the sum
+    scaled by a factor, another rank's slice of the sum (a wrong offset), or none of these."""
+    members = list(ins)
+    m = len(members)
+    if any(not t.dim() or t.shape[0] % m for t in ins.values()):
+        return {"as": "other"}
+    parts = {q: t.double().chunk(m, 0) for q, t in ins.items()}
+    total = [sum(parts[q][n] for q in members) for n in range(m)]
+    lk = looks_like(out, total[j], {q: parts[q][j] for q in members}, None, dtype)
+    if lk["as"] != "other":
+        return lk
+    no = float(torch.linalg.vector_norm(out.double()))
+    for n, q in enumerate(members):
+        if n != j and total[n].shape == out.shape and \
+                _scale_ok(float(torch.linalg.vector_norm(out.double() - total[n])), no, dtype, m):
+            return {"as": "slice", "rank": q}
+    return lk
+
+
+def fp_rs_looks_like(out: Fingerprint, members: list, j: int, slices: dict, dtype: torch.dtype) -> dict:
+    """rs_looks_like() from fingerprints: slices[n] holds every member's sketch of its input's n-th
+    chunk, so slice n of the sum has their summed sketch."""
+    from .noise import reduce_bound
+    lk = fp_looks_like(out, dict(zip(members, slices[j])), None, dtype)
+    if lk["as"] != "other":
+        return lk
+    no, k = math.sqrt(out.sumsq), out.k
+    tol = 2.0 * reduce_bound(dtype, len(members))
+    for n, q in enumerate(members):
+        if n != j and all(f.shape == out.shape for f in slices[n]):
+            se = [math.fsum(f.sketch[x] for f in slices[n]) for x in range(k)]
+            if _fp_resid(out.sketch, se, no, k) <= tol:
+                return {"as": "slice", "rank": q}
+    return lk
 
 
 def scaled_fp(f: Fingerprint, c: float) -> Fingerprint:
@@ -437,8 +597,27 @@ def fp_looks_like(out: Fingerprint, ins: dict, prev: Optional[Fingerprint], dtyp
     return {"as": "other"}
 
 
-def looks_text(lk: Optional[dict], op: str = "SUM") -> str:
+def looks_text(lk: Optional[dict], op: str = "SUM", kind: str = "all_reduce") -> str:
     what = "sum" if op in ("SUM", "", None) else f"{op} reduction"
+    if kind == "all_gather":
+        blocks = (lk or {}).get("blocks") or {}
+        if not blocks:
+            return "not the concatenation of what the ranks sent"
+        return " and ".join(
+            {"zeros": f"zeros in rank {q}'s block",
+             "input": f"rank {b.get('rank')}'s block in rank {q}'s place",
+             "previous": f"a stale block in rank {q}'s place (the previous all-gather's: that write never landed)"}.get(
+                b.get("as"), f"a wrong block in rank {q}'s place (not what rank {q} sent)")
+            for q, b in blocks.items())
+    if kind == "reduce_scatter":
+        if not lk:
+            return f"not its slice of the {what} of its inputs"
+        return {"zeros": "zeros",
+                "input": f"rank {lk.get('rank')}'s own slice of its input alone (the sum never happened)",
+                "slice": f"rank {lk.get('rank')}'s slice of the {what} (not its own)",
+                "scaled": f"its slice of the {what} scaled by {lk.get('factor', float('nan')):.4g}"}.get(
+            lk["as"], f"not its slice of the {what} (nor a scaled slice, another rank's slice, one rank's own "
+                      f"slice or zeros)")
     if not lk:
         return f"not the {what} of its inputs"
     return {"zeros": "zeros",

@@ -63,11 +63,25 @@ KIND_NAME = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "al
              "all_to_all": "all-to-all"}
 
 
+# the kind's sentence (findings.EXPLAIN) speaks of a reduce; a data mover's says what it moved wrong
+EXPLAIN_KIND = {
+    "reduce_scatter": "a reduce-scatter ran and returned the wrong value: not this rank's slice of the sum (a custom "
+                      "or fused reduce-scatter that read its peers' buffers before their writes landed, skipped the "
+                      "sum, or took the wrong offset); the audit's own input and output of that collective show it",
+    "all_gather": "an all-gather ran and returned the wrong value: a block is not what its rank sent (a peer's write "
+                  "that never landed, leaving the previous call's block or zeros; blocks placed in the wrong rank "
+                  "order); the audit's own input and output of that collective show it, block by block",
+    "all_to_all": "an all-to-all ran and returned chunks that are not what its peers sent it (a write that never "
+                  "landed, wrong split sizes or offsets); the audit's own input and output of that collective show it",
+}
+
+
 def _definition(kind: str, op: str) -> str:
-    """What a complete collective of this kind returns, in words."""
+    """What a complete collective of this kind returns, in words (with its article: "the sum",
+    "its slice of the sum", "the concatenation")."""
     red = "sum" if op in ("SUM", "") else f"{op} reduction"
-    return {"reduce_scatter": f"this rank's slice of the {red}", "all_gather": "concatenation",
-            "all_to_all": "chunks its peers sent it"}.get(kind, red)
+    return {"reduce_scatter": f"its slice of the {red}", "all_gather": "the concatenation",
+            "all_to_all": "the chunks its peers sent it"}.get(kind, f"the {red}")
 
 
 def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[Finding]:
@@ -86,31 +100,40 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
                 t = (f"wrong chunks from {'rank ' + str(ws[0]) if len(ws) == 1 else 'ranks ' + str(ws)} (not what "
                      f"{'that rank' if len(ws) == 1 else 'those ranks'} sent it)") if ws else "wrong chunks"
             else:
-                t = looks_text(p.get("looks"), op)
+                t = looks_text(p.get("looks"), op, kind)
             looks.setdefault(t, []).append(r)
-        errs = ", ".join(f"rank {r} {per[str(r)]['rel_norm']:.3g}" for r in bad
-                         if per[str(r)].get("rel_norm") is not None)
+        # each wrong rank's error relative to what a complete collective returns there (`error`: a sum
+        # scaled by f is off by |f - 1|); records of older reports carry only the noise rule's rel_norm
+        errs = ", ".join(f"rank {r} {per[str(r)].get('error', per[str(r)].get('rel_norm')):.3g}" for r in bad
+                         if per[str(r)].get("error", per[str(r)].get("rel_norm")) is not None)
         defn = _definition(kind, op)
         what = "; ".join(f"on {'rank ' + str(rs[0]) if len(rs) == 1 else 'ranks ' + str(rs)} it returned {t}"
-                         for t, rs in looks.items()) if looks else f"its output is not the {defn} of its inputs"
+                         for t, rs in looks.items()) if looks else f"its output is not {defn} of its inputs"
         grp = f"group {e['group']}, " if e.get("group") else ""
         n = e.get("group_size")
         agree = (" The ranks agree with each other, so only the audit's input/output pair shows it."
                  if len(bad) == world and kind == "all_reduce" else "")
+        sketch = ar.get("method") == "sketch"
         if kind in ("all_gather", "all_to_all"):
-            against = "against the chunks sent, bit for bit" + (" (their sketches' hashes)"
-                                                               if ar.get("method") == "sketch" else "")
+            against = "against the chunks sent, bit for bit" + (" (their sketches' hashes)" if sketch else "")
+            if kind == "all_gather":
+                against = ("of its blocks' sketches against the sent blocks' (compared bit for bit by their hashes)"
+                           if sketch else "against the exact concatenation (compared bit for bit)")
         else:
-            against = ("of its sketch against the sum of its inputs' sketches" if ar.get("method") == "sketch"
-                       else f"against the exact {defn}")
+            against = (f"of its sketch against the sketch of {defn}"
+                       + ({"all_reduce": " (the sum of its inputs' sketches)",
+                           "reduce_scatter": " (the sum of the sketches of its inputs' slices)"}.get(kind, "")
+                          if op == "SUM" else "")
+                       if sketch else f"against {defn}, computed exactly")
         out.append(Finding(
             "allreduce-incomplete", _where(e, records, live), bad,
             detail=(f"{KIND_NAME.get(kind, kind)} #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) "
-                    f"ran, but its output is not the {defn}" + ("" if kind == "all_to_all" else " of its inputs")
+                    f"ran, but its output is not {defn}" + ("" if kind == "all_to_all" else " of its inputs")
                     + f": {what}" + (f" (relative error {against}: {errs})" if errs else f" ({against})")
                     + f".{agree}"),
             evidence={"seq": e["seq"], "path": e.get("path"), "group": e.get("group"), "group_size": n,
                       "kind": kind, "op": op, "per_rank": per, "looks": {t: rs for t, rs in looks.items()},
+                      **({"explain": EXPLAIN_KIND[kind]} if kind in EXPLAIN_KIND else {}),
                       **({"all_ranks": True} if len(bad) == world else {})}))
     if len(recs) > MAX_FINDINGS:
         out[-1].consequences.append(f"{len(recs) - MAX_FINDINGS} more incomplete all-reduces in report.json "

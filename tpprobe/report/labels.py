@@ -71,10 +71,20 @@ def audit_text(ar: dict, missing: Optional[list] = None) -> str:
     (--exchange fingerprint) prove complete within rounding only, never bit-exact."""
     checked, complete, incomplete = ar.get("checked", 0), ar.get("complete", 0), ar.get("incomplete", 0)
     # the ops and collectives checked other than a plain sum, each by its own definition
+    seen = [e for e in ar.get("records", []) if e.get("level") != "unchecked"]
     other = sorted({str(e.get("op")) if e.get("kind", "all_reduce") in ("all_reduce", "reduce_scatter")
-                    else str(e.get("kind")).replace("_", "-") for e in ar.get("records", [])
-                    if e.get("level") != "unchecked"} - {"SUM", "None"})
+                    else str(e.get("kind")).replace("_", "-") for e in seen} - {"SUM", "None"}
+                   | ({"reduce-scatter"} if any(e.get("kind") == "reduce_scatter" for e in seen) else set()))
     own = f" (the {', '.join(other)} ones by their own definition)" if other else ""
+    # collectives other than all-reduces (a reduce-scatter: its slice of the sum; an all-gather: the
+    # concatenation) are counted by kind, so the line never calls them all-reduces
+    kinds: dict = {}
+    for e in seen:
+        k = str(e.get("kind") or "all_reduce").replace("_", "-")
+        kinds[k] = kinds.get(k, 0) + 1
+    mixed = set(kinds) - {"all-reduce"}
+    what = ("collectives checked (" + ", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in kinds.items()) + ")"
+            if mixed else "all-reduces checked")
     if ar.get("method") == "sketch":
         how = ("each output's sketch against the sum of its inputs' sketches" + own + " (--exchange fingerprint: "
                "proves complete within rounding, not bit-exact)")
@@ -82,10 +92,11 @@ def audit_text(ar: dict, missing: Optional[list] = None) -> str:
     else:
         noise = ar.get("noise", 0)
         how = "each output against the sum of its inputs over the ranks" + own + ", element by element"
-        done = f"{complete} complete ({complete - noise} exactly the sum, {noise} within rounding)"
+        done = f"{complete} complete ({complete - noise} exactly {'their definition' if other else 'the sum'}, " \
+               f"{noise} within rounding)"
     counts = ar.get("count_per_rank") or {}
     issued = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
-    text = f"{checked} all-reduces checked, {how}: {done}, {incomplete} incomplete"
+    text = f"{checked} {what}, {how}: {done}, {incomplete} incomplete"
     if ar.get("unchecked"):      # counted, never passed silently: how many and why
         why = ar.get("unchecked_why") or {}
         text += f", {ar['unchecked']} unchecked" + (" (" + ", ".join(
