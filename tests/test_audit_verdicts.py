@@ -548,6 +548,9 @@ def test_a_healthy_reduce_scatter_and_all_gather_through_a_communicator_have_no_
     line = next(ln for ln in render(rep).splitlines() if ln.startswith("all-reduce audit:"))
     assert line.startswith("all-reduce audit: 9 collectives checked (1 all-reduce, 4 reduce-scatters, 4 all-gathers)"), line
     assert "(the all-gather, reduce-scatter ones by their own definition)" in line and "9 complete" in line, line
+    # nor does the verdict call them all-reduces
+    assert "HEALTHY: every capture point agrees across ranks and every collective returned what its definition " \
+           "says" in render(rep), render(rep)[-1500:]
 
 
 # ---- a dropped id in a 1-layer model is a missing capture, not a TP slice ------------------------------

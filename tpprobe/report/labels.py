@@ -18,6 +18,11 @@ def healthy_line(report: dict) -> str:
     checks alone."""
     world = (report.get("settings") or {}).get("world_size")
     if world != 1:
+        kinds = {str(e.get("kind", "all_reduce")) for e in (report.get("allreduce") or {}).get("records", [])
+                 if e.get("level") != "unchecked"}
+        if kinds - {"all_reduce"}:   # reduce-scatters, all-gathers: each was checked by its own definition
+            return ("HEALTHY: every capture point agrees across ranks and every collective returned what its "
+                    "definition says")
         return HEALTHY_LINE
     slots = report.get("slots") or []
     held = (f"the {len(slots)} aux slots hold the points they should and " if slots and all(x.get("ok") for x in slots)
