@@ -6,6 +6,7 @@ The last test builds the README's fault table from these same runs (scripts/faul
 `table`) and compares: the table cannot drift, and CI makes no extra runs for it.
 """
 import importlib.util
+import re
 import time
 from pathlib import Path
 
@@ -122,14 +123,25 @@ def test_ids_out_of_layer_order_are_named_since_the_model_packs_in_layer_order(t
     assert "not in layer order" in f["detail"]
 
 
+_NOISE_NUMBERS = re.compile(r"worst element ([0-9.]+) ULP, relative error ([0-9.e+-]+)")
+
+
+def _noise_masked(table: str) -> str:
+    for ulp, rel in _NOISE_NUMBERS.findall(table):
+        assert float(ulp) <= 8 and float(rel) < 1e-6, (ulp, rel)     # still rounding: a few ULP at most
+    return _NOISE_NUMBERS.sub("worst element N ULP, relative error E", table)
+
+
 def test_the_readme_fault_table_is_what_these_runs_print(tmp_path):
     """Runs here reuse every run above (a run missing, when this test is picked alone, is made)."""
     for inject, extra in fault_table.RUNS:
         k = fault_table.key(inject, extra)
         if k not in RUNS:
             RUNS[k] = fault_table.run(inject, extra, tmp_path / str(len(RUNS)))
-    want = fault_table.table(RUNS)
-    have = fault_table.readme_table((ROOT / "README.md").read_text())
+    # a rounding-noise row's worst ULP and relative error are the host's matmul kernels' rounding (2.0 ULP
+    # on one CPU of this machine kind, 4.0 on another): compared as rounding, not digit for digit
+    want, have = (_noise_masked(t) for t in (fault_table.table(RUNS),
+                                             fault_table.readme_table((ROOT / "README.md").read_text())))
     differ = [(h, w) for h, w in zip(have.splitlines(), want.splitlines()) if h != w]
     assert have == want, ("README's fault table differs from the runs (python scripts/fault_table.py --write): "
                           f"{differ[:3] or 'rows added or missing'}")
