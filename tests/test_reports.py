@@ -25,7 +25,7 @@ import pytest
 from tpprobe.report import envinfo
 from tpprobe.report.labels import cell_label
 from tpprobe.report.html import render_html, write_html
-from tpprobe.report.markdown import render_markdown, write_markdown
+from tpprobe.report.markdown import render_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"

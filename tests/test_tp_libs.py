@@ -86,7 +86,7 @@ def build_with_meta_param(ctx):
 def _need(*libs):
     for lib in libs:
         if NEEDS[lib]:
-            pytest.importorskip(NEEDS[lib], reason=f"the tp-libs tier: bash ci/tp-libs/install.sh .venv")
+            pytest.importorskip(NEEDS[lib], reason="the tp-libs tier: bash ci/tp-libs/install.sh .venv")
 
 
 def _run_cases(rank, world, cases, root):

@@ -20,7 +20,7 @@ from .errors import UsageError
 from .knobs import knob
 from .target import ProbeTarget, RankContext
 
-from .fault_names import BOTH, FAULTS, SGLANG_ONLY, inject_help
+from .fault_names import BOTH, FAULTS, SGLANG_ONLY
 from .fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
 
 

@@ -84,7 +84,6 @@ decided by `audited(namespace, name)`, into the same records):
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import threading
 import time
@@ -705,7 +704,7 @@ def _c10d_reduce_scatter(a: Audit, func, args, kwargs):
 
 
 def _fn_reduce_scatter(a: Audit, func, args, kwargs):
-    inp, op, group_size, group = args[0], args[1], args[2], args[3]
+    inp, op, group_size, _group = args[0], args[1], args[2], args[3]
     rec = a.begin("reduce_scatter", "_c10d_functional.reduce_scatter_tensor", inp, int(group_size), op)
     out = func(*args, **kwargs)
     torch.ops._c10d_functional.wait_tensor(out)

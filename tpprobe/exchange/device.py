@@ -87,7 +87,6 @@ def resolve_summaries(tap, summarize, device_ok: bool) -> None:
 
 def stacks_after_env() -> None:
     """Diagnosis: TPPROBE_STACKS_AFTER=S dumps every thread's stack if the rank still runs after S s."""
-    import os
     from ..knobs import knob
     after = knob("TPPROBE_STACKS_AFTER")
     if after:

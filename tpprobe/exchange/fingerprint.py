@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 
 import torch
 

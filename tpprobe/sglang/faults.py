@@ -149,8 +149,6 @@ def _o_projs(model) -> list:
 
 
 def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
-    import os
-
     import torch.distributed as dist
     from sglang.srt.distributed.parallel_state import GroupCoordinator, get_tp_group
 

@@ -63,6 +63,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch

@@ -35,8 +35,6 @@ a cuda device takes the torch engine and says so.
 from __future__ import annotations
 
 import json
-import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -23,7 +23,6 @@ scale then is the chunk's RMS).
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 import warnings
@@ -440,7 +439,6 @@ def check_run(run: DumpRun) -> dict:
             continue
         pending.append((g, by_rank, ref_r, ranks, odd, lay))
         del ref
-    ref = None
     hidden = widths.most_common(1)[0][0] if widths else None
     for g, by_rank, ref_r, ranks, odd, lay in pending:
         _diagnose_differing(g, by_rank, ref_r, ranks, odd, lay, hidden, replicated_refs)

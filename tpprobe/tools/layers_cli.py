@@ -239,7 +239,7 @@ def render_contract(res: dict, con) -> None:
         con.print(f"note: {escape(n)}")
     if res["differences"]:
         v = res["verdict"]
-        head = f"FAILURE id-contract" + (f" ({v['kind']} at {v['where']})" if v else "")
+        head = "FAILURE id-contract" + (f" ({v['kind']} at {v['where']})" if v else "")
         con.print(f"[bold red]{head}[/]: " + escape("; ".join(res["differences"])))
         if v:
             con.print(f"  {escape(v['detail'])}")

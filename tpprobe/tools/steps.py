@@ -68,7 +68,7 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
                         f"of {root}: " + (f"first divergence: step {d['step']} ({d['forward_mode']}) in {d['group']}: "
                                           f"{d['kind']} at {d['where']} on ranks {d['ranks']}; "
                                           f"{len(fails)} step(s) with failures; that step's report follows"
-                                          if d else f"no step diverges; the last step's report follows"),
+                                          if d else "no step diverges; the last step's report follows"),
                         highlight=False, soft_wrap=True)
     emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
     return rep["exit_code"]
