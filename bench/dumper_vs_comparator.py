@@ -323,7 +323,8 @@ def _round(runs: dict, load) -> dict:
                           "work_x_raw": round(v["work_s"] / rk, 2) if v["work_s"] else None,
                           "work_x_raw_mmap": round(v["work_s"] / mk, 2) if v["work_s"] else None,
                           "work_cpu_s": round(v["work_cpu_s"], 3) if v["work_cpu_s"] else None,
-                          "work_cpu_x_raw": round(v["work_cpu_s"] / runs[base]["work_cpu_s"], 2) if v["work_cpu_s"] else None,
+                          "work_cpu_x_raw": round(v["work_cpu_s"] / runs[base]["work_cpu_s"], 2) if v["work_cpu_s"]
+                          else None,
                           "process_cpu_s": round(v["cpu_s"], 2),
                           "process_cpu_x_raw": round(v["cpu_s"] / runs[base]["cpu_s"], 2),
                           "against": base, "maxrss_mb": round(v["maxrss_mb"]), "rc": v["rc"], "args": v["cmd"]}

@@ -4,7 +4,8 @@
         [--dtype bfloat16] [--rounds 60] [--out DIR]
 
 One process, world 1 (a gloo group: the built-in model issues no all-reduce at tp 1, so this is the
-Tap's own cost; with --collectives a NCCL group on CUDA, and the 9 all-reduces a tp-2 model issues). Variants, alternated round by round (drift hits all alike), median of --rounds:
+Tap's own cost; with --collectives a NCCL group on CUDA, and the 9 all-reduces a tp-2 model issues).
+Variants, alternated round by round (drift hits all alike), median of --rounds:
   off          the bare forward
   installed    Tap: hooks and the collective audit, keeping nothing
   keep5        + copies of what `--exchange fingerprint` keeps (the 3 EAGLE-3 slots, embed.*, in_norm)

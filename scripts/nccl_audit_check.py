@@ -22,7 +22,8 @@ def step(name, fn, n=20):
         for _ in range(n):
             r = fn()
         torch.cuda.synchronize()
-        print(f"{name}: ok, {(time.perf_counter() - t0) / n * 1e6:.1f} us each; {r if r is not None else ''}", flush=True)
+        print(f"{name}: ok, {(time.perf_counter() - t0) / n * 1e6:.1f} us each; "
+              f"{r if r is not None else ''}", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     faulthandler.cancel_dump_traceback_later()

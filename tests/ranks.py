@@ -40,7 +40,8 @@ def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None, launcher=
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        raise AssertionError(f"tpprobe {' '.join(args)} did not finish in {timeout}s\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+        raise AssertionError(f"tpprobe {' '.join(args)} did not finish in "
+                             f"{timeout}s\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 

@@ -1,7 +1,8 @@
 """`tpprobe accept`: the EAGLE-3 draft replayed on two feature sets (issue 22).
 
 Start at `test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix`: a small
-draft head is trained (examples/accept_toy_draft.py), in seconds, on the built-in model's healthy aux features (real 2-rank
+draft head is trained (examples/accept_toy_draft.py), in seconds, on the built-in model's healthy aux
+features (real 2-rank
 gloo probe runs), saved as SpecForge saves a draft, and scored by the real CLI against captures of
 each catalogue fault that changes the aux input. `test_reimplementation_matches_sglangs_class`
 proves the torch engine equals SGLang's own LlamaForCausalLMEagle3 on the same weights.
@@ -223,7 +224,8 @@ def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs)
 
 
 def test_bad_sources_are_refused_with_what_to_do(runs, tmp_path):
-    """In process (the CLI turns these errors into one line and exit 2, as test_a_bad_draft_is_one_line_and_exit_2 shows)."""
+    """In process (the CLI turns these errors into one line and exit 2, as
+    test_a_bad_draft_is_one_line_and_exit_2 shows)."""
     from safetensors.torch import save_file
     from tpprobe.errors import TPProbeError
     feats, _ = _capture(runs["healthy"])
@@ -312,4 +314,5 @@ def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
     assert rep["rows"][2]["accept_length"] == rep["rows"][0]["accept_length"] and "0.00 remains" in rep["line"]
     cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
                   "--target", str(runs["slot-order"]), "--device", "cuda:0"], timeout=240)
-    assert cp.returncode == 1 and " on cuda:0 (" in " ".join(cp.stdout.split()), cp.stdout[-2000:]   # the header, however wrapped
+    # the header, however wrapped
+    assert cp.returncode == 1 and " on cuda:0 (" in " ".join(cp.stdout.split()), cp.stdout[-2000:]

@@ -82,7 +82,8 @@ O = "layers.{}.self_attn.o_proj"
 # (inject, nproc, extra args, kind, where, ranks, what the detail must say)
 CASES = [
     ("allreduce-scaled@2", 2, [], "allreduce-incomplete", f"layer 2 ({O.format(2)})", [0, 1], "the sum scaled by 2"),
-    ("allreduce-scaled@0", 4, [], "allreduce-incomplete", f"layer 0 ({O.format(0)})", [0, 1, 2, 3], "the sum scaled by 2"),
+    ("allreduce-scaled@0", 4, [], "allreduce-incomplete", f"layer 0 ({O.format(0)})", [0, 1, 2, 3],
+     "the sum scaled by 2"),
     ("allreduce-one-buffer@1", 4, [], "allreduce-incomplete", f"layer 1 ({O.format(1)})", [0, 1, 2, 3],
      "rank 0's input alone"),
     ("allreduce-stale@3", 2, [], "allreduce-incomplete", f"layer 3 ({O.format(3)})", [0, 1],
@@ -208,7 +209,8 @@ SG_CASES = [
 # run in the sweep tier (`-m sweep`), which is run before a change is called done
 SWEEP_ONLY = {("allreduce-scaled@2", "fingerprint"), ("allreduce-stale@2", "full")}   # the same kinds run in CI
 SG_PARAMS = [pytest.param(*c, id=f"{c[0]}-{c[1]}-tp{c[2]}-{c[3]}",
-                          marks=() if c[0] == "llama" and c[2] == 2 and c[1:4:2] not in SWEEP_ONLY else pytest.mark.sweep)
+                          marks=() if c[0] == "llama" and c[2] == 2 and c[1:4:2] not in SWEEP_ONLY
+                          else pytest.mark.sweep)
              for c in SG_CASES]
 
 
@@ -275,7 +277,8 @@ def test_max_min_and_product_reduces_are_checked_by_their_definition(tmp_path):
     assert {"MAX", "MIN", "PRODUCT", "SUM"} <= set(ops), ops
     assert all(e["level"] in ("exact", "noise") for e in rep["allreduce"]["records"] if e["op"] != "CAT"), \
         [(e["op"], e["level"]) for e in rep["allreduce"]["records"]]
-    assert rep["allreduce"]["unchecked"] == 0 and rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
+    assert rep["allreduce"]["unchecked"] == 0 and rc == 0 and rep["findings"] == [], [f["line"]
+                                                                                      for f in rep["findings"]]
 
 
 def test_a_wrong_max_min_or_product_is_named_at_its_reduce_in_full_mode(tmp_path):

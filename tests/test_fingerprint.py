@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tpprobe.exchange.fingerprint import Fingerprint, column_signs, fingerprint, fingerprints, row_signs, sketch_close, sum_matches
+from tpprobe.exchange.fingerprint import (Fingerprint, column_signs, fingerprint, fingerprints, row_signs, sketch_close,
+                                          sum_matches)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

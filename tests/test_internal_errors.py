@@ -83,6 +83,7 @@ def test_an_internal_error_in_an_offline_command_is_one_line_and_exit_3(runs):
             f"main(['report', {out!r}])")
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert cp.returncode == 3, cp.stderr
-    assert cp.stderr.strip().splitlines() == [line for line in cp.stderr.strip().splitlines()
-                                              if line.startswith("tpprobe: internal error in tpprobe report: TypeError")]
+    assert cp.stderr.strip().splitlines() == [
+        line for line in cp.stderr.strip().splitlines()
+        if line.startswith("tpprobe: internal error in tpprobe report: TypeError")]
     assert "Traceback" not in cp.stderr

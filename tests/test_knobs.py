@@ -39,7 +39,8 @@ def test_no_module_reads_a_tpprobe_variable_from_the_environment_itself():
         for node in ast.walk(ast.parse(p.read_text())):
             # os.environ.get("TPPROBE_..."), os.environ["TPPROBE_..."], os.getenv("TPPROBE_...")
             args = []
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv"):
+            if isinstance(node, ast.Call) and isinstance(node.func,
+                                                         ast.Attribute) and node.func.attr in ("get", "getenv"):
                 args = node.args[:1]
             elif isinstance(node, ast.Subscript):
                 args = [node.slice]

@@ -112,6 +112,7 @@ def test_the_table_replays_sglangs_setter_on_ids_it_never_saw(live):
             pa, pb = plan_from_derived(name, a), plan_from_derived(name, b)
             assert (pa.rule, pa.crash, pa.problems, pa.slot_hf_indices) == (pb.rule, pb.crash, pb.problems,
                                                                           pb.slot_hf_indices)
-    names = [*tab["FILES"], *tab["MODEL_TYPES"], *[n for n in rules._ALIASES], *[c for c in tab["CLASSES"] if "." not in c]]
+    names = [*tab["FILES"], *tab["MODEL_TYPES"], *[n for n in rules._ALIASES],
+             *[c for c in tab["CLASSES"] if "." not in c]]
     for n in names:     # every name resolves to the class SGLang's own lookup finds
         assert rules.resolve_in_table(n, tab) == rules.resolve(n).__name__, n

@@ -49,10 +49,12 @@ def ranks_env(monkeypatch, tmp_path):
 
 # ---- bad input: one line, exit 2, nothing left behind ------------------------------------------
 @pytest.mark.parametrize("args, says", [
-    (["probe", "--out", "{tmp}/no/such/dir/x"], "--out {tmp}/no/such/dir/x: the folder {tmp}/no/such/dir does not exist"),
+    (["probe", "--out", "{tmp}/no/such/dir/x"],
+     "--out {tmp}/no/such/dir/x: the folder {tmp}/no/such/dir does not exist"),
     (["probe", "--html", "{tmp}/no/such/r.html"], "--html {tmp}/no/such/r.html: the folder {tmp}/no does not exist"),
     (["probe", "--markdown", "{tmp}/no/x/r.md"], "--markdown {tmp}/no/x/r.md: the folder {tmp}/no does not exist"),
-    (["report", "{run}", "--html", "{tmp}/no/x/r.html"], "--html {tmp}/no/x/r.html: the folder {tmp}/no does not exist"),
+    (["report", "{run}", "--html", "{tmp}/no/x/r.html"],
+     "--html {tmp}/no/x/r.html: the folder {tmp}/no does not exist"),
     (["specforge", "{run}", "{tmp}/no/rows/d.ckpt"], "the folder {tmp}/no does not exist"),
     (["probe", "--config", "cfg.json"], "--config cfg.json builds SGLang's model classes: add --backend sglang"),
     (["probe", "--num-layers", "0"], "--num-layers must be >= 1 (got 0)"),

@@ -52,7 +52,8 @@ def test_the_cpu_tier_pins_the_release_tpprobe_says_it_is_tested_with():
     assert re.search(r"^SGLANG_VERSION=(\S+)$", script, re.M).group(1) == sg.SGLANG_VERSION
     assert sg.SGLANG_VERSION in sg.TESTED_VERSIONS
     assert "sglang" not in " ".join(
-        re.findall(r"^\s*(\w+)\s*=\s*\[", (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+        re.findall(r"^\s*(\w+)\s*=\s*\[",
+                   (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
                    .split("[project.scripts]")[0], re.M))
     readme = (ROOT / "README.md").read_text()
     assert f"SGLang {sg.SGLANG_VERSION}" in readme and "'.[sglang]'" not in readme

@@ -142,7 +142,8 @@ def _assert_bounded(run):
     for rec in run.records.values():
         kept = {n: t for n, t in rec.tensors.items()}
         assert rec.meta["hidden"] == HIDDEN
-        assert (rec.rank == 1 or kept) and set(kept) <= {"aux.packed", *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
+        assert (rec.rank == 1 or kept) and set(kept) <= {"aux.packed",
+                                                         *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
         assert all(t.shape[0] == 2 for t in kept.values())
         assert sum(t.numel() * t.element_size() for t in kept.values()) == rec.meta["kept_bytes"] <= BUDGET
         assert rec.meta["budget_refused"], "the budget must have refused the third tensor"

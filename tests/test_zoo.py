@@ -108,7 +108,8 @@ def test_zoo_tp2_float32_plus_stale_params_drift_and_opaque_paths(tmp_path):
     ]
     results = _probe_all(tmp_path, 2, _cases("float32") + extra)
     _check_zoo(results, 2)
-    assert _got(results["moe-stale-router"]) == [("rank-divergence", "layer 2 parameter stack.2.moe.router.weight", [1])]
+    assert _got(results["moe-stale-router"]) == [("rank-divergence",
+                                                  "layer 2 parameter stack.2.moe.router.weight", [1])]
     for name in ("gptj-drift-bf16", "gptj-drift-bf16-fp", "gptj-noise-bf16-fp", "gptj-drift-fp32"):
         assert _got(results[name]) == [("rank-divergence", "layer.2.out", [1])], (name, results[name]["findings"])
     op = results["opaque-custom-op"]

@@ -22,7 +22,8 @@ from .invariance.options import HIDDEN as INVARIANCE_HIDDEN, InvarianceOptions
 from .options import ProbeOptions, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 bad usage, 3 internal error.")
+                  help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 "
+                       "bad usage, 3 internal error.")
 
 _DEBUG = {"on": False}
 
@@ -119,8 +120,10 @@ def report(
     emit_dims: Annotated[bool, typer.Option("--emit-dims", help="dumper folders: print the dims each tensor needs in "
                                                                 "SGLang's comparator (an --override-config YAML), "
                                                                 "from what tpprobe measured")] = False,
-    html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
-    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) to this file")] = None,
+    html: Annotated[Optional[str],
+                    typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
+                                                                       "to this file")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="print the verdict lines only")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show the traceback of an error")] = False,
 ) -> None:
@@ -189,15 +192,18 @@ app.command("invariance")(_with_options(invariance, InvarianceOptions, hidden=IN
 
 @app.command("diff")
 def diff(
-    baseline: Annotated[Path, typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
+    baseline: Annotated[Path,
+                        typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
     target: Annotated[Path, typer.Argument(help="the run to check against the baseline (same kinds of input)")],
     rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
     all_ranks: Annotated[bool, typer.Option("--all-ranks", help="every rank of the capture folder(s)")] = False,
     slots: Annotated[Optional[int], typer.Option("--slots", help="K: split a bare packed tensor into K slots")] = None,
-    hidden: Annotated[Optional[int], typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
+    hidden: Annotated[Optional[int],
+                      typer.Option("--hidden", help="H: split packed tensors into slots of width H")] = None,
     offset: Annotated[Optional[int], typer.Option("--offset", help="target token i = baseline token i+N")] = None,
     threshold: Annotated[Optional[str], typer.Option(
-        "--threshold", help="rel diff² (‖t−b‖²/(‖t‖²+‖b‖²): quadratic: a 1 % difference is 5e-5) a slot may have: 1e-3, or per target slot 0=1e-3,2=5e-2 "
+        "--threshold", help="rel diff² (‖t−b‖²/(‖t‖²+‖b‖²): quadratic: a 1 % difference is 5e-5) a slot may have: "
+                            "1e-3, or per target slot 0=1e-3,2=5e-2 "
                             "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
@@ -210,16 +216,28 @@ def diff(
 
 @app.command("accept")
 def accept(
-    draft: Annotated[Path, typer.Option("--draft", help="EAGLE-3 draft checkpoint folder (config.json + safetensors, as SpecForge writes it)")],
-    baseline: Annotated[Path, typer.Option("--baseline", help="aux features the draft should see: capture folder, SpecForge sample, rank file")],
-    target: Annotated[Path, typer.Option("--target", help="aux features to judge (e.g. the serving capture), same kinds of input")],
-    tokens_from: Annotated[Optional[Path], typer.Option("--tokens-from", help="the target's token sequence (default: the target's, else the baseline's input_ids)")] = None,
-    fix: Annotated[bool, typer.Option("--fix", help="also score the target with its slots re-ordered by the slot matcher")] = False,
-    engine: Annotated[str, typer.Option("--engine", help="auto | sglang (SGLang's LlamaForCausalLMEagle3) | torch (tpprobe's re-implementation)")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="auto (cuda when there is one, else cpu) | cpu | cuda | cuda:N; on cuda the torch engine runs (SGLang's class runs on CPU here)")] = "auto",
-    embed: Annotated[Optional[Path], typer.Option("--embed", help="the target's embedding table, when the draft has none")] = None,
+    draft: Annotated[Path, typer.Option("--draft", help="EAGLE-3 draft checkpoint folder (config.json + safetensors, "
+                                                        "as SpecForge writes it)")],
+    baseline: Annotated[Path, typer.Option("--baseline", help="aux features the draft should see: capture folder, "
+                                                              "SpecForge sample, rank file")],
+    target: Annotated[Path, typer.Option("--target",
+                                         help="aux features to judge (e.g. the serving capture), same kinds of input")],
+    tokens_from: Annotated[Optional[Path],
+                           typer.Option("--tokens-from", help="the target's token sequence (default: the target's, "
+                                                              "else the baseline's input_ids)")] = None,
+    fix: Annotated[bool, typer.Option("--fix", help="also score the target with its slots re-ordered by the slot "
+                                                    "matcher")] = False,
+    engine: Annotated[str, typer.Option("--engine", help="auto | sglang (SGLang's LlamaForCausalLMEagle3) | torch "
+                                                         "(tpprobe's re-implementation)")] = "auto",
+    device: Annotated[str,
+                      typer.Option("--device",
+                                   help="auto (cuda when there is one, else cpu) | cpu | cuda | cuda:N; on cuda the "
+                                        "torch engine runs (SGLang's class runs on CPU here)")] = "auto",
+    embed: Annotated[Optional[Path],
+                     typer.Option("--embed", help="the target's embedding table, when the draft has none")] = None,
     rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
-    tolerance: Annotated[float, typer.Option("--tolerance", help="accept-length difference (chain of 5) still called no cost")] = 0.05,
+    tolerance: Annotated[float, typer.Option("--tolerance",
+                                             help="accept-length difference (chain of 5) still called no cost")] = 0.05,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="also write a Markdown summary")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,

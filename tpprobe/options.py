@@ -103,7 +103,8 @@ class ProbeOptions:
     layers: list[int] = opt("--layers", list(BUILTIN["layer_ids"]),
                             "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3: the embedding and "
                             "the streams leaving layers 1 and 3, clamped to id L-2 (id L-1 is dropped, as SGLang-Llama "
-                            "drops it) and each kept once: 4 layers: -1,1,2, 3: -1,1, 2: -1,0, 1: -1 (with --model: of the "
+                            "drops it) and each kept once: 4 layers: -1,1,2, 3: -1,1, 2: -1,0, 1: -1 (with --model: of "
+                            "the "
                             "model's own depth); with --backend sglang the "
                             "ids that capture the same streams under the architecture's rule, e.g. 0,2,4 for "
                             "deepseek_v2)",
@@ -264,7 +265,8 @@ def config_dtype(path: str) -> str:
         d = json.loads(p.read_text())
     except (OSError, ValueError):
         return "float32"
-    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") if isinstance(d, dict) else ""
+    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") if isinstance(d,
+                                                                                                         dict) else ""
     return want if want in DTYPE_NAMES else "float32"
 
 

@@ -202,7 +202,8 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     ch, world = me.ch, me.ctx.world_size
     liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
     settings = run_settings(me.opts, me.ctx, me.target, me.layer_ids)
-    references = reference_streams(BuiltinConfig.from_options(me.opts)) if me.target.arch == "builtin" and not me.opts.model else None
+    references = reference_streams(BuiltinConfig.from_options(me.opts)) \
+        if me.target.arch == "builtin" and not me.opts.model else None
     t2 = time.time()
     result = run_checks(records, settings, liveness, references, evidence=evidence)
     report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,

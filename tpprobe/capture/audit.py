@@ -73,7 +73,8 @@ decided by `audited(namespace, name)`, into the same records):
   caller says its tensors may be inference tensors (`use_mode=True`: the Tap sets it when a
   parameter or buffer of the model is one), and when an audited op has its own ADInplaceOrView
   kernel (a mutating `torch.library.custom_op` registers one: such an op named like a collective
-  sends every Audit here; `Audit.path` says why). What the kernel path cannot see and the mode can: a collective on an inference tensor the
+  sends every Audit here; `Audit.path` says why). What the kernel path cannot see and the mode
+  can: a collective on an inference tensor the
   model does not hold (a buffer allocated under inference mode elsewhere) issued outside inference
   mode; a forward that enters inference mode itself after the Audit started. The mode keeps
   PyTorch's dynamo guard around `__torch_dispatch__` (`_should_skip_dynamo` stays True): without

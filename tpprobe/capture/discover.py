@@ -139,7 +139,8 @@ def embedding(model: nn.Module, spec: str) -> tuple[str, nn.Module]:
     return spec, model.get_submodule(spec)
 
 
-def candidates(model: nn.Module, layers: list[tuple[int, str, nn.Module]], list_name: str) -> list[tuple[str, nn.Module]]:
+def candidates(model: nn.Module, layers: list[tuple[int, str, nn.Module]],
+               list_name: str) -> list[tuple[str, nn.Module]]:
     """Modules that may be the embedding: outside every layer, and not an ancestor of the layers."""
     layer_names = [n for _, n, _ in layers]
     out = []

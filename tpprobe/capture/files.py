@@ -328,13 +328,16 @@ def load_run(path, verify: bool = True) -> LoadedRun:
                 problems.append({"file": e["path"], "rank": e.get("rank"), "problem": "missing"})
             elif p.stat().st_size != e["size"]:
                 problems.append({"file": e["path"], "rank": e.get("rank"),
-                                 "problem": f"size {p.stat().st_size} bytes, manifest says {e['size']} (truncated or replaced)"})
+                                 "problem": f"size {p.stat().st_size} bytes, manifest says {e['size']} (truncated or "
+                                            f"replaced)"})
             elif verify and sha256_file(p) != e["sha256"]:
-                problems.append({"file": e["path"], "rank": e.get("rank"), "problem": "sha256 differs from the manifest (corrupted)"})
+                problems.append({"file": e["path"], "rank": e.get("rank"),
+                                 "problem": "sha256 differs from the manifest (corrupted)"})
             else:
                 ok_files[e["path"]] = e
         except OSError as err:
-            problems.append({"file": e["path"], "rank": e.get("rank"), "problem": f"unreadable ({err.strerror or err})"})
+            problems.append({"file": e["path"], "rank": e.get("rank"),
+                             "problem": f"unreadable ({err.strerror or err})"})
     try:
         present = sorted(root.iterdir())
     except OSError as err:

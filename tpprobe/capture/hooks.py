@@ -266,7 +266,8 @@ class _Plan:
     of the 270 us an install took). Used again while the model's structure is unchanged: no module,
     parameter or buffer was registered anywhere since (PyTorch's global registration hooks count
     them: assignment, add_module, ModuleList.append) and no module has a different number of
-    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
+    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's
+    `.data` replaced."""
     __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "known", "inference", "stamp",
                  "mods", "found", "cached")
 
@@ -769,13 +770,15 @@ class Tap:
                 per_layer[r.where] = per_layer.get(r.where, 0) + 1
             if not r.checked:
                 unread[r.meta()["path"]] += 1
-        return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
+        return {"embed": self.embed_name,
+                "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
                 "embed_layout": self.embed_layout, "placements": dict(self.placements),
                 "row_placements": dict(self.row_placements), "raised_in": self.raised_in,
                 "unreadable_points": dict(self.unreadable),
                 "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
                 "layer_names": list(self._layer_names),
-                "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
+                "layers_ran": len(self.layers_ran),
+                "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
                 "reduces_per_place": per_layer, "paths": dict(paths), "unreadable_paths": dict(unread),
                 "audit": self.audit,
                 # how the audit watched: "kernel" (its dispatcher kernels) | "mode (why)" (the dispatch mode)

@@ -110,7 +110,8 @@ def measure(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = N
     a0, b0 = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
     d = (a0 - b0).abs()
     nb = float(torch.linalg.vector_norm(b0))
-    rel_norm = float(torch.linalg.vector_norm(d)) / nb if nb > 0 else (0.0 if d.numel() == 0 or float(d.max()) == 0 else math.inf)
+    rel_norm = float(torch.linalg.vector_norm(d)) / nb if nb > 0 else (0.0 if d.numel() == 0 or float(d.max()) == 0
+                                                                       else math.inf)
     rn_b = torch.linalg.vector_norm(b0, dim=-1)
     rn_d = torch.linalg.vector_norm(d, dim=-1)
     scale = float(rn_b.max()) if rn_b.numel() else 0.0
@@ -127,7 +128,8 @@ def measure(x: torch.Tensor, ref: torch.Tensor, dtype: Optional[torch.dtype] = N
     return {"rel_norm": rel_norm, "row_rel_max": row_rel, "ulp_max": float(ulp.max()) if ulp.numel() else 0.0,
             "ulp_mean": float(ulp.mean()) if ulp.numel() else 0.0, "nan_mismatch": nf_mismatch,
             "max_abs": float(d.max()) if d.numel() else 0.0, "mean_abs": float(d.mean()) if d.numel() else 0.0,
-            "bad_rows": bad_row, "row_rel": row_rel_t, "bad_fraction": float(bad_el.float().mean()) if bad_el.numel() else 0.0,
+            "bad_rows": bad_row, "row_rel": row_rel_t,
+            "bad_fraction": float(bad_el.float().mean()) if bad_el.numel() else 0.0,
             "rms": rms}
 
 

@@ -105,7 +105,8 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
                        else f"against the exact {defn}")
         out.append(Finding(
             "allreduce-incomplete", _where(e, records, live), bad,
-            detail=(f"{KIND_NAME.get(kind, kind)} #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) "
+            detail=(f"{KIND_NAME.get(kind, kind)} #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape "
+                    f"{e.get('shape')}) "
                     f"ran, but its output is not the {defn}" + ("" if kind == "all_to_all" else " of its inputs")
                     + f": {what}" + (f" (relative error {against}: {errs})" if errs else f" ({against})")
                     + f".{agree}"),

@@ -108,8 +108,9 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- consequences and noise ----------------------------------------------------------------
     material = [n for n in names if any(s["level"] in ("material", "shape") for s in point_stats.get(n, {}).values())]
     if roots:
-        roots[0].consequences = roots[0].consequences + [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
-                                 f"differ" for n in material if n != roots[0].where][:64]
+        roots[0].consequences = roots[0].consequences + [
+            f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
+            f"differ" for n in material if n != roots[0].where][:64]
     set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
                     for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------

@@ -146,7 +146,8 @@ def _side(w, q, s0, s1, s2, s3, S, acc_s, acc_x, nwords, BR: tl.constexpr, W: tl
 
 @triton.jit
 def _tile(wt, t, off, rows_l, sb0, SS, acc_s, acc_x, flag_ptr, nwords, nbrows, bpt_m, bpt_s,
-          BR: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr, DO_FLAGS: tl.constexpr, MASKED: tl.constexpr, SKIP: tl.constexpr,
+          BR: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr, DT: tl.constexpr, DO_FLAGS: tl.constexpr,
+          MASKED: tl.constexpr, SKIP: tl.constexpr,
           INTERP: tl.constexpr):
     """One tile of BR sign rows: wt = the SPLIT sides' words ([BR, W] each, side i = words
     i*W .. i*W + W - 1 of each row), SS their accumulators."""

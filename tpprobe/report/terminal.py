@@ -10,10 +10,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .labels import audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces, slot_values_differ, timing_text, verdict_lines
+from .labels import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces, slot_values_differ,
+                     timing_text, verdict_lines)
 
 LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
-               "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim", "share": "dim"}
+               "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim",
+               "share": "dim"}
 
 
 def console(stderr: bool = False) -> Console:

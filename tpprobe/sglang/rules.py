@@ -340,7 +340,8 @@ def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
         src = _source(inspect.getmodule(fcls))          # the loop lives in a helper of that file
     d.forward_of = f"{fcls.__name__}.forward"
     d.loop_uses_flags = "_is_layer_to_capture" in src and not re.search(r"\bi\s+in\s+self\.layers_to_capture", src)
-    d.captures_last = bool(re.search(r"(num_layers|self\.end_layer|len\(self\.layers\))\s+in\s+self\.layers_to_capture", src))
+    d.captures_last = bool(re.search(r"(num_layers|self\.end_layer|len\(self\.layers\))\s+in\s+self\.layers_to_capture",
+                                     src))
     d.packer = "AuxHiddenStatePacker(" in src
     return d
 

@@ -213,7 +213,8 @@ def tiny_config(arch: str, num_layers: int, moe: bool = True):
             num_hidden_layers=num_layers, num_attention_heads=TINY_SHAPES["deepseek_v2"]["heads"],
             num_key_value_heads=TINY_SHAPES["deepseek_v2"]["heads"],
             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, n_routed_experts=TINY_SHAPES["deepseek_v2"]["experts"], n_shared_experts=1, num_experts_per_tok=2,
+            v_head_dim=16, n_routed_experts=TINY_SHAPES["deepseek_v2"]["experts"],
+            n_shared_experts=1, num_experts_per_tok=2,
             n_group=1, topk_group=1, first_k_dense_replace=_first_dense(num_layers, moe),
             max_position_embeddings=256,
             # SGLang's CPU rope supports only deepseek_yarn (as real DeepSeek-V3 uses)

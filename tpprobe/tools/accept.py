@@ -57,7 +57,8 @@ _LEGACY = {"midlayer.": "layers.0.", "aux_norm_low": "fc_norm.0", "aux_norm_mid"
 class Draft:
     path: Path
     config: dict
-    weights: dict                 # normalized names: fc.weight, layers.0.*, norm.weight, lm_head.weight, embed_tokens.weight
+    # normalized names: fc.weight, layers.0.*, norm.weight, lm_head.weight, embed_tokens.weight
+    weights: dict
     hidden: int
     target_hidden: int
     k: int                        # aux slots the fc takes
@@ -459,7 +460,8 @@ class Scored:
     accepted: dict = field(default_factory=dict)     # k -> expected accepted draft tokens
 
     def accept_length(self, k: int = 5) -> float:
-        return 1.0 if not self.usable else 1.0 + (self.accepted.get(k) or 0.0)   # no draft accepted: the target's own token
+        # no draft accepted: the target's own token
+        return 1.0 if not self.usable else 1.0 + (self.accepted.get(k) or 0.0)
 
     def as_dict(self) -> dict:
         return {"label": self.label, "source": self.source, "usable": self.usable, "why": self.why,

@@ -359,7 +359,8 @@ def check_run(run: DumpRun) -> dict:
     widths: Counter = Counter()
     records = 0
     ref = None
-    for (name, tags, step), by_rank in sorted(run.groups.items(), key=lambda kv: (kv[0][2], min(f.dump_index for f in kv[1].values()))):
+    for (name, tags, step), by_rank in sorted(run.groups.items(),
+                                              key=lambda kv: (kv[0][2], min(f.dump_index for f in kv[1].values()))):
         ranks = sorted(by_rank)
         ref_r = ranks[0]
         ref = None           # the previous group's record goes before this one is read
@@ -369,7 +370,8 @@ def check_run(run: DumpRun) -> dict:
         dims = meta.get("dims")
         lay = tp_layout(dims)
         is_t = isinstance(ref, torch.Tensor)
-        g = GroupResult(name, tags, step, list(ref.shape) if is_t else [], str(ref.dtype).replace("torch.", "") if is_t else
+        g = GroupResult(name, tags, step, list(ref.shape) if is_t else [],
+                        str(ref.dtype).replace("torch.", "") if is_t else
                         type(ref).__name__, tp_size, src, dims if isinstance(dims, str) else None, "single",
                         {str(ref_r): {"level": "reference"}})
         results.append(g)
@@ -378,7 +380,8 @@ def check_run(run: DumpRun) -> dict:
             continue
         missing = [r for r in run.ranks if r not in by_rank]
         if missing:
-            g.findings.append(Finding("capture-file", _where(g), missing, detail=f"ranks {missing} have no file for this "
+            g.findings.append(Finding("capture-file", _where(g), missing,
+                                      detail=f"ranks {missing} have no file for this "
                                       f"record while ranks {ranks} do (a rank-dependent dump or a lost file)"))
         nf = nonfinite_count(ref)
         quick = bool(lay and lay[0] in ("partial", "sharded") and tp_size > 1)
@@ -389,7 +392,8 @@ def check_run(run: DumpRun) -> dict:
                 s = {"level": "shape", "shape": type(x).__name__}
             elif quick:      # declared shards: only "is it a copy?" matters (a dims-mismatch), not the numbers
                 s = ({"level": "shape", "shape": list(x.shape)} if x.dim() != ref.dim() else
-                     {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0} if _bitwise(x, ref) else {"level": "material"})
+                     {"level": "bitwise", "max_abs": 0.0, "rel_diff": 0.0} if _bitwise(x, ref)
+                     else {"level": "material"})
             else:
                 s = measure(x, ref)
             if s["level"] == "material" and isinstance(x, torch.Tensor):
@@ -405,13 +409,14 @@ def check_run(run: DumpRun) -> dict:
         if ref.dim() >= 2 and (lay is None or lay[0] != "sharded"):
             widths[int(ref.shape[-1])] += 1
         if not odd:
-            if lay and lay[0] in ("partial", "sharded") and tp_size > 1 and all(v == "bitwise" for v in levels.values()) \
-                    and bool(_flat(ref).ne(0).any()):
+            if lay and lay[0] in ("partial", "sharded") and tp_size > 1 \
+                    and all(v == "bitwise" for v in levels.values()) and bool(_flat(ref).ne(0).any()):
                 g.read = "replicated"
+                would = 'sum it ' + str(tp_size) + ' times' if lay[0] == 'partial' else 'concatenate copies'
                 g.findings.append(Finding("dims-mismatch", _where(g), ranks, severity=WARNING,
                                           detail=f"dims {dims!r} declare it {lay[0]} over tp, but every rank holds the "
                                                  f"same values: it is replicated (already reduced or gathered); "
-                                                 f"SGLang's comparator would {'sum it ' + str(tp_size) + ' times' if lay[0] == 'partial' else 'concatenate copies'}",
+                                                 f"SGLang's comparator would {would}",
                                           evidence={"all_ranks": True}))
             else:
                 g.read = "replicated"
@@ -506,8 +511,10 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
             _shares(g, ranks, "partial", ev)
             match = _sum_matches(total, g.step, replicated_refs, g.name)
             g.findings.append(Finding("partial-allreduce", where, list(ranks),
-                                      detail=f"each rank holds its own partial sum: {frac:.0%} of the {n_any} non-zero token "
-                                             f"rows are non-zero on exactly one rank (disjoint vocab rows: a vocab-parallel "
+                                      detail=f"each rank holds its own partial sum: {frac:.0%} of the {n_any} non-zero "
+                                             f"token "
+                                             f"rows are non-zero on exactly one rank (disjoint vocab rows: a "
+                                             f"vocab-parallel "
                                              f"embedding before its all-reduce); Σ over ranks is the value"
                                              + (f" and equals {match}" if match else "") + declared,
                                       evidence={**ev, **({"sum_equals": match} if match else {})}))
@@ -517,14 +524,16 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
         _shares(g, ranks, "partial", {**ev, "sum_equals": match})
         g.findings.append(Finding("partial-allreduce", where, list(ranks),
                                   detail=f"each rank holds a partial sum: Σ over the {world} ranks equals {match} "
-                                         f"(within rounding); its all-reduce had not run{declared}", evidence=g.evidence))
+                                         f"(within rounding); its all-reduce had not run{declared}",
+                                  evidence=g.evidence))
         return
     width = g.shape[-1] if g.shape else None
     if hidden and width and width * world == hidden and len(g.shape) >= 2:
         _shares(g, ranks, "sharded")
         g.sharded_dim = len(g.shape) - 1
         g.findings.append(Finding("tp-sliced", where, list(ranks), severity=WARNING,
-                                  detail=f"width {width} = {hidden} / tp {world} and the ranks hold different values: each "
+                                  detail=f"width {width} = {hidden} / tp {world} and the ranks hold different values: "
+                                         f"each "
                                          f"rank dumped its TP slice of a {hidden}-wide tensor, and no dims say so "
                                          f"(annotate h[tp], or dump it after the gather){declared}",
                                   evidence={"hidden": hidden, **ev}))
@@ -533,10 +542,14 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
     if stats and all((s.get("rel_diff") or 0) >= 0.01 and (s.get("bad_fraction") or 0) >= 0.5 for s in stats):
         _shares(g, ranks, "partial", {**ev, "proof": "none (no replicated record equals the sum)"})
         g.findings.append(Finding("partial-allreduce", where, list(ranks),
-                                  detail=f"every rank holds different values over {min(s['bad_fraction'] for s in stats):.0%}+ "
-                                         f"of the elements (rel diff ≥ {min(s['rel_diff'] for s in stats):.2g}): a partial sum "
-                                         f"(Σ over ranks is the value; annotate h[tp:partial] if that is intended) or a "
-                                         f"rank-dependent tensor; no replicated record of this step equals the sum{declared}",
+                                  detail=f"every rank holds different values over "
+                                         f"{min(s['bad_fraction'] for s in stats):.0%}+ "
+                                         f"of the elements (rel diff ≥ {min(s['rel_diff'] for s in stats):.2g}): a "
+                                         f"partial sum "
+                                         f"(Σ over ranks is the value; annotate h[tp:partial] if that is intended) or "
+                                         f"a "
+                                         f"rank-dependent tensor; no replicated record of this step equals the "
+                                         f"sum{declared}",
                                   evidence=g.evidence))
         return
     bad = [r for r in ranks if r != ref_r]
@@ -547,9 +560,11 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
 def _divergent(g: GroupResult, bad, s: dict, against: str, note: str, declared: str, classes) -> None:
     g.read = "divergent"
     g.findings.append(Finding("rank-divergence", _where(g), bad,
-                              detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially from "
+                              detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially "
+                                     f"from "
                                      f"{against} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
-                                     f"{s.get('rel_diff', 0) or 0:.3g}, first token {s.get('first_token')}){note}{declared}",
+                                     f"{s.get('rel_diff', 0) or 0:.3g}, first token "
+                                     f"{s.get('first_token')}){note}{declared}",
                               evidence={"groups": classes}))
 
 
@@ -617,12 +632,14 @@ def report_data(path) -> dict:
         res = check_run(run)
     groups: list[GroupResult] = res["groups"]
     findings = _merge_findings(groups)
-    noisy = [g for g in groups if g.read == "replicated" and any(s.get("level") == "noise" for s in g.per_rank.values())]
+    noisy = [g for g in groups if g.read == "replicated"
+             and any(s.get("level") == "noise" for s in g.per_rank.values())]
     if noisy:
         worst = max(s.get("ulp_max", 0) or 0 for g in noisy for s in g.per_rank.values())
         names = sorted({g.name for g in noisy})
         findings.append(Finding("rounding-noise", ", ".join(names[:6]) + (" …" if len(names) > 6 else ""),
-                                sorted({int(r) for g in noisy for r, s in g.per_rank.items() if s.get("level") == "noise"}),
+                                sorted({int(r) for g in noisy for r,
+                                        s in g.per_rank.items() if s.get("level") == "noise"}),
                                 severity=INFO, detail=f"{len(noisy)} records differ across ranks by rounding only "
                                                       f"(max {worst:g} ULP): not a failure").to_json())
     tps = Counter(g.tp_size for g in groups)
@@ -659,7 +676,8 @@ def dims_for(g: GroupResult) -> tuple[str, str]:
         why = "measured: " + ("disjoint non-zero token rows across ranks" if "rows_nonzero_on_one_rank" in g.evidence
                               and g.evidence.get("rows_nonzero_on_one_rank", 0) >= 0.9 else
                               f"Σ over ranks equals {g.evidence['sum_equals']}" if g.evidence.get("sum_equals") else
-                              "declared partial" if g.evidence.get("declared") else "ranks differ everywhere (suspected partial)")
+                              "declared partial" if g.evidence.get("declared") else "ranks differ everywhere "
+                                                                                    "(suspected partial)")
         return " ".join(names), why
     if g.read == "sharded":
         i = g.sharded_dim if g.sharded_dim is not None else nd - 1
@@ -669,8 +687,10 @@ def dims_for(g: GroupResult) -> tuple[str, str]:
         return " ".join(names), "tp 1: nothing to unshard"
     if g.read == "replicated":
         lv = {s.get("level") for s in g.per_rank.values()} - {"reference"}
-        return " ".join(names) + " # tp:replicated", f"measured: every rank {'bitwise equal' if lv <= {'bitwise'} else 'equal within rounding'}"
-    return " ".join(names) + " # tp:replicated", f"ranks disagree ({g.read}): replicated is what it should be; the comparator will fail it"
+        return " ".join(names) + " # tp:replicated", \
+            f"measured: every rank {'bitwise equal' if lv <= {'bitwise'} else 'equal within rounding'}"
+    return " ".join(names) + " # tp:replicated", \
+        f"ranks disagree ({g.read}): replicated is what it should be; the comparator will fail it"
 
 
 def emit_dims_text(data: dict) -> str:
@@ -682,13 +702,15 @@ def emit_dims_text(data: dict) -> str:
         d, why = dims_for(g)
         per.setdefault(g.name, {}).setdefault(d, (why, []))[1].append(g.step)
     lines = [f"# tpprobe --emit-dims: dims for SGLang's comparator, from what tpprobe measured on {data['path']}",
-             f"# (tp {data['tp_size']}, {len(data['ranks'])} ranks, steps {_span(data['steps']) if data['steps'] else '-'})",
+             f"# (tp {data['tp_size']}, {len(data['ranks'])} ranks, steps "
+             f"{_span(data['steps']) if data['steps'] else '-'})",
              "# use: python -m sglang.srt.debug_utils.comparator --override-config THIS_FILE ...",
              "overrides:"]
     for name, ds in per.items():
         pat = "^" + re.escape(name) + "$"
         if len(ds) > 1:
-            lines.append(f"  # {name}: the steps disagree ({'; '.join(f'{d} at steps {_span(s)}' for d, (_, s) in ds.items())});"
+            lines.append(f"  # {name}: the steps disagree "
+                         f"({'; '.join(f'{d} at steps {_span(s)}' for d, (_, s) in ds.items())});"
                          f" the first is used")
         d, (why, steps) = next(iter(ds.items()))
         lines.append(f"  - match: {json.dumps(pat)}   # {why}")
@@ -715,10 +737,12 @@ def render_report(data: dict, con) -> None:
         extra = "".join(f" {k}={v}" for k, v in rec["tags"].items())
         row = [rec["name"] + extra, str(rec["step"]), f"{rec['shape']} {rec['dtype']}",
                rec["read"] + (" (declared)" if rec["declared_dims"] and rec["read"] in ("partial", "sharded")
-                              and tp_layout(rec["declared_dims"]) and tp_layout(rec["declared_dims"])[0] == rec["read"] else "")]
+                              and tp_layout(rec["declared_dims"]) and tp_layout(rec["declared_dims"])[0] == rec["read"]
+                              else "")]
         for r in data["ranks"]:
             s = rec["per_rank"].get(str(r))
-            row.append(Text(cell_label(s), style=LEVEL_STYLE.get((s or {}).get("level", "?"), "")) if s else Text("—", style="dim"))
+            row.append(Text(cell_label(s), style=LEVEL_STYLE.get((s or {}).get("level", "?"), "")) if s
+                       else Text("—", style="dim"))
         t.add_row(*row)
     con.print(t)
     con.print(Text(f"coverage: {cov['files']} files, {cov['records_read']} read, {cov['groups']} records over "
@@ -861,7 +885,8 @@ def _diff_data(bpath, tpath) -> dict:
     common = [n for n in names_b if n in names_t]
     rows, notes = [], []
     same_steps = [s for s in b.steps if s in t.steps]
-    per_step = (bids.keys() == tids.keys() and all(torch.equal(bids[s], tids[s]) for s in bids)) or (not bids or not tids)
+    per_step = (bids.keys() == tids.keys() and all(torch.equal(bids[s], tids[s]) for s in bids)) or (not bids
+                                                                                                     or not tids)
     if not per_step:
         bseq = torch.cat([bids[s] for s in sorted(bids)])
         tseq = torch.cat([tids[s] for s in sorted(tids)])
@@ -869,9 +894,11 @@ def _diff_data(bpath, tpath) -> dict:
         if not torch.equal(bseq[:n], tseq[:n]):
             k = int((bseq[:n] != tseq[:n]).nonzero()[0, 0])
             raise UsageError(f"the two runs ran different tokens: baseline token {k} is id {int(bseq[k])}, target's is "
-                             f"id {int(tseq[k])} (input_ids concatenated over steps); refusing to compare different sequences")
+                             f"id {int(tseq[k])} (input_ids concatenated over steps); refusing to compare different "
+                             f"sequences")
         notes.append(f"tokens aligned by input_ids: the runs batch differently (baseline steps "
-                     f"{[int(bids[s].numel()) for s in sorted(bids)]}, target steps {[int(tids[s].numel()) for s in sorted(tids)]} "
+                     f"{[int(bids[s].numel()) for s in sorted(bids)]}, target steps "
+                     f"{[int(tids[s].numel()) for s in sorted(tids)]} "
                      f"tokens); {n} tokens compared, records concatenated over steps on their token dim")
     elif not bids or not tids:
         notes.append("no input_ids record on " + ("either side" if not bids and not tids else
@@ -893,35 +920,47 @@ def _diff_data(bpath, tpath) -> dict:
             rows.append(_diff_one(b, t, bkeys, tkeys, name, tags, "all", n))
     only_b = [n for n in names_b if n not in names_t]
     only_t = [n for n in names_t if n not in names_b]
-    bad = [r for r in rows if r["level"] in ("material", "shape") and not any(o["sum_matches"] for o in r["odd"].values())]
+    bad = [r for r in rows if r["level"] in ("material", "shape")
+           and not any(o["sum_matches"] for o in r["odd"].values())]
     findings = []
     for r in bad:
         findings.append(Finding("reference-mismatch", f"{r['name']} (step {r['step']})", r.get("target_ranks", []),
                                 detail=f"target differs from the baseline ({r['level']}: max abs diff "
-                                       f"{r.get('max_abs') or 0:.3g}, rel diff {r.get('rel_diff') or 0:.3g}, first token "
-                                       f"{r.get('first_token')}); baseline {r['baseline_how']}, target {r['target_how']}",
+                                       f"{r.get('max_abs') or 0:.3g}, rel diff {r.get('rel_diff') or 0:.3g}, first "
+                                       f"token "
+                                       f"{r.get('first_token')}); baseline {r['baseline_how']}, target "
+                                       f"{r['target_how']}",
                                 evidence={"all_ranks": True}).to_json())
     for r in rows:
         for side, o in r["odd"].items():
             other = "target" if side == "baseline" else "baseline"
             if o["sum_matches"] and not o.get("declared", True):
                 findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
-                                        detail=f"no dims say how it is split over tp and its ranks differ: it was summed "
-                                               f"over the {side}'s ranks to compare, and that sum equals the {other}, so "
-                                               f"each rank holds a partial sum (its all-reduce had not run; if the record "
+                                        detail=f"no dims say how it is split over tp and its ranks differ: it was "
+                                               f"summed "
+                                               f"over the {side}'s ranks to compare, and that sum equals the {other}, "
+                                               f"so "
+                                               f"each rank holds a partial sum (its all-reduce had not run; if the "
+                                               f"record "
                                                f"is meant partial, its dims should say so: h[tp:partial]), as `tpprobe "
-                                               f"report` names it", evidence={"all_ranks": True, "summed": "inferred"}).to_json())
+                                               f"report` names it",
+                                               evidence={"all_ranks": True, "summed": "inferred"}).to_json())
             elif not o.get("declared", True):
                 continue     # summed by inference and still different: the reference-mismatch above says it
             elif o["sum_matches"]:
                 findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
-                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ from the first "
-                                               f"and Σ over the {side}'s ranks equals the {other}: each rank holds a partial "
-                                               f"sum (its all-reduce had not run)", evidence={"all_ranks": True}).to_json())
+                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ from "
+                                               f"the first "
+                                               f"and Σ over the {side}'s ranks equals the {other}: each rank holds a "
+                                               f"partial "
+                                               f"sum (its all-reduce had not run)",
+                                               evidence={"all_ranks": True}).to_json())
             else:
                 findings.append(Finding("rank-divergence", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
-                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ materially "
-                                               f"from the first (and Σ over ranks does not equal the {other})").to_json())
+                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ "
+                                               f"materially "
+                                               f"from the first (and Σ over ranks does not equal the {other})"
+                                        ).to_json())
     for side, only in (("baseline", only_b), ("target", only_t)):
         if only:
             findings.append(Finding("missing-capture", ", ".join(n for n, _ in only[:6]), [], severity=WARNING,
@@ -965,7 +1004,8 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
                          "sum_matches": m in ("bitwise", "noise"), "declared": mine.source == "dims"}
     row = {"odd": odd, "name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
            "baseline_how": f"{bfull.how} [{bfull.source}]", "target_how": f"{tfull.how} [{tfull.source}]",
-           "inferred": [side for side, f in (("baseline", bfull), ("target", tfull)) if f.source.startswith("inferred")],
+           "inferred": [side for side,
+                        f in (("baseline", bfull), ("target", tfull)) if f.source.startswith("inferred")],
            "shape": list(tfull.value.shape), "dtype": str(tfull.value.dtype).replace("torch.", ""),
            "target_ranks": sorted(t.groups[tkeys[0]]), **s}
     return row
@@ -984,7 +1024,8 @@ def render_diff(data: dict, con) -> None:
     for c in ("name", "step", "shape", "baseline", "target", "level", "max abs", "rel diff", "ULP max"):
         tab.add_column(c, no_wrap=c not in ("baseline", "target"))
     for r in data["rows"]:
-        tab.add_row(Text(r["name"]), r["step"], f"{r['shape']} {r['dtype']}", Text(r["baseline_how"]), Text(r["target_how"]),
+        tab.add_row(Text(r["name"]), r["step"], f"{r['shape']} {r['dtype']}",
+                    Text(r["baseline_how"]), Text(r["target_how"]),
                     Text(r["level"], style=LEVEL_STYLE.get(r["level"], "")),
                     "–" if r.get("max_abs") is None else f"{r['max_abs']:.3g}",
                     "–" if r.get("rel_diff") is None else f"{r['rel_diff']:.2e}",

@@ -36,11 +36,19 @@ ARCH_HELP = ("SGLang architecture: the class in config.json's `architectures` (L
 
 def layers_command(
     arch: Annotated[str, typer.Option("--arch", help=ARCH_HELP)] = "llama",
-    ids: Annotated[Optional[str], typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
+    ids: Annotated[Optional[str],
+                   typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
     num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the target")] = 61,
-    draft_config: Annotated[Optional[Path], typer.Option("--draft-config", help="the EAGLE-3 draft's config.json: check its layer-id contract against --target-config")] = None,
-    target_config: Annotated[Optional[Path], typer.Option("--target-config", help="the target model's config.json (architecture and num_hidden_layers)")] = None,
-    draft_convention: Annotated[str, typer.Option("--draft-convention", help="what the draft's ids meant in training: output (id k = output of layer k, SpecForge) | before (id k = input of layer k)")] = "output",
+    draft_config: Annotated[Optional[Path],
+                            typer.Option("--draft-config", help="the EAGLE-3 draft's config.json: check its layer-id "
+                                                                "contract against --target-config")] = None,
+    target_config: Annotated[Optional[Path],
+                             typer.Option("--target-config", help="the target model's config.json (architecture and "
+                                                                  "num_hidden_layers)")] = None,
+    draft_convention: Annotated[str,
+                                typer.Option("--draft-convention",
+                                             help="what the draft's ids meant in training: output (id k = output of "
+                                                  "layer k, SpecForge) | before (id k = input of layer k)")] = "output",
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""

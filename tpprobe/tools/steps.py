@@ -45,7 +45,8 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
         st = rep["settings"]
         rows.append({"group": group, "step": n, "forward_mode": st.get("forward_mode"), "folder": str(path),
                      "failures": len(fails), "points": len(rep["points"]),
-                     "first": f"{fails[0]['kind']} at {fails[0]['where']} on ranks {fails[0]['ranks']}" if fails else None})
+                     "first": f"{fails[0]['kind']} at {fails[0]['where']} on ranks {fails[0]['ranks']}" if fails
+                     else None})
         if fails and first is None:
             first = (group, n, rep)
         last = (group, n, rep)

@@ -47,7 +47,8 @@ def _stats(x: torch.Tensor, y: torch.Tensor, judge: Optional[torch.dtype] = None
     per_tok = (a0 - b0).abs().amax(-1)
     worst = int(per_tok.argmax()) if per_tok.numel() and float(per_tok.max()) > 0 else None
     return {"level": c["level"], "rel_diff": c["rel_diff"], "max_abs": c["max_abs"], "mean_abs": c["mean_abs"],
-            "cosine": float((a0 * b0).sum()) / den if den > 0 else (1.0 if float(a0.abs().sum() + b0.abs().sum()) == 0 else 0.0),
+            "cosine": float((a0 * b0).sum()) / den if den > 0
+            else (1.0 if float(a0.abs().sum() + b0.abs().sum()) == 0 else 0.0),
             "ulp_max": c["ulp_max"], "ulp_mean": c["ulp_mean"], "worst_token": worst,
             "first_material_token": c["first_token"], "nan_mismatch": c["nan_mismatch"],
             "judged_in": str(judge or coarser(x.dtype, y.dtype)).replace("torch.", "")}

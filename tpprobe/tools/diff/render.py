@@ -39,7 +39,8 @@ def print_table(rep: dict, console) -> None:
                         *([_f(r["as_stored"]["rel_diff"], ".1e") if "as_stored" in r else ""] if mixed else []),
                         f"{_f(r.get('max_abs'), '.2g')}/{_f(r.get('mean_abs'), '.2g')}", _f(r.get("cosine"), ".5f"),
                         f"{_f(r.get('ulp_max'), '.3g')}/{_f(r.get('ulp_mean'), '.2g')}",
-                        "–" if r.get("worst_token") is None else str(r["worst_token"] + res["alignment"]["target_start"]),
+                        "–" if r.get("worst_token") is None
+                        else str(r["worst_token"] + res["alignment"]["target_start"]),
                         _f(r["threshold"], ".0e"), Text(status, style=style))
         console.print(tab)
         if mixed:
