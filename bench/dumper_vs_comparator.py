@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 def _kimi(ctx, base: str, exp: str, tokens: int, hidden: int, vocab: int = 163840) -> dict:
     import torch
 
-    from tpprobe.sglang.dist import publish_parallel_state
+    from tpprobe.engines.sglang.dist import publish_parallel_state
     publish_parallel_state(ctx.rank, ctx.world_size, ctx.local_rank, "gloo", "cpu")
     from sglang.srt.debug_utils.dumper import dumper
 
@@ -149,7 +149,7 @@ CMP = ("import sys,time\n"
        "sys.exit(rc)\n")
 TPP = ("import sys,time\n"
        "from tpprobe.cli import main\n"
-       "import tpprobe.tools.dumper\n"
+       "import tpprobe.dumpdir.dumper\n"
        "t, c = time.perf_counter(), time.process_time()\n"
        "try:\n"
        "    main(sys.argv[1:])\n"

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.harness import repeat, write_json  # noqa: E402
-from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
+from tpprobe.fingerprint.reference import fingerprint  # noqa: E402
 
 
 def med(fn, n):

@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
+import tpprobe.fingerprint.triton as tf  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 

@@ -34,9 +34,9 @@ from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
-from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
-from tpprobe.target import RankContext  # noqa: E402
+from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
+from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint", "fp_no_coll"]
 PHASES = ["enter", "forward", "exit", "resolve", "json", "total"]

@@ -88,7 +88,7 @@ def start_method() -> str:
     """fork when it is safe here (no other thread; GNU OpenMP's pool released, as tpprobe's own
     launcher does): each rank then skips the interpreter start and the torch import; else spawn."""
     import threading
-    from tpprobe.launch import release_openmp
+    from tpprobe.probe.launch import release_openmp
     return "fork" if hasattr(os, "fork") and threading.active_count() == 1 and release_openmp() else "spawn"
 
 

@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from tests.ranks import failures, run_cli
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 
 def render(rep: dict) -> str:
@@ -137,7 +137,7 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
         e = rep["allreduce"]["records"][f["evidence"]["seq"]]
         assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
         assert rep["allreduce"]["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
-        assert f"all-reduce #{e['seq']} (tpprobe.faults.Communicator.all_reduce" in f["detail"]
+        assert f"all-reduce #{e['seq']} (tpprobe.builtin.faults.Communicator.all_reduce" in f["detail"]
     if inject.startswith("skip-unreadable"):
         assert not any(x["kind"] == "subgroup-allreduce" for x in rep["findings"])
         assert any(x["kind"] == "coverage" and x["severity"] == "warning" for x in rep["findings"])
@@ -325,11 +325,11 @@ def test_avg_is_checked_by_its_definition_on_real_tensors():
     tensors, in both exchange modes: the mean is complete, the sum handed back for a mean is not."""
     import torch
 
-    from tpprobe.capture.files import RankRecord
+    from tpprobe.formats.capture_dir import RankRecord
     from tpprobe.capture.points import allreduce_in, allreduce_out
     from tpprobe.checks.allreduce import allreduce_audit
     from tpprobe.checks.evidence import FingerprintEvidence, TensorEvidence
-    from tpprobe.exchange.fingerprint import fingerprint
+    from tpprobe.fingerprint.reference import fingerprint
 
     g = torch.Generator().manual_seed(3)
     ins = [torch.randn(8, 16, generator=g) for _ in range(4)]

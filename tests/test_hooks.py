@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from tests.ranks import ROOT, spawn
 from tpprobe.capture.hooks import Tap
-from tpprobe.model import BuiltinConfig, build_builtin
-from tpprobe.target import RankContext
+from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.core.target import RankContext
 
 
 def _target(rank, world):

@@ -3,11 +3,13 @@
 - no import cycles, lazy (function-level) imports included: a cycle held apart by a lazy import
   is still a cycle;
 - no module imports another module's private (`_name`) names, or reaches them as `mod._name`;
-  a private module (`_hashdef`) is imported only from its own package;
+  a private module (`_name.py`) is imported only from its own package;
 - the renderers (terminal, html, markdown) never import each other, and the report model imports
   no renderer;
-- dependencies point one way: capture and exchange below checks, checks below report and the
-  commands; nothing below imports the pipeline (probe) or the command line (cli).
+- dependencies point one way, floor by floor (`FLOORS`, issue 31): a module imports only its own
+  wing and the wings on floors below; the package root holds only __init__ and __main__ (and the
+  `sglang/` shim that keeps the plugin's old entry point importable);
+- ruff finds nothing and no Python line is over 120 columns.
 Start at scripts/import_graph.py, which builds the graph these tests read.
 """
 import ast
@@ -27,9 +29,13 @@ RENDERERS = {"tpprobe.report.terminal", "tpprobe.report.html", "tpprobe.report.m
 
 
 def _room(mod: str) -> str:
-    """tpprobe.checks.run -> checks, tpprobe.probe -> probe."""
-    parts = mod.split(".")
-    return parts[1] if len(parts) > 1 else ""
+    """The wing a module lives in, the longest prefix FLOORS names: tpprobe.checks.run -> checks,
+    tpprobe.config.options -> config.options, tpprobe.config.knobs -> config; "" for the package root."""
+    parts = mod.split(".")[1:]
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in LEVEL:
+            return ".".join(parts[:k])
+    return "." + ".".join(parts) if parts else ""
 
 
 def test_the_import_graph_has_no_cycles_lazy_imports_included():
@@ -73,12 +79,13 @@ def test_renderers_never_import_each_other_and_the_model_imports_none():
     assert bad == []
 
 
-# tools/diff/ by concern, in order: each module imports only those before it; the renderer none of them
-DIFF_ORDER = ["load", "tokens", "compare", "match", "render", "command"]
+# eagle3/diff/ by concern, in order: each module imports only those before it; the renderer none of them
+# (the command, `tpprobe diff`, is cli/diff.py)
+DIFF_ORDER = ["load", "tokens", "compare", "match", "render"]
 
 
 def test_the_diff_package_points_one_way_and_its_renderer_reads_only_the_report():
-    pkg = "tpprobe.tools.diff"
+    pkg = "tpprobe.eagle3.diff"
     assert sorted(m for m in MODS if m.startswith(pkg + ".")) == sorted(f"{pkg}.{m}" for m in DIFF_ORDER)
     bad = []
     for i, m in enumerate(DIFF_ORDER):
@@ -131,30 +138,57 @@ def test_invariance_reads_collectives_from_the_audit_only():
     assert bad == []
 
 
-# room -> rooms it must never import (the arrows point the other way)
-FORBIDDEN = {
-    "capture": {"exchange", "checks", "report", "tools", "sglang", "probe", "invariance", "cli", "options"},
-    "exchange": {"checks", "report", "tools", "sglang", "probe", "invariance", "cli"},
-    "checks": {"report", "tools", "sglang", "probe", "invariance", "cli"},
-    "report": {"sglang", "probe", "invariance", "cli", "options"},
-    "tools": {"probe", "invariance", "cli"},
-    "sglang": {"probe", "invariance", "cli"},
-    "probe": {"invariance", "cli"},
-    "invariance": {"cli"},
-}
-# the one arrow from exchange into checks: each rank measures its own difference with THE noise rule
-ALLOWED = {("exchange", "tpprobe.checks.noise")}
+# The floors, top to bottom: a module imports only modules of its own wing or of a wing on a lower floor,
+# never one beside it or above it. A wing is the longest prefix named here (config.options is its own).
+FLOORS = [
+    ["sglang"],                          # the plugin's old entry point only: tpprobe.sglang.plugin:register
+    ["cli"],                             # one module per command
+    ["invariance"],
+    ["probe"],                           # the pipeline every rank runs
+    ["builtin", "dumpdir", "eagle3"],    # the built-in model; SGLang dumper folders; EAGLE-3 diff and accept
+    ["report"],                          # (report/terminal still asks the SGLang layer-id rules for its table)
+    ["config.options"],                  # ProbeOptions asks the SGLang engine for an arch's default layer ids
+    ["engines"],                         # engines side by side: sglang/ (vLLM next to it)
+    ["checks", "exchange"],
+    ["formats"],                         # capture folders, SpecForge samples
+    ["capture"],
+    ["fingerprint"],
+    ["config"],                          # option fields, knobs, fault names
+    ["core", "libs"],                    # the ground floor
+]
+LEVEL = {room: i for i, floor in enumerate(FLOORS) for room in floor}
 
 
-def test_dependencies_point_one_way():
+def test_every_module_lives_in_a_wing_and_the_root_holds_only_init_and_main():
+    assert sorted(p.name for p in (ROOT / "tpprobe").glob("*.py")) == ["__init__.py", "__main__.py"]
+    assert sorted(m for m in MODS if m.startswith("tpprobe.sglang")) == ["tpprobe.sglang", "tpprobe.sglang.plugin"]
+    assert sorted(m for m in MODS if _room(m).startswith(".") or _room(m) == "") == ["tpprobe", "tpprobe.__main__"]
+
+
+def test_dependencies_point_one_way_floor_by_floor():
+    """Down only. The root (`tpprobe`) imports nothing at import time (its public names load on first
+    use) and is read only for `__version__`; `__main__` runs the command line."""
     bad = []
     for mod, edges in GRAPH.items():
         room = _room(mod)
-        for target, _, lazy, line in edges:
+        for target, names, lazy, line in edges:
             troom = _room(target)
-            if troom in FORBIDDEN.get(room, ()) and (room, target) not in ALLOWED:
+            if troom == room or (target == "tpprobe" and set(names) == {"__version__"}) \
+                    or (mod == "tpprobe.__main__" and troom == "cli"):
+                continue
+            if room not in LEVEL or troom not in LEVEL or LEVEL[troom] <= LEVEL[room]:
                 bad.append(f"{mod}:{line} -> {target}{' (lazy)' if lazy else ''}")
     assert bad == []
+
+
+def test_the_plugin_entry_point_and_its_old_path_are_the_same_register():
+    """pyproject's entry point is the engine's plugin; a server config may still name the old path."""
+    import tomllib
+    ep = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
+    assert ep == {"tpprobe": "tpprobe.engines.sglang.plugin:register"}
+    shim = ast.parse((ROOT / "tpprobe" / "sglang" / "plugin.py").read_text())
+    assert [(n.module, [a.name for a in n.names]) for n in shim.body if isinstance(n, ast.ImportFrom)] \
+        == [("tpprobe.engines.sglang.plugin", ["register"])]
 
 
 def test_importing_tpprobe_or_its_cli_loads_no_torch():

@@ -79,7 +79,7 @@ def test_an_internal_error_in_an_offline_command_is_one_line_and_exit_3(runs):
     import sys
     from tests.ranks import ROOT
     out = runs["write"][0].args[runs["write"][0].args.index("--out") + 1]
-    code = ("import sys, tpprobe.tools.offline as o; o.report_dir = None; from tpprobe.cli import main; "
+    code = ("import sys, tpprobe.cli.report as o; o.report_dir = None; from tpprobe.cli import main; "
             f"main(['report', {out!r}])")
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert cp.returncode == 3, cp.stderr

@@ -81,7 +81,7 @@ def test_default_gloo_is_rounding_noise_first_broken_by_the_tp_split(tmp_path):
         before = builtin_rows()[:builtin_rows().index(fb["row"])]
         assert all(e["cells"][name]["level"] == "bitwise" for e in rep["rows"] if e["key"] in before)
     # the same files, judged with --expect noise: exit 0 (a real run's fingerprints, re-compared)
-    from tpprobe.probe import ProbeOptions
+    from tpprobe.probe.pipeline import ProbeOptions
     from tpprobe.invariance.compare import compare
     from tpprobe.invariance.options import InvarianceOptions
     runs = {tp: [json.loads((tmp_path / "d" / f"tp{tp}" / f"rank{r}.json").read_text()) for r in range(tp)]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpprobe.checks.noise import (CROSS_RANK, INT_VIEW, RESHARDED, compare, fast_level, has_nonfinite,
-                                  rel_bound, row_bound, ulp_bound)
+from tpprobe.core.noise import (CROSS_RANK, INT_VIEW, RESHARDED, compare, fast_level, has_nonfinite, rel_bound,
+                                row_bound, ulp_bound)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -404,7 +404,7 @@ def test_topology_falls_back_to_nvidia_smi(monkeypatch):
 def test_progress_display_draws_phases_and_stays_quiet(monkeypatch):
     from rich.console import Console
     from tpprobe.capture.progress import Progress
-    from tpprobe.exchange.live import LiveProgress, stop_all
+    from tpprobe.report.live import LiveProgress, stop_all
     monkeypatch.setenv("NO_COLOR", "1")
     buf = io.StringIO()
     prog = Progress()

@@ -13,7 +13,7 @@ placement (which each library refuses itself: named at the module that raised, o
 sequence parallelism's reduce-scatter skipped, a stale replicated parameter on one rank; a DTensor
 capture point placed Partial is one root cause at its module, with what follows as its consequences.
 
-CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.run` exactly as a rank
+CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.pipeline.run` exactly as a rank
 of `tpprobe probe` runs it, on a process group kept between cases); CI runs every fault at tp 2 in
 fp32 and tp 4 healthy cases; the rest of the matrix (every fault in bf16 and at tp 4, every library
 healthy at tp 4 in both dtypes) is `-m sweep`.
@@ -91,7 +91,7 @@ def _need(*libs):
 
 def _run_cases(rank, world, cases, root):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from tpprobe.probe import ProbeOptions, run
+    from tpprobe.probe.pipeline import ProbeOptions, run
     out = {}
     for i, (name, model, env) in enumerate(cases):
         os.environ["TORCHELASTIC_RUN_ID"] = f"tplibs-{world}-{i}"

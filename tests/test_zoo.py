@@ -8,7 +8,7 @@ megatron-core itself, tests/test_tp_libs.py) and a small drift on one rank (F21)
 that rank; reduces through doors the audit cannot read (F20)
 must be said.
 
-To stay within CI time, one set of gloo ranks runs many probes: each case is `tpprobe.probe.run`
+To stay within CI time, one set of gloo ranks runs many probes: each case is `tpprobe.probe.pipeline.run`
 exactly as a rank of `tpprobe probe` runs it (its own store prefix, the real exchange and checks),
 on a process group kept between cases.
 """
@@ -34,7 +34,7 @@ DROPS = {  # model -> the module that issues layer 2's dropped reduce
 
 def _run_cases(rank, world, cases, root):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from tpprobe.probe import ProbeOptions, run
+    from tpprobe.probe.pipeline import ProbeOptions, run
     out = {}
     for i, (name, model, env, exchange) in enumerate(cases):
         os.environ["TORCHELASTIC_RUN_ID"] = f"zoo-{i}"

@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..knobs import knob
+from ..config.knobs import knob
 from .points import allreduce_in, allreduce_out
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "unknown")

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 _IDX = re.compile(r"(\d+)$")
 

@@ -35,6 +35,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
+from ..core.cuda import current_stream
 from . import discover
 from .audit import Audit, CollectiveRecord, holds_inference_tensors
 from .params import dtensor_placements
@@ -235,25 +236,10 @@ def residual_stream(output) -> Optional[torch.Tensor]:
     return None
 
 
-_STREAMS: dict = {}
-_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 _Event = getattr(torch._C, "_CudaEventBase", None)
 if not hasattr(_Event, "record"):           # a CPU build's stub
     _Event = torch.cuda.Event
 _record = _Event.record
-
-
-def current_stream(device_index: int):
-    """torch.cuda.current_stream(device_index), the Stream object kept per stream: one C call per
-    collective instead of torch's Python lookup of the device and a new Stream (~40 us of host time
-    per collective under cProfile on the lent H200 host, for the event that says it completed)."""
-    if _GET_STREAM is None:
-        return torch.cuda.current_stream(device_index)
-    key = _GET_STREAM(device_index)
-    s = _STREAMS.get(key)
-    if s is None:
-        s = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-    return s
 
 
 class DeviceStalled(RuntimeError):
@@ -344,7 +330,7 @@ def _root(plan: _Plan, model) -> _Plan:
 
 
 # layer families that need model-specific extensions: module prefix -> () -> extensions. Filled by
-# the family's own package when it is imported (tpprobe.sglang.stream: "sglang."), so the Tap
+# the family's own package when it is imported (tpprobe.engines.sglang.stream: "sglang."), so the Tap
 # never imports a model family itself.
 LAYER_EXTENSIONS: dict = {}
 
@@ -482,7 +468,7 @@ class Tap:
             if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
                 # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
                 # owed partial sum, so the stream is read where SGLang materializes it, and the reduces
-                # at GroupCoordinator level (tpprobe.sglang.stream registers itself here)
+                # at GroupCoordinator level (tpprobe.engines.sglang.stream registers itself here)
                 self.extensions += tuple(e for e in factory() if e not in self.extensions)
                 self.sglang_layers = True
         for ext in self.extensions:

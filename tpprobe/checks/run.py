@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..capture.files import RankRecord, point_set_mismatches
+from ..formats.capture_dir import RankRecord, point_set_mismatches
 from ..capture.points import AUX_PACKED
 from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
@@ -28,7 +28,7 @@ from .crossrank import cross_rank, point_names, rounding_noise
 from .evidence import TensorEvidence
 from .findings import FAILURE, WARNING, Finding
 from .liveness import missing_rank_findings, rank_error_findings
-from .noise import dtype_from_str
+from ..core.noise import dtype_from_str
 from .reduces import first_divergence, incomplete_findings, incomplete_records, point_key, reduce_key
 from .reference import reference_check
 from .slots import check_slots

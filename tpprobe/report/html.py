@@ -382,8 +382,8 @@ def render_html(report: dict) -> str:
 def write_html(report: dict, path: Path, capture_dir: Optional[Path] = None) -> None:
     """Write the report as one self-contained HTML file (atomically). capture_dir is accepted for
     callers that have one; the heatmaps come from the report's per-token stats."""
-    from ..capture.files import atomic_write_bytes
-    from ..capture.files import make_file_folder
+    from ..formats.capture_dir import atomic_write_bytes
+    from ..formats.capture_dir import make_file_folder
     path = Path(path)
     make_file_folder(path, "--html")
     atomic_write_bytes(path, render_html(report).encode("utf-8"))

@@ -95,8 +95,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    from ..capture.files import atomic_write_bytes
-    from ..capture.files import make_file_folder
+    from ..formats.capture_dir import atomic_write_bytes
+    from ..formats.capture_dir import make_file_folder
     path = Path(path)
     make_file_folder(path, "--markdown")
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))
