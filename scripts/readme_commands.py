@@ -34,6 +34,7 @@ RULES = [
     (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/test_reports.py renders the page"),
     (r"^pytest -m gpu", "skip", "", "needs a GPU"),
     (r"^python scripts/fault_table\.py", "skip", "", "regenerates the fault table (tests/test_faults.py checks it)"),
+    (r"^python scripts/layout\.py", "skip", "", "regenerates the README's layout (tests/test_house.py checks it)"),
     (r"--backend sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
     (r"^python scripts/import_graph\.py$", "run", "fast", ""),
     (r"^block .*: tpprobe (probe|specforge|diff) ", "run", "fast", ""),

@@ -6,7 +6,7 @@
   a private module (`_name.py`) is imported only from its own package;
 - the renderers (terminal, html, markdown) never import each other, and the report model imports
   no renderer;
-- dependencies point one way, floor by floor (`FLOORS`, issue 31): a module imports only its own
+- dependencies point one way, floor by floor (`import_graph.FLOORS`, issue 31): a module imports only its own
   wing and the wings on floors below; the package root holds only __init__ and __main__ (and the
   `sglang/` shim that keeps the plugin's old entry point importable);
 - ruff finds nothing and no Python line is over 120 columns.
@@ -28,14 +28,8 @@ GRAPH = import_graph.imports(MODS)
 RENDERERS = {"tpprobe.report.terminal", "tpprobe.report.html", "tpprobe.report.markdown"}
 
 
-def _room(mod: str) -> str:
-    """The wing a module lives in, the longest prefix FLOORS names: tpprobe.checks.run -> checks,
-    tpprobe.config.options -> config.options, tpprobe.config.knobs -> config; "" for the package root."""
-    parts = mod.split(".")[1:]
-    for k in range(len(parts), 0, -1):
-        if ".".join(parts[:k]) in LEVEL:
-            return ".".join(parts[:k])
-    return "." + ".".join(parts) if parts else ""
+_room = import_graph.wing
+LEVEL = import_graph.LEVEL
 
 
 def test_the_import_graph_has_no_cycles_lazy_imports_included():
@@ -138,27 +132,6 @@ def test_invariance_reads_collectives_from_the_audit_only():
     assert bad == []
 
 
-# The floors, top to bottom: a module imports only modules of its own wing or of a wing on a lower floor,
-# never one beside it or above it. A wing is the longest prefix named here (config.options is its own).
-FLOORS = [
-    ["sglang"],                          # the plugin's old entry point only: tpprobe.sglang.plugin:register
-    ["cli"],                             # one module per command
-    ["invariance"],
-    ["probe"],                           # the pipeline every rank runs
-    ["builtin", "dumpdir", "eagle3"],    # the built-in model; SGLang dumper folders; EAGLE-3 diff and accept
-    ["report"],                          # (report/terminal still asks the SGLang layer-id rules for its table)
-    ["config.options"],                  # ProbeOptions asks the SGLang engine for an arch's default layer ids
-    ["engines"],                         # engines side by side: sglang/ (vLLM next to it)
-    ["checks", "exchange"],
-    ["formats"],                         # capture folders, SpecForge samples
-    ["capture"],
-    ["fingerprint"],
-    ["config"],                          # option fields, knobs, fault names
-    ["core", "libs"],                    # the ground floor
-]
-LEVEL = {room: i for i, floor in enumerate(FLOORS) for room in floor}
-
-
 def test_every_module_lives_in_a_wing_and_the_root_holds_only_init_and_main():
     assert sorted(p.name for p in (ROOT / "tpprobe").glob("*.py")) == ["__init__.py", "__main__.py"]
     assert sorted(m for m in MODS if m.startswith("tpprobe.sglang")) == ["tpprobe.sglang", "tpprobe.sglang.plugin"]
@@ -211,3 +184,15 @@ def test_ruff_finds_nothing_and_no_python_line_is_over_120_columns():
             for p in sorted((ROOT / top).rglob("*.py"))
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
     assert long == []
+
+
+def test_the_readmes_layout_is_the_tree():
+    """The README's Layout section is scripts/layout.py's output (issue 31, point 7): every wing and module,
+    each with its docstring's first sentence; a module added or moved without `--write` fails here."""
+    spec = importlib.util.spec_from_file_location("layout", ROOT / "scripts" / "layout.py")
+    layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout)
+    assert layout.readme_layout((ROOT / "README.md").read_text()) == layout.section(), \
+        "run: python scripts/layout.py --write"
+    assert all(import_graph.modules()[m].read_text().lstrip().startswith(('"""', 'r"""'))
+               for m in import_graph.modules()), "every module opens with a docstring"
