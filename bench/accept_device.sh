@@ -50,7 +50,7 @@ $PY - "$W/wide" $WIDE <<'EOF'
 import json, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
-from tpprobe.tools.accept import write_draft
+from tpprobe.eagle3.accept import write_draft
 out, (h, T, V, DV) = Path(sys.argv[1]), map(int, sys.argv[2:6])
 out.mkdir(parents=True, exist_ok=True)
 heads, kv = max(1, h // 128), max(1, h // 512)
@@ -103,7 +103,7 @@ done
 echo "== in process: run_accept per device, seconds (load draft and sources, forward per source, --fix; the second call on $DEV is warm)"
 $PY - "$W" "$DEV" "$E" <<'EOF'
 import json, sys, time, torch
-from tpprobe.tools.accept import run_accept
+from tpprobe.eagle3.accept import run_accept
 W, dev, E = sys.argv[1:4]
 cases = {"ex": (f"{E}/draft", f"{E}/healthy", f"{E}/slot-order"),
          "wide": (f"{W}/wide/draft", f"{W}/wide/baseline.safetensors", f"{W}/wide/target.safetensors")}
@@ -126,7 +126,7 @@ for c, (d, b, t) in cases.items():
 # the draft's forward alone on each device (warm, best of 3) and its top-1 ids compared position by
 # position: at the wide case's random weights agreement says nothing, the ids do
 from examples.accept_toy_draft import capture
-from tpprobe.tools.accept import Eagle3Forward, _ieee_fp32, load_draft
+from tpprobe.eagle3.accept import Eagle3Forward, _ieee_fp32, load_draft
 from safetensors.torch import load_file
 for c, (d, b, t) in cases.items():
     dr = load_draft(d)

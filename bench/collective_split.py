@@ -30,9 +30,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tpprobe.capture import audit as audit_mod  # noqa: E402
 from tpprobe.capture.audit import Audit  # noqa: E402
-from tpprobe.capture.hooks import Tap, current_stream  # noqa: E402
+from tpprobe.capture.hooks import Tap
+from tpprobe.core.cuda import current_stream  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.exchange.fingerprint import Deferred  # noqa: E402
+from tpprobe.fingerprint.reference import Deferred  # noqa: E402
 
 
 class Row(torch.nn.Module):

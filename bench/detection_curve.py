@@ -18,8 +18,8 @@ import argparse
 import torch
 
 from tpprobe.checks.evidence import fp_level, fp_rel
-from tpprobe.checks.noise import compare
-from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
+from tpprobe.core.noise import compare
+from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
 
 GRID = [2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 5e-2, 1e-1, 0.3, 1.0, 3.0]
 

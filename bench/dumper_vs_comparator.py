@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 def _kimi(ctx, base: str, exp: str, tokens: int, hidden: int, vocab: int = 163840) -> dict:
     import torch
 
-    from tpprobe.sglang.dist import publish_parallel_state
+    from tpprobe.engines.sglang.dist import publish_parallel_state
     publish_parallel_state(ctx.rank, ctx.world_size, ctx.local_rank, "gloo", "cpu")
     from sglang.srt.debug_utils.dumper import dumper
 
@@ -149,7 +149,7 @@ CMP = ("import sys,time\n"
        "sys.exit(rc)\n")
 TPP = ("import sys,time\n"
        "from tpprobe.cli import main\n"
-       "import tpprobe.tools.dumper\n"
+       "import tpprobe.dumpdir.dumper\n"
        "t, c = time.perf_counter(), time.process_time()\n"
        "try:\n"
        "    main(sys.argv[1:])\n"
@@ -323,7 +323,8 @@ def _round(runs: dict, load) -> dict:
                           "work_x_raw": round(v["work_s"] / rk, 2) if v["work_s"] else None,
                           "work_x_raw_mmap": round(v["work_s"] / mk, 2) if v["work_s"] else None,
                           "work_cpu_s": round(v["work_cpu_s"], 3) if v["work_cpu_s"] else None,
-                          "work_cpu_x_raw": round(v["work_cpu_s"] / runs[base]["work_cpu_s"], 2) if v["work_cpu_s"] else None,
+                          "work_cpu_x_raw": round(v["work_cpu_s"] / runs[base]["work_cpu_s"], 2) if v["work_cpu_s"]
+                          else None,
                           "process_cpu_s": round(v["cpu_s"], 2),
                           "process_cpu_x_raw": round(v["cpu_s"] / runs[base]["cpu_s"], 2),
                           "against": base, "maxrss_mb": round(v["maxrss_mb"]), "rc": v["rc"], "args": v["cmd"]}

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.harness import repeat, write_json  # noqa: E402
-from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
+from tpprobe.fingerprint.reference import fingerprint  # noqa: E402
 
 
 def med(fn, n):
@@ -26,7 +26,8 @@ def main():
     a = ap.parse_args()
     torch.manual_seed(0)
     res = {"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": []}
-    print(f"{'shape':>16s} {'dtype':>9s} {'sum ms':>8s} {'clone ms':>9s} {'fp ms':>8s} {'fp/sum':>7s} {'fp/clone':>8s} {'MB/s':>7s}")
+    print(f"{'shape':>16s} {'dtype':>9s} {'sum ms':>8s} {'clone ms':>9s} {'fp ms':>8s} {'fp/sum':>7s} {'fp/clone':>8s} "
+          f"{'MB/s':>7s}")
     for shape in [(512, 1024), (2048, 4096)]:
         for dt in (torch.bfloat16, torch.float32):
             t = torch.randn(*shape).to(dt)
@@ -37,7 +38,8 @@ def main():
             row = dict(shape=list(shape), dtype=str(dt), sum_ms=s, clone_ms=c, fp_ms=f,
                        fp_over_sum=f / s, fp_over_clone=f / c, fp_MBps=mb / f * 1e3)
             res["rows"].append(row)
-            print(f"{str(shape):>16s} {str(dt)[6:]:>9s} {s:8.2f} {c:9.2f} {f:8.1f} {f / s:7.0f} {f / c:8.0f} {mb / f * 1e3:7.0f}")
+            print(f"{str(shape):>16s} {str(dt)[6:]:>9s} {s:8.2f} {c:9.2f} {f:8.1f} {f / s:7.0f} {f / c:8.0f} "
+                  f"{mb / f * 1e3:7.0f}")
     write_json(a.out, "fingerprint_cpu.json", res)
 
 

@@ -7,7 +7,7 @@ CUDA-graph replay of the work, warm-up, median of N):
   sum-floor   one read of the capture set by torch (t.sum() per tensor)
   read-floor  one read by a plain Triton kernel (16-byte loads, xor-folded): the best read rate
   clone       t.clone() per tensor (read + write)
-  naive       the plain PyTorch fingerprint (tpprobe.exchange.fingerprint._fingerprint_torch), eager
+  naive       the plain PyTorch fingerprint (tpprobe.fingerprint.reference._fingerprint_torch), eager
   fused       the Triton kernels for the 3 tensors (device work, no host sync)
   fused+host  the same plus the one D2H copy and the host-side combine, eager
   abl -X      the fused kernel with stage X left out (wrong results): where the time goes
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tpprobe.exchange.fingerprint import _fingerprint_torch  # noqa: E402
-import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
+from tpprobe.fingerprint.reference import _fingerprint_torch  # noqa: E402
+import tpprobe.fingerprint.triton as tf  # noqa: E402
 
 DATASHEET_BPS = 4.8e12
 

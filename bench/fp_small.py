@@ -21,8 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tpprobe.exchange import _triton_fingerprint as tf  # noqa: E402
-from tpprobe.exchange.fingerprint import Pending  # noqa: E402
+from tpprobe.fingerprint import triton as tf  # noqa: E402
+from tpprobe.fingerprint.reference import Pending  # noqa: E402
 
 pc = time.perf_counter
 

@@ -23,16 +23,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.harness import alternate, medians, write_json  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
-from tpprobe.exchange.fingerprint import fingerprint  # noqa: E402
+from tpprobe.fingerprint.reference import fingerprint  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
-from tpprobe.model import BuiltinConfig, TPModel, input_ids  # noqa: E402
-from tpprobe.target import RankContext  # noqa: E402
+from tpprobe.builtin.model import BuiltinConfig, TPModel, input_ids  # noqa: E402
+from tpprobe.core.target import RankContext  # noqa: E402
 
 FP_SEED, FP_K = 0, 32
 
 
 def weights_on(cfg: BuiltinConfig, device) -> dict:
-    from tpprobe.graph_probe import device_weights
+    from tpprobe.builtin.graph import device_weights
     return device_weights(cfg, device)
 
 

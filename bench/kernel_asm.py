@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
+import tpprobe.fingerprint.triton as tf  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -136,7 +136,8 @@ def main():
     sig, const, div = asm_signature(a.kernel, a.block_r, extra)
     k = compile_kernel(fn, sig, const, a.warps, a.stages, div, a.maxnreg)
     sass = sass_of(k.asm["cubin"])
-    print(" | ".join(ln.split(": ", 1)[-1] for ln in ptxas_info(k.asm["ptx"]).splitlines() if "Used" in ln or "spill" in ln))
+    print(" | ".join(ln.split(": ", 1)[-1] for ln in ptxas_info(k.asm["ptx"]).splitlines() if "Used" in ln
+                     or "spill" in ln))
     n, ops = loop_mix(sass)
     # the hot loop is unrolled DEPTH times (one tile each) in the 16-bit kernel
     words = const.get("BR", const.get("BLOCK_R", a.block_r)) * (64 * const.get("DEPTH", 2)

@@ -18,8 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
-from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+import tpprobe.fingerprint.triton as tf  # noqa: E402
+from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
 
 
 def main():

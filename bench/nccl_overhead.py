@@ -34,12 +34,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.harness import alternate, medians, write_json  # noqa: E402
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
-from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
+from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
-from tpprobe.target import RankContext  # noqa: E402
+from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "installed", "full", "fingerprint"]
 

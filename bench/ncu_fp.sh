@@ -6,7 +6,7 @@ ncu --clock-control none -k regex:_fp16_kernel -c 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis \
     python3 -c "
-import torch, tpprobe.exchange._triton_fingerprint as tf
+import torch, tpprobe.fingerprint.triton as tf
 ts = [torch.randn(8192, 7168, device='cuda').bfloat16() for _ in range(3)]
 tf.launch(ts, 0, 32)[0]()
 torch.cuda.synchronize()

@@ -7,7 +7,7 @@ Without --dir it first writes a capture folder with
 `tpprobe probe --exchange full --backend gloo --hidden H --tokens N --num-layers L --nproc P`.
 Then, alternately, median of --iters (page cache warm: one untimed pass of each first):
   raw        every *.safetensors file: safetensors.torch.load_file + hashlib.sha256 of its bytes
-  report     `tpprobe report DIR --quiet` in this process (tpprobe.tools.offline.report_dir)
+  report     `tpprobe report DIR --quiet` in this process (tpprobe.cli.report.report_dir)
   report-cli `python -m tpprobe report DIR --quiet` (adds interpreter start and imports)
 throughput = bytes of the capture files / time; target: report >= 50 % of raw.
 Writes offline_report.json to --out.
@@ -41,7 +41,7 @@ def raw_read(files):
 
 
 def report_inproc(d):
-    from tpprobe.tools.offline import report_dir
+    from tpprobe.cli.report import report_dir
     with contextlib.redirect_stdout(io.StringIO()):
         report_dir(Path(d), quiet=True)
 

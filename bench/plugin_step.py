@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/plugin_step.py [--tokens 256] [--rounds 7] [--out FILE.json]
 
-Two gloo ranks (tp 2) run SGLang's LlamaForCausalLM (the tiny config of tpprobe.sglang.tiny, real
+Two gloo ranks (tp 2) run SGLang's LlamaForCausalLM (the tiny config of tpprobe.engines.sglang.tiny, real
 SGLang classes, loaded through load_plugins()) and alternate, forward by forward, three settings
 of the live plugin (the environment is read per forward, the same on both ranks): `off` (no
 capture dir: the plugin passes through), `fingerprint` (the default: every point a fingerprint,
@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 def worker(ctx, tokens, rounds, root):
     import torch
 
-    from tpprobe.sglang import cpu_mode
+    from tpprobe.engines.sglang import cpu_mode
     cpu_mode.enable()
     from sglang.srt.plugins import load_plugins
 
     os.environ["TPPROBE_CAPTURE_DIR"] = root
     load_plugins()
-    from tpprobe.sglang.tiny import build_target
+    from tpprobe.engines.sglang.tiny import build_target
 
     t = build_target(ctx, "llama", 4, tokens, 0, torch.float32, [0, 1])
     settings = {"off": None, "fingerprint": "", "keep-all": "*"}

@@ -4,7 +4,8 @@
         [--dtype bfloat16] [--rounds 60] [--out DIR]
 
 One process, world 1 (a gloo group: the built-in model issues no all-reduce at tp 1, so this is the
-Tap's own cost; with --collectives a NCCL group on CUDA, and the 9 all-reduces a tp-2 model issues). Variants, alternated round by round (drift hits all alike), median of --rounds:
+Tap's own cost; with --collectives a NCCL group on CUDA, and the 9 all-reduces a tp-2 model issues).
+Variants, alternated round by round (drift hits all alike), median of --rounds:
   off          the bare forward
   installed    Tap: hooks and the collective audit, keeping nothing
   keep5        + copies of what `--exchange fingerprint` keeps (the 3 EAGLE-3 slots, embed.*, in_norm)
@@ -33,9 +34,9 @@ from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.exchange.fingerprint import Deferred, resolved  # noqa: E402
-from tpprobe.model import BuiltinConfig, TPModel  # noqa: E402
-from tpprobe.target import RankContext  # noqa: E402
+from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
+from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint", "fp_no_coll"]
 PHASES = ["enter", "forward", "exit", "resolve", "json", "total"]

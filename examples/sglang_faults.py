@@ -1,7 +1,7 @@
 """SGLang targets broken on purpose, for `tpprobe probe --model sglang_faults:FACTORY`.
 
 `--inject` works on the built-in model only; with SGLang's own layers a fault is a `--model`
-factory: build the tiny SGLang target (tpprobe.sglang.tiny.build_target, as `--backend sglang`
+factory: build the tiny SGLang target (tpprobe.engines.sglang.tiny.build_target, as `--backend sglang`
 does) and change it the way the real bug does. Run from the repository root:
 
     PYTHONPATH=examples tpprobe probe --model sglang_faults:llama_skip_embed_reduce \\
@@ -16,14 +16,14 @@ import os
 
 import torch
 
-from tpprobe.target import ProbeTarget, RankContext
+from tpprobe.core.target import ProbeTarget, RankContext
 
 NUM_LAYERS, TOKENS, SEED = 4, 7, 0
 IDS = {"llama": [-1, 0, 2], "deepseek_v2": [0, 1, 3]}
 
 
 def _target(ctx: RankContext, arch: str | None = None) -> ProbeTarget:
-    from tpprobe.sglang.tiny import build_target
+    from tpprobe.engines.sglang.tiny import build_target
 
     arch = arch or os.environ.get("TPPROBE_FAULT_ARCH", "llama")
     return build_target(ctx, arch=arch, num_layers=NUM_LAYERS, tokens=TOKENS, seed=SEED,

@@ -9,7 +9,7 @@
 #
 # Needs: pip install -e /path/to/tpprobe (this checkout; it never changes the server's stack), in the server's environment (the entry point
 # `sglang.srt.plugins: tpprobe` must be installed; SGLANG_PLUGINS=tpprobe whitelists it).
-# Settings (see tpprobe/sglang/plugin.py): TPPROBE_MAX_STEPS (default 1), TPPROBE_FORWARD_MODES
+# Settings (see tpprobe/engines/sglang/plugin.py): TPPROBE_MAX_STEPS (default 1), TPPROBE_FORWARD_MODES
 # (default extend), TPPROBE_KEEP (default none: fingerprints only), TPPROBE_KEEP_TOKENS,
 # TPPROBE_MAX_BYTES (default 2e9 per rank, for kept tensors, checked before each copy). Each TP rank prints one
 # "[tpprobe pid=...] tp_rank r/N: hooking ..." line; no such line = the plugin did not load.

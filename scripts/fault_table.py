@@ -67,7 +67,7 @@ def stable_line(report: dict) -> str:
 
 
 def fault_id(inject: str) -> str:
-    from tpprobe.fault_names import FAULTS
+    from tpprobe.config.fault_names import FAULTS
     return FAULTS[inject.split("@")[0]][0]
 
 

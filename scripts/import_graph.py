@@ -14,6 +14,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "tpprobe"
 
 
+# The floors, top to bottom (issue 31): a module imports only modules of its own wing or of a wing on a
+# lower floor, never one beside it or above it. A wing is the longest prefix named here (config.options is
+# a wing of its own). tests/test_house.py holds the code to them; scripts/layout.py lists the wings so.
+FLOORS = [
+    ["sglang"],                          # the plugin's old entry point only: tpprobe.sglang.plugin:register
+    ["cli"],                             # one module per command
+    ["invariance"],
+    ["probe"],                           # the pipeline every rank runs
+    ["builtin", "dumpdir", "eagle3"],    # the built-in model; SGLang dumper folders; EAGLE-3 diff and accept
+    ["report"],                          # (report/terminal still asks the SGLang layer-id rules for its table)
+    ["config.options"],                  # ProbeOptions asks the SGLang engine for an arch's default layer ids
+    ["engines"],                         # engines side by side: sglang/ (vLLM next to it)
+    ["checks", "exchange"],
+    ["formats"],                         # capture folders, SpecForge samples
+    ["capture"],
+    ["fingerprint"],
+    ["config"],                          # option fields, knobs, fault names
+    ["core", "libs"],                    # the ground floor
+]
+LEVEL = {wing: i for i, floor in enumerate(FLOORS) for wing in floor}
+
+
+def wing(mod: str) -> str:
+    """The wing a module lives in, the longest prefix FLOORS names: tpprobe.checks.run -> checks,
+    tpprobe.config.options -> config.options, tpprobe.config.knobs -> config; "" for the package root,
+    ".name" for a module outside every wing."""
+    parts = mod.split(".")[1:]
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in LEVEL:
+            return ".".join(parts[:k])
+    return "." + ".".join(parts) if parts else ""
+
+
 def modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
     for p in sorted(root.rglob("*.py")):

@@ -1,5 +1,5 @@
 """The README's table of every TPPROBE_* variable (the SGLang plugin's settings, then the rest),
-from their one declaration: `tpprobe/options.py` PluginOptions and `tpprobe/knobs.py` KNOBS.
+from their one declaration: `tpprobe/engines/sglang/options.py` PluginOptions and `tpprobe/config/knobs.py` KNOBS.
 
   python scripts/knobs_table.py            # print it
   python scripts/knobs_table.py --write    # replace the README's table (between the markers)
@@ -19,8 +19,8 @@ BEGIN, END = "<!-- knobs:begin (python scripts/knobs_table.py --write) -->", "<!
 
 
 def rows() -> list[tuple[str, str, str, str]]:
-    from tpprobe.knobs import KNOBS
-    from tpprobe.options import PluginOptions
+    from tpprobe.config.knobs import KNOBS
+    from tpprobe.engines.sglang.options import PluginOptions
     out = []
     for f in fields(PluginOptions):
         d = f.default

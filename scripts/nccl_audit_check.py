@@ -22,7 +22,8 @@ def step(name, fn, n=20):
         for _ in range(n):
             r = fn()
         torch.cuda.synchronize()
-        print(f"{name}: ok, {(time.perf_counter() - t0) / n * 1e6:.1f} us each; {r if r is not None else ''}", flush=True)
+        print(f"{name}: ok, {(time.perf_counter() - t0) / n * 1e6:.1f} us each; "
+              f"{r if r is not None else ''}", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     faulthandler.cancel_dump_traceback_later()
@@ -50,7 +51,7 @@ def main():
     audit_mod._doors.set_doors(True)
     step("audit, mode path", lambda: audited(True))
 
-    from tpprobe.exchange.fingerprint import Deferred
+    from tpprobe.fingerprint.reference import Deferred
 
     def fp_audit():
         d = Deferred(0x7470, 32)
@@ -61,10 +62,10 @@ def main():
         return f"{len(a.records)} record(s), out fp {a.records[0].out_summary.fp.bit_hash if a.records else None}"
     step("audit + fingerprints", fp_audit)
     with torch.no_grad():
-        from tpprobe.graph_probe import device_weights as weights_on
+        from tpprobe.builtin.graph import device_weights as weights_on
         from tpprobe.capture.hooks import Tap
-        from tpprobe.model import BuiltinConfig, TPModel
-        from tpprobe.target import RankContext
+        from tpprobe.builtin.model import BuiltinConfig, TPModel
+        from tpprobe.core.target import RankContext
         cfg = BuiltinConfig(num_layers=2, hidden=512, heads=8, ffn=1024, vocab=256, tokens=1, dtype=torch.bfloat16,
                             layer_ids=[-1, 0, 1])
         ctx = RankContext(rank=0, world_size=1, local_rank=0, device=dev, backend="nccl")

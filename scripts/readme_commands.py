@@ -17,7 +17,8 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-PLACEHOLDERS = re.compile(r"\b(DUMPDIR|B_DUMPDIR|T_DUMPDIR|DRAFT|DIR|BASELINE|TARGET|CAPTURE|OUT\.ckpt|NAME|COMMAND|N|F)\b|pkg\.module|\[|\|")
+PLACEHOLDERS = re.compile(r"\b(DUMPDIR|B_DUMPDIR|T_DUMPDIR|DRAFT|DIR|BASELINE|TARGET|CAPTURE|OUT\.ckpt|NAME|"
+                          r"COMMAND|N|F)\b|pkg\.module|\[|\|")
 
 # (pattern, class, cost, reason); first match wins. cost: "fast" runs in the default tier, "slow" in sweep
 RULES = [
@@ -29,11 +30,13 @@ RULES = [
     (r"^bash ci/tp-libs/install\.sh", "skip", "", "installs the TP-libraries tier (scripts/test.sh runs it)"),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build --nproc 2$", "skip", "",
      "tests/test_tp_libs.py runs it as written in the default tier and checks its report's coverage"),
-    (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build(_sequence_parallel)? --nproc [24]$",
+    (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build(_sequence_parallel)? "
+     r"--nproc [24]$",
      "run", "slow", ""),
     (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/test_reports.py renders the page"),
     (r"^pytest -m gpu", "skip", "", "needs a GPU"),
     (r"^python scripts/fault_table\.py", "skip", "", "regenerates the fault table (tests/test_faults.py checks it)"),
+    (r"^python scripts/layout\.py", "skip", "", "regenerates the README's layout (tests/test_house.py checks it)"),
     (r"--backend sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
     (r"^python scripts/import_graph\.py$", "run", "fast", ""),
     (r"^block .*: tpprobe (probe|specforge|diff) ", "run", "fast", ""),
@@ -41,10 +44,12 @@ RULES = [
     (r"^tpprobe torchrun ", "run", "slow", ""),
     (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+$", "run", "slow", ""),
     (r"^python -m examples\.accept_toy_draft$", "run", "slow", ""),
-    (r"^tpprobe accept$", "skip", "", "the command's name in prose; tests/test_accept.py and examples/accept_toy_draft.py run it"),
+    (r"^tpprobe accept$", "skip", "",
+     "the command's name in prose; tests/test_accept.py and examples/accept_toy_draft.py run it"),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
-    (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow", ""),   # fast tier: tests/test_cli.py
+    (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow",
+     ""),   # fast tier: tests/test_cli.py
     (r"^(tpprobe|python) ", "skip-if-placeholder", "", "a template with placeholders (DIR, N, …), not a command"),
 ]
 
@@ -85,7 +90,8 @@ def commands(text: str | None = None) -> list[Command]:
     seen = {c.text for c in out}
     for span in re.findall(r"`([^`\n]+)`", prose):
         span = span.strip()
-        if re.match(r"(tpprobe |PYTHONPATH=\. tpprobe |bash |pip |pytest |python scripts/|python -m examples\.|\. \.venv)", span) \
+        if re.match(r"(tpprobe |PYTHONPATH=\. tpprobe |bash |pip |pytest |python scripts/|python -m examples\.|\. "
+                    r"\.venv)", span) \
                 and span not in seen:
             seen.add(span)
             out.append(_classify(Command(span, "inline")))

@@ -5,7 +5,7 @@ internal-error line and exit code, and the live rank's report must name the rank
 from __future__ import annotations
 
 import tpprobe.capture.audit as audit
-import tpprobe.probe as probe
+import tpprobe.probe.pipeline as probe
 from examples.my_model import build
 
 

@@ -92,7 +92,7 @@ def _value(kind: str, name: str, ids: torch.Tensor, rows: slice, rank: int, tp: 
 
 def write(ctx, base: str, exps: dict, tokens: int = 16, hidden: int = 32, vocab: int = 64,
           dtype: str = "bfloat16", seed: int = 0, seq: int = 64) -> dict:
-    from tpprobe.sglang.dist import publish_parallel_state
+    from tpprobe.engines.sglang.dist import publish_parallel_state
     publish_parallel_state(ctx.rank, ctx.world_size, ctx.local_rank, "gloo", "cpu")
     from sglang.srt.debug_utils.dumper import dumper
 

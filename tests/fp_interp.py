@@ -1,5 +1,5 @@
 """Run by tests/test_fingerprint_host.py under Triton's CPU interpreter (TRITON_INTERPRET=1, set
-before triton imports): every launch of a `_triton_fingerprint.Batch` (the probe's path) against
+before triton imports): every launch of a `fingerprint.triton.Batch` (the probe's path) against
 the fingerprints the launch path it replaced gave on the same kernels and tensors, bit for bit
 (tests/assets/fp_interp_golden.json, written by that path before it was removed; git keeps it);
 and against the torch reference where the hashes are comparable.  Prints one JSON line."""
@@ -18,8 +18,8 @@ import interp_shim  # noqa: E402
 
 interp_shim.install()
 
-import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
-from tpprobe.exchange.fingerprint import Pending, _fingerprint_torch  # noqa: E402
+import tpprobe.fingerprint.triton as tf  # noqa: E402
+from tpprobe.fingerprint.reference import Pending, _fingerprint_torch  # noqa: E402
 
 # (shape, dtype) of every kernel branch at small sizes: full tiles and the masked tail, one and
 # several programs, token flags (width k * 128) and torch-side row flags (other widths), 1-D / 3-D

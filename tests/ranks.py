@@ -40,7 +40,8 @@ def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None, launcher=
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        raise AssertionError(f"tpprobe {' '.join(args)} did not finish in {timeout}s\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+        raise AssertionError(f"tpprobe {' '.join(args)} did not finish in "
+                             f"{timeout}s\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
@@ -87,7 +88,7 @@ def start_method() -> str:
     """fork when it is safe here (no other thread; GNU OpenMP's pool released, as tpprobe's own
     launcher does): each rank then skips the interpreter start and the torch import; else spawn."""
     import threading
-    from tpprobe.launch import release_openmp
+    from tpprobe.probe.launch import release_openmp
     return "fork" if hasattr(os, "fork") and threading.active_count() == 1 and release_openmp() else "spawn"
 
 

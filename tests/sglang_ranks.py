@@ -93,15 +93,15 @@ def _fork_ok() -> bool:
     released, as tpprobe's own launcher does): each skips the interpreter start and the torch and
     SGLang imports. TPPROBE_RANK_START=spawn says no here too."""
     import threading
-    from tpprobe.knobs import knob
-    from tpprobe.launch import release_openmp
+    from tpprobe.config.knobs import knob
+    from tpprobe.probe.launch import release_openmp
     return (knob("TPPROBE_RANK_START") != "spawn" and hasattr(os, "fork") and threading.active_count() == 1
             and release_openmp())
 
 
 def _preload_sglang() -> None:
     """SGLang's model stack, imported once here, before the forks (imports only)."""
-    from tpprobe.sglang.tiny import preload
+    from tpprobe.engines.sglang.tiny import preload
     preload(None)
 
 
@@ -160,7 +160,7 @@ def _child(fn: str, rank: int, world: int, init: str, args_path: str, out_path: 
     import torch
     import torch.distributed as dist
 
-    from tpprobe.target import RankContext
+    from tpprobe.core.target import RankContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

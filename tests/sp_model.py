@@ -10,8 +10,8 @@ Factories (`tpprobe probe --model tests.sp_model:NAME`, from the repository root
 
   healthy  the communicator, nothing wrong
   wrong    the communicator broken as SP_FAULT says (MECH@K or MECH@K:R; SP_SCALE: the factor),
-           at layer K's collective (SP_DTYPE: the model's dtype, float32); every call still runs the real collective, so every rank
-           issues the same ones:
+           at layer K's collective (SP_DTYPE: the model's dtype, float32); every call still runs the real
+           collective, so every rank issues the same ones:
 
     rs-scaled@K     the reduce-scatter returns its slice of the sum x SP_SCALE (2), on every rank
     rs-own@K:R      on rank R, the reduce-scatter returns R's own slice of its input, unsummed

@@ -1,7 +1,8 @@
 """`tpprobe accept`: the EAGLE-3 draft replayed on two feature sets (issue 22).
 
 Start at `test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix`: a small
-draft head is trained (examples/accept_toy_draft.py), in seconds, on the built-in model's healthy aux features (real 2-rank
+draft head is trained (examples/accept_toy_draft.py), in seconds, on the built-in model's healthy aux
+features (real 2-rank
 gloo probe runs), saved as SpecForge saves a draft, and scored by the real CLI against captures of
 each catalogue fault that changes the aux input. `test_reimplementation_matches_sglangs_class`
 proves the torch engine equals SGLang's own LlamaForCausalLMEagle3 on the same weights.
@@ -18,7 +19,7 @@ import torch
 
 from examples.accept_toy_draft import IDS, TOKENS, V, capture as _capture, probe_args, train as _train
 from tests.ranks import ROOT, probe, run_cli
-from tpprobe.tools.accept import accept_lengths, run_accept
+from tpprobe.eagle3.accept import accept_lengths, run_accept
 FAULTS = {  # --inject -> catalogue row (faults of the built-in model that change the aux input)
     "slice-capture": "F6", "capture-offset": "F7", "slot-order": "F8", "drop-embed-slot": "F8",
     "alias-capture": "F9", "embed-after-norm": "F13",
@@ -122,7 +123,7 @@ def test_the_cli_scores_the_seeds_slot_order_with_sglangs_draft_and_writes_json_
 def test_reimplementation_matches_sglangs_class(runs):
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]);"
-        "from tpprobe.tools.accept import load_draft, Eagle3Forward, SGLangEagle3;"
+        "from tpprobe.eagle3.accept import load_draft, Eagle3Forward, SGLangEagle3;"
         "from examples.accept_toy_draft import capture as _capture; from pathlib import Path;"
         "d = load_draft(sys.argv[2]); f, ids = _capture(Path(sys.argv[3]));"
         "a = Eagle3Forward(d).logits(f[:-1], ids[1:]).detach(); b = SGLangEagle3(d).logits(f[:-1], ids[1:]);"
@@ -223,9 +224,10 @@ def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs)
 
 
 def test_bad_sources_are_refused_with_what_to_do(runs, tmp_path):
-    """In process (the CLI turns these errors into one line and exit 2, as test_a_bad_draft_is_one_line_and_exit_2 shows)."""
+    """In process (the CLI turns these errors into one line and exit 2, as
+    test_a_bad_draft_is_one_line_and_exit_2 shows)."""
     from safetensors.torch import save_file
-    from tpprobe.errors import TPProbeError
+    from tpprobe.core.errors import TPProbeError
     feats, _ = _capture(runs["healthy"])
     bare, short = tmp_path / "bare.safetensors", tmp_path / "short.safetensors"   # features without token ids
     save_file({"aux": feats.contiguous()}, str(bare))
@@ -277,7 +279,7 @@ def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
     scale, a hundredfold room over rounding), and at most 2 of the 190 per row (a wrong device
     path flips tens). Accept lengths within 0.05."""
     import math
-    from tpprobe.tools.accept import Eagle3Forward, load_draft
+    from tpprobe.eagle3.accept import Eagle3Forward, load_draft
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA (run with -m gpu on the GPU machine)")
     d = load_draft(runs["draft"])
@@ -312,4 +314,5 @@ def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
     assert rep["rows"][2]["accept_length"] == rep["rows"][0]["accept_length"] and "0.00 remains" in rep["line"]
     cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
                   "--target", str(runs["slot-order"]), "--device", "cuda:0"], timeout=240)
-    assert cp.returncode == 1 and " on cuda:0 (" in " ".join(cp.stdout.split()), cp.stdout[-2000:]   # the header, however wrapped
+    # the header, however wrapped
+    assert cp.returncode == 1 and " on cuda:0 (" in " ".join(cp.stdout.split()), cp.stdout[-2000:]

@@ -35,7 +35,7 @@ import json
 from pathlib import Path
 
 from tests.ranks import failures, run_cli
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 
 def render(rep: dict) -> str:
@@ -130,7 +130,8 @@ O = "layers.{}.self_attn.o_proj"
 # (inject, nproc, extra args, kind, where, ranks, what the detail must say)
 CASES = [
     ("allreduce-scaled@2", 2, [], "allreduce-incomplete", f"layer 2 ({O.format(2)})", [0, 1], "the sum scaled by 2"),
-    ("allreduce-scaled@0", 4, [], "allreduce-incomplete", f"layer 0 ({O.format(0)})", [0, 1, 2, 3], "the sum scaled by 2"),
+    ("allreduce-scaled@0", 4, [], "allreduce-incomplete", f"layer 0 ({O.format(0)})", [0, 1, 2, 3],
+     "the sum scaled by 2"),
     ("allreduce-one-buffer@1", 4, [], "allreduce-incomplete", f"layer 1 ({O.format(1)})", [0, 1, 2, 3],
      "rank 0's input alone"),
     ("allreduce-stale@3", 2, [], "allreduce-incomplete", f"layer 3 ({O.format(3)})", [0, 1],
@@ -184,7 +185,7 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
         e = rep["allreduce"]["records"][f["evidence"]["seq"]]
         assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
         assert rep["allreduce"]["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
-        assert f"all-reduce #{e['seq']} (tpprobe.faults.Communicator.all_reduce" in f["detail"]
+        assert f"all-reduce #{e['seq']} (tpprobe.builtin.faults.Communicator.all_reduce" in f["detail"]
         # each wrong rank's error, relative to the sum, is what the injection implies: a sum x 2 is off
         # by exactly 1 (in fingerprint mode too: the sketch of a scaled sum is the scaled sketch); one
         # rank's input x_R for the sum S by ||x_R - S|| / ||S|| (in fingerprint mode, the sketches' estimate of it)
@@ -276,7 +277,8 @@ SG_CASES = [
 # run in the sweep tier (`-m sweep`), which is run before a change is called done
 SWEEP_ONLY = {("allreduce-scaled@2", "fingerprint"), ("allreduce-stale@2", "full")}   # the same kinds run in CI
 SG_PARAMS = [pytest.param(*c, id=f"{c[0]}-{c[1]}-tp{c[2]}-{c[3]}",
-                          marks=() if c[0] == "llama" and c[2] == 2 and c[1:4:2] not in SWEEP_ONLY else pytest.mark.sweep)
+                          marks=() if c[0] == "llama" and c[2] == 2 and c[1:4:2] not in SWEEP_ONLY
+                          else pytest.mark.sweep)
              for c in SG_CASES]
 
 
@@ -343,7 +345,8 @@ def test_max_min_and_product_reduces_are_checked_by_their_definition(tmp_path):
     assert {"MAX", "MIN", "PRODUCT", "SUM"} <= set(ops), ops
     assert all(e["level"] in ("exact", "noise") for e in rep["allreduce"]["records"] if e["op"] != "CAT"), \
         [(e["op"], e["level"]) for e in rep["allreduce"]["records"]]
-    assert rep["allreduce"]["unchecked"] == 0 and rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
+    assert rep["allreduce"]["unchecked"] == 0 and rc == 0 and rep["findings"] == [], [f["line"]
+                                                                                      for f in rep["findings"]]
 
 
 def test_a_wrong_max_min_or_product_is_named_at_its_reduce_in_full_mode(tmp_path):
@@ -404,11 +407,11 @@ def test_avg_is_checked_by_its_definition_on_real_tensors():
     tensors, in both exchange modes: the mean is complete, the sum handed back for a mean is not."""
     import torch
 
-    from tpprobe.capture.files import RankRecord
+    from tpprobe.formats.capture_dir import RankRecord
     from tpprobe.capture.points import allreduce_in, allreduce_out
     from tpprobe.checks.allreduce import allreduce_audit
     from tpprobe.checks.evidence import FingerprintEvidence, TensorEvidence
-    from tpprobe.exchange.fingerprint import fingerprint
+    from tpprobe.fingerprint.reference import fingerprint
 
     g = torch.Generator().manual_seed(3)
     ins = [torch.randn(8, 16, generator=g) for _ in range(4)]
@@ -464,8 +467,8 @@ RS, AG = "reduce-scatter", "all-gather"
 SP = [  # (SP_FAULT, nproc, collective, layer, ranks, what the detail says, each wrong rank's error or None)
     ("rs-scaled@2", 2, RS, 2, [0, 1], "on ranks [0, 1] it returned its slice of the sum scaled by 2", 1.0),
     ("rs-scaled@1", 4, RS, 1, [0, 1, 2, 3], "on ranks [0, 1, 2, 3] it returned its slice of the sum scaled by 2", 1.0),
-    ("rs-own@1:1", 2, RS, 1, [1], "on rank 1 it returned rank 1's own slice of its input alone (the sum never happened)",
-     None),
+    ("rs-own@1:1", 2, RS, 1, [1],
+     "on rank 1 it returned rank 1's own slice of its input alone (the sum never happened)", None),
     ("rs-own@3:2", 4, RS, 3, [2], "on rank 2 it returned rank 2's own slice of its input alone", None),
     ("rs-other@0", 4, RS, 0, [0, 1, 2, 3], "on rank 0 it returned rank 1's slice of the sum (not its own); on rank 1 "
      "it returned rank 2's slice of the sum (not its own); on rank 2 it returned rank 3's slice", None),
@@ -546,7 +549,8 @@ def test_a_healthy_reduce_scatter_and_all_gather_through_a_communicator_have_no_
     assert all(e["level"] == "exact" for e in ar["records"] if e["kind"] == "all_gather")
     # the audit line counts them by kind and says each is checked by its own definition (never "all-reduces")
     line = next(ln for ln in render(rep).splitlines() if ln.startswith("all-reduce audit:"))
-    assert line.startswith("all-reduce audit: 9 collectives checked (1 all-reduce, 4 reduce-scatters, 4 all-gathers)"), line
+    assert line.startswith("all-reduce audit: 9 collectives checked (1 all-reduce, 4 reduce-scatters, "
+                           "4 all-gathers)"), line
     assert "(the all-gather, reduce-scatter ones by their own definition)" in line and "9 complete" in line, line
     # nor does the verdict call them all-reduces
     assert "HEALTHY: every capture point agrees across ranks and every collective returned what its definition " \

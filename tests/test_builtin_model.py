@@ -8,8 +8,8 @@ import torch
 
 from tests.ranks import spawn
 from tpprobe.capture.hooks import Tap
-from tpprobe.model import BuiltinConfig, build_builtin, reference_streams
-from tpprobe.target import RankContext
+from tpprobe.builtin.model import BuiltinConfig, build_builtin, reference_streams
+from tpprobe.core.target import RankContext
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
 
@@ -46,6 +46,6 @@ def test_each_rank_embeds_only_its_vocab_shard_before_the_reduce():
 
 
 def test_reference_config_rejects_heads_not_divisible_by_tp():
-    from tpprobe.errors import UsageError
+    from tpprobe.core.errors import UsageError
     with pytest.raises(UsageError, match=r"8 heads, not divisible by\s+3 ranks"):
         BuiltinConfig().validate(3)

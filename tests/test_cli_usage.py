@@ -157,7 +157,7 @@ def test_one_backend_for_every_rank(monkeypatch):
     """The rule depends on the node (its GPUs against its ranks), never on the rank: 4 ranks on a
     2-GPU node all run gloo, or an explicit nccl is one line and exit 2."""
     import torch
-    from tpprobe.errors import UsageError
+    from tpprobe.core.errors import UsageError
     from tpprobe.exchange.dist import choose_backend
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

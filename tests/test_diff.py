@@ -135,8 +135,8 @@ def test_thresholds_parse(caps):
 
 
 def test_prefix_and_offset(caps, tmp_path):
-    from tpprobe.tools.specforge import read_sample, write_sample
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.specforge import read_sample, write_sample
+    from tpprobe.formats.capture_dir import load_run
     t = load_run(caps["base"]).records[0].tensors
     write_sample(tmp_path / "pre.ckpt", t["input_ids"][:10], t["aux.packed"][:10])
     rc, res = jdiff(caps["base"], tmp_path / "pre.ckpt")
@@ -151,8 +151,8 @@ def test_prefix_and_offset(caps, tmp_path):
 
 
 def test_different_sequences_refused(caps, tmp_path):
-    from tpprobe.tools.specforge import write_sample
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.specforge import write_sample
+    from tpprobe.formats.capture_dir import load_run
     t = load_run(caps["base"]).records[0].tensors
     ids = t["input_ids"].clone()
     ids[6] = (ids[6] + 1) % 131
@@ -177,7 +177,7 @@ def test_specforge_sample_from_capture(caps, tmp_path):
     rc, res = jdiff(out, caps["drop"])
     assert rc == 0 and res["baseline"]["kind"] == "specforge"
     # the seed's case: training dump (embedding first) vs a serving capture without the embedding
-    from tpprobe.tools.specforge import sample_from_capture
+    from tpprobe.formats.specforge import sample_from_capture
     sample = sample_from_capture(caps["base"], tmp_path / "train.ckpt")
     rc, res = jdiff(sample, caps["drop"])
     assert rc == 1
@@ -189,7 +189,7 @@ def test_specforge_sample_from_capture(caps, tmp_path):
 
 def test_bare_files(caps, tmp_path):
     from safetensors.torch import save_file
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.capture_dir import load_run
     t = load_run(caps["base"]).records[0].tensors
     save_file({"packed": t["aux.packed"].contiguous()}, str(tmp_path / "p.safetensors"))
     torch.save(t["aux.packed"].clone(), tmp_path / "p.pt")
@@ -207,7 +207,7 @@ def test_rank_file_without_the_embedding_keeps_every_layer_stream(caps, tmp_path
     """A rank file with no embed.out (embedding not found, or refused by the plugin's budget): every
     layer's stream still names the slots (layer 0's output was once dropped with the embedding)."""
     from safetensors.torch import save_file
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.capture_dir import load_run
     t = {k: v.contiguous() for k, v in load_run(caps["base"]).records[0].tensors.items() if k != "embed.out"}
     save_file(t, str(tmp_path / "noembed.safetensors"))
     rc, res = jdiff(caps["base"], tmp_path / "noembed.safetensors")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tpprobe.capture.hooks import Tap
-from tpprobe.errors import UsageError
+from tpprobe.core.errors import UsageError
 
 V, H = 11, 6
 

@@ -36,7 +36,8 @@ def _rows() -> list[tuple[str, str]]:
     return rows
 
 
-REF = re.compile(r"^(?:(?P<file>(?:tests/)?[\w/]+\.py)(?:::)?)?(?P<name>(?:test|assert)_\w+)?(?:\[(?P<param>[^\]]+)\])?$")
+REF = re.compile(r"^(?:(?P<file>(?:tests/)?[\w/]+\.py)(?:::)?)?(?P<name>(?:test|assert)_\w+)?"
+                 r"(?:\[(?P<param>[^\]]+)\])?$")
 
 
 def test_the_guarantees_table_has_rows():

@@ -84,7 +84,8 @@ def failures(rep):
 def test_files_are_sglangs(dumps):
     """What we read is what SGLang's dumper wrote: its names, its dict, its parallel info."""
     files = sorted((dumps / "tp2" / "pe_repl").iterdir())
-    assert [f.name for f in files][0] == "step=0___rank=0___dump_index=1___name=input_ids___recompute_status=disabled.pt"
+    assert [f.name
+            for f in files][0] == "step=0___rank=0___dump_index=1___name=input_ids___recompute_status=disabled.pt"
     d = torch.load(files[-1], weights_only=True)
     assert set(d) == {"value", "meta"}
     assert d["meta"]["sglang_parallel_info"]["tp_size"] == 2 and d["meta"]["dims"] == "t h # tp:replicated"
@@ -243,7 +244,7 @@ def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
     """No more than two rank records are alive at once, whatever the folder holds."""
     import weakref
 
-    from tpprobe.tools import dumper as D
+    from tpprobe.dumpdir import dumper as D
     alive, peak, real = set(), [0], D.load
 
     def counting(f):
@@ -264,9 +265,10 @@ def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
 def test_load_maps_new_files_and_reads_old_ones_whole(tmp_path):
     """Files are memory-mapped (weights_only still); a file in torch's legacy format, which cannot be
     mapped, is read whole, with the same values."""
-    from tpprobe.tools import dumper as D
+    from tpprobe.dumpdir import dumper as D
     v = torch.arange(12.).reshape(3, 4).to(torch.bfloat16)
-    new, old = tmp_path / "step=0___rank=0___dump_index=1___name=h.pt", tmp_path / "step=0___rank=1___dump_index=1___name=h.pt"
+    new, old = (tmp_path / "step=0___rank=0___dump_index=1___name=h.pt",
+                tmp_path / "step=0___rank=1___dump_index=1___name=h.pt")
     torch.save({"value": v, "meta": {"dims": "t h"}}, new)
     torch.save({"value": v, "meta": {"dims": "t h"}}, old, _use_new_zipfile_serialization=False)
     a, meta = D.load(new)

@@ -11,7 +11,8 @@ from tests.test_faults import CASES
 
 
 @pytest.mark.parametrize("inject,nproc,extra,kind,where,ranks", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
-def test_fingerprint_exchange_names_the_same_fault_as_the_full_gather(tmp_path, inject, nproc, extra, kind, where, ranks):
+def test_fingerprint_exchange_names_the_same_fault_as_the_full_gather(tmp_path, inject, nproc, extra, kind,
+                                                                      where, ranks):
     rc, rep, cp = probe(tmp_path / "r", "--exchange", "fingerprint", "--inject", inject, *extra, nproc=nproc)
     assert rc == 1, cp.stderr[-3000:]
     assert [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)] == [(kind, where, ranks)], rep["findings"]

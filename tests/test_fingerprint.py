@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tpprobe.exchange.fingerprint import Fingerprint, column_signs, fingerprint, fingerprints, row_signs, sketch_close, sum_matches
+from tpprobe.fingerprint.reference import (Fingerprint, column_signs, fingerprint, fingerprints, row_signs,
+                                           sketch_close, sum_matches)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -84,7 +85,7 @@ def test_cuda_word_hash_changes_both_lanes(n, data):
     any one word changes both lanes; swapping the two words of a pair or words of different
     pairs, or appending a zero word, changes them too (odd counts are zero-padded, so shapes,
     compared separately, tell those apart)."""
-    from tpprobe.exchange.fingerprint import M32, _hash_words
+    from tpprobe.fingerprint.reference import M32, _hash_words
     g = torch.Generator().manual_seed(n)
     w = torch.randint(0, 2 ** 32, (n,), generator=g, dtype=torch.int64)
     base = _hash_words(w, 0)
@@ -270,7 +271,7 @@ def test_json_round_trip_and_size():
 
 _CHILD = """
 import json, torch
-from tpprobe.exchange.fingerprint import fingerprint
+from tpprobe.fingerprint.reference import fingerprint
 g = torch.Generator().manual_seed(1234)
 t = torch.randn(100, 300, generator=g).bfloat16()
 print(json.dumps(fingerprint(t, seed=99, k=24).to_json()))
@@ -287,7 +288,7 @@ def test_deterministic_across_processes():
 
 
 def test_chunking_invariance(monkeypatch):
-    import tpprobe.exchange.fingerprint as F
+    import tpprobe.fingerprint.reference as F
     t = torch.randn(77, 333)
     a = fingerprint(t)
     monkeypatch.setattr(F, "_CHUNK_ROWS", 3)
@@ -313,8 +314,8 @@ def _has_triton_cuda():
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("shape", [(8192, 7168), (64, 256), (300, 130), (5, 100), (3, 7, 8), (1, 2)])
 def test_triton_matches_torch(dt, shape):
-    import tpprobe.exchange._triton_fingerprint as tf
-    from tpprobe.exchange.fingerprint import _fingerprint_torch
+    import tpprobe.fingerprint.triton as tf
+    from tpprobe.fingerprint.reference import _fingerprint_torch
     g = torch.Generator(device="cuda").manual_seed(shape[0])
     t = (torch.randn(*shape, device="cuda", generator=g) * 2).to(dt)
     if t.dim() == 2 and shape[0] > 8:
@@ -349,8 +350,8 @@ def test_triton_matches_torch(dt, shape):
 def test_triton_configs_match_torch(cfg, dt):
     """The tuning knobs (tile rows, warps, programs per SM, register cap) change the schedule,
     never the result: odd tile counts, the pairs loop, the masked tail."""
-    import tpprobe.exchange._triton_fingerprint as tf
-    from tpprobe.exchange.fingerprint import _fingerprint_torch
+    import tpprobe.fingerprint.triton as tf
+    from tpprobe.fingerprint.reference import _fingerprint_torch
     for shape in [(1000, 7168), (97, 384), (33, 256)]:
         t = (torch.randn(*shape, device="cuda") * 3).to(dt)
         t[5] = 0
@@ -364,7 +365,7 @@ def test_triton_configs_match_torch(cfg, dt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_nan_inf_counts(dt):
-    from tpprobe.exchange.fingerprint import _fingerprint_torch
+    from tpprobe.fingerprint.reference import _fingerprint_torch
     t = torch.randn(300, 1024, device="cuda").to(dt)
     t[1, 2], t[3, 4], t[5, 6], t[7, 8] = float("nan"), float("inf"), -float("inf"), float("nan")
     f = fingerprint(t)
@@ -376,7 +377,7 @@ def test_triton_nan_inf_counts(dt):
 
 @pytest.mark.gpu
 def test_triton_nan_inf_and_dispatch():
-    from tpprobe.exchange.fingerprint import _fingerprint_torch
+    from tpprobe.fingerprint.reference import _fingerprint_torch
     assert _has_triton_cuda()
     t = torch.randn(256, 512, device="cuda").bfloat16()
     t[1, 2] = float("nan")
@@ -404,7 +405,7 @@ _GRID = sorted({(n, h) for n in _GRID_TOKENS for h in (128, 7168)} |
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", DTYPES)
 def test_every_shape_matches_the_torch_path(dt):
-    from tpprobe.exchange.fingerprint import _fingerprint_torch
+    from tpprobe.fingerprint.reference import _fingerprint_torch
     bad = []
     for n, h in _GRID:
         if n * h > 2 ** 28:
@@ -427,9 +428,9 @@ def test_fingerprint_mode_never_syncs_the_host_inside_the_forward():
     device-to-host copy or stream sync (CUDA's sync debug mode raises on one), all read after it
     with one copy."""
     from tpprobe.capture.hooks import Tap
-    from tpprobe.exchange.fingerprint import Deferred, _fingerprint_torch, resolved
-    from tpprobe.model import BuiltinConfig, TPModel, full_weights, input_ids
-    from tpprobe.target import RankContext
+    from tpprobe.fingerprint.reference import Deferred, _fingerprint_torch, resolved
+    from tpprobe.builtin.model import BuiltinConfig, TPModel, full_weights, input_ids
+    from tpprobe.core.target import RankContext
     cfg = BuiltinConfig(num_layers=4, hidden=1024, heads=8, ffn=2048, vocab=512, tokens=17, dtype=torch.bfloat16)
     ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="none")
     model = TPModel(full_weights(cfg), ctx, cfg).cuda().eval()
@@ -459,8 +460,8 @@ def test_device_combine_equals_the_host_combine_to_the_bit():
     the bit, over 4 to 396 programs a tensor (decode to prefill sizes), several tensors of a shape
     and several shapes in one batch, token flags and torch-side row flags, NaN / Inf, fp32 / bf16 /
     fp16; and a partial read (``only``)."""
-    import tpprobe.exchange._triton_fingerprint as tf
-    from tpprobe.exchange.fingerprint import Pending
+    import tpprobe.fingerprint.triton as tf
+    from tpprobe.fingerprint.reference import Pending
     g = torch.Generator(device="cuda").manual_seed(5)
     ts = []
     for dt in DTYPES:

@@ -1,4 +1,4 @@
-"""The host side of a fused fingerprint launch (exchange/_triton_fingerprint.py `Batch`, used by
+"""The host side of a fused fingerprint launch (fingerprint/triton.py `Batch`, used by
 `Deferred`): the same fingerprints, bit for bit, as the launch path it replaced, for less host
 time per launch (docs/benchmarks.md has the H200 numbers); and the same, bit for bit, whether a
 forward's partials are combined on the device (`_combine_kernel`) or on the host (`combine_many`,
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpprobe.exchange import fingerprint as FP
-from tpprobe.exchange.fingerprint import Deferred, Fingerprint, resolved
+from tpprobe.fingerprint import reference as FP
+from tpprobe.fingerprint.reference import Deferred, Fingerprint, resolved
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch)
     that never imported the kernels says nothing."""
     import sys as _sys
     from tpprobe.checks.evidence import add_fingerprints
-    from tpprobe.exchange import _triton_fingerprint as tf
+    from tpprobe.fingerprint import triton as tf
     from tpprobe.exchange.gather import exchange_summary
 
     class Tap:
@@ -104,5 +104,5 @@ def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch)
     assert got == {r: ["TPPROBE_FP_HOST_COMBINE is set",
                        "device combine unavailable (RuntimeError: x); combining on the host"] for r in (0, 1)}
     assert "fingerprint_host_combine" not in exchange_summary("fingerprint", Ch(), metas("cpu"), {}, 0)
-    monkeypatch.delitem(_sys.modules, "tpprobe.exchange._triton_fingerprint")
+    monkeypatch.delitem(_sys.modules, "tpprobe.fingerprint.triton")
     assert FP.host_combine_notes() == []

@@ -34,7 +34,6 @@ TWO_GPU_CASES = [
 def test_two_gpu_nccl_cases_skip_saying_why_on_one_gpu(tmp_path):
     (tmp_path / "one_gpu.py").write_text(ONE_GPU)
     env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}
-    import os
     env = {**os.environ, **env}
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "one_gpu", "-m", "gpu", "-rs", "-q",
                         "-p", "no:cacheprovider", *TWO_GPU_CASES], cwd=ROOT, env=env, capture_output=True,

@@ -49,7 +49,7 @@ TP1_FAULTS = [
 
 
 def _cfg():
-    from tpprobe.model import BuiltinConfig
+    from tpprobe.builtin.model import BuiltinConfig
     # 6 layers and ids [-1, 1, 3] as the catalogue tests; bf16 as served; Kimi width
     return BuiltinConfig(num_layers=6, hidden=7168, heads=56, ffn=2048, vocab=1000, dtype=torch.bfloat16)
 
@@ -67,7 +67,7 @@ def _cases(tp):
 
 
 def _run_cases(ctx, tp):
-    from tpprobe.graph_probe import graph_probe_rank
+    from tpprobe.builtin.graph import graph_probe_rank
     out = []
     for inject, tokens, *_, side in _cases(tp):
         r = graph_probe_rank(ctx, _cfg(), [inject] if inject else [], tokens, side_stream=side)
@@ -79,7 +79,7 @@ def _run_cases(ctx, tp):
 def _worker(rank, world, init_file, q):
     import torch.distributed as dist
 
-    from tpprobe.target import RankContext
+    from tpprobe.core.target import RankContext
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -104,7 +104,7 @@ def _results(tp):
     if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
         pytest.fail(f"needs {tp} CUDA devices (run with -m gpu on the GPU machine)")
     if tp == 1:
-        from tpprobe.target import RankContext
+        from tpprobe.core.target import RankContext
         ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend="none")
         res = _run_cases(ctx, 1)
         _RESULTS[1] = [{0: r["meta"]} for r in res], [r["compare"] for r in res], [r["settings"] for r in res]
@@ -155,7 +155,7 @@ def test_graph_replay_fingerprints_equal_eager_at_every_point(tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_healthy_graph_replay_has_no_findings(tp):
-    from tpprobe.graph_probe import graph_findings
+    from tpprobe.builtin.graph import graph_findings
     metas, _, settings = _results(tp)
     for m, s in zip(metas, settings):
         if s["inject"]:
@@ -167,7 +167,7 @@ def test_healthy_graph_replay_has_no_findings(tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_faults_in_the_graphed_model_are_named_exactly(tp):
-    from tpprobe.graph_probe import graph_findings
+    from tpprobe.builtin.graph import graph_findings
     metas, _, settings = _results(tp)
     expect = {(c[0], c[1]): c[2:5] for c in _cases(tp) if c[0]}
     seen = 0
@@ -189,8 +189,8 @@ def test_static_slots_equal_the_torch_path(dt, side):
     (new values, same buffer) must not keep anything of the first."""
     import math
 
-    from tpprobe.exchange.fingerprint import _fingerprint_torch
-    from tpprobe.exchange.graph_tap import StaticFingerprints
+    from tpprobe.fingerprint.reference import _fingerprint_torch
+    from tpprobe.capture.graph_tap import StaticFingerprints
     ts = [torch.randn(n, 7168, device="cuda").to(dt) for n in (1, 8, 64)] + \
         [torch.randn(8, 3 * 7168, device="cuda").to(dt)]
     slots = StaticFingerprints("cuda", seed=3, k=32, side_stream=side)

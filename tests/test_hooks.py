@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from tests.ranks import ROOT, spawn
 from tpprobe.capture.hooks import Tap
-from tpprobe.model import BuiltinConfig, build_builtin
-from tpprobe.target import RankContext
+from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.core.target import RankContext
 
 
 def _target(rank, world):
@@ -36,7 +36,8 @@ def test_every_allreduce_is_attributed_to_its_layer_and_row_parallel_module():
     assert res["order"][:3] == ["embed.local", "embed.out", "layer.0.in_norm"]
     assert res["handles"] == ["<embed embed_tokens>", "<layer[0] layers.0>"]
     cov = res["coverage"]      # found from structure, not from class names
-    assert (cov["embed"], cov["embed_how"], cov["layer_list"], cov["layers_found"]) == ("embed_tokens", "structure", "layers", 3)
+    assert (cov["embed"], cov["embed_how"], cov["layer_list"], cov["layers_found"]) == ("embed_tokens", "structure",
+                                                                                        "layers", 3)
     assert cov["paths"] == {"c10d.allreduce_": 7} and cov["unreadable_paths"] == {}
 
 

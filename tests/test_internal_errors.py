@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -80,10 +79,11 @@ def test_an_internal_error_in_an_offline_command_is_one_line_and_exit_3(runs):
     import sys
     from tests.ranks import ROOT
     out = runs["write"][0].args[runs["write"][0].args.index("--out") + 1]
-    code = ("import sys, tpprobe.tools.offline as o; o.report_dir = None; from tpprobe.cli import main; "
+    code = ("import sys, tpprobe.cli.report as o; o.report_dir = None; from tpprobe.cli import main; "
             f"main(['report', {out!r}])")
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert cp.returncode == 3, cp.stderr
-    assert cp.stderr.strip().splitlines() == [line for line in cp.stderr.strip().splitlines()
-                                              if line.startswith("tpprobe: internal error in tpprobe report: TypeError")]
+    assert cp.stderr.strip().splitlines() == [
+        line for line in cp.stderr.strip().splitlines()
+        if line.startswith("tpprobe: internal error in tpprobe report: TypeError")]
     assert "Traceback" not in cp.stderr

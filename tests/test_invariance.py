@@ -56,7 +56,8 @@ def test_ordered_reduction_is_bitwise_at_tp_1_2_and_batch_1_3(tmp_path):
         assert levels(rep, name) == {"bitwise"}
     # the collectives really ran at tp 2 (gather + ordered sum), and compared their inputs per rank
     o_proj = next(e for e in rep["rows"] if e["key"] == "layers.0.self_attn.o_proj")
-    assert o_proj["ops"]["tp1·b1"] is None and o_proj["ops"]["tp2·b3"] in ("all_gather_single", "all_gather_into_tensor")
+    assert o_proj["ops"]["tp1·b1"] is None
+    assert o_proj["ops"]["tp2·b3"] in ("all_gather_single", "all_gather_into_tensor")
     assert o_proj["in_cells"]["tp2·b3"] == {"level": "bitwise", "vs": "tp2·b1"}
     assert cfg(rep, "tp2·b3")["lens"][cfg(rep, "tp2·b3")["prompt_index"]] == 16   # the prompt, among 3
 
@@ -71,7 +72,8 @@ def test_default_gloo_is_rounding_noise_first_broken_by_the_tp_split(tmp_path):
         c = cfg(rep, name)
         fb = c["first_break"]
         assert c["level"] == "noise" and levels(rep, name) == {"bitwise", "noise"}
-        assert (fb["row"], fb["layer"], fb["cause"], fb["level"]) == ("layers.0.self_attn.o_proj", 0, "tp-split", "noise")
+        assert (fb["row"], fb["layer"], fb["cause"], fb["level"]) == ("layers.0.self_attn.o_proj", 0,
+                                                                      "tp-split", "noise")
         assert fb["collective"]["op"] == "all_reduce" and fb["collective"]["shape"] == [sum(c["lens"]), H]
         assert fb["collective"]["bytes"] == sum(c["lens"]) * H * F32
         assert len(c["lens"]) == batch
@@ -79,7 +81,7 @@ def test_default_gloo_is_rounding_noise_first_broken_by_the_tp_split(tmp_path):
         before = builtin_rows()[:builtin_rows().index(fb["row"])]
         assert all(e["cells"][name]["level"] == "bitwise" for e in rep["rows"] if e["key"] in before)
     # the same files, judged with --expect noise: exit 0 (a real run's fingerprints, re-compared)
-    from tpprobe.probe import ProbeOptions
+    from tpprobe.probe.pipeline import ProbeOptions
     from tpprobe.invariance.compare import compare
     from tpprobe.invariance.options import InvarianceOptions
     runs = {tp: [json.loads((tmp_path / "d" / f"tp{tp}" / f"rank{r}.json").read_text()) for r in range(tp)]
@@ -96,7 +98,8 @@ def test_injected_size_switch_is_named_at_the_first_collective_it_changes(tmp_pa
     assert code == 1
     c = cfg(rep, "tp4·b3")
     fb = c["first_break"]
-    assert (fb["row"], fb["layer"], fb["cause"], fb["level"]) == ("layers.0.self_attn.o_proj", 0, "collective-size", "noise")
+    assert (fb["row"], fb["layer"], fb["cause"], fb["level"]) == ("layers.0.self_attn.o_proj", 0,
+                                                                  "collective-size", "noise")
     assert fb["collective"]["op"] == "all_reduce" and fb["collective"]["bytes"] == sum(c["lens"]) * H * F32 > 8192
     assert fb["compared_collective"]["op"] in ("all_gather_single", "all_gather_into_tensor")
     assert fb["compared_collective"]["bytes"] == 16 * H * F32 <= 8192

@@ -4,7 +4,7 @@ A Triton kernel is compiled once per *specialization*: its constexprs, and for e
 argument whether it equals 1 (then it is a constant), is divisible by 16, or is a 16-byte-aligned
 pointer.  A shape that produces a specialization nobody compiled can break at run time (16 to 63
 bf16 tokens once did: ``nfull`` equal to 1 arrived as a Python int).  This test plans every shape
-exactly as ``_triton_fingerprint.launch`` does (``plan`` / ``calls``, on meta tensors: nothing is
+exactly as ``fingerprint.triton.launch`` does (``plan`` / ``calls``, on meta tensors: nothing is
 allocated), asks Triton's own binder which specialization each launch causes, and compiles each
 distinct one with Triton's compiler for sm_90 (the H100 / H200) and sm_80 (the A100), as
 bench/kernel_asm.py does.  Shapes: tokens 1 to 65536 (tile remainders and primes), hidden 64 to
@@ -23,8 +23,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-import tpprobe.exchange._triton_fingerprint as tf  # noqa: E402
-from tpprobe.exchange.fingerprint import PROBE_K as FP_K, PROBE_SEED as FP_SEED  # noqa: E402
+import tpprobe.fingerprint.triton as tf  # noqa: E402
+from tpprobe.fingerprint.reference import PROBE_K as FP_K, PROBE_SEED as FP_SEED  # noqa: E402
 
 TOKENS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 127, 128, 129, 251, 256, 257, 509,
           1021, 1024, 1031, 2039, 4093, 4096, 8191, 8192, 16381, 16384, 32749, 65521, 65536]
@@ -130,7 +130,7 @@ def test_sm80_builds_fp32_and_16_bit_takes_the_torch_path():
 def test_cuda_tensors_the_kernel_cannot_take_are_named(monkeypatch):
     """The dispatch on a pre-Hopper GPU: the torch path, and the reason recorded once (CPU test of
     the rule; the GPU tests run both paths on real tensors)."""
-    from tpprobe.exchange import fingerprint as F
+    from tpprobe.fingerprint import reference as F
     monkeypatch.setattr(F, "TORCH_PATH", {})
     F._torch_path(tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (8, 0)))
     F._torch_path(tf.unsupported_reason((16, 7168), torch.bfloat16, 2, True, 0, (8, 0)))

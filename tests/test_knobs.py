@@ -1,5 +1,5 @@
 """Every TPPROBE_* variable is declared once and documented (issue 28): the SGLang plugin's in
-options.PluginOptions, the rest in tpprobe/knobs.py; no module reads os.environ for one of them
+engines/sglang/options.py PluginOptions, the rest in tpprobe/config/knobs.py; no module reads os.environ for one of them
 directly; the README's table is generated from the declarations (scripts/knobs_table.py)."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import knobs_table  # noqa: E402
 
-from tpprobe.knobs import KNOBS  # noqa: E402
-from tpprobe.options import PluginOptions  # noqa: E402
+from tpprobe.config.knobs import KNOBS  # noqa: E402
+from tpprobe.engines.sglang.options import PluginOptions  # noqa: E402
 
 DECLARED = {f.metadata["env"] for f in fields(PluginOptions)} | set(KNOBS)
 READERS = {ROOT / "tpprobe" / "options.py", ROOT / "tpprobe" / "knobs.py"}
@@ -39,7 +39,8 @@ def test_no_module_reads_a_tpprobe_variable_from_the_environment_itself():
         for node in ast.walk(ast.parse(p.read_text())):
             # os.environ.get("TPPROBE_..."), os.environ["TPPROBE_..."], os.getenv("TPPROBE_...")
             args = []
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv"):
+            if isinstance(node, ast.Call) and isinstance(node.func,
+                                                         ast.Attribute) and node.func.attr in ("get", "getenv"):
                 args = node.args[:1]
             elif isinstance(node, ast.Subscript):
                 args = [node.slice]

@@ -44,7 +44,7 @@ def _in_launcher(code: str, env: dict | None = None, timeout: float = 120) -> su
 
 
 PRELUDE = ("import os, sys, threading, torch, tpprobe.cli\n"
-           "from tpprobe.launch import start_method, launch_local\n"
+           "from tpprobe.probe.launch import start_method, launch_local\n"
            "os.environ['TPPROBE_DIST_BACKEND'] = sys.argv[1] if len(sys.argv) > 1 else 'gloo'\n")
 
 
@@ -55,7 +55,7 @@ PRELUDE = ("import os, sys, threading, torch, tpprobe.cli\n"
     ("sometimes", "gloo", "tpprobe: error: TPPROBE_RANK_START='sometimes': say auto, fork or spawn")])
 def test_the_start_method_follows_the_backend_and_the_knob(setting, backend, want):
     code = PRELUDE + (f"os.environ['TPPROBE_DIST_BACKEND'] = {backend!r}\n"
-                      "from tpprobe.errors import TPProbeError\n"
+                      "from tpprobe.core.errors import TPProbeError\n"
                       "try:\n    print(start_method())\nexcept TPProbeError as e:\n"
                       "    print('tpprobe: error: ' + str(e))\n")
     cp = _in_launcher(code, {"TPPROBE_RANK_START": setting} if setting else None)

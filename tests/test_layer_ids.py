@@ -5,8 +5,8 @@ import io
 import pytest
 from rich.console import Console
 
-from tpprobe.errors import UsageError
-from tpprobe.tools.layers import parse_ids, plan, render_layers_table
+from tpprobe.core.errors import UsageError
+from tpprobe.engines.sglang.layer_ids import parse_ids, plan, render_layers_table
 
 
 def test_llama_plus_one_always():

@@ -1,5 +1,5 @@
 """`tpprobe layers` for every SGLang architecture: the rule is derived from the installed SGLang's
-own `set_eagle3_layers_to_capture` and capture condition (tpprobe.sglang.rules), the names people
+own `set_eagle3_layers_to_capture` and capture condition (tpprobe.engines.sglang.rules), the names people
 use resolve, the exit code says when ids crash or drop, and the draft/target contract (F19) is
 read slot by slot from two config.json files. No model is run; the real captures that prove these
 rules are in tests/test_sglang_archs.py and tests/test_sglang_models.py.
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tests.test_cli_usage import _fork_cli
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
@@ -21,20 +21,20 @@ pytestmark = [pytest.mark.sglang,
 
 @pytest.fixture(scope="module")
 def rules():
-    from tpprobe.sglang import rules as r
+    from tpprobe.engines.sglang import rules as r
 
     r.all_architectures()      # every SGLang model file imported once: forked CLI cases start warm
     return r
 
 
 def _derive(rules, name, ids, L):
-    from tpprobe.tools.layers import plan_from_derived
+    from tpprobe.engines.sglang.layer_ids import plan_from_derived
 
     return plan_from_derived(name, rules.derive(name, ids, L))
 
 
 def test_every_architecture_is_derived_from_sglang(rules):
-    from tpprobe.tools.layers import plan_from_derived
+    from tpprobe.engines.sglang.layer_ids import plan_from_derived
 
     archs = rules.all_architectures()
     files = {f for f, _ in archs}
@@ -70,7 +70,7 @@ def test_rules_as_sglang_applies_them(rules, name, ids, L, ltc, slots, crash):
 
 
 def test_pinned_fallback_agrees_with_the_derived_rule(rules):
-    from tpprobe.tools.layers import pinned_plan
+    from tpprobe.engines.sglang.layer_ids import pinned_plan
 
     for arch in ("llama", "deepseek_v2"):
         for ids in (None, [-1, 1, 3], [1, 3, 7], [0, 2, 5], [2, 2], [7], [4, 0]):
@@ -117,7 +117,7 @@ def test_layers_cli_names_exit_codes_and_contract(rules, tmp_path):
 
 
 def test_contract_json_vocabulary(tmp_path):
-    from tpprobe.tools.layers_cli import contract
+    from tpprobe.cli.layers import contract
 
     (tmp_path / "t.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32}))
     (tmp_path / "d.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}}))

@@ -1,8 +1,8 @@
 """Issue 28, finding 6: `tpprobe layers` knows every SGLang architecture without SGLang, and is fast
 with it.
 
-The rules are SGLang 0.5.23's own code, tabulated as data (tpprobe/sglang/rules_table.py, written by
-`python -m tpprobe.sglang.rules --write`). In the SGLang tier the table is regenerated from the
+The rules are SGLang 0.5.23's own code, tabulated as data (tpprobe/engines/sglang/rules_table.py, written by
+`python -m tpprobe.engines.sglang.rules --write`). In the SGLang tier the table is regenerated from the
 installed SGLang and must equal the shipped file, and replaying it must equal running SGLang's own
 setter (`rules.derive`) on ids and depths the generator never saw, for every architecture and name.
 Without SGLang (a subprocess whose import path really lacks it) the README's draft/target example
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 ROOT = Path(__file__).resolve().parents[1]
 sglang_tier = [pytest.mark.sglang, pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
@@ -66,7 +66,7 @@ def test_layers_knows_every_architecture_without_sglang(tmp_path):
 
 def test_plan_imports_no_sglang():
     """With SGLang 0.5.23 installed the table answers: no SGLang import (was 11-22 s for one plan)."""
-    code = ("import sys, time; t = time.time(); from tpprobe.tools.layers import plan; "
+    code = ("import sys, time; t = time.time(); from tpprobe.engines.sglang.layer_ids import plan; "
             "p = plan('DeepseekV3ForCausalLM', [-1, 2, 30], 61); "
             "print('sglang' in sys.modules, p.layers_to_capture, round(time.time() - t, 2))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
@@ -78,7 +78,7 @@ def test_plan_imports_no_sglang():
 
 @pytest.fixture(scope="module")
 def live():
-    from tpprobe.sglang import rules, rules_table
+    from tpprobe.engines.sglang import rules, rules_table
 
     if rules.installed_version() != rules_table.SGLANG_VERSION:
         pytest.skip(f"the table is SGLang {rules_table.SGLANG_VERSION}'s; the installed SGLang is "
@@ -91,7 +91,7 @@ def live():
 def test_the_shipped_table_is_the_installed_sglangs(live):
     rules, tab = live
     shipped = (ROOT / rules.TABLE_MODULE).read_text()
-    assert rules.render_table(tab) == shipped, "regenerate: python -m tpprobe.sglang.rules --write"
+    assert rules.render_table(tab) == shipped, "regenerate: python -m tpprobe.engines.sglang.rules --write"
     assert len(tab["CLASSES"]) >= 45 and len(tab["ARCHITECTURES"]) >= 40
 
 
@@ -99,7 +99,7 @@ def test_the_shipped_table_is_the_installed_sglangs(live):
 @pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
 def test_the_table_replays_sglangs_setter_on_ids_it_never_saw(live):
     rules, tab = live
-    from tpprobe.tools.layers import plan_from_derived
+    from tpprobe.engines.sglang.layer_ids import plan_from_derived
 
     grid = [(ids, L) for L in (7, 9, 12, 27, 48, 94)
             for ids in (None, [1, L // 3, L - 2], [0, 5, L], [3, -1], [L - 1, 1], [L + 2], [-L + 1, 0], [2, 2, 4])]
@@ -112,6 +112,7 @@ def test_the_table_replays_sglangs_setter_on_ids_it_never_saw(live):
             pa, pb = plan_from_derived(name, a), plan_from_derived(name, b)
             assert (pa.rule, pa.crash, pa.problems, pa.slot_hf_indices) == (pb.rule, pb.crash, pb.problems,
                                                                           pb.slot_hf_indices)
-    names = [*tab["FILES"], *tab["MODEL_TYPES"], *[n for n in rules._ALIASES], *[c for c in tab["CLASSES"] if "." not in c]]
+    names = [*tab["FILES"], *tab["MODEL_TYPES"], *[n for n in rules._ALIASES],
+             *[c for c in tab["CLASSES"] if "." not in c]]
     for n in names:     # every name resolves to the class SGLang's own lookup finds
         assert rules.resolve_in_table(n, tab) == rules.resolve(n).__name__, n

@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-from tpprobe.capture.files import MANIFEST, CaptureError, check_out_dir, load_run, read_manifest, safe_torch_load
-from tpprobe.errors import TPProbeError, UsageError
+from tpprobe.formats.capture_dir import MANIFEST, CaptureError, check_out_dir, load_run, read_manifest, safe_torch_load
+from tpprobe.core.errors import TPProbeError, UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,7 +212,7 @@ def test_no_loader_calls_torch_load_but_the_safe_helper():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "tpprobe").rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(r"\btorch\.load\(|\bpickle\.loads?\(", line) and "weights_only=True" not in line]
-    assert hits == [], "load .pt only through tpprobe.capture.files.safe_torch_load"
+    assert hits == [], "load .pt only through tpprobe.formats.capture_dir.safe_torch_load"
 
 
 # ---- the disk ----------------------------------------------------------------------------------
@@ -320,5 +320,5 @@ def test_property_hostile_rank_metadata_sealed_in_the_manifest(healthy, tmp_path
     run = _load_or_own_error(d)
     assert run is not None and 0 in run.records
     if 1 in run.records:   # accepted: the offline report must not crash on it either
-        from tpprobe.tools.offline import report_dir
+        from tpprobe.cli.report import report_dir
         assert report_dir(d, json_out=True, quiet=True) in (0, 1)

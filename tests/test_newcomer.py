@@ -49,10 +49,12 @@ def ranks_env(monkeypatch, tmp_path):
 
 # ---- bad input: one line, exit 2, nothing left behind ------------------------------------------
 @pytest.mark.parametrize("args, says", [
-    (["probe", "--out", "{tmp}/no/such/dir/x"], "--out {tmp}/no/such/dir/x: the folder {tmp}/no/such/dir does not exist"),
+    (["probe", "--out", "{tmp}/no/such/dir/x"],
+     "--out {tmp}/no/such/dir/x: the folder {tmp}/no/such/dir does not exist"),
     (["probe", "--html", "{tmp}/no/such/r.html"], "--html {tmp}/no/such/r.html: the folder {tmp}/no does not exist"),
     (["probe", "--markdown", "{tmp}/no/x/r.md"], "--markdown {tmp}/no/x/r.md: the folder {tmp}/no does not exist"),
-    (["report", "{run}", "--html", "{tmp}/no/x/r.html"], "--html {tmp}/no/x/r.html: the folder {tmp}/no does not exist"),
+    (["report", "{run}", "--html", "{tmp}/no/x/r.html"],
+     "--html {tmp}/no/x/r.html: the folder {tmp}/no does not exist"),
     (["specforge", "{run}", "{tmp}/no/rows/d.ckpt"], "the folder {tmp}/no does not exist"),
     (["probe", "--config", "cfg.json"], "--config cfg.json builds SGLang's model classes: add --backend sglang"),
     (["probe", "--num-layers", "0"], "--num-layers must be >= 1 (got 0)"),
@@ -77,7 +79,7 @@ def test_bad_paths_and_settings_are_one_line_exit_2(args, says, tmp_path, capsys
 
 def test_version_and_help_texts_everywhere(capsys):
     from tpprobe import __version__
-    from tpprobe.faults import FAULTS
+    from tpprobe.builtin.faults import FAULTS
     assert cli(["--version"], capsys)[:2] == (0, f"tpprobe {__version__}\n")
     import typer.main
     group = typer.main.get_command(app)
@@ -189,9 +191,9 @@ def test_tpprobe_torchrun_ends_a_finding_without_childfailederror(ranks_env, cap
 
 def test_config_sets_the_dtype_unless_dtype_is_given(tmp_path, monkeypatch, capsys):
     """--config's torch_dtype is the probe's dtype (the ranks are started with it); --dtype wins."""
-    import tpprobe.launch
+    import tpprobe.probe.launch
     started = []
-    monkeypatch.setattr(tpprobe.launch, "launch_local", lambda n, argv, **kw: started.append(argv) or 0)
+    monkeypatch.setattr(tpprobe.probe.launch, "launch_local", lambda n, argv, **kw: started.append(argv) or 0)
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))

@@ -5,7 +5,6 @@ with no `arch` is HEALTHY; #8 --help shows flags as flags, markup intact, defaul
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from pathlib import Path

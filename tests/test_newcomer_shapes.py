@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.ranks import probe, run_cli
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 no_sglang = pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
 
@@ -28,7 +28,7 @@ def one_error_line(cp) -> str:
 
 # ---- 15: default layer ids follow the model's size -------------------------------------------
 def test_the_default_ids_follow_the_builtin_models_depth():
-    from tpprobe.options import builtin_layer_ids
+    from tpprobe.config.options import builtin_layer_ids
     assert builtin_layer_ids(6) == [-1, 1, 3]              # today's default, kept for the 6-layer model
     assert [builtin_layer_ids(n) for n in (1, 2, 3, 4, 5)] == [[-1], [-1, 0], [-1, 1], [-1, 1, 2], [-1, 1, 3]]
 
@@ -41,7 +41,7 @@ def test_a_small_builtin_model_without_layers_runs_healthy(tmp_path, layers, ids
 
 
 def test_the_help_says_the_default_for_small_models():
-    from tpprobe.options import ProbeOptions, typer_parameters
+    from tpprobe.config.options import ProbeOptions, typer_parameters
     helps = {name: h for name, _, _, _, h in typer_parameters(ProbeOptions)}
     assert "2: -1,0" in helps["layers"] and "1: -1" in helps["layers"]
 
@@ -66,7 +66,7 @@ def _config(tmp_path, **kw):
 
 
 def test_a_config_names_its_depth_and_architecture(tmp_path):
-    from tpprobe.options import ProbeOptions
+    from tpprobe.config.options import ProbeOptions
     cfg = _config(tmp_path, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=61,
                   num_attention_heads=128, n_routed_experts=256, moe_intermediate_size=2048, intermediate_size=18432)
     o = ProbeOptions.from_cli(backend="sglang", config=str(cfg))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpprobe.checks.noise import (CROSS_RANK, INT_VIEW, RESHARDED, compare, fast_level, has_nonfinite,
-                                  rel_bound, row_bound, ulp_bound)
+from tpprobe.core.noise import (CROSS_RANK, INT_VIEW, RESHARDED, compare, fast_level, has_nonfinite, rel_bound,
+                                row_bound, ulp_bound)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -127,7 +127,8 @@ def test_nonfinite_zero_sign_left_to_compare(dtype):
     r = ref.clone(); r[4, 4] = tiny; x = base.clone(); x[4, 4] = -tiny; cases.append((x, r))  # sign change, 2 steps
     # bits that wrap in integer arithmetic: a NaN against -0 / the most negative subnormals
     r = ref.clone(); r.view(it)[5, 5] = torch.tensor(-(2 ** (8 * r.element_size() - 1)), dtype=it)
-    x = ref.clone(); x.view(it)[5, 5] = torch.tensor(2 ** (8 * r.element_size() - 1) - 1, dtype=it); cases.append((x, r))
+    x = ref.clone(); x.view(it)[5, 5] = torch.tensor(2 ** (8 * r.element_size() - 1) - 1,
+                                                     dtype=it); cases.append((x, r))
     for x, r in cases:
         f, c = _agree(x, r)
         assert f is None or f["level"] == "bitwise", (f, c["level"])

@@ -87,7 +87,7 @@ def _sketch_trials(kind: str, trials: int = 100) -> int:
     import torch
 
     from tpprobe.checks.evidence import fp_level
-    from tpprobe.exchange.fingerprint import PROBE_K, PROBE_SEED, fingerprint
+    from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
     hits = 0
     for t in range(trials):
         g = torch.Generator().manual_seed(1000 * t + 7)

@@ -20,22 +20,26 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import readme_commands as rc  # noqa: E402
 
 VENV = Path(sys.executable).parent.parent      # the venv running the tests: the README's .venv
-EXPECTED_EXIT = [(r"--inject skip-allreduce@2", 1), (r"^tpprobe diff tpprobe-runs/rows_0-5000/data_0\.ckpt tpprobe-runs/serve$", 1),
+EXPECTED_EXIT = [(r"--inject skip-allreduce@2", 1),
+                 (r"^tpprobe diff tpprobe-runs/rows_0-5000/data_0\.ckpt tpprobe-runs/serve$", 1),
                  (r"^tpprobe layers --arch deepseek_v2 --ids -1,2,30", 1),   # its table shows a crash (issue 15)
                  (r"^tpprobe layers --draft-config examples/eagle3", 1),     # the example's contract differs (F19)
                  (r"^python -m examples\.accept_toy_draft$", 1),             # the broken capture costs accept length
                  (r"^tpprobe invariance --tp 1,2,4 --batch 1,3,8$", 1)]       # the default reduce is not TP-invariant
 EXPECTED_OUT = {  # what the README says the command prints (a fragment, whitespace-normalised)
     "tpprobe probe": "HEALTHY: every capture point agrees across ranks",
-    "tpprobe probe --inject skip-allreduce@2": "FAILURE partial-allreduce at layer 2 (layers.2.self_attn.o_proj) (all ranks)",
+    "tpprobe probe --inject skip-allreduce@2": "FAILURE partial-allreduce at layer 2 (layers.2.self_attn.o_proj) (all "
+                                               "ranks)",
     "tpprobe diff tpprobe-runs/rows_0-5000/data_0.ckpt tpprobe-runs/serve": "MISMATCH: slots are shifted by 1 position",
     "tpprobe --version": "tpprobe 0.1.0",
-    "tpprobe invariance --tp 1,2,4 --batch 1,3,8": "bitwise equality breaks at the collective of layers.0.self_attn.o_proj",
+    "tpprobe invariance --tp 1,2,4 --batch 1,3,8": "bitwise equality breaks at the collective of "
+                                                   "layers.0.self_attn.o_proj",
     "PYTHONPATH=. tpprobe probe --model examples.my_model:build --layers 0,1": "HEALTHY",
     **{f"PYTHONPATH=. tpprobe probe --model examples.{m} --nproc {n}": "HEALTHY" for m, n in (
         ("dtensor_llama:build_sequence_parallel", 4), ("megatron_gpt:build_sequence_parallel", 4))},
     "tpprobe layers --ids -1,2,30 --num-layers 61": "layer.30.out",
-    "tpprobe layers --draft-config examples/eagle3/draft_config.json --target-config examples/eagle3/target_config.json":
+    "tpprobe layers --draft-config examples/eagle3/draft_config.json "
+    "--target-config examples/eagle3/target_config.json":
         "FAILURE id-contract (capture-offset at aux slot 0)",
 }
 
@@ -72,7 +76,8 @@ def shell(tmp_path_factory):
 
 def _check(c: rc.Command, p: subprocess.CompletedProcess) -> None:
     want = next((code for pat, code in EXPECTED_EXIT if re.search(pat, c.text)), 0)
-    assert p.returncode == want, f"{c.text}: exit {p.returncode}, README says {want}\n{p.stdout[-1500:]}{p.stderr[-1500:]}"
+    assert p.returncode == want, \
+        f"{c.text}: exit {p.returncode}, README says {want}\n{p.stdout[-1500:]}{p.stderr[-1500:]}"
     assert "Traceback" not in p.stderr and "error" not in p.stderr.lower(), (c.text, p.stderr[-1500:])
     if c.text in EXPECTED_OUT:
         assert EXPECTED_OUT[c.text] in " ".join(p.stdout.split()), (c.text, p.stdout[-1500:])

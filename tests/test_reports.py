@@ -25,7 +25,7 @@ import pytest
 from tpprobe.report import envinfo
 from tpprobe.report.labels import cell_label
 from tpprobe.report.html import render_html, write_html
-from tpprobe.report.markdown import render_markdown, write_markdown
+from tpprobe.report.markdown import render_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
@@ -39,7 +39,8 @@ def faulty(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "2", "--inject", "skip-allreduce@2",
                         "--out", str(d / "run"), "--quiet", "--html", str(d / "report.html"),
-                        "--markdown", str(d / "report.md")], cwd=d, env=env, capture_output=True, text=True, timeout=180)
+                        "--markdown", str(d / "report.md")], cwd=d, env=env, capture_output=True,
+                        text=True, timeout=180)
     assert p.returncode == 1, p.stdout + p.stderr
     report = json.loads((d / "run" / "report.json").read_text())
     assert report["findings"], "the injected fault must be found"
@@ -138,7 +139,8 @@ def test_html_verdict_first_and_every_cell(faulty):
     world = rep["settings"]["world_size"]
     assert [c[0] for c in rows[0]] == ["capture point", "layer"] + [f"rank {r}" for r in range(world)]
     assert len(rows) - 1 == len(rep["points"])
-    classes = {"bitwise": "ok", "reference": "ref", "noise": "noise", "material": "bad", "shape": "shape", "share": "dim"}
+    classes = {"bitwise": "ok", "reference": "ref", "noise": "noise", "material": "bad", "shape": "shape",
+               "share": "dim"}
     for row, p in zip(rows[1:], rep["points"]):
         assert row[0][0] == p["name"]
         for r in range(world):
@@ -152,13 +154,16 @@ def test_html_verdict_first_and_every_cell(faulty):
     assert len(audit) == len(ar["records"]) + 1          # + the reduce that never ran, in its place
     gone = [i for i, row in enumerate(audit) if row[5][0] == "never issued"]
     assert len(gone) == 1 and audit[gone[0]][1][0] == "layer.2" and audit[gone[0]][2][0] == "layers.2.self_attn.o_proj"
-    assert audit[gone[0]][5][1] == "bad" and audit[gone[0] - 1][1][0] == "layer.1" and audit[gone[0] + 1][1][0] == "layer.2"
-    assert f"{ar['checked']} all-reduces checked" in text and "never issued: the all-reduce of layers.2.self_attn.o_proj" in text
+    assert audit[gone[0]][5][1] == "bad" and audit[gone[0] - 1][1][0] == "layer.1" \
+        and audit[gone[0] + 1][1][0] == "layer.2"
+    assert f"{ar['checked']} all-reduces checked" in text \
+        and "never issued: the all-reduce of layers.2.self_attn.o_proj" in text
     # aux slots: slot 2 holds the right layer (layer.3.out) but its values differ on rank 1: red, not green
     slots = doc.tables["slots"]
     assert len(slots) - 1 == len(rep["slots"])
     assert [c[0] for c in slots[0]] == ["slot", "id", "expected", "holds", "values across ranks"]
-    assert [(r[3][1], r[4]) for r in slots[1:]] == [("ok", ("agree", "ok"))] * 2 + [("bad", ("differ on ranks [1]", "bad"))]
+    assert [(r[3][1], r[4])
+            for r in slots[1:]] == [("ok", ("agree", "ok"))] * 2 + [("bad", ("differ on ranks [1]", "bad"))]
     assert "skip-allreduce@2" in text
     env = rep["environment"]
     assert f"torch {env['torch']}" in text and "CPU" in text
@@ -258,7 +263,8 @@ def test_coverage_in_html_and_markdown_of_a_real_run(faulty):
     assert html.index('id="verdict"') < html.index('id="coverage"') < html.index('id="points"')
     line = next(l for l in md.splitlines() if l.startswith("Coverage: "))
     assert line == (f"Coverage: embedding embed_tokens (found by structure) · decoder layers 6 of 6 hooked (structure: "
-                    f"layers, TPDecoderLayer) · reduces per layer and rank: {SKIP2_REDUCES} · through c10d.allreduce_ ×{n}.")
+                    f"layers, TPDecoderLayer) · reduces per layer and rank: {SKIP2_REDUCES} · through c10d.allreduce_ "
+                    f"×{n}.")
     assert f"coverage: {line[len('Coverage: '):-1]}" in _terminal_text(rep)
 
 
@@ -269,7 +275,8 @@ def test_coverage_with_a_missing_rank_says_per_layer_what_each_rank_issued(fault
     for v in rep["coverage"]["reduces_per_place"].values():
         v.pop("1", None)
     rep["coverage"]["reduces_per_place"]["layer.4"] = {}
-    want = "layers 0–1: 2 on rank 0; layer 2: 1 on rank 0; layer 3: 2 on rank 0; layer 4: none; layer 5: 2 on rank 0; rank 1: no record"
+    want = ("layers 0–1: 2 on rank 0; layer 2: 1 on rank 0; layer 3: 2 on rank 0; layer 4: none; "
+            "layer 5: 2 on rank 0; rank 1: no record")
     assert f"reduces per layer and rank: {want} · through" in _terminal_text(rep)
     assert f"reduces per layer and rank: {want} · through" in render_markdown(rep)
     rows = {r[0][0]: r[1] for r in parse(render_html(rep)).tables["coverage"]}
@@ -278,8 +285,10 @@ def test_coverage_with_a_missing_rank_says_per_layer_what_each_rank_issued(fault
     rep["settings"]["world_size"], rep["ranks_missing"] = 4, [2]
     rep["coverage"]["reduces_per_place"] = {f"layer.{k}": {"0": 2, "1": 2 - (k == 3), "3": 2} for k in range(6)}
     rows = {r[0][0]: r[1] for r in parse(render_html(rep)).tables["coverage"]}
-    assert rows["reduces per layer and rank"][0] == ("layers 0–2: 2 on each of ranks 0, 1, 3; layer 3: 2 on ranks 0, 3, "
-                                                     "1 on rank 1; layers 4–5: 2 on each of ranks 0, 1, 3; rank 2: no record")
+    assert rows["reduces per layer and rank"][0] == ("layers 0–2: 2 on each of ranks 0, 1, 3; layer 3: 2 on ranks 0, "
+                                                     "3, "
+                                                     "1 on rank 1; layers 4–5: 2 on each of ranks 0, 1, 3; rank 2: no "
+                                                     "record")
 
 
 # ---- environment ----------------------------------------------------------------------------------
@@ -331,7 +340,8 @@ def test_topology_from_nvml():
     gpus = [{"rank": r, "name": "NVIDIA H200", "memory_gib": 140.4, "pci": nv.BUS[r]} for r in range(3)]
     topo = envinfo._topology(nv, handles, gpus)
     assert topo["matrix"] == [["X", "NV18", "SYS"], ["NV18", "X", "SYS"], ["SYS", "SYS", "X"]]
-    assert topo["pairs"][0] == {"ranks": [0, 1], "link": "NV18", "nvlinks": 18, "p2p_read": "ok", "meaning": "18 NVLink(s)"}
+    assert topo["pairs"][0] == {"ranks": [0, 1], "link": "NV18", "nvlinks": 18, "p2p_read": "ok",
+                                "meaning": "18 NVLink(s)"}
     env = {"torch": "2.x", "tpprobe": "0.1", "nccl": "2.27.3", "driver": "580.1", "gpus": gpus, "topology": topo,
            "ranks_per_node": 3, "world_size": 3}
     lines = envinfo.env_lines(env)
@@ -394,7 +404,7 @@ def test_topology_falls_back_to_nvidia_smi(monkeypatch):
 def test_progress_display_draws_phases_and_stays_quiet(monkeypatch):
     from rich.console import Console
     from tpprobe.capture.progress import Progress
-    from tpprobe.exchange.live import LiveProgress, stop_all
+    from tpprobe.report.live import LiveProgress, stop_all
     monkeypatch.setenv("NO_COLOR", "1")
     buf = io.StringIO()
     prog = Progress()

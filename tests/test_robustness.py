@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import gpu_count
-from tpprobe.capture.files import load_run
+from tpprobe.formats.capture_dir import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 8            # --timeout of the fault runs

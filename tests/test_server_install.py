@@ -32,7 +32,7 @@ def test_the_plugin_says_which_sglang_it_found_and_that_it_is_tested(tmp_path):
     pytest.importorskip("sglang")
     env = {**os.environ, "TPPROBE_CAPTURE_DIR": str(tmp_path / "cap"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cp = subprocess.run([sys.executable, "-c", "from tpprobe.sglang.plugin import register; register()"],
+    cp = subprocess.run([sys.executable, "-c", "from tpprobe.engines.sglang.plugin import register; register()"],
                         capture_output=True, text=True, env=env, timeout=300)
     assert cp.returncode == 0, cp.stderr[-3000:]
     lines = [ln for ln in cp.stderr.splitlines() if "SGLang" in ln and "found" in ln]
@@ -40,19 +40,20 @@ def test_the_plugin_says_which_sglang_it_found_and_that_it_is_tested(tmp_path):
 
 
 def test_an_untested_sglang_is_named_in_one_line_and_never_stops_the_plugin(monkeypatch):
-    import tpprobe.sglang as sg
+    import tpprobe.engines.sglang as sg
     monkeypatch.setattr(sg, "installed_version", lambda: "0.9.0")
     line = sg.version_line()
     assert line.startswith("SGLang 0.9.0 found: NOT a version tpprobe is tested with (0.5.23)")
 
 
 def test_the_cpu_tier_pins_the_release_tpprobe_says_it_is_tested_with():
-    import tpprobe.sglang as sg
+    import tpprobe.engines.sglang as sg
     script = (ROOT / "ci" / "sglang-cpu" / "install.sh").read_text()
     assert re.search(r"^SGLANG_VERSION=(\S+)$", script, re.M).group(1) == sg.SGLANG_VERSION
     assert sg.SGLANG_VERSION in sg.TESTED_VERSIONS
     assert "sglang" not in " ".join(
-        re.findall(r"^\s*(\w+)\s*=\s*\[", (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+        re.findall(r"^\s*(\w+)\s*=\s*\[",
+                   (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
                    .split("[project.scripts]")[0], re.M))
     readme = (ROOT / "README.md").read_text()
     assert f"SGLang {sg.SGLANG_VERSION}" in readme and "'.[sglang]'" not in readme

@@ -1,7 +1,7 @@
 """Every tiny SGLang architecture tpprobe builds (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2) on
 real gloo ranks: the forward equals HF, and every packed EAGLE-3 aux slot holds exactly the HF
-hidden state that the rule derived from SGLang's own setter (tpprobe.sglang.rules via
-tpprobe.tools.layers.plan) says it does, including the ids that crash or are dropped.
+hidden state that the rule derived from SGLang's own setter (tpprobe.engines.sglang.rules via
+tpprobe.engines.sglang.layer_ids.plan) says it does, including the ids that crash or are dropped.
 
 Several architectures per rank process: SGLang's parallel state is published once.
 """
@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
 from sglang_ranks import run_ranks  # noqa: E402
-from tpprobe.tools.layers import plan
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang.layer_ids import plan
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
@@ -33,7 +33,7 @@ def _slots(aux, hs, hidden):
 
 
 def worker(ctx, archs):
-    from tpprobe.sglang.tiny import build_target, hf_reference
+    from tpprobe.engines.sglang.tiny import build_target, hf_reference
 
     out = {}
     for arch, id_sets in archs.items():

@@ -1,5 +1,5 @@
 """SGLang's own tiny Llama / DeepSeek-V2 on real gloo ranks: forwards equal HF, and every packed
-EAGLE-3 aux slot holds exactly the HF hidden state that tpprobe.tools.layers says it does.
+EAGLE-3 aux slot holds exactly the HF hidden state that tpprobe.engines.sglang.layer_ids says it does.
 
 One process set per (arch, tp): the model is built once and re-told its ids between forwards.
 """
@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
 from sglang_ranks import run_ranks  # noqa: E402
-from tpprobe.errors import UsageError
-from tpprobe.tools.layers import plan
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.core.errors import UsageError
+from tpprobe.engines.sglang.layer_ids import plan
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
@@ -33,7 +33,7 @@ def _slots(aux, hs, hidden):
 
 
 def worker(ctx, arch, id_sets, config_path=None):
-    from tpprobe.sglang.tiny import build_target, hf_reference
+    from tpprobe.engines.sglang.tiny import build_target, hf_reference
 
     t = build_target(ctx, arch, L, TOKENS, SEED, torch.float32, id_sets[0], config_path=config_path)
     _, hs, logits = hf_reference(arch, L, TOKENS, SEED, config_path=config_path)
@@ -94,8 +94,8 @@ def test_deepseek_v2_mla_moe_tp2_captures_match_hf_and_table():
 
 
 def test_bad_arch_and_config_are_usage_errors(tmp_path):
-    from tpprobe.sglang.tiny import build_target
-    from tpprobe.target import RankContext
+    from tpprobe.engines.sglang.tiny import build_target
+    from tpprobe.core.target import RankContext
 
     ctx = RankContext(0, 1, 0, torch.device("cpu"), "gloo")
     with pytest.raises(UsageError, match="--arch"):

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
 from sglang_ranks import run_ranks  # noqa: E402
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
@@ -29,7 +29,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def worker(ctx, arch, broken_step, rank1_budget=None):
     import os
 
-    from tpprobe.sglang import cpu_mode
+    from tpprobe.engines.sglang import cpu_mode
 
     if rank1_budget is not None and ctx.rank == 1:    # rank-local state that must not decide a collective
         os.environ["TPPROBE_MAX_BYTES"] = str(rank1_budget)
@@ -38,7 +38,7 @@ def worker(ctx, arch, broken_step, rank1_budget=None):
     from sglang.srt.plugins import load_plugins
 
     load_plugins()       # what each SGLang scheduler (TP rank worker) process does first
-    from tpprobe.sglang.tiny import build_target, hf_reference
+    from tpprobe.engines.sglang.tiny import build_target, hf_reference
 
     t = build_target(ctx, arch, L, TOKENS, SEED, torch.float32, IDS[arch])
     t.forward()          # step-000: healthy
@@ -68,7 +68,7 @@ BUDGET = 2 * (2 * HIDDEN * 4) + 100    # two 2-row fp32 tensors of hidden 64 fit
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.capture_dir import load_run
 
     broken = arch == "llama"    # one process set per arch: llama also captures a broken step
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe",
@@ -142,7 +142,8 @@ def _assert_bounded(run):
     for rec in run.records.values():
         kept = {n: t for n, t in rec.tensors.items()}
         assert rec.meta["hidden"] == HIDDEN
-        assert (rec.rank == 1 or kept) and set(kept) <= {"aux.packed", *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
+        assert (rec.rank == 1 or kept) and set(kept) <= {"aux.packed",
+                                                         *(f"layer.{k}.out" for k in range(L))}, sorted(kept)
         assert all(t.shape[0] == 2 for t in kept.values())
         assert sum(t.numel() * t.element_size() for t in kept.values()) == rec.meta["kept_bytes"] <= BUDGET
         assert rec.meta["budget_refused"], "the budget must have refused the third tensor"
@@ -150,7 +151,7 @@ def _assert_bounded(run):
 
 
 def test_plugin_inert_without_capture_dir(monkeypatch):
-    from tpprobe.sglang import plugin
+    from tpprobe.engines.sglang import plugin
 
     monkeypatch.delenv("TPPROBE_CAPTURE_DIR", raising=False)
     from sglang.srt.plugins.hook_registry import HookRegistry

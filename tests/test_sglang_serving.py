@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_sglang_probe import failures, probe  # noqa: E402
-from tpprobe.sglang import INSTALL_HINT, available
+from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
@@ -40,7 +40,7 @@ def _healthy(rep, arch):
 
 
 def _audit_groups(out):
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.capture_dir import load_run
 
     run = load_run(out)
     return [(a["where"], a["group"], a["group_size"]) for a in run.records[0].meta["allreduces"]
@@ -102,7 +102,7 @@ def _dp_clean_except_aux(out, rep):
     assert rep["settings"]["attn_dp"] == 2 and rep["settings"]["attn_tp"] == 2
     assert all(p["level"] in ("reference", "bitwise", "noise", "share") for p in rep["points"]
                if p["name"] != "aux.packed"), rep["points"]
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.capture_dir import load_run
 
     run = load_run(out)
     for r, rec in run.records.items():

@@ -17,7 +17,7 @@ Sequence parallelism: Megatron's (`sequence_parallel=True`), torch's own (torcht
 `SequenceParallel()` norms whose weights are Replicate DTensors, `RowwiseParallel(output_layouts=Shard(1))`)
 and transformers' one SP style (`sequence_parallel` on the norms; 5.19 has no SP plan beyond it).
 
-CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.run` exactly as a rank
+CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.pipeline.run` exactly as a rank
 of `tpprobe probe` runs it, on a process group kept between cases); CI runs every fault at tp 2 in
 fp32 and tp 4 healthy cases, and the README's `tpprobe probe --model examples.X:build --nproc 2` once per
 library through the command line (its own launcher and ranks); the rest of the matrix (every fault in
@@ -111,12 +111,12 @@ def build_with_meta_param(ctx):
 def _need(*libs):
     for lib in libs:
         if NEEDS[lib]:
-            pytest.importorskip(NEEDS[lib], reason=f"the tp-libs tier: bash ci/tp-libs/install.sh .venv")
+            pytest.importorskip(NEEDS[lib], reason="the tp-libs tier: bash ci/tp-libs/install.sh .venv")
 
 
 def _run_cases(rank, world, cases, root):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from tpprobe.probe import ProbeOptions, run
+    from tpprobe.probe.pipeline import ProbeOptions, run
     out = {}
     for i, (name, model, env) in enumerate(cases):
         os.environ["TORCHELASTIC_RUN_ID"] = f"tplibs-{world}-{i}"
@@ -250,7 +250,7 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
     # the sequence-parallel stream tpprobe gathers from each rank's [b, s / tp, h] chunk is the plain TP
     # stream, token for token (the same weights): a misordered gather would look alike on every rank,
     # so only this comparison shows one
-    from tpprobe.capture.files import load_run
+    from tpprobe.formats.capture_dir import load_run
     plain, sp = (load_run(tmp_path / n).records[0].tensors for n in ("dtensor-float32", "dtensor-sp-float32"))
     for point in ("embed.out", "layer.0.out", "layer.3.out"):
         assert sp[point].shape == plain[point].shape == (8, 32), point

@@ -8,7 +8,7 @@ megatron-core itself, tests/test_tp_libs.py) and a small drift on one rank (F21)
 that rank; reduces through doors the audit cannot read (F20)
 must be said.
 
-To stay within CI time, one set of gloo ranks runs many probes: each case is `tpprobe.probe.run`
+To stay within CI time, one set of gloo ranks runs many probes: each case is `tpprobe.probe.pipeline.run`
 exactly as a rank of `tpprobe probe` runs it (its own store prefix, the real exchange and checks),
 on a process group kept between cases.
 """
@@ -34,7 +34,7 @@ DROPS = {  # model -> the module that issues layer 2's dropped reduce
 
 def _run_cases(rank, world, cases, root):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from tpprobe.probe import ProbeOptions, run
+    from tpprobe.probe.pipeline import ProbeOptions, run
     out = {}
     for i, (name, model, env, exchange) in enumerate(cases):
         os.environ["TORCHELASTIC_RUN_ID"] = f"zoo-{i}"
@@ -108,7 +108,8 @@ def test_zoo_tp2_float32_plus_stale_params_drift_and_opaque_paths(tmp_path):
     ]
     results = _probe_all(tmp_path, 2, _cases("float32") + extra)
     _check_zoo(results, 2)
-    assert _got(results["moe-stale-router"]) == [("rank-divergence", "layer 2 parameter stack.2.moe.router.weight", [1])]
+    assert _got(results["moe-stale-router"]) == [("rank-divergence",
+                                                  "layer 2 parameter stack.2.moe.router.weight", [1])]
     for name in ("gptj-drift-bf16", "gptj-drift-bf16-fp", "gptj-noise-bf16-fp", "gptj-drift-fp32"):
         assert _got(results[name]) == [("rank-divergence", "layer.2.out", [1])], (name, results[name]["findings"])
     op = results["opaque-custom-op"]

@@ -4,22 +4,18 @@ The names a user imports: `ProbeTarget` and `RankContext` (to probe your own mod
 `--model package.module:factory`), `Tap` (the scoped hooks), `load_run` (read a capture folder
 safely) and `run_checks` (the checks, offline).
 
-The house (one room per concern; imports point one way: commands -> pipeline -> checks -> capture/exchange):
-  cli.py, probe.py      the command line; the pipeline every rank runs
-  capture/              hooks (the Tap), capture-point names, capture files, parameter hashes
-  exchange/             torch.distributed and the store channel, gathers, fingerprints, live progress
-  checks/               one module per check family, the evidence they judge, the noise rule, findings
-  report/               the report model and its renderers (terminal, HTML, Markdown), environment
-  tools/                diff, layers, specforge, offline report
-  sglang/               SGLang on CPU, its tiny models, the serving plugin
+The house: one wing (a subpackage) per concern, and imports point one way, down the floors that
+tests/test_house.py holds: cli -> invariance -> probe -> builtin, dumpdir, eagle3 -> report ->
+engines (sglang/) -> checks, exchange -> formats -> capture -> fingerprint -> config -> core. The
+README's Layout section lists every wing and module.
 
 Names are imported on first use, so `tpprobe --help` and `tpprobe layers` do not load the
 hooks and checks (nor torch.distributed) they do not need.
 """
 __version__ = "0.1.0"
 
-_PUBLIC = {"ProbeTarget": "tpprobe.target", "RankContext": "tpprobe.target", "Tap": "tpprobe.capture.hooks",
-           "load_run": "tpprobe.capture.files", "run_checks": "tpprobe.checks.run"}
+_PUBLIC = {"ProbeTarget": "tpprobe.core.target", "RankContext": "tpprobe.core.target", "Tap": "tpprobe.capture.hooks",
+           "load_run": "tpprobe.formats.capture_dir", "run_checks": "tpprobe.checks.run"}
 
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -125,7 +125,8 @@ class GPTModel(nn.Module):
 
 def _call(model, ids):
     pos = torch.arange(ids.numel(), device=ids.device)
-    mask = torch.triu(torch.full((ids.numel(), ids.numel()), -1e4, device=ids.device), 1).to(model.embedding.weight.dtype)
+    mask = torch.triu(torch.full((ids.numel(), ids.numel()), -1e4,
+                                 device=ids.device), 1).to(model.embedding.weight.dtype)
     return model(ids, pos, mask)
 
 

@@ -39,7 +39,8 @@ class SPBlock(nn.Module):
 
     def forward(self, x):
         partial = torch.relu(self.norm(x) @ self.up.t()) @ self.down.t()
-        chunk = torch.empty(partial.shape[0] // self.world, partial.shape[1], dtype=partial.dtype, device=partial.device)
+        chunk = torch.empty(partial.shape[0] // self.world, partial.shape[1],
+                            dtype=partial.dtype, device=partial.device)
         if self.drop:
             chunk.copy_(partial.chunk(self.world, 0)[self.rank])
         else:

@@ -1,2 +1,3 @@
-"""Capture: what one rank records. hooks (the Tap), points (capture-point names), progress (where
-the rank is), files (capture folders, read without executing anything), params (parameter hashes)."""
+"""Capture: what one rank records. hooks (the Tap), audit (every collective), discover (a model's layers),
+points (capture-point names), graph_tap (capture inside a CUDA graph), record (one rank's record and its
+schema check), params (parameter hashes), progress (where the rank is)."""

@@ -73,7 +73,8 @@ decided by `audited(namespace, name)`, into the same records):
   caller says its tensors may be inference tensors (`use_mode=True`: the Tap sets it when a
   parameter or buffer of the model is one), and when an audited op has its own ADInplaceOrView
   kernel (a mutating `torch.library.custom_op` registers one: such an op named like a collective
-  sends every Audit here; `Audit.path` says why). What the kernel path cannot see and the mode can: a collective on an inference tensor the
+  sends every Audit here; `Audit.path` says why). What the kernel path cannot see and the mode
+  can: a collective on an inference tensor the
   model does not hold (a buffer allocated under inference mode elsewhere) issued outside inference
   mode; a forward that enters inference mode itself after the Audit started. The mode keeps
   PyTorch's dynamo guard around `__torch_dispatch__` (`_should_skip_dynamo` stays True): without
@@ -84,7 +85,6 @@ decided by `audited(namespace, name)`, into the same records):
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import threading
 import time
@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..knobs import knob
+from ..config.knobs import knob
 from .points import allreduce_in, allreduce_out
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "unknown")
@@ -705,7 +705,7 @@ def _c10d_reduce_scatter(a: Audit, func, args, kwargs):
 
 
 def _fn_reduce_scatter(a: Audit, func, args, kwargs):
-    inp, op, group_size, group = args[0], args[1], args[2], args[3]
+    inp, op, group_size, _group = args[0], args[1], args[2], args[3]
     rec = a.begin("reduce_scatter", "_c10d_functional.reduce_scatter_tensor", inp, int(group_size), op)
     out = func(*args, **kwargs)
     torch.ops._c10d_functional.wait_tensor(out)

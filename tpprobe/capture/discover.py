@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .rowparallel import NAME_PATTERNS
 from .rowparallel import is_row_parallel as row_parallel_rule
 
@@ -133,7 +133,8 @@ def embedding(model: nn.Module, spec: str) -> tuple[str, nn.Module]:
     return spec, model.get_submodule(spec)
 
 
-def candidates(model: nn.Module, layers: list[tuple[int, str, nn.Module]], list_name: str) -> list[tuple[str, nn.Module]]:
+def candidates(model: nn.Module, layers: list[tuple[int, str, nn.Module]],
+               list_name: str) -> list[tuple[str, nn.Module]]:
     """Modules that may be the embedding: outside every layer, and not an ancestor of the layers."""
     layer_names = [n for _, n, _ in layers]
     out = []

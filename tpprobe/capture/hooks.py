@@ -35,6 +35,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
+from ..core.cuda import current_stream
 from . import discover
 from .audit import Audit, CollectiveRecord, holds_inference_tensors
 from .params import dtensor_placements
@@ -235,25 +236,10 @@ def residual_stream(output) -> Optional[torch.Tensor]:
     return None
 
 
-_STREAMS: dict = {}
-_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 _Event = getattr(torch._C, "_CudaEventBase", None)
 if not hasattr(_Event, "record"):           # a CPU build's stub
     _Event = torch.cuda.Event
 _record = _Event.record
-
-
-def current_stream(device_index: int):
-    """torch.cuda.current_stream(device_index), the Stream object kept per stream: one C call per
-    collective instead of torch's Python lookup of the device and a new Stream (~40 us of host time
-    per collective under cProfile on the lent H200 host, for the event that says it completed)."""
-    if _GET_STREAM is None:
-        return torch.cuda.current_stream(device_index)
-    key = _GET_STREAM(device_index)
-    s = _STREAMS.get(key)
-    if s is None:
-        s = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-    return s
 
 
 class DeviceStalled(RuntimeError):
@@ -266,7 +252,8 @@ class _Plan:
     of the 270 us an install took). Used again while the model's structure is unchanged: no module,
     parameter or buffer was registered anywhere since (PyTorch's global registration hooks count
     them: assignment, add_module, ModuleList.append) and no module has a different number of
-    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's `.data` replaced."""
+    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's
+    `.data` replaced."""
     __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "known", "inference", "stamp",
                  "mods", "found", "cached")
 
@@ -343,7 +330,7 @@ def _root(plan: _Plan, model) -> _Plan:
 
 
 # layer families that need model-specific extensions: module prefix -> () -> extensions. Filled by
-# the family's own package when it is imported (tpprobe.sglang.stream: "sglang."), so the Tap
+# the family's own package when it is imported (tpprobe.engines.sglang.stream: "sglang."), so the Tap
 # never imports a model family itself.
 LAYER_EXTENSIONS: dict = {}
 
@@ -432,8 +419,9 @@ class Tap:
 
     def _gather_sequence_shards(self) -> None:
         """Sequence parallelism (Megatron's; torch's SequenceParallel, Shard(1)): between the reduce-scatter
-        and the all-gather each rank holds its chunk of the sequence; a stream point read there is gathered here, once the forward is over
-        and the audit stopped (so none of these gathers is counted as the model's), into the full
+        and the all-gather each rank holds its chunk of the sequence; a stream point read there is gathered
+        here, once the forward is over and the audit stopped (so none of these gathers is counted as the
+        model's), into the full
         [tokens, hidden] every rank must hold alike. Only after a forward that ran every layer: a
         forward that stopped early (a peer died) has no chunk to gather on some rank."""
         shards, self._seq_shards = self._seq_shards, {}
@@ -486,7 +474,7 @@ class Tap:
             if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
                 # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
                 # owed partial sum, so the stream is read where SGLang materializes it, and the reduces
-                # at GroupCoordinator level (tpprobe.sglang.stream registers itself here)
+                # at GroupCoordinator level (tpprobe.engines.sglang.stream registers itself here)
                 self.extensions += tuple(e for e in factory() if e not in self.extensions)
                 self.sglang_layers = True
         for ext in self.extensions:
@@ -781,13 +769,15 @@ class Tap:
                 per_layer[r.where] = per_layer.get(r.where, 0) + 1
             if not r.checked:
                 unread[r.meta()["path"]] += 1
-        return {"embed": self.embed_name, "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
+        return {"embed": self.embed_name,
+                "embed_how": self.embed_how or ("not found" if self.embed_name is None else ""),
                 "embed_layout": self.embed_layout, "placements": dict(self.placements),
                 "row_placements": dict(self.row_placements), "raised_in": self.raised_in,
                 "unreadable_points": dict(self.unreadable),
                 "layer_list": self.layer_list, "layer_how": self.layer_how, "layers_found": len(self.layer_indices),
                 "layer_names": list(self._layer_names),
-                "layers_ran": len(self.layers_ran), "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
+                "layers_ran": len(self.layers_ran),
+                "layer_classes": sorted({type(m).__name__ for m in self._layer_modules()}),
                 "reduces_per_place": per_layer, "paths": dict(paths), "unreadable_paths": dict(unread),
                 "audit": self.audit,
                 # how the audit watched: "kernel" (its dispatcher kernels) | "mode (why)" (the dispatch mode)

@@ -7,11 +7,12 @@ tensor is hashed); a parameter tpprobe cannot read is kept with `hash: None` and
 the coverage check names it: one unreadable parameter never kills a rank's record."""
 from __future__ import annotations
 
-import ctypes
 import fnmatch
 import hashlib
 
 import torch
+
+from ..core.tensors import tensor_bytes
 
 SHARDED_MODULES = ("*ParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "*MoE*", "*Experts*")
 # replicated parameters that live inside parallel layers: a row-parallel layer's bias (added after the
@@ -20,13 +21,6 @@ SHARDED_MODULES = ("*ParallelLinear", "VocabParallelEmbedding", "ParallelLMHead"
 ROW_PARALLEL = ("*RowParallel*",)
 REPLICATED_MODULES = ("*Norm*", "Replicated*", "*Router*", "*TopK*Gate*", "MoEGate")
 REPLICATED_NAMES = ("router", "gate")        # a module attribute named exactly so (not gate_proj)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of a plain tensor, in memory order of its contiguous CPU copy (no numpy)."""
-    c = t.detach().to("cpu").contiguous()
-    n = c.numel() * c.element_size()
-    return ctypes.string_at(c.data_ptr(), n) if n else b""
 
 
 def dtensor_placements(t) -> tuple | None:

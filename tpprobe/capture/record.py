@@ -1,7 +1,7 @@
 """One rank's record: the tensors it writes and the metadata that becomes rank-NNN.json.
 
 The one builder for `tpprobe probe` and the SGLang plugin, so both write the same schema
-(`tpprobe.capture/1`; files.py reads it back). The record is checked (`files.check_meta`) before
+(`tpprobe.capture/1`; formats/capture_dir.py reads it back). The record is checked (`check_meta`) before
 it is returned: a malformed record fails where it is made, not when a report reads it.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .files import check_meta
+from ..fingerprint.reference import resolved
 from .params import replicated_param_hashes
 from .points import AUX_PACKED, INPUT_IDS, allreduce_in, allreduce_out
 
@@ -63,3 +63,38 @@ def rank_record(tap, *, rank: int, world: int, input_ids: torch.Tensor, model: t
     }
     check_meta(meta)
     return tensors, meta
+
+
+def check_meta(meta) -> None:
+    """The shape of a rank's metadata the checks rely on (ValueError says what is off)."""
+    if not isinstance(meta, dict):
+        raise ValueError("not a JSON object")
+    pts = meta.get("points", [])
+    if not isinstance(pts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("name"), str)
+            and isinstance(p.get("shape", []), list) and all(isinstance(d, int) for d in p.get("shape", []))
+            and isinstance(p.get("dtype", ""), str) for p in pts):
+        raise ValueError("'points' must be a list of {name, shape, dtype}")
+    ars = meta.get("allreduces", [])
+    if not isinstance(ars, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("where"), str) and isinstance(a.get("shape"), list)
+            and all(isinstance(d, int) for d in a["shape"]) and isinstance(a.get("group_size"), int)
+            and isinstance(a.get("op"), str) and isinstance(a.get("seq"), int) for a in ars):
+        raise ValueError("'allreduces' must be a list of {seq, where, shape, group_size, op}")
+    for k in ("status", "error", "embed_module"):
+        if not (meta.get(k) is None or isinstance(meta.get(k), str)):
+            raise ValueError(f"{k!r} must be a string")
+    for k in ("aux", "params", "timings"):
+        if not isinstance(meta.get(k, {}), dict):
+            raise ValueError(f"{k!r} must be an object")
+
+
+def resolve_summaries(tap, summarize, device_ok: bool) -> None:
+    """The forward's deferred fingerprints, read in one copy (resolved on the side stream already,
+    or dropped, when the device stayed blocked)."""
+    if summarize is None:
+        return
+    summarize.resolve() if device_ok else summarize.drop()
+    tap.summaries = {n: resolved(v) for n, v in tap.summaries.items() if resolved(v) is not None}
+    for rec in tap.allreduces:
+        rec.inp_summary, rec.out_summary = resolved(rec.inp_summary), resolved(rec.out_summary)

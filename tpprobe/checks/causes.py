@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..capture.points import AUX_PACKED, allreduce_in, allreduce_out
-from .noise import compare
+from ..core.noise import compare
 
 
 def _close(a, b, dtype) -> bool:

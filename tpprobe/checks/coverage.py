@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..capture.points import is_layer_place, point_label, point_layer
-from .findings import FAILURE, WARNING, Finding
+from .findings import WARNING, Finding
 
 REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
 

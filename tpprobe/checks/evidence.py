@@ -15,12 +15,12 @@ from typing import Optional
 
 import torch
 
-from .noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
-                    within_noise)
+from ..core.noise import (bitwise_equal, compare, is_noise, judge_dtype, nonfinite, nonzero_rows, reduce_check, ulp_of,
+                          within_noise)
 from ..capture.points import (AUX_PACKED, EMBED_LOCAL, EMBED_OUT, SHARE, allreduce_in, allreduce_out, in_norm,
                               layer_streams, parse)
-from ..exchange.fingerprint import (PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint, fingerprint, host_combine_notes,
-                                   sum_matches)
+from ..fingerprint.reference import (PROBE_K, PROBE_SEED, TORCH_PATH, Fingerprint, fingerprint, host_combine_notes,
+                                     sum_matches)
 
 LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
 # sketches of the ranks' increments summed against a reference stream's sketch: within this
@@ -65,7 +65,7 @@ def fp_measure(a: Fingerprint, b: Fingerprint, dtype: torch.dtype) -> dict:
 
 
 def fp_level(a: Fingerprint, b: Fingerprint, dtype: torch.dtype) -> str:
-    """bitwise / noise / material / shape: the noise model (checks/noise.py) on what fingerprints tell."""
+    """bitwise / noise / material / shape: the noise model (core/noise.py) on what fingerprints tell."""
     if a.shape != b.shape:
         return "shape"
     if a.bit_hash == b.bit_hash and a.dtype == b.dtype:
@@ -167,7 +167,7 @@ class TensorEvidence:
     def increments_sum_vs(self, out: str, inp: str, live, reference: torch.Tensor) -> Optional[str]:
         """The stream the ranks' increments sum to (input + the sum of the increments) against a
         reference stream: bitwise / noise when the increments are the shares of its increment."""
-        from .noise import RESHARDED
+        from ..core.noise import RESHARDED
         inc = self.increments(out, inp, live)
         if inc is None or reference.numel() != inc[live[0]].numel():
             return None
@@ -496,7 +496,7 @@ def group_members(rec: dict, live: list[int]) -> list[int]:
 
 
 def _scale_ok(resid: float, norm: float, dtype: torch.dtype, ranks: int) -> bool:
-    from .noise import reduce_bound
+    from ..core.noise import reduce_bound
     return norm > 0 and resid <= reduce_bound(dtype, ranks) * norm
 
 
@@ -577,7 +577,7 @@ def _fp_resid(a: list, b: list, norm: float, k: int) -> float:
 def fp_looks_like(out: Fingerprint, ins: dict, prev: Optional[Fingerprint], dtype: torch.dtype) -> dict:
     """looks_like() from fingerprints alone: the sketch is linear, so the sum's sketch is the sum of
     the inputs' and the best factor is <sk(out), sk(sum)> / <sk(sum), sk(sum)>."""
-    from .noise import reduce_bound
+    from ..core.noise import reduce_bound
     if out.sumsq == 0.0:
         return {"as": "zeros"}
     no, k = math.sqrt(out.sumsq), out.k

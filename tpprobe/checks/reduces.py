@@ -127,8 +127,9 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
                        if sketch else f"against {defn}, computed exactly")
         out.append(Finding(
             "allreduce-incomplete", _where(e, records, live), bad,
-            detail=(f"{KIND_NAME.get(kind, kind)} #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape {e.get('shape')}) "
-                    f"ran, but its output is not {defn}" + ("" if kind == "all_to_all" else " of its inputs")
+            detail=(f"{KIND_NAME.get(kind, kind)} #{e['seq']} ({e.get('path')}, {grp}{n} ranks, shape "
+                    f"{e.get('shape')}) ran, but its output is not {defn}"
+                    + ("" if kind == "all_to_all" else " of its inputs")
                     + f": {what}" + (f" (relative error {against}: {errs})" if errs else f" ({against})")
                     + f".{agree}"),
             evidence={"seq": e["seq"], "path": e.get("path"), "group": e.get("group"), "group_size": n,

@@ -1,10 +1,10 @@
 """The built-in model's unsharded tp=1 reference: when ranks agree with each other but not with it."""
 from __future__ import annotations
 
-from ..capture.files import RankRecord
+from ..formats.capture_dir import RankRecord
 from ..capture.points import point_label, stream_order
 from .findings import WARNING, Finding
-from .noise import RESHARDED, compare, rel_l2
+from ..core.noise import RESHARDED, compare, rel_l2
 
 
 def reference_check(rec: RankRecord, references, dtype) -> list[Finding]:

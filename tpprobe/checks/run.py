@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..capture.files import RankRecord, point_set_mismatches
+from ..formats.capture_dir import RankRecord, point_set_mismatches
 from ..capture.points import AUX_PACKED
 from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
@@ -28,7 +28,7 @@ from .crossrank import cross_rank, point_names, rounding_noise
 from .evidence import TensorEvidence
 from .findings import FAILURE, WARNING, Finding
 from .liveness import missing_rank_findings, rank_error_findings
-from .noise import dtype_from_str
+from ..core.noise import dtype_from_str
 from .reduces import first_divergence, incomplete_findings, incomplete_records, point_key, reduce_key
 from .reference import reference_check
 from .slots import check_slots
@@ -116,8 +116,9 @@ def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optiona
     # ---- consequences and noise ----------------------------------------------------------------
     material = [n for n in names if any(s["level"] in ("material", "shape") for s in point_stats.get(n, {}).values())]
     if roots:
-        roots[0].consequences = roots[0].consequences + [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
-                                 f"differ" for n in material if n != roots[0].where][:64]
+        roots[0].consequences = roots[0].consequences + [
+            f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
+            f"differ" for n in material if n != roots[0].where][:64]
     set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
                     for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------

@@ -8,14 +8,14 @@ from collections import Counter
 from ..capture.points import EMBED_OUT, id_point, in_norm, point_label, point_position
 from .findings import Finding
 from .layout import layout_verdict
-from .noise import dtype_from_str
+from ..core.noise import dtype_from_str
 
 
 def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
     ids: list[int] = settings.get("layer_ids") or []
     hidden, world, L = settings["hidden"], settings["world_size"], settings.get("num_layers")
     if settings.get("expected_points") is not None:
-        # arch-aware (SGLang's rules, tpprobe.tools.layers.expected_slots): one point per slot in slot
+        # arch-aware (SGLang's rules, tpprobe.engines.sglang.layer_ids.expected_slots): one point per slot in slot
         # order, then None for each id that captures nothing; expected_ids names the id of each
         expected = list(settings["expected_points"])
         ids = list(settings.get("expected_ids") or ids)[:len(expected)]

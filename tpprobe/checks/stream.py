@@ -22,8 +22,9 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         nf = [r for r, s in point_stats[n].items() if s.get("nan") or s.get("inf")]
         if nf:
             s = point_stats[n][nf[0]]
-            return [Finding("non-finite", n, nf, detail=f"{s['nan']} NaN and {s['inf']} Inf values on "
-                                                          f"rank{'s' if len(nf) > 1 else ''} {', '.join(map(str, nf))}")]
+            return [Finding("non-finite", n, nf,
+                            detail=f"{s['nan']} NaN and {s['inf']} Inf values on "
+                                   f"rank{'s' if len(nf) > 1 else ''} {', '.join(map(str, nf))}")]
     # replicated parameters that differ across ranks (stale or wrong copy)
     pf = param_divergence(records, live)
     first = next((n for n in order if bad(n)), None)
@@ -42,7 +43,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
             return [Finding("partial-allreduce", "embedding (" + _embed_module(records, live) + ")", list(live),
                             detail=f"embedding output is each rank's partial sum: no all-reduce ran in the "
                                    f"embedding; {single:.0%} of token rows are non-zero on exactly one rank"
-                                   + (f"; the sum over ranks matches the reference ({evid['sum_over_ranks_vs_reference']})"
+                                   + (f"; the sum over ranks matches the reference "
+                                      f"({evid['sum_over_ranks_vs_reference']})"
                                       if "sum_over_ranks_vs_reference" in evid else ""),
                             evidence=evid)]
     # an all-reduce over a sub-group in this layer
@@ -72,7 +74,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                            if k != layer and kinds[k] == kinds[layer]).most_common(1)
             others = f" (other layers of its kind: {same[0][0]})" if same else " (no other layer of its kind)"
         else:
-            typical = Counter(n for w, n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
+            typical = Counter(n for w,
+                              n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
             others = f" (other layers: {typical[0][0]})" if typical else ""
         every = sorted({u["layer"] for r in live for u in records[r].meta.get("unreduced_rows", [])
                         if u["layer"] is not None and _relative(u["module"], _layer_name(records, live, u["layer"]))
@@ -89,7 +92,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                f"each rank's partial sum",
                         # the data's signature beside it, in the evidence (the line and its why keep their
                         # words: the README's fault table and annotated report are generated from them)
-                        evidence={"unreduced": unreduced, "missing_allreduce": {"where": layer_place(layer), "module": mod},
+                        evidence={"unreduced": unreduced,
+                                  "missing_allreduce": {"where": layer_place(layer), "module": mod},
                                   **({"partial_sum_signature": sig} if sig else {}),
                                   **({"all_ranks": True} if len(ranks) == world else {})})]
     # a reduce the audit counted in the other layers but not in this one (whatever issued it: a
@@ -112,7 +116,8 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         name = _layer_name(records, live, layer)
         return [Finding("partial-allreduce", f"layer {layer} ({name})", list(live),
                         detail=(f"the stream leaving layer {layer} is each rank's partial sum: a reduce in {name} "
-                                f"never ran{sig_text}; the audit counted {n_layer} reduce(s) there, and no other layer of its kind issues more (every layer alike, "
+                                f"never ran{sig_text}; the audit counted {n_layer} reduce(s) there, and no other layer "
+                                f"of its kind issues more (every layer alike, "
                                 f"or the only one of its kind), so only the data show it"),
                         evidence={"partial_sum_signature": sig, "missing_allreduce": {"where": layer_place(layer),
                                                                                       "module": name},
@@ -310,7 +315,8 @@ def _path_of(records, live, module: str, layer, unreadable_only: bool = False) -
         k = a.get("layer")
         if unreadable_only and a.get("checked", True):
             continue
-        if k is not None and k != layer and _relative(a.get("source") or a["module"], _layer_name(records, live, k)) == rel:
+        if k is not None and k != layer and _relative(a.get("source") or a["module"],
+                                                      _layer_name(records, live, k)) == rel:
             return f"its reduce goes through {a.get('path', 'c10d.allreduce_')} in layer {k}"
     return ""
 
@@ -319,7 +325,8 @@ def _size_text(s: dict) -> str:
     """How large a difference is, from full stats or from a fingerprint (no max_abs there)."""
     parts = []
     if s.get("rel_norm") is not None:
-        parts.append(f"relative error {s['rel_norm']:.3g}" + (" (fingerprint estimate)" if s.get("from") == "fingerprint" else ""))
+        parts.append(f"relative error {s['rel_norm']:.3g}" + (" (fingerprint estimate)"
+                                                              if s.get("from") == "fingerprint" else ""))
     if s.get("max_abs") is not None:
         parts.append(f"max abs diff {s['max_abs']:.3g}")
     if s.get("ulp_max") is not None and s.get("from") != "fingerprint":

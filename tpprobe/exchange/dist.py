@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import INTERNAL_EXIT, UsageError, internal_line
-from ..knobs import knob, knob_set
+from ..core.errors import INTERNAL_EXIT, UsageError, internal_line
+from ..config.knobs import knob, knob_set
 from ..capture.progress import Progress
-from ..target import RankContext
+from ..core.target import RankContext
 
 
 def env_rank() -> Optional[tuple[int, int, int]]:
@@ -320,7 +320,7 @@ class Watchdog(threading.Thread):
 def agree_out_dir(opts, ctx, ch) -> tuple[str, bool]:
     """Rank 0 picks the folder (the launcher passes it down); every rank uses the same one.
     Also returns whether this rank created it (then a run that fails early removes it again)."""
-    from ..capture.files import check_out_dir, default_out_dir
+    from ..formats.capture_dir import check_out_dir, default_out_dir
     if ctx.rank == 0:
         out = opts.out or default_out_dir()
         created = not Path(out).is_dir()
@@ -349,8 +349,8 @@ def await_final(ch: Channel, wait: float) -> int:
 
 def shutdown(ctx) -> None:
     import sys
-    if "tpprobe.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
-        sys.modules["tpprobe.sglang.dist"].release_shared_memory()
+    if "tpprobe.engines.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
+        sys.modules["tpprobe.engines.sglang.dist"].release_shared_memory()
     try:
         if dist.is_initialized():
             # let every rank read the verdict before the store's host (rank 0's agent) may go; at

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..capture.files import RankRecord
+from ..formats.capture_dir import RankRecord
 from ..capture.points import AR_IN, AR_OUT, SHARE, TOKENS, parse
-from ..checks.noise import dtype_from_str
+from ..core.noise import dtype_from_str
 
 _GROUP = None
 
@@ -87,7 +87,7 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
     """The reference rank broadcasts its tensor for each disagreeing point, one at a time; every
     rank computes its own statistics against it and posts only those. Returns (records on rank 0,
     detail {name: {rank: stats}}, bytes moved by this rank)."""
-    from ..checks.noise import compare, judge_dtype
+    from ..core.noise import compare, judge_dtype
 
     group = probe_group()
     ref = min(posts)
@@ -126,8 +126,8 @@ def gather_records(ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_o
         return gather_full(ctx, tensors, meta, posts)
     if ctx.rank != 0:
         return {}
-    from ..capture.files import load_rank_files
-    from ..errors import TPProbeError
+    from ..formats.capture_dir import load_rank_files
+    from ..core.errors import TPProbeError
     # some rank is missing or failed: no collective is safe; read what the others wrote (on the
     # host: this rank's own tensors may still be on its GPU)
     records = {0: RankRecord(0, meta, {k: v.cpu() for k, v in tensors.items()})}

@@ -106,7 +106,7 @@ def _out_cell(c, R, key, rows) -> dict:
 
 def _propagated(table: list[dict], n: str, rname: str) -> None:
     """Downstream of the first break, rounding differences propagate and add up: a cell whose sketch
-    difference exceeds the probe's noise bound for one operation (checks/noise.py rel_bound, as
+    difference exceeds the probe's noise bound for one operation (core/noise.py rel_bound, as
     checks.evidence.fp_level judges a sketch) but stays within that bound * (layers since the first
     break + 1) -- each layer re-rounds and passes on what it got (measured: fp32, 6 layers, tp 4:
     2.4x the one-operation bound five layers on) -- is rounding noise that propagated, not a new
@@ -115,7 +115,7 @@ def _propagated(table: list[dict], n: str, rname: str) -> None:
     Cells against the reference count from the first break against the reference; collective
     inputs compared with the same TP size at the reference's batch count from the first difference
     either way."""
-    from ..checks.noise import dtype_from_str, rel_bound
+    from ..core.noise import dtype_from_str, rel_bound
     last_layer = max((e["layer"] for e in table if e.get("layer") is not None), default=0)
 
     def cells_of(e):

@@ -13,8 +13,8 @@ def keep_tensors(root: Path, runs, report, opts) -> dict:
     """Rewrite each rank's tensors to the cells that are not bitwise (plus the reference's
     counterparts), with exact statistics from the tensors; delete the rest."""
     from safetensors.torch import load_file
-    from ..capture.files import atomic_save_tensors
-    from ..checks.noise import compare as tcompare
+    from ..formats.capture_dir import atomic_save_tensors
+    from ..core.noise import compare as tcompare
     R = opts.ref
     raw = {}
     for tp in runs:

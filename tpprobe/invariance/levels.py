@@ -10,7 +10,7 @@ RANK = {"bitwise": 0, "noise": 1, "material": 2, "shape": 3, "missing": 3}
 
 
 def _fp(cell: Optional[dict]):
-    from ..exchange.fingerprint import Fingerprint
+    from ..fingerprint.reference import Fingerprint
     return None if cell is None else Fingerprint.from_json(cell["fp"])
 
 

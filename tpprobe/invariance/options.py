@@ -1,7 +1,7 @@
-"""`tpprobe invariance`'s options, declared once (as tpprobe/options.py declares the probe's).
+"""`tpprobe invariance`'s options, declared once (as tpprobe/config/options.py declares the probe's).
 
 Each field carries its flag, help text and how it reads from / writes to the command line: the
-typer signature (`cli.py`) and the argv the ranks of one TP size run (`to_argv`) come from here.
+typer signature (`cli/__init__.py`) and the argv the ranks of one TP size run (`to_argv`) come from here.
 `probe` is not an option: the model and run settings as the probe's own `ProbeOptions`, built
 from these fields (`probe_options`), which building the model and the report read.
 
@@ -13,8 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import UsageError
-from ..options import BUILTIN, ProbeOptions, cli_fields, opt
+from ..core.errors import UsageError
+from ..config.options import BUILTIN, ProbeOptions, cli_fields
+from ..config.fields import opt
 
 # the rank side's own flags: set by the parent for one TP size, never by a user
 HIDDEN = frozenset(("part", "sites"))
@@ -101,7 +102,7 @@ class InvarianceOptions:
     # gathers and reduce-scatters issued in them (the parent passes what the largest TP size issued)
     sites: list[str] = opt("--sites", [], "modules standing for collectives (internal)", cli_type=Optional[str],
                            parse=_sites, show=_csv, cli_default=None)
-    probe: Any = None         # tpprobe.options.ProbeOptions: the model and run settings (None: from the fields)
+    probe: Any = None         # tpprobe.config.options.ProbeOptions: the model and run settings (None: from the fields)
 
     def __post_init__(self):
         if self.probe is None:
@@ -152,7 +153,7 @@ class InvarianceOptions:
 
 def validate(opts: InvarianceOptions) -> None:
     """Everything checkable before a process starts (raises UsageError)."""
-    from ..build import validate as probe_validate
+    from ..probe.prepare import validate as probe_validate
     p = opts.probe
     if opts.expect not in ("bitwise", "noise"):
         raise UsageError(f"unknown --expect {opts.expect!r}: use bitwise or noise")
@@ -173,7 +174,7 @@ def validate(opts: InvarianceOptions) -> None:
         if builtin:
             builtin_cfg(opts, p.layers).validate(t)
         elif p.backend == "sglang":      # the shapes' own rule, as the probe checks it (before any rank starts)
-            from ..sglang.tiny import check_tp
+            from ..engines.sglang.tiny import check_tp
             check_tp(p.arch, p.config, t)
     if p.tokens < 1:
         raise UsageError(f"--tokens must be >= 1 (got {p.tokens})")
@@ -183,7 +184,7 @@ def validate(opts: InvarianceOptions) -> None:
 
 
 def builtin_cfg(opts: InvarianceOptions, layer_ids):
-    from ..model import BuiltinConfig
+    from ..builtin.model import BuiltinConfig
     cfg = BuiltinConfig.from_options(opts.probe, layer_ids)
     cfg.reduce, cfg.switch_bytes = opts.reduce, opts.switch_above
     return cfg

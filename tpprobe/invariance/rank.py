@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..capture.hooks import first_tensor
 from ..capture.points import EMBED_LOCAL, decoder_layer
 from ..capture.record import dtype_name
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .levels import FP_K, FP_SEED
 from .options import InvarianceOptions, builtin_cfg
 
@@ -107,7 +107,7 @@ class Recorder:
         self.tap = None
 
     def summarize(self, t: torch.Tensor) -> Cap:
-        from ..exchange.fingerprint import fingerprint
+        from ..fingerprint.reference import fingerprint
         rows, per_token = self.select(t.detach())
         cap = Cap(fingerprint(rows.contiguous(), seed=FP_SEED, k=FP_K), per_token)
         if self.keep:
@@ -261,10 +261,10 @@ def run_config(target, batch: int, opts: InvarianceOptions, world: int, watch: s
 
 
 def build(ctx, opts: InvarianceOptions):
-    from ..build import build_target
+    from ..probe.prepare import build_target
     p = opts.probe
     if p.model is None and p.backend != "sglang":
-        from ..model import build_builtin
+        from ..builtin.model import build_builtin
         return build_builtin(ctx, builtin_cfg(opts, p.layers))
     return build_target(ctx, p, [] if p.backend == "sglang" else p.layers)
 
@@ -286,7 +286,7 @@ def rank_main(opts: InvarianceOptions) -> int:
     """One rank of one TP size: every batch size in turn; writes tp<N>/rank<r>.json."""
     import faulthandler
     from ..capture.audit import prepare as prepare_audit
-    from ..capture.files import atomic_save_tensors, atomic_write_bytes
+    from ..formats.capture_dir import atomic_save_tensors, atomic_write_bytes
     from ..exchange.dist import env_rank, init, shutdown
     p = opts.probe
     out = Path(p.out)

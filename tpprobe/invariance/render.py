@@ -165,7 +165,7 @@ def render_html(report: dict) -> str:
 
 
 def emit(report: dict, root: Path, opts) -> None:
-    from ..capture.files import atomic_write_bytes
+    from ..formats.capture_dir import atomic_write_bytes
     p = opts.probe
     atomic_write_bytes(root / "report.json", json.dumps(report, indent=1, default=str).encode())
     if p.json_out:

@@ -1,5 +1,5 @@
 """`tpprobe invariance`'s parent process: one launch of N ranks per TP size (the probe's launcher,
-tpprobe/launch.py; the ranks run tpprobe/invariance/rank.py), then the comparison and the report.
+tpprobe/probe/launch.py; the ranks run tpprobe/invariance/rank.py), then the comparison and the report.
 
 Run order: the largest TP size first; the modules that issued collectives there ("sites") are
 passed to the smaller runs, so tp 1 fingerprints the same modules' outputs.
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..errors import RankFailure, UsageError
+from ..core.errors import RankFailure, UsageError
 from .compare import compare
 from .keep import keep_tensors
 from .options import InvarianceOptions, validate
@@ -22,8 +22,8 @@ from .render import emit
 def run(opts: InvarianceOptions) -> int:
     """Every TP size in turn (the largest first), then the comparison and the report."""
     validate(opts)
-    from ..capture.files import check_out_dir, default_out_dir
-    from ..launch import launch_local
+    from ..formats.capture_dir import check_out_dir, default_out_dir
+    from ..probe.launch import launch_local
     p = opts.probe
     root = Path(p.out or default_out_dir("invariance"))
     check_out_dir(root, 0)

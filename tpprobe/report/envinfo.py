@@ -181,7 +181,8 @@ def _topology(nv, handles: list, gpus: list) -> dict:
                 row.append("X")
                 continue
             k = nvlinks[ra].get(rb, 0)
-            if not k and to_switch[ra] and to_switch[rb] and _p2p(nv, ha, hb, "NVML_P2P_CAPS_INDEX_NVLINK") != "not supported":
+            if not k and to_switch[ra] and to_switch[rb] and _p2p(nv, ha, hb,
+                                                                  "NVML_P2P_CAPS_INDEX_NVLINK") != "not supported":
                 # through NVSwitches: the link nvidia-smi shows is NV<links of each GPU> (NV18, H100/H200)
                 k = min(to_switch[ra], to_switch[rb])
             if not k:

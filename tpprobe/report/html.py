@@ -29,32 +29,38 @@ AUDIT_CLASS = {**LEVEL_CLASS, "noise": "ok"}
 AUDIT_LABEL = {"noise": "complete (within rounding)", "exact": "complete (exact)"}
 SEV_CLASS = {"failure": "bad", "warning": "noise", "info": "ref"}
 
-CSS = """
+CSS = ("""
 body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:24px auto;
 max-width:1180px;padding:0 16px;color:#1f2328;background:#fff;font-size:14px;line-height:1.45}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
 details{margin:8px 0}summary{cursor:pointer;color:#59636e}
 h3{font-size:14px;margin:16px 0 4px;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-.sub{color:#59636e;margin-bottom:12px}code,.mono,td{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
-table{border-collapse:collapse;margin:6px 0}th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
+.sub{color:#59636e;margin-bottom:12px}"""
+"""code,.mono,td{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+table{border-collapse:collapse;margin:6px 0}"""
+"""th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa;font-weight:600;font-family:inherit;font-size:13px}
-td.ok{background:#dafbe1;color:#116329}td.ref{background:#ddf4ff;color:#0a3069}td.noise{background:#fff8c5;color:#7d4e00}
+td.ok{background:#dafbe1;color:#116329}td.ref{background:#ddf4ff;color:#0a3069}"""
+"""td.noise{background:#fff8c5;color:#7d4e00}
 td.bad{background:#ffebe9;color:#a40e26;font-weight:600}td.shape{background:#f3e8ff;color:#6b21a8;font-weight:600}
 td.dim{color:#6e7781;background:#fafbfc}
 .verdict{border-radius:6px;padding:8px 12px;margin:6px 0;border:1px solid}
-.verdict.bad{background:#ffebe9;border-color:#ff8182;color:#82071e}.verdict.noise{background:#fff8c5;border-color:#d4a72c;color:#633c01}
-.verdict.ref{background:#ddf4ff;border-color:#54aeff;color:#0a3069}.verdict.ok{background:#dafbe1;border-color:#4ac26b;color:#116329}
+.verdict.bad{background:#ffebe9;border-color:#ff8182;color:#82071e}"""
+""".verdict.noise{background:#fff8c5;border-color:#d4a72c;color:#633c01}
+.verdict.ref{background:#ddf4ff;border-color:#54aeff;color:#0a3069}"""
+""".verdict.ok{background:#dafbe1;border-color:#4ac26b;color:#116329}
 .verdict .line{font-weight:600;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px}
 .verdict .why,.verdict li{color:#1f2328;font-size:13px}.verdict ul{margin:4px 0 0 0;padding-left:20px}
 .env{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:6px 12px;margin:10px 0}
 .env div{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
 .legend span{display:inline-block;padding:1px 8px;margin:2px 4px 2px 0;border:1px solid #d0d7de;border-radius:4px}
-.legend .ok{background:#dafbe1}.legend .ref{background:#ddf4ff}.legend .noise{background:#fff8c5}.legend .bad{background:#ffebe9}
+.legend .ok{background:#dafbe1}.legend .ref{background:#ddf4ff}.legend .noise{background:#fff8c5}"""
+""".legend .bad{background:#ffebe9}
 .legend .shape{background:#f3e8ff}.legend .dim{background:#fafbfc}
 img.heat{max-width:100%;display:block;border:1px solid #d0d7de}
 .heatgrid{display:grid;grid-template-columns:repeat(auto-fill,minmax(540px,1fr));gap:8px 16px}
 footer{margin-top:32px;color:#6e7781;font-size:12px}
-"""
+""")
 
 
 def _e(x) -> str:
@@ -70,7 +76,8 @@ def _fmt(v) -> str:
 
 
 def _cell_title(s: dict) -> str:
-    keys = ("max_abs", "mean_abs", "rel_diff", "ulp_max", "first_token", "bad_fraction", "nan_mismatch", "dtype", "shape")
+    keys = ("max_abs", "mean_abs", "rel_diff", "ulp_max", "first_token", "bad_fraction", "nan_mismatch",
+            "dtype", "shape")
     return "; ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s and s[k] is not None)
 
 
@@ -92,7 +99,8 @@ def heat_matrix(point: dict, world: int):
     return m
 
 
-def heat_png(name: str, m, vmax: float, tokens: Optional[int] = None, missing: tuple = (), ref: Optional[int] = None) -> bytes:
+def heat_png(name: str, m, vmax: float, tokens: Optional[int] = None, missing: tuple = (),
+             ref: Optional[int] = None) -> bytes:
     """One heatmap as PNG bytes: ranks down, tokens across, log colour scale shared across points."""
     import matplotlib
     matplotlib.use("Agg", force=False)
@@ -174,7 +182,8 @@ def _env_header(report: dict) -> str:
 def _points_table(report: dict, world: int) -> str:
     missing = set(report.get("ranks_missing") or [])
     out = ['<section id="points"><h2>Capture points × ranks</h2>', '<div class="legend">',
-           "".join(f'<span class="{LEVEL_CLASS.get(k if k != "own share" else "share", "dim")}" title="{_e(v)}">{_e(k)}</span>'
+           "".join(f'<span class="{LEVEL_CLASS.get(k if k != "own share" else "share", "dim")}" '
+                   f'title="{_e(v)}">{_e(k)}</span>'
                    for k, v in LEVEL_LEGEND), "</div>",
            '<table class="points"><thead><tr><th>capture point</th><th>layer</th>']
     out += [f"<th>rank {r}</th>" for r in range(world)]
@@ -185,7 +194,8 @@ def _points_table(report: dict, world: int) -> str:
             s = p.get("per_rank", {}).get(str(r))
             if s:
                 lv = s.get("level", "?")
-                out.append(f'<td class="{LEVEL_CLASS.get(lv, "")}" title="{_e(_cell_title(s))}">{_e(cell_label(s))}</td>')
+                out.append(f'<td class="{LEVEL_CLASS.get(lv, "")}" '
+                           f'title="{_e(_cell_title(s))}">{_e(cell_label(s))}</td>')
             else:
                 out.append(f'<td class="dim">{"missing" if r in missing else "—"}</td>')
         out.append("</tr>")
@@ -215,7 +225,8 @@ def _allreduce(report: dict, world: int) -> str:
                          "missing_ranks": m["ranks"]})
     if recs:
         out.append('<table class="allreduce"><thead><tr><th>seq</th><th>where</th><th>module</th><th>shape</th>'
-                   '<th>group</th><th>level</th>' + "".join(f"<th>rank {r}</th>" for r in range(world)) + "</tr></thead><tbody>")
+                   '<th>group</th><th>level</th>' + "".join(f"<th>rank {r}</th>"
+                                                            for r in range(world)) + "</tr></thead><tbody>")
         for rec in recs:
             lv = rec.get("level", "?")
             if lv == "missing":
@@ -224,14 +235,17 @@ def _allreduce(report: dict, world: int) -> str:
                            + "".join('<td class="bad">not issued</td>' if r in rec["missing_ranks"] else "<td>—</td>"
                                      for r in range(world)) + "</tr>")
                 continue
-            out.append(f'<tr><td>{_e(rec.get("seq"))}</td><td>{_e(rec.get("where"))}</td><td>{_e(rec.get("module"))}</td>'
+            out.append(f'<tr><td>{_e(rec.get("seq"))}</td><td>{_e(rec.get("where"))}</td>'
+                       f'<td>{_e(rec.get("module"))}</td>'
                        f'<td>{_e(rec.get("shape"))}</td><td>{_e(rec.get("group_size"))}</td>'
                        f'<td class="{AUDIT_CLASS.get(lv, "")}">{_e(AUDIT_LABEL.get(lv, lv))}</td>')
             for r in range(world):
                 s = (rec.get("per_rank") or {}).get(str(r))
                 if s:
-                    txt = s.get("level", "?") + (f' {s["rel_diff"]:.2g}' if isinstance(s.get("rel_diff"), (int, float)) and s.get("rel_diff") else "")
-                    out.append(f'<td class="{AUDIT_CLASS.get(s.get("level"), "")}" title="{_e(_cell_title(s))}">{_e(txt)}</td>')
+                    txt = s.get("level", "?") + (f' {s["rel_diff"]:.2g}' if isinstance(s.get("rel_diff"), (int, float))
+                                                 and s.get("rel_diff") else "")
+                    out.append(f'<td class="{AUDIT_CLASS.get(s.get("level"), "")}" '
+                               f'title="{_e(_cell_title(s))}">{_e(txt)}</td>')
                 else:
                     out.append('<td class="dim">—</td>')
             out.append("</tr>")
@@ -245,7 +259,8 @@ HEATMAPS_MISSING = ("per-token heatmaps need matplotlib, which is not installed:
 
 def _heatmaps(report: dict, world: int) -> str:
     out = ['<section id="heatmaps"><h2>Where ranks differ: per-token heatmaps</h2>',
-           '<p class="sub">Max |difference| to the reference rank per token (columns) and rank (rows), on one log colour '
+           '<p class="sub">Max |difference| to the reference rank per token (columns) and rank (rows), on one log '
+           'colour '
            'scale for all points. Green: bitwise equal; grey: not compared (reference-free shares, missing ranks). '
            'A divergence confined to some tokens (say, those of one vocab shard) shows as columns.</p>',
            '<div class="heatgrid">']
@@ -297,7 +312,8 @@ def _slots(report: dict) -> str:
         differ = slot_values_differ(report, s)
         out.append(f'<tr><td>{_e(s.get("slot"))}</td><td>{_e(s.get("id"))}</td><td>{_e(s.get("expected"))}</td>'
                    f'<td class="{"ok" if s.get("ok") and not differ else "bad"}">{_e(s.get("matched"))}</td>'
-                   f'<td class="{"bad" if differ else "ok"}">{_e(f"differ on ranks {differ}" if differ else "agree")}</td></tr>')
+                   f'<td class="{"bad" if differ else "ok"}">'
+                   f'{_e(f"differ on ranks {differ}" if differ else "agree")}</td></tr>')
     return "".join(out) + "</tbody></table></section>"
 
 
@@ -366,8 +382,8 @@ def render_html(report: dict) -> str:
 def write_html(report: dict, path: Path, capture_dir: Optional[Path] = None) -> None:
     """Write the report as one self-contained HTML file (atomically). capture_dir is accepted for
     callers that have one; the heatmaps come from the report's per-token stats."""
-    from ..capture.files import atomic_write_bytes
-    from ..capture.files import make_file_folder
+    from ..formats.capture_dir import atomic_write_bytes
+    from ..formats.capture_dir import make_file_folder
     path = Path(path)
     make_file_folder(path, "--html")
     atomic_write_bytes(path, render_html(report).encode("utf-8"))

@@ -189,7 +189,8 @@ def coverage_parts(report: dict) -> list[tuple[str, str, bool]]:
     red = reduces_text(cov, int(st.get("world_size") or 1), report.get("ranks_missing") or ())
     paths = ", ".join(f"{p} ×{n}" for p, n in (cov.get("paths") or {}).items()) or "none"
     rows = [("embedding", emb[0], emb[1]),
-            ("decoder layers", layers, not found or (L is not None and found != L) or (ran is not None and ran < found)),
+            ("decoder layers", layers,
+             not found or (L is not None and found != L) or (ran is not None and ran < found)),
             ("reduces per layer and rank", red, red.startswith("no reduce")),
             ("through", paths, False)]
     unread = cov.get("unreadable_paths") or {}

@@ -49,7 +49,8 @@ def render_markdown(report: dict) -> str:
     if slots:
         bad = [s for s in slots if not s.get("ok")]
         tail.append(f"Aux slots: {len(slots) - len(bad)}/{len(slots)} hold the expected layer"
-                    + ("; " + "; ".join(f"slot {s['slot']} holds {s['matched']} (expected {s['expected']})" for s in bad[:3])
+                    + ("; " + "; ".join(f"slot {s['slot']} holds {s['matched']} (expected {s['expected']})"
+                                        for s in bad[:3])
                        if bad else "")
                     + "".join(f"; slot {s['slot']}'s values differ on ranks {d}"
                               for s in slots for d in [slot_values_differ(report, s)] if d) + ".")
@@ -60,7 +61,8 @@ def render_markdown(report: dict) -> str:
         tail.append(f"- {_md(env['platform'])}")
     tail += [f"- settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
              f"seed={st.get('seed')} exchange={st.get('exchange')} inject={','.join(st.get('inject') or []) or '-'}",
-             "", "</details>", "", f"<sub>{_md(report.get('tool', 'tpprobe'))} · exit code {report.get('exit_code', '?')}</sub>"]
+             "", "</details>", "",
+             f"<sub>{_md(report.get('tool', 'tpprobe'))} · exit code {report.get('exit_code', '?')}</sub>"]
 
     points = report.get("points") or []
     missing = set(report.get("ranks_missing") or [])
@@ -93,8 +95,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    from ..capture.files import atomic_write_bytes
-    from ..capture.files import make_file_folder
+    from ..formats.capture_dir import atomic_write_bytes
+    from ..formats.capture_dir import make_file_folder
     path = Path(path)
     make_file_folder(path, "--markdown")
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))

@@ -31,5 +31,5 @@ def build_report(settings: dict, result: dict, timings: dict, out: Optional[str]
 
 
 def write_json(report: dict, path: Path) -> None:
-    from ..capture.files import atomic_write_bytes
+    from ..formats.capture_dir import atomic_write_bytes
     atomic_write_bytes(Path(path), json.dumps(report, indent=1, default=str).encode())

@@ -10,15 +10,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .labels import audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces, slot_values_differ, timing_text, verdict_lines
+from .labels import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces, slot_values_differ,
+                     timing_text, verdict_lines)
 
 LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
-               "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim", "share": "dim"}
+               "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim",
+               "share": "dim"}
 
 
 def console(stderr: bool = False) -> Console:
     # the progress display (rank 0) ends before anything is rendered to the terminal
-    from ..exchange.live import stop_all
+    from .live import stop_all
     stop_all()
     # rich follows the terminal's capabilities and NO_COLOR by itself
     return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
@@ -71,7 +73,7 @@ def render(report: dict, con: Console) -> None:
         con.print(s)
     if st.get("arch") in ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2") and st.get("layer_ids") is not None:
         # what SGLang's own capture rules make of these ids on this architecture
-        from ..tools.layers import layers_table, plan
+        from ..engines.sglang.layer_ids import layers_table, plan
         try:
             con.print(layers_table(plan(st["arch"], list(st["layer_ids"]), int(st["num_layers"]))))
         except Exception as e:   # a table is a courtesy: never let it break the report

@@ -1,0 +1,255 @@
+"""`tpprobe layers`: what each EAGLE-3 layer id captures under SGLang's rule for an architecture,
+and (with --draft-config/--target-config) whether a draft and its target agree on the contract.
+
+No model is run, and SGLang is not needed: the rules of SGLang 0.5.23's architectures are
+tabulated from its code (tpprobe/engines/sglang/rules_table.py); with another SGLang release installed, they
+are derived from that release's code (tpprobe.engines.sglang.rules).
+
+Exit codes: 0 every id captures one slot the draft can use / draft and target agree; 1 a crash,
+a dropped or duplicate id, or (contract) any slot that differs; 2 bad input.
+
+The contract (catalogue F19). SGLang's target side reads the layer ids ONLY from the draft's
+`eagle_config.eagle_aux_hidden_state_layer_ids` (spec_aux_hidden_state.py
+`_resolve_eagle_aux_hidden_state`); when absent it uses the target model's default. The draft
+side sizes its fc layer from `num_aux_hidden_states`, the nested ids, or a top-level
+`eagle_aux_hidden_state_layer_ids` (llama_eagle3.py, kimi_k25_eagle3.py). What the draft was
+trained on is read in the convention of --draft-convention: `output` (SpecForge's: id k = the
+output of layer k = HF hidden_states[k+1], -1 = the embedding) or `before` (the capture-before
+convention of sglang#25454: id k = HF hidden_states[k]). Without ids the draft is taken to
+expect SGLang's default capture points [2, L//2, L-3].
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tpprobe.core.errors import UsageError
+
+ARCH_HELP = ("SGLang architecture: the class in config.json's `architectures` (LlamaForCausalLM, "
+             "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM, ...), an SGLang model file "
+             "(llama, qwen3, qwen3_moe, deepseek_v2, gpt_oss, ...), a model_type or alias (deepseek_v3, "
+             "kimi_k2, kimi); `all` = one line per architecture")
+
+
+def layers_command(
+    arch: Annotated[str, typer.Option("--arch", help=ARCH_HELP)] = "llama",
+    ids: Annotated[Optional[str],
+                   typer.Option("--ids", help="EAGLE-3 layer ids, e.g. -1,2,30 (default: SGLang's)")] = None,
+    num_layers: Annotated[int, typer.Option("--num-layers", help="decoder layers of the target")] = 61,
+    draft_config: Annotated[Optional[Path],
+                            typer.Option("--draft-config", help="the EAGLE-3 draft's config.json: check its layer-id "
+                                                                "contract against --target-config")] = None,
+    target_config: Annotated[Optional[Path],
+                             typer.Option("--target-config", help="the target model's config.json (architecture and "
+                                                                  "num_hidden_layers)")] = None,
+    draft_convention: Annotated[str,
+                                typer.Option("--draft-convention",
+                                             help="what the draft's ids meant in training: output (id k = output of "
+                                                  "layer k, SpecForge) | before (id k = input of layer k)")] = "output",
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
+    from tpprobe.engines.sglang.layer_ids import parse_ids
+    from tpprobe.report.terminal import console
+
+    con = console()
+    if draft_config is not None or target_config is not None:
+        if draft_config is None or target_config is None:
+            raise UsageError("--draft-config and --target-config go together: give both config.json files")
+        res = contract(draft_config, target_config, draft_convention)
+        if json_out:
+            print(json.dumps(res, indent=1))
+        else:
+            render_contract(res, con)
+        raise typer.Exit(1 if res["differences"] else 0)
+    if arch.strip().lower() == "all":
+        rows = all_rows(parse_ids(ids), num_layers)
+        if json_out:
+            print(json.dumps(rows, indent=1))
+        else:
+            render_all(rows, parse_ids(ids), num_layers, con)
+        raise typer.Exit(1 if any(r["problems"] for r in rows) else 0)
+    from tpprobe.engines.sglang.layer_ids import layers_table, plan
+
+    p = plan(arch, parse_ids(ids), num_layers)
+    if json_out:
+        print(json.dumps({"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
+                          "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
+                          "crash": p.crash, "problems": p.problems,
+                          "rows": [r.__dict__ for r in p.rows]}, indent=1))
+    else:
+        con.print(layers_table(p))
+        if p.problems:
+            con.print(f"[bold red]PROBLEM[/]: {'; '.join(p.problems)}")
+    raise typer.Exit(1 if p.problems else 0)
+
+
+# ---- every architecture ------------------------------------------------------------------
+def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
+    from tpprobe.engines.sglang.layer_ids import plan_from_derived
+    from tpprobe.engines.sglang import rules
+
+    if rules.use_table():     # SGLang 0.5.23's rules as data: no SGLang needed, none imported
+        pairs = [(f, name, rules.derive_from_table(key, ids, num_layers)) for f, name, key in rules.table_rows()]
+    else:                     # another SGLang release installed: its own code
+        pairs = [(f, cls.__name__, rules.derive(cls, ids, num_layers)) for f, cls in rules.all_architectures()]
+    out = []
+    for f, name, d in pairs:
+        p = plan_from_derived(name, d)
+        out.append({"arch": name, "file": f, "rule": p.rule, "layers_to_capture": p.layers_to_capture,
+                    "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash})
+    return out
+
+
+def render_all(rows: list[dict], ids, num_layers: int, con) -> None:
+    from rich.table import Table
+
+    given = "default" if ids is None else ",".join(map(str, ids))
+    from tpprobe.engines.sglang import rules
+
+    how = ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
+           f"derived from the installed SGLang {rules.installed_version()}")
+    t = Table(title=f"EAGLE-3 capture of every SGLang architecture, ids {given}, {num_layers} layers ({how})")
+    for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]", "problem"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["arch"], r["file"], str(r["layers_to_capture"]), str(r["slots"]),
+                  f"[bold red]{'; '.join(r['problems'])}[/]" if r["problems"] else "[green]-[/]")
+    con.print(t)
+
+
+# ---- the draft / target contract (F19) ---------------------------------------------------
+def _read(path: Path, what: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--{what} {path}: cannot read a JSON config ({e})") from None
+    if not isinstance(d, dict):
+        raise UsageError(f"--{what} {path}: not a JSON object; expected a HF config.json")
+    return d
+
+
+def _int_list(v, where: str) -> Optional[list[int]]:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise UsageError(f"{where} must be a list of integers, got {v!r}")
+    return list(v)
+
+
+def contract(draft_path: Path, target_path: Path, convention: str = "output") -> dict:
+    """Slot by slot: what the draft was configured to receive vs what the target captures."""
+    from tpprobe.capture.points import point_label
+    from tpprobe.checks.slots import slot_verdict
+    from tpprobe.engines.sglang.layer_ids import layer_point, plan
+
+    if convention not in ("output", "before"):
+        raise UsageError(f"--draft-convention {convention!r}: use output or before")
+    draft, target = _read(draft_path, "draft-config"), _read(target_path, "target-config")
+    archs = target.get("architectures") or []
+    if not archs or not isinstance(archs, list):
+        raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "
+                         f"model's HF config.json")
+    text = target.get("text_config") if isinstance(target.get("text_config"), dict) else {}
+    L = target.get("num_hidden_layers", text.get("num_hidden_layers"))
+    if not isinstance(L, int) or L < 1:
+        raise UsageError(f"--target-config {target_path}: no num_hidden_layers")
+    eagle = draft.get("eagle_config") if isinstance(draft.get("eagle_config"), dict) else None
+    nested = _int_list((eagle or {}).get("eagle_aux_hidden_state_layer_ids"),
+                       f"{draft_path}: eagle_config.eagle_aux_hidden_state_layer_ids")
+    top = _int_list(draft.get("eagle_aux_hidden_state_layer_ids"),
+                    f"{draft_path}: eagle_aux_hidden_state_layer_ids")
+    notes = []
+    use_aux = (eagle or {}).get("use_aux_hidden_state", True)
+    draft_ids = nested if nested is not None else top
+    if draft_ids is not None:
+        shift = 1 if convention == "output" else 0
+        want = [i + shift for i in draft_ids]           # HF hidden_states index per draft slot
+        conv = ("id k = the output of layer k = HF hidden_states[k+1]" if shift
+                else "id k = the input of layer k = HF hidden_states[k]")
+    else:
+        want = [2, L // 2, L - 3]
+        conv = "no ids in the draft config: SGLang's default capture points [2, L//2, L-3]"
+    k_draft = draft.get("num_aux_hidden_states")
+    if isinstance(k_draft, int) and k_draft != len(want):
+        notes.append(f"the draft's num_aux_hidden_states is {k_draft} but its ids name {len(want)} slots: its fc "
+                     f"layer takes {k_draft} × hidden")
+    # the target side reads only the nested ids (spec_aux_hidden_state.py)
+    target_ids = nested if (eagle is not None and use_aux) else None
+    if nested is None and top is not None:
+        notes.append(f"the draft's ids {top} are at the top level of its config: SGLang's target side reads only "
+                     f"eagle_config.eagle_aux_hidden_state_layer_ids, so the target uses its default capture")
+    p = plan(archs[0], target_ids, L)
+    got = [] if p.crash else p.slot_hf_indices
+    n = max(len(want), len(got))
+    rows, differences = [], []
+    for i in range(n):
+        w = want[i] if i < len(want) else None
+        g = got[i] if i < len(got) else None
+        wp = layer_point(w) if w is not None and 0 <= w <= L else None
+        gp = layer_point(g) if g is not None else None
+        ok = w is not None and g is not None and w == g and 0 <= w <= L
+        row = {"slot": i, "draft_id": draft_ids[i] if draft_ids and i < len(draft_ids) else None,
+               "draft_expects": _hs(w, L), "draft_expects_point": wp,
+               "target_captures": _hs(g, L) if g is not None else "nothing",
+               "target_point": gp, "ok": ok}
+        rows.append(row)
+        if not ok:
+            differences.append(f"slot {i}: the draft expects {row['draft_expects']} "
+                               f"({point_label(wp) if wp else 'nothing the target has'}), the target captures "
+                               f"{row['target_captures']}" + (f" ({point_label(gp)})" if gp else ""))
+    verdict = None
+    if differences and not p.crash:
+        ids_for = [r["draft_id"] for r in rows]
+        v = slot_verdict(ids_for, [r["draft_expects_point"] for r in rows][:len(want)],
+                          [r["target_point"] for r in rows if r["target_point"]], L)
+        if v:
+            verdict = {"kind": v[0], "where": v[1], "detail": v[2]}
+    if p.crash:
+        differences.insert(0, f"the target crashes with these ids: {p.crash}")
+    return {"draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
+            "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
+            "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
+            "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
+            "differences": differences, "verdict": verdict, "finding": "id-contract" if differences else None}
+
+
+def _hs(i: Optional[int], L: int) -> str:
+    if i is None:
+        return "nothing"
+    if i == L:
+        return f"HF hidden_states[{L}] (the last layer's output)"
+    if not 0 <= i <= L:
+        return f"HF hidden_states[{i}] (does not exist: 0..{L})"
+    return f"HF hidden_states[{i}]"
+
+
+def render_contract(res: dict, con) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=f"EAGLE-3 contract: draft {res['draft']} vs target {res['target']} "
+                    f"({res['target_arch']}, {res['num_layers']} layers)",
+              caption=escape(f"draft: {res['draft_convention']}; target: {res['target_rule']}"))
+    for c in ("slot", "draft id", "draft expects", "target captures", ""):
+        t.add_column(c)
+    for r in res["rows"]:
+        t.add_row(str(r["slot"]), "-" if r["draft_id"] is None else str(r["draft_id"]), r["draft_expects"],
+                  r["target_captures"], "[green]same[/]" if r["ok"] else "[bold red]DIFFERS[/]")
+    con.print(t)
+    for n in res["notes"]:
+        con.print(f"note: {escape(n)}")
+    if res["differences"]:
+        v = res["verdict"]
+        head = "FAILURE id-contract" + (f" ({v['kind']} at {v['where']})" if v else "")
+        con.print(f"[bold red]{head}[/]: " + escape("; ".join(res["differences"])))
+        if v:
+            con.print(f"  {escape(v['detail'])}")
+    else:
+        con.print("[green]the draft and the target agree on every slot[/]")

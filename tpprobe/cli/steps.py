@@ -1,0 +1,75 @@
+"""`tpprobe report DIR` over a run of many steps (the SGLang plugin's layout).
+
+The plugin writes DIR/dp{D}-pp{P}/step-{N:06d}/ (one capture folder per TP group and forward, N the
+forward index). Every step folder is checked as `tpprobe report` checks one; the report printed is
+the FIRST step, in forward order, whose ranks diverge (any failure finding), with the step, its
+forward mode and the TP group named in its settings and a one-line summary of every step checked
+(`steps` in --json). When no step fails, the last step's report is printed with the count of steps
+checked, all healthy.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..core.errors import UsageError
+from ..report.emit import emit
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def find_steps(root: Path) -> list[tuple[str, int, Path]]:
+    """(TP group folder relative to root, forward index, step folder), in (group, index) order."""
+    out = []
+    for m in root.rglob("manifest.json"):
+        hit = _STEP.match(m.parent.name)
+        if hit:
+            group = m.parent.parent.relative_to(root).as_posix()
+            out.append(("." if group == "." else group, int(hit.group(1)), m.parent))
+    return sorted(out, key=lambda x: (x[1], x[0]))
+
+
+def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool = False,
+                 html: Optional[str] = None, markdown: Optional[str] = None, quiet: bool = False) -> int:
+    """check_dir(step folder) -> that step's report (cli/report.py's, passed in: no import cycle)."""
+
+    steps = find_steps(root)
+    if not steps:
+        raise UsageError(f"{root} holds no step-N/manifest.json capture folders: point tpprobe report at a "
+                         f"folder written by the SGLang plugin (TPPROBE_CAPTURE_DIR) or by tpprobe probe")
+    rows, first, last = [], None, None
+    for group, n, path in steps:
+        rep = check_dir(path)
+        fails = [f for f in rep["findings"] if f["severity"] == "failure"]
+        st = rep["settings"]
+        rows.append({"group": group, "step": n, "forward_mode": st.get("forward_mode"), "folder": str(path),
+                     "failures": len(fails), "points": len(rep["points"]),
+                     "first": f"{fails[0]['kind']} at {fails[0]['where']} on ranks {fails[0]['ranks']}" if fails
+                     else None})
+        if fails and first is None:
+            first = (group, n, rep)
+        last = (group, n, rep)
+    group, n, rep = first or last
+    fails = [r for r in rows if r["failures"]]
+    rep["settings"] = {**rep["settings"], "steps checked": f"{len(rows)} in {len({r['group'] for r in rows})} "
+                                                            f"TP group(s), {len(fails)} with failures",
+                       "step shown": f"{n} ({rep['settings'].get('forward_mode', '?')}) in {group}"
+                                     + (" = the first step where ranks diverge" if first else "")}
+    rep["steps"] = rows
+    if first:
+        f0 = next(f for f in rep["findings"] if f["severity"] == "failure")
+        rep["first_divergence"] = {"group": group, "step": n, "forward_mode": rep["settings"].get("forward_mode"),
+                                   "kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"]}
+    rep["out"] = str(root)
+    if not json_out and not quiet:
+        from ..report.terminal import console
+        d = rep.get("first_divergence")
+        console().print(f"tpprobe report over {len(rows)} step(s) in {len({r['group'] for r in rows})} TP group(s) "
+                        f"of {root}: " + (f"first divergence: step {d['step']} ({d['forward_mode']}) in {d['group']}: "
+                                          f"{d['kind']} at {d['where']} on ranks {d['ranks']}; "
+                                          f"{len(fails)} step(s) with failures; that step's report follows"
+                                          if d else "no step diverges; the last step's report follows"),
+                        highlight=False, soft_wrap=True)
+    emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
+    return rep["exit_code"]

@@ -1,0 +1,62 @@
+"""The SGLang plugin's settings, declared once: environment variables read in every SGLang process
+(`PluginOptions.from_env`), with the flag and help each one documents."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+from tpprobe.config.fields import opt
+
+DEFAULT_TARGETS = (
+    "sglang.srt.models.llama.LlamaForCausalLM.forward",
+    "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward",
+)
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+@dataclass
+class PluginOptions:
+    dir: Optional[Path] = opt("--out", None, "folder to write to (required to enable anything)",
+                              env="TPPROBE_CAPTURE_DIR", parse=Path)
+    max_steps: int = opt("--max-steps", 1, "forwards to capture per rank, counted over the selected modes; "
+                         "step N goes to DIR/dp{D}-pp{P}/step-{N:06d}", env="TPPROBE_MAX_STEPS", parse=int)
+    modes: set = opt("--modes", "extend", "comma list of ForwardMode names to capture (\"all\": every mode)",
+                     env="TPPROBE_FORWARD_MODES", parse=lambda s: {m.lower() for m in _csv(s)})
+    keep: list = opt("--keep", "", "comma list of point-name patterns kept as FULL tensors (default: none, every "
+                     "point is a fingerprint of a few KB; \"*\" keeps every point)", env="TPPROBE_KEEP", parse=_csv)
+    keep_tokens: Optional[int] = opt("--keep-tokens", "", "keep at most this many token rows of each kept tensor "
+                                     "(default: all)", env="TPPROBE_KEEP_TOKENS",
+                                     parse=lambda s: int(s) if s else None)
+    max_bytes: int = opt("--max-bytes", 2e9, "byte budget for kept tensors per rank over the run, checked BEFORE "
+                         "each copy (a tensor that does not fit is fingerprinted, not copied)",
+                         env="TPPROBE_MAX_BYTES", parse=lambda s: int(float(s)))
+    embed: Optional[str] = opt("--embed", "", "the embedding's module path or class glob (default: found from "
+                               "structure, the module that takes the input ids and returns [tokens, hidden])",
+                               env="TPPROBE_EMBED", parse=lambda s: s or None)
+    layer_list: Optional[str] = opt("--layer-list", "", "the decoder layers' ModuleList path or class glob "
+                                    "(default: the longest list)", env="TPPROBE_LAYER_LIST",
+                                    parse=lambda s: s or None)
+    targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
+                        "LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)",
+                        env="TPPROBE_SGLANG_MODELS", parse=lambda s: _csv(s) or list(DEFAULT_TARGETS))
+
+    @classmethod
+    def from_env(cls, environ=None) -> Optional["PluginOptions"]:
+        """None unless TPPROBE_CAPTURE_DIR is set (then nothing else happens)."""
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for f in fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if f.name == "dir" and not raw:
+                return None
+            kw[f.name] = f.metadata["parse"](raw if raw is not None else str(f.default))
+        return cls(**kw)
+
+    @classmethod
+    def env_help(cls) -> str:
+        return "\n".join(f"  {f.metadata['env']:<24} {f.metadata['help']}" for f in fields(cls))

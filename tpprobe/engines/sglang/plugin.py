@@ -1,0 +1,340 @@
+"""SGLang general plugin (`sglang.srt.plugins` entry point `tpprobe`): capture live TP ranks.
+
+Declared in pyproject as `tpprobe = "tpprobe.engines.sglang.plugin:register"`. SGLang's `load_plugins()`
+calls `register()` in every process that loads plugins (engine, each scheduler = TP/PP rank
+worker, DP controller, detokenizer). Nothing happens unless TPPROBE_CAPTURE_DIR is set.
+
+Settings (environment; declared once in tpprobe/engines/sglang/options.py PluginOptions, which reads them):
+  TPPROBE_CAPTURE_DIR    folder to write to (required to enable anything)
+  TPPROBE_MAX_STEPS      forwards to capture per rank (default 1), counted over the selected modes
+  TPPROBE_FORWARD_MODES  comma list of ForwardMode names to capture (default "extend"; "all")
+  TPPROBE_KEEP           comma list of point-name patterns kept as FULL tensors (default: none,
+                         every point is a fingerprint of a few KB; "*" keeps every point; names:
+                         embed.local, embed.out, layer.K.out, layer.0.in_norm, aux.packed,
+                         input_ids; all-reduce inputs / outputs are fingerprinted only)
+  TPPROBE_KEEP_TOKENS    keep at most this many token rows of each kept tensor (default: all)
+  TPPROBE_MAX_BYTES      byte budget for kept tensors per rank over the run (default 2e9), checked
+                         BEFORE each copy: a tensor that does not fit is fingerprinted, not copied
+  TPPROBE_EMBED          the embedding's module path or class glob (default: found from structure,
+                         the module that takes the input ids and returns [tokens, hidden])
+  TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
+  TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
+                         LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
+
+Layout: DIR/dp{D}-pp{P}/step-{N:06d}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP group,
+N the forward index of this process (every forward counts, captured or not, so steps line up across
+ranks), D / P SGLang's data-parallel and pipeline ranks; each file's metadata carries
+`parallel` = {dp, pp, attn_tp, attn_dp, tp} ranks and sizes and the `forward_mode` (extend, decode,
+...). `tpprobe report DIR` over such a folder checks every step and names the first step and point
+where the ranks diverge. Whether a step is captured depends on the forward index and mode only (the
+same on every rank of a TP group), never on rank-local state, so the one collective per captured
+step (the manifest's gather over the TP group's CPU group) is joined by every rank.
+
+Per captured forward, inside the model's own forward, each TP rank runs tpprobe's `Tap`
+(embedding, decoder layers, every torch.distributed.all_reduce) with the SGLang extensions of
+`tpprobe.engines.sglang.stream`, fingerprints every point as it passes (nothing is cloned unless kept), and
+writes `rank-NNN.json` (the fingerprints, with the metadata keys `tpprobe probe --exchange
+fingerprint` writes: `embed.local`, `embed.out`, `layer.K.out` = the residual stream leaving layer K
+= HF hidden_states[K+1], `aux.packed`, each all-reduce's `in_fp` / `out_fp`) and
+`rank-NNN.safetensors` (the kept tensors only) with `write_rank`. TP rank 0 gathers the file
+entries over the TP group's CPU (gloo) group and writes `manifest.json` whose `settings` carry
+world_size, dtype, hidden, num_layers and the slot expectations derived from the live model's
+`layers_to_capture` (layer_ids / expected_points / expected_ids), so `tpprobe report` runs the
+same cross-rank checks offline.
+
+Not covered: forwards SGLang replays from a CUDA graph run no Python, so the plugin neither captures
+nor counts them (the graph taps, `tpprobe.capture.graph_tap`, are not wired into CudaGraphRunner).
+
+SGLang 0.5.23 decoder layers return an opaque `OwedOutput` (the MLP's partial sum, reduced at the
+next layer's input), so a forward hook on a layer cannot see the residual stream: the extension
+hands each layer's `attn_boundary.prepare` a `capture` callback (SGLang's own EAGLE-3 capture
+mechanism; it completes the owed reduce at that boundary, as EAGLE-3 capture does; values are
+unchanged, the fused all-reduce+norm kernel is not used for that boundary) and reads the last
+layer's stream from the final norm.
+
+SGLang logs and swallows plugin exceptions, so this plugin prints its own state loudly: one
+`[tpprobe]` line per rank when it hooks, and one per written or skipped step.
+
+GPU path: this module never imports tpprobe.engines.sglang.cpu_mode.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ENV_DIR = "TPPROBE_CAPTURE_DIR"
+
+_state = threading.local()
+_STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False}
+
+
+def _say(msg: str) -> None:
+    print(f"[tpprobe pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def settings() -> Optional[dict]:
+    """The plugin's settings from the environment (declared in tpprobe/engines/sglang/options.py
+    PluginOptions); None unless TPPROBE_CAPTURE_DIR is set."""
+    from tpprobe.engines.sglang.options import PluginOptions
+    opts = PluginOptions.from_env()
+    return None if opts is None else vars(opts)
+
+
+def register() -> None:
+    """Entry point: register the AROUND hooks when TPPROBE_CAPTURE_DIR is set; else nothing."""
+    s = settings()
+    if s is None:
+        return
+    try:
+        from tpprobe.engines.sglang import version_line
+        _say(version_line())
+    except Exception as e:  # noqa: BLE001 - a line of news never stops the server
+        _say(f"could not read SGLang's version: {type(e).__name__}: {e}")
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        for target in s["targets"]:
+            HookRegistry.register(target, _around_forward, HookType.AROUND)
+        _say(f"plugin registered: will wrap {', '.join(s['targets'])}; capture dir {s['dir']}, "
+             f"first {s['max_steps']} step(s) in modes {sorted(s['modes'])}, <= {s['max_bytes']} bytes/rank")
+    except Exception as e:  # noqa: BLE001 - SGLang would swallow it silently
+        _say(f"plugin FAILED to register: {type(e).__name__}: {e}")
+        raise
+
+
+def _mode_name(forward_batch) -> str:
+    m = getattr(forward_batch, "forward_mode", None)
+    return getattr(m, "name", str(m)).lower()
+
+
+def _tp():
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    return p.tp_rank, p.tp_size, p.tp_group
+
+
+def parallel_ranks() -> dict:
+    """This process's ranks and sizes as SGLang defines them (dp None = no DP controller: 0)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    out = {}
+    for name in ("dp", "pp", "attn_tp", "attn_dp", "tp"):
+        for suffix, default in (("rank", 0), ("size", 1)):
+            try:
+                v = getattr(p, f"{name}_{suffix}")
+            except Exception:  # noqa: BLE001 - not published in this process: the default
+                v = None
+            out[f"{name}_{suffix}"] = int(v) if isinstance(v, int) and not isinstance(v, bool) else default
+    return out
+
+
+class Budget:
+    """Bytes of full tensors this rank may still copy; asked BEFORE each copy."""
+
+    def __init__(self, s: dict):
+        import fnmatch
+
+        self.patterns, self.rows = s["keep"], s["keep_tokens"]
+        self.max_bytes = s["max_bytes"]
+        self.match = lambda n: any(fnmatch.fnmatchcase(n, p) for p in self.patterns)
+        self.refused: list[str] = []
+
+    def admit(self, name: str, t: torch.Tensor) -> bool:
+        if not self.match(name):
+            return False
+        rows = t.shape[0] if (self.rows is None or t.dim() == 0) else min(self.rows, t.shape[0])
+        nbytes = (t.numel() // max(t.shape[0], 1) if t.dim() else 1) * rows * t.element_size()
+        if _STEPS["bytes"] + nbytes > self.max_bytes:
+            self.refused.append(name)
+            return False
+        _STEPS["bytes"] += nbytes
+        return True
+
+
+def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
+    s = settings()
+    if s is None or getattr(_state, "busy", False):
+        return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    mode = _mode_name(forward_batch)
+    step = _STEPS["n"]
+    _STEPS["n"] += 1
+    # the same on every rank of the TP group (forward index and mode), never rank-local state
+    if _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
+        return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    _STEPS["captured"] += 1
+    from tpprobe.capture.hooks import Tap
+    from tpprobe.capture.record import resolve_summaries
+    from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, Deferred
+    from tpprobe.engines.sglang.stream import decoder_layers, sglang_extensions
+
+    rank, world, tp_group = _tp()
+    budget = Budget(s)
+    layers = decoder_layers(self)
+    if not _STEPS["announced"]:
+        _STEPS["announced"] = True
+        _say(f"tp_rank {rank}/{world}: hooking {type(self).__name__} (VocabParallelEmbedding, "
+             f"{len(layers)} decoder layers, torch.distributed.all_reduce, the residual stream at "
+             f"every layer boundary and the final norm) -> {s['dir']}")
+    _state.busy = True
+    t0 = time.time()
+    # every point's and every all-reduce's fingerprint is queued on the stream as it passes (on a
+    # GPU: no host sync inside the forward) and read after it with one device-to-host copy
+    fps = Deferred(PROBE_SEED, PROBE_K)
+    try:
+        with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
+                                  embed=s["embed"], layers=s["layer_list"],
+                                  keep=lambda n: budget.match(n), admit=budget.admit,
+                                  sample_rows=s["keep_tokens"], keep_allreduce_tensors=False,
+                                  summarize=fps) as tap:
+            tap.stream_from_layer_output = False    # 0.5.23 layers return an owed output
+            result = original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+        resolve_summaries(tap, fps, True)
+    finally:
+        _state.busy = False
+    t_forward = time.time() - t0
+    _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
+    if _STEPS["captured"] >= s["max_steps"]:
+        # the last captured step: the audit's kernels come off, so the server's later forwards run
+        # their collectives with no Python of tpprobe's (capture/audit.py: release)
+        from tpprobe.capture.audit import release
+        release()
+    return result
+
+
+def _aux(result, tokens: int):
+    """The packed aux tensor the draft receives, when it has one row per input token."""
+    aux = getattr(result, "hidden_states", None)
+    if aux is not None and not isinstance(aux, torch.Tensor):
+        try:
+            from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
+
+            aux = pack_aux_hidden_states(aux)
+        except Exception:  # noqa: BLE001
+            return None, "aux hidden states could not be packed"
+    if not isinstance(aux, torch.Tensor):
+        return None, "no aux hidden states in this forward's output"
+    if aux.dim() != 2 or aux.shape[0] != tokens:
+        return None, (f"aux hidden states have {aux.shape[0]} rows for {tokens} tokens "
+                      f"(CaptureHiddenMode LAST?): slots not checked")
+    return aux, None
+
+
+def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
+    """This rank's kept tensors (under the byte budget), metadata (the one rank record `tpprobe probe`
+    writes too, with every point's fingerprint and each all-reduce's in_fp / out_fp) and run settings."""
+    from tpprobe.capture.points import AUX_PACKED, EMBED_OUT, INPUT_IDS
+    from tpprobe.capture.record import aux_meta, rank_record
+    from tpprobe.checks.evidence import add_fingerprints, match_slots, slot_candidates
+    from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
+    from tpprobe.engines.sglang.layer_ids import slots_from_layers_to_capture
+
+    tokens = int(input_ids.shape[0])
+    aux, aux_note = _aux(result, tokens)
+    kept_aux = None
+    if aux is not None and budget.admit(AUX_PACKED, aux):
+        kept_aux = (aux if tap.sample_rows is None else aux[:tap.sample_rows]).detach().clone()
+    ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
+    par = parallel_ranks()
+    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=input_ids.detach().clone(), model=model,
+                                packed=kept_aux, timings={"forward_s": t_forward}, extra={
+                                    # plugin-only facts
+                                    "source": "sglang-plugin", "step": step, "forward_mode": mode,
+                                    "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
+                                    "aux_note": aux_note, "kept_rows": tap.sample_rows,
+                                    "budget_refused": budget.refused})
+    if not budget.admit(INPUT_IDS, input_ids):
+        tensors.pop(INPUT_IDS, None)
+    meta["aux"] = aux_meta(aux)            # the whole tensor's shape, also when only rows (or nothing) were kept
+    seen = set()
+    for k, t in list(tensors.items()):   # safetensors refuses shared storage: copy repeats
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        tensors[k] = t.clone() if key in seen else t
+        seen.add(key)
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    meta["hidden"] = hidden
+    add_fingerprints(meta, tap, None, hidden, aux.dtype if aux is not None else torch.float32)
+    if aux is not None:
+        meta["fingerprints"][AUX_PACKED] = fingerprint(aux, seed=PROBE_SEED, k=PROBE_K).to_json()
+        if hidden and aux.shape[-1] % hidden == 0:
+            names = [n for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries]
+            if tap.sample_rows is None:
+                cands = {n: tap.captures.get(n, tap.summaries.get(n)) for n in names}
+            else:     # sampled rows cannot stand for whole tensors: fingerprints only
+                cands = {n: tap.summaries[n] for n in names if n in tap.summaries}
+            meta["slot_match"] = match_slots(aux, hidden, cands, aux.dtype)
+    L = len(tap.layer_indices)
+    points, ids = slots_from_layers_to_capture(ltc, L) if aux is not None else ([], [])
+    fps = meta["fingerprints"]
+    dtype = getattr(torch, fps[EMBED_OUT]["dtype"]) if EMBED_OUT in fps else next(iter(model.parameters())).dtype
+    run_settings = {
+        "world_size": world, "backend": "sglang (live server, plugin)",
+        "dtype": str(dtype).replace("torch.", ""), "hidden": hidden, "num_layers": L, "tokens": tokens,
+        "arch": str(getattr(config, "model_type", type(model).__name__)),
+        "model": type(model).__name__, "layer_ids": ids, "expected_points": points, "expected_ids": ids,
+        "sglang layers_to_capture": str(ltc), "forward_mode": mode, "step": step,
+        "dp_rank": par["dp_rank"], "pp_rank": par["pp_rank"], "exchange": "fingerprint (plugin)",
+    }
+    return tensors, meta, run_settings
+
+
+def step_dir(root: Path, par: dict, step: int) -> Path:
+    """DIR/dp{D}-pp{P}/step-{N:06d}: one folder per TP group and forward."""
+    return root / f"dp{par['dp_rank']}-pp{par['pp_rank']}" / f"step-{step:06d}"
+
+
+def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget) -> None:
+    """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
+    (also when its own write failed), so one rank's error never hangs the others."""
+    from tpprobe import __version__
+    from tpprobe.formats.capture_dir import write_manifest, write_rank
+
+    out = step_dir(s["dir"], parallel_ranks(), step)
+    entries: list = []
+    run_settings: dict = {}
+    nbytes = 0
+    t0 = time.time()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tensors, meta, run_settings = _step_record(s, step, mode, rank, world, tap, input_ids, result,
+                                                   model, t_forward, budget)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        meta["timings"]["record_s"] = time.time() - t0
+        meta["kept_bytes"] = nbytes
+        entries = write_rank(out, rank, tensors, meta)
+    except Exception as e:  # noqa: BLE001 - SGLang would swallow it; still join the gather below
+        _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
+    gathered = [None] * world if rank == 0 else None
+    if world > 1:
+        group = getattr(tp_group, "cpu_group", None)
+        torch.distributed.gather_object((entries, run_settings), gathered, dst=_global_rank0(tp_group), group=group)
+    else:
+        gathered = [(entries, run_settings)]
+    if rank == 0:
+        files = [e for es, _ in gathered for e in (es or [])]
+        ranks = sorted({e["rank"] for e in files})
+        settings_ = next((st for _, st in gathered if st), {"world_size": world})
+        try:
+            write_manifest(out, {"world_size": world, "ranks": ranks, "settings": settings_,
+                                 "tool": f"tpprobe {__version__}", "source": "sglang-plugin", "step": step,
+                                 "forward_mode": mode, "model": type(model).__name__}, files)
+        except Exception as e:  # noqa: BLE001
+            _say(f"tp_rank 0: step {step} manifest NOT written: {type(e).__name__}: {e}")
+            return
+    if entries:
+        _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes of kept tensors + fingerprints "
+             f"-> {out}" + (f"; refused by TPPROBE_MAX_BYTES: {', '.join(budget.refused)}" if budget.refused else "")
+             + (f"; check it with `tpprobe report {out}`" if rank == 0 else ""))
+
+
+def _global_rank0(tp_group) -> int:
+    ranks = getattr(tp_group, "ranks", None)
+    return ranks[0] if ranks else 0

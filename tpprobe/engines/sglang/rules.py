@@ -1,0 +1,600 @@
+"""Every SGLang architecture's EAGLE-3 capture rule, derived from the installed SGLang's own code.
+
+`derive(name, ids, num_layers)` imports the one SGLang model module that defines the architecture,
+builds a *shell* of its `*ForCausalLM` class (the object without `__init__`: no weights, no
+parallel state, no device) holding only what the setter reads (`config.num_hidden_layers`,
+`pp_group.is_last_rank`, `model.layers`, the inner model or language model the class builds in
+its own `__init__`), and runs SGLang's own `set_eagle3_layers_to_capture(ids)` on it. What the
+setter leaves behind is the capture rule, as SGLang will apply it:
+
+* `layers_to_capture` on the object that owns the decoder layers (the +1, the DeepSeek "+1 only
+  when the first id is 1", gpt_oss's "ids as given when one of them is L", minimax_m3_vl's shifted
+  default: whatever that SGLang version does);
+* `_is_layer_to_capture` flags on layers (the Qwen-MoE family marks `self.layers[id]`: an id of L
+  raises IndexError there and -1 flags the *last* layer through Python's negative index);
+* an exception raised by the setter itself (a crash at server start).
+
+The capture condition of the forward loop is read from the class's own `forward` source (the
+only thing not executed): whether the loop tests the per-layer flag or `i in layers_to_capture`,
+whether the output of the last layer (point L) is captured after the loop (gemma4, gpt_oss,
+minimax_m3), and whether captures go into an `AuxHiddenStatePacker` that raises `captured n of
+K aux hidden states` when one is missing (DeepSeek family). Loop point i is the residual stream
+entering layer i = HF hidden_states[i] (0 = the embedding output).
+
+When SGLang cannot be imported, `tpprobe.engines.sglang.layer_ids` falls back to its pinned table.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+from tpprobe.core.errors import UsageError
+
+SETTER = "set_eagle3_layers_to_capture"
+
+# names people use that are neither an SGLang model file, nor its class, nor a HF model_type
+_ALIASES = {
+    "kimi": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi-k2": "DeepseekV3ForCausalLM", "deepseek": "DeepseekV3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration", "kimi-k2.5": "KimiK25ForConditionalGeneration",
+    "mistral": "MistralForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM", "minimax_m3": "MiniMaxM3SparseForCausalLM",
+}
+
+
+def models_dir() -> str:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("sglang is not installed")
+    return os.path.join(list(spec.submodule_search_locations)[0], "srt", "models")
+
+
+@functools.lru_cache(maxsize=1)
+def setter_files() -> tuple[str, ...]:
+    """SGLang model files (module names) that define the EAGLE-3 setter (read as text, no import)."""
+    d = models_dir()
+    out = []
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".py"):
+            with open(os.path.join(d, f), encoding="utf-8") as fh:
+                if f"def {SETTER}" in fh.read():
+                    out.append(f[:-3])
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _class_files() -> dict[str, str]:
+    """class name -> model file, for every class defined in sglang/srt/models (text scan)."""
+    d = models_dir()
+    out: dict[str, str] = {}
+    pat = re.compile(r"^class (\w+)\(", re.M)
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".py"):
+            with open(os.path.join(d, f), encoding="utf-8") as fh:
+                for m in pat.finditer(fh.read()):
+                    out.setdefault(m.group(1), f[:-3])
+    return out
+
+
+def _import(module: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from tpprobe.engines.sglang import cpu_mode
+
+        cpu_mode.quiet_import_noise()
+        cpu_mode.install_torchvision_shim()
+        return importlib.import_module(f"sglang.srt.models.{module}")
+
+
+def _entry_classes(mod) -> list[type]:
+    e = getattr(mod, "EntryClass", None)
+    if e is None:
+        return []
+    return list(e) if isinstance(e, (list, tuple)) else [e]
+
+
+def resolve(name: str) -> type:
+    """An architecture name -> SGLang's model class. Accepted: the HF architecture / SGLang class
+    (Qwen3MoeForCausalLM), SGLang's model file (qwen3_moe), a HF model_type (deepseek_v3) and a
+    few common aliases (kimi, kimi_k2). UsageError when it has no EAGLE-3 capture."""
+    raw = name.strip()
+    key = _ALIASES.get(raw.lower(), raw)
+    files = _class_files()
+    cls_name, module = None, None
+    if key in files:                                   # a class name
+        cls_name, module = key, files[key]
+    else:
+        low = key.lower().replace("-", "_")
+        if os.path.exists(os.path.join(models_dir(), f"{low}.py")):
+            module = low
+        else:                                          # a HF model_type
+            cls_name = _hf_causal_lm(low)
+            module = files.get(cls_name) if cls_name else None
+    if module is None:
+        raise UsageError(f"unknown SGLang arch {name!r}: give an architecture from config.json "
+                         f"(e.g. Qwen3MoeForCausalLM), an SGLang model file or a model_type; "
+                         f"EAGLE-3 capture is defined in {', '.join(setter_files())}")
+    try:
+        mod = _import(module)
+    except Exception as e:  # noqa: BLE001 - an SGLang model file that cannot load here
+        raise UsageError(f"--arch {name}: SGLang's model file {module}.py does not import here "
+                         f"({type(e).__name__}: {e})") from None
+    if cls_name is None:
+        cands = [c for c in _entry_classes(mod) if hasattr(c, SETTER)]
+        if not cands:
+            cands = [c for c in vars(mod).values() if isinstance(c, type) and SETTER in vars(c)
+                     and c.__module__ == mod.__name__ and "Model" != c.__name__[-5:]]
+        if not cands:
+            raise UsageError(f"--arch {name}: SGLang's {module}.py has no model with EAGLE-3 capture")
+        return cands[0]
+    cls = getattr(mod, cls_name)
+    if not hasattr(cls, SETTER):
+        raise UsageError(f"--arch {name}: SGLang's {cls_name} ({module}.py) has no EAGLE-3 capture "
+                         f"({SETTER}); the architectures with one are in {', '.join(setter_files())}")
+    return cls
+
+
+def _hf_causal_lm(model_type: str) -> Optional[str]:
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    except Exception:  # noqa: BLE001
+        return None
+    for m in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        if model_type in m:
+            v = m[model_type]
+            return v if isinstance(v, str) else v[0]
+    return None
+
+
+# ---- the shell the setter runs on ------------------------------------------------------------
+_SOURCES: dict = {}
+_LINES: dict = {}
+
+
+def _source(obj) -> str:
+    """inspect.getsource, once per object (derive reads the same methods for every id)."""
+    try:
+        return _SOURCES[obj]
+    except (KeyError, TypeError):
+        pass
+    try:
+        text = inspect.getsource(obj)
+    except (OSError, TypeError):
+        text = ""
+    try:
+        _SOURCES[obj] = text
+    except TypeError:
+        pass
+    return text
+
+
+def _inner_class(cls: type, attr: str) -> Optional[type]:
+    """The class `cls.__init__` assigns to self.<attr> (SGLang's own source, resolved in its module)."""
+    pat = re.compile(rf"self\.{attr}\s*=\s*((?:self\.)?[A-Za-z_][\w\.]*)\(")
+    mro = [c for c in cls.__mro__ if c.__module__.startswith("sglang.")]
+    for c in mro:
+        init = vars(c).get("__init__")
+        if init is None:
+            continue
+        g = vars(importlib.import_module(c.__module__))
+        for m in pat.finditer(_source(init)):
+            name = m.group(1)
+            if name.startswith("self."):            # self.body_cls(...): a class attribute
+                v = getattr(cls, name[5:], None)
+                if isinstance(v, type):
+                    return v
+                continue
+            if isinstance(g.get(name), type):
+                return g[name]
+            imp = re.search(rf"from ([\w\.]+) import [^\n]*\b{name}\b", _source(init))
+            if imp:                                 # imported inside __init__
+                try:
+                    v = getattr(importlib.import_module(imp.group(1)), name, None)
+                except Exception:  # noqa: BLE001
+                    v = None
+                if isinstance(v, type):
+                    return v
+            # a parameter (language_model_cls=...): the most derived class passing it wins
+            for d in mro:
+                hit = re.search(rf"\b{name}\s*=\s*(\w+)", _source(vars(d).get("__init__", "")))
+                if hit:
+                    gd = vars(importlib.import_module(d.__module__))
+                    if isinstance(gd.get(hit.group(1)), type):
+                        return gd[hit.group(1)]
+    return None
+
+
+class _Layer(SimpleNamespace):
+    pass
+
+
+def _shell(cls: type, L: int, depth: int = 0):
+    import torch
+
+    text = SimpleNamespace(num_hidden_layers=L)
+    cfg = SimpleNamespace(num_hidden_layers=L, text_config=text, get_text_config=lambda: text)
+    # class attributes, so they shadow SGLang's properties (pp_group reads the parallel state)
+    fixed = {"config": cfg, "pp_group": SimpleNamespace(is_last_rank=True, is_first_rank=True),
+             "start_layer": 0, "end_layer": L}
+    shell_cls = type(cls.__name__, (cls,), {**fixed, "__module__": cls.__module__})
+    obj = shell_cls.__new__(shell_cls)
+    if isinstance(obj, torch.nn.Module):
+        torch.nn.Module.__init__(obj)
+    obj.__dict__["layers"] = [_Layer() for _ in range(L)]
+    obj.__dict__["capture_aux_hidden_states"] = False
+    if depth < 3:
+        for attr in ("model", "language_model"):
+            inner = _inner_class(cls, attr)
+            sub = _shell(inner, L, depth + 1) if inner is not None else _bag(L)
+            obj.__dict__[attr] = sub        # plain attributes: no module registration needed
+    return obj
+
+
+def _bag(L: int):
+    return SimpleNamespace(layers=[_Layer() for _ in range(L)], start_layer=0, end_layer=L)
+
+
+def _owner(obj, depth: int = 0):
+    """The object that owns the decoder layers the setter marked: (object, path)."""
+    d = getattr(obj, "__dict__", {})
+    if "layers_to_capture" in d or any(getattr(x, "_is_layer_to_capture", False) for x in d.get("layers", [])):
+        return obj, ""
+    if depth < 3:
+        for attr in ("model", "language_model"):
+            if attr in d:
+                o, p = _owner(d[attr], depth + 1)
+                if o is not None:
+                    return o, f"{attr}." + p
+    return None, ""
+
+
+# ---- the rule -------------------------------------------------------------------------------
+@dataclass
+class Derived:
+    cls: str                       # SGLang class the setter belongs to
+    file: str                      # sglang/srt/models/<file>.py:<line> of the setter
+    num_layers: int
+    ids: Optional[list[int]]
+    layers_to_capture: Optional[list[int]]   # as the setter stored it (None: flags only / raised)
+    flagged: list[int] = field(default_factory=list)   # layers whose _is_layer_to_capture is set
+    set_error: Optional[str] = None          # the setter raised
+    owner: str = ""                          # attribute path of the object holding the layers
+    loop_uses_flags: bool = False            # the capture condition is the per-layer flag
+    captures_last: bool = False              # point L (the last layer's output) is captured
+    packer: bool = False                     # AuxHiddenStatePacker: a missing capture raises
+    forward_of: str = ""                     # whose forward was read
+
+    @property
+    def captured(self) -> list[int]:
+        """Capture points (0..L) the forward reaches, ascending, each once."""
+        if self.set_error:
+            return []
+        L = self.num_layers
+        if self.loop_uses_flags:
+            pts = set(self.flagged)
+        else:
+            pts = {c for c in (self.layers_to_capture or []) if 0 <= c < L}
+        if self.captures_last and L in (self.layers_to_capture or []):
+            pts.add(L)
+        return sorted(pts)
+
+
+def _forward_class(owner) -> type:
+    return type(owner)
+
+
+@contextlib.contextmanager
+def _last_pp_rank():
+    """Setters that read get_parallel().pp_group (exaone_moe, minimax_m2) see the last PP rank."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        cm = get_parallel().override(pp_group=SimpleNamespace(is_last_rank=True, is_first_rank=True))
+    except Exception:  # noqa: BLE001 - an SGLang without the override: setters that need it raise
+        cm = contextlib.nullcontext()
+    with cm:
+        yield
+
+
+def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
+    cls = resolve(name_or_cls) if isinstance(name_or_cls, str) else name_or_cls
+    L = int(num_layers)
+    setter = getattr(cls, SETTER)
+    defining = next(c for c in cls.__mro__ if SETTER in vars(c))
+    line = _LINES.get(setter)
+    if line is None:
+        try:
+            line = _LINES[setter] = inspect.getsourcelines(setter)[1]
+        except (OSError, TypeError):
+            line = 0
+    where = f"sglang/srt/models/{defining.__module__.rsplit('.', 1)[-1]}.py:{line}"
+    shell = _shell(cls, L)
+    d = Derived(cls=defining.__name__, file=where, num_layers=L, ids=None if ids is None else list(ids),
+                layers_to_capture=None)
+    try:
+        with _last_pp_rank():
+            setter(shell, None if ids is None else list(ids))
+    except Exception as e:  # noqa: BLE001 - SGLang's own setter raised: that is the finding
+        d.set_error = f"{type(e).__name__}: {e}"
+    owner, path = _owner(shell)
+    if owner is None:
+        owner, path = (shell.__dict__.get("model") or shell), "model."
+    d.owner = path.rstrip(".")
+    ltc = getattr(owner, "__dict__", {}).get("layers_to_capture")
+    d.layers_to_capture = None if ltc is None else [int(x) for x in ltc]
+    layers = getattr(owner, "__dict__", {}).get("layers", [])
+    d.flagged = [i for i, x in enumerate(layers) if getattr(x, "_is_layer_to_capture", False)]
+    fcls = type(owner).__mro__[1] if not isinstance(owner, SimpleNamespace) else cls
+    src = _source(getattr(fcls, "forward", None))
+    if "_is_layer_to_capture" not in src and "layers_to_capture" not in src:
+        src = _source(inspect.getmodule(fcls))          # the loop lives in a helper of that file
+    d.forward_of = f"{fcls.__name__}.forward"
+    d.loop_uses_flags = "_is_layer_to_capture" in src and not re.search(r"\bi\s+in\s+self\.layers_to_capture", src)
+    d.captures_last = bool(re.search(r"(num_layers|self\.end_layer|len\(self\.layers\))\s+in\s+self\.layers_to_capture",
+                                     src))
+    d.packer = "AuxHiddenStatePacker(" in src
+    return d
+
+
+def all_architectures() -> list[tuple[str, type]]:
+    """(file, class) for every SGLang architecture with EAGLE-3 capture (imports every model file
+    that defines the setter; subclasses in other files are reached through their class names)."""
+    out = []
+    for f in setter_files():
+        try:
+            mod = _import(f)
+        except Exception:  # noqa: BLE001
+            continue
+        for c in _entry_classes(mod):
+            if hasattr(c, SETTER):
+                out.append((f, c))
+    return out
+
+
+# ---- the table: the same rules as data, for a machine without SGLang (and fast with it) ------------
+# `tabulate()` runs `derive` on every architecture over a grid of (ids, num_layers) and names, for each,
+# the rule among a few that reproduces every result exactly (what the setter stores, what it flags,
+# what it raises); `render_table` writes that as tpprobe/engines/sglang/rules_table.py. `derive_from_table`
+# replays a rule on any ids. tests/test_layers_table.py regenerates the table from the installed SGLang
+# and asserts it equals the shipped one, and that the replay equals `derive` on another grid.
+TABLE_MODULE = "tpprobe/engines/sglang/rules_table.py"
+MAPS = ("plus1", "plus1_if_first_is_1", "as_given_if_max_is_L", "as_given")
+STORES = ("list", "flags", "list+flags_in_range")
+
+
+def _map(kind: str, ids: list[int], L: int) -> list[int]:
+    if kind == "plus1":
+        return [i + 1 for i in ids]
+    if kind == "plus1_if_first_is_1":          # DeepSeek-V2/V3, GLM-4-MoE-Lite
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+    if kind == "as_given_if_max_is_L":         # gpt_oss: ids naming the final boundary are kept
+        return list(ids) if ids and max(ids) == L else [i + 1 for i in ids]
+    return list(ids)
+
+
+def _replay(rule: dict, ids: Optional[list[int]], L: int) -> tuple[Optional[list[int]], list[int], Optional[str]]:
+    """(layers_to_capture, flagged layers, the setter's error) as SGLang's setter leaves them."""
+    if rule.get("raises"):
+        return None, [], rule["raises"]
+    if ids is None:
+        d = rule["default_shift"]
+        if d is None:       # no default: the setter iterates the ids it was given (an inner model's setter)
+            return None, [], "TypeError: 'NoneType' object is not iterable"
+        ltc = [2 + d, L // 2 + d, L - 3 + d]
+    else:
+        ltc = _map(rule["map"], list(ids), L)
+    flagged: list[int] = []
+    if rule["store"] == "flags":               # setattr(self.layers[i], ...) for each, in order
+        for c in ltc:
+            if not -L <= c < L:
+                return ltc, sorted(set(flagged)), "IndexError: list index out of range"
+            flagged.append(c % L)
+    elif rule["store"] == "list+flags_in_range":
+        flagged = [c for c in ltc if 0 <= c < L]
+    return ltc, sorted(set(flagged)), None
+
+
+def derive_from_table(name: str, ids: Optional[list[int]], num_layers: int, table=None) -> Derived:
+    """`derive`, from the shipped table (no SGLang import)."""
+    tab = table or _table()
+    cls_name = resolve_in_table(name, tab)
+    e = tab["CLASSES"][cls_name]
+    L = int(num_layers)
+    ltc, flagged, err = _replay(e, ids, L)
+    owner = e["owner"] if ltc is not None else e.get("owner_on_error", e["owner"])
+    return Derived(cls=e["cls"], file=e["file"], num_layers=L, ids=None if ids is None else list(ids),
+                   layers_to_capture=ltc, flagged=flagged, set_error=err, owner=owner,
+                   loop_uses_flags=e["loop_uses_flags"], captures_last=e["captures_last"], packer=e["packer"],
+                   forward_of=e["forward_of"])
+
+
+def _table() -> dict:
+    from tpprobe.engines.sglang import rules_table as t
+
+    return {"SGLANG_VERSION": t.SGLANG_VERSION, "CLASSES": t.CLASSES, "FILES": t.FILES,
+            "MODEL_TYPES": t.MODEL_TYPES, "ARCHITECTURES": t.ARCHITECTURES}
+
+
+def resolve_in_table(name: str, tab=None) -> str:
+    """`resolve` over the table: a class name, SGLang model file, HF model_type or alias -> class name."""
+    tab = tab or _table()
+    raw = name.strip()
+    key = _ALIASES.get(raw.lower(), raw)
+    if key in tab["CLASSES"]:
+        return key
+    low = key.lower().replace("-", "_")
+    for where in ("FILES", "MODEL_TYPES"):
+        if low in tab[where]:
+            return tab[where][low]
+    raise UsageError(f"unknown SGLang arch {name!r}: give an architecture from config.json (e.g. "
+                     f"Qwen3MoeForCausalLM), an SGLang model file or a model_type; SGLang {tab['SGLANG_VERSION']} "
+                     f"has EAGLE-3 capture in {len(tab['CLASSES'])} architectures (`tpprobe layers --arch all` "
+                     f"lists them)")
+
+
+def resolve_quiet(name: str):
+    try:
+        return resolve(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def table_rows() -> list[tuple[str, str, str]]:
+    """(file, class, table key) of every architecture, as `all_architectures` lists them."""
+    return [tuple(x) for x in _table()["ARCHITECTURES"]]
+
+
+def installed_version() -> Optional[str]:
+    """The installed SGLang's version from its metadata (no import); None when not installed."""
+    from tpprobe.engines.sglang import available
+
+    if not available():
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - sglang on the path without metadata: read its code
+        return "unknown"
+
+
+def use_table() -> bool:
+    """The table answers unless an SGLang of another release is installed (then its own code does)."""
+    from tpprobe.engines.sglang import rules_table
+
+    v = installed_version()
+    return v is None or v == rules_table.SGLANG_VERSION
+
+
+def probe_grid(Ls=(1, 2, 3, 4, 5, 6, 8, 61)):
+    for L in Ls:
+        for ids in (None, [], [1], [0], [-1], [-2], [1, 2, 3], [-1, 1, 3], [0, 2, 4], [2, 1], [1, 1], [L - 1],
+                    [L], [L + 1], [-L], [-L - 1], [0, L], [1, L], [L - 2, L], [L - 4, L // 2, 1], [1, L - 1]):
+            yield ids, L
+
+
+def _fields(d: Derived) -> tuple:
+    return (d.cls, d.file, d.num_layers, d.ids, d.layers_to_capture, d.flagged, d.set_error, d.owner,
+            d.loop_uses_flags, d.captures_last, d.packer, d.forward_of)
+
+
+def _rule_for(cls: type) -> dict:
+    """The table entry reproducing `derive(cls, ...)` on every point of the grid (UsageError if none)."""
+    grid = list(probe_grid())
+    got = [derive(cls, ids, L) for ids, L in grid]
+    first = got[0]
+    base = {"cls": first.cls, "file": first.file, "loop_uses_flags": first.loop_uses_flags,
+            "captures_last": first.captures_last, "packer": first.packer, "forward_of": first.forward_of}
+    owners = {d.owner for d in got if d.layers_to_capture is not None} or {first.owner}
+    errs = {d.owner for d in got if d.layers_to_capture is None}
+    if len(owners) == 1:
+        base["owner"] = owners.pop()
+        if errs and errs != {base["owner"]}:
+            base["owner_on_error"] = errs.pop()
+    cands = []
+    if all(d.layers_to_capture is None and d.set_error for d in got) and len({d.set_error for d in got}) == 1:
+        cands.append({**base, "raises": first.set_error})
+    cands += [{**base, "default_shift": ds, "map": m, "store": s} for ds in (0, 1, None) for m in MAPS for s in STORES]
+    tab = {"SGLANG_VERSION": "", "CLASSES": {"X": None}, "FILES": {}, "MODEL_TYPES": {}, "ARCHITECTURES": []}
+    for c in cands:
+        if "owner" not in c:
+            break
+        tab["CLASSES"]["X"] = c
+        if all(_fields(derive_from_table("X", ids, L, tab)) == _fields(d) for (ids, L), d in zip(grid, got)):
+            return c
+    raise UsageError(f"{cls.__name__}: no tabulated rule reproduces SGLang's set_eagle3_layers_to_capture "
+                     f"({first.file}); extend tpprobe.engines.sglang.rules.MAPS/STORES")
+
+
+def tabulate() -> dict:
+    """The table, from the installed SGLang (imports every model file with EAGLE-3 capture)."""
+    from tpprobe.engines.sglang import SGLANG_VERSION
+
+    archs = all_architectures()
+    classes: dict[str, dict] = {}
+    rows = []
+    for f, cls in archs:
+        # a name is the class SGLang's lookup finds (resolve); an entry class of another file that
+        # shares the name (Qwen3_5ForCausalLM in qwen3_5 and qwen3_5_text) is kept as "file.Name"
+        key = cls.__name__ if resolve(cls.__name__) is cls else f"{f}.{cls.__name__}"
+        if key not in classes:
+            classes[key] = _rule_for(cls)
+        if cls.__name__ not in classes:
+            classes[cls.__name__] = _rule_for(resolve(cls.__name__))
+        rows.append([f, cls.__name__, key])
+    files = _class_files()
+    for name, f in sorted(files.items()):           # subclasses in other files (MistralForCausalLM, ...)
+        if name in classes:
+            continue
+        mod = importlib.sys.modules.get(f"sglang.srt.models.{f}")
+        if mod is None or getattr(mod, name, None) is not resolve_quiet(name):
+            continue
+        try:
+            c = getattr(mod, name, None) if mod is not None else None
+            if not (isinstance(c, type) and c.__module__ == mod.__name__ and hasattr(c, SETTER)):
+                continue
+            classes[name] = _rule_for(c)
+        except Exception:  # noqa: BLE001 - a stub class, or a shell this class cannot be built on
+            continue
+    by_file = {}
+    for f in sorted({f for f in files.values()}):
+        mod = importlib.sys.modules.get(f"sglang.srt.models.{f}")
+        if mod is None:
+            continue
+        cands = [c for c in _entry_classes(mod) if hasattr(c, SETTER)]
+        if not cands:
+            cands = [c for c in vars(mod).values() if isinstance(c, type) and SETTER in vars(c)
+                     and c.__module__ == mod.__name__ and "Model" != c.__name__[-5:]]
+        if cands and cands[0].__name__ in classes:
+            by_file[f] = cands[0].__name__
+    model_types = {}
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+        mts = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+    except Exception:  # noqa: BLE001
+        mts = []
+    for mt in mts:
+        low = mt.lower().replace("-", "_")
+        if low in by_file or os.path.exists(os.path.join(models_dir(), f"{low}.py")):
+            continue
+        c = _hf_causal_lm(low)
+        if c in classes:
+            model_types[low] = c
+    return {"SGLANG_VERSION": SGLANG_VERSION, "CLASSES": dict(sorted(classes.items())), "FILES": by_file,
+            "MODEL_TYPES": model_types, "ARCHITECTURES": rows}
+
+
+def render_table(tab: dict) -> str:
+    import pprint
+
+    head = (f'"""SGLang {tab["SGLANG_VERSION"]}\'s EAGLE-3 capture rules, one entry per architecture: GENERATED by\n'
+            f'`python -m tpprobe.engines.sglang.rules --write` from that SGLang\'s own code '
+            f'(tpprobe.engines.sglang.rules.tabulate);\n'
+            f'tests/test_layers_table.py regenerates it from the installed SGLang and asserts it equals this file.\n'
+            f'Read by `tpprobe layers` (and the probe report) without importing SGLang."""\n')
+    body = "".join(f"{k} = {pprint.pformat(tab[k], width=110, sort_dicts=False)}\n\n"
+                   for k in ("SGLANG_VERSION", "CLASSES", "FILES", "MODEL_TYPES", "ARCHITECTURES"))
+    return head + "\n" + body.rstrip() + "\n"
+
+
+if __name__ == "__main__":   # python -m tpprobe.engines.sglang.rules --write: regenerate the table
+    import sys
+
+    text = render_table(tabulate())
+    if "--write" in sys.argv:
+        root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
+        with open(os.path.join(root, TABLE_MODULE), "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)

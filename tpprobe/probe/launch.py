@@ -1,0 +1,276 @@
+"""`tpprobe probe` without torchrun: start N local ranks; `tpprobe torchrun`: torchrun itself (every
+option of it), ending like a tpprobe command.
+
+Every rank runs `tpprobe probe ...` with the environment torchrun would give it (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, the store hosted by the launcher), on a free
+local port. Two ways to start them, one contract:
+
+- **fork** (CPU gloo ranks, the default there): the launcher has torch imported already, so each
+  rank is forked from it and skips the interpreter start and the torch import (about 2.5 s of CPU a
+  rank). The launcher hosts the rendezvous store, as the elastic agent does, so a rank that dies
+  never takes the store with it. GNU OpenMP's thread pool does not survive a fork (a rank's first
+  parallel op would hang): the launcher releases it first (`omp_pause_resource_all`), and spawns
+  when it cannot, or when a thread of its own runs beside it.
+- **spawn** through PyTorch's elastic agent (NCCL ranks, which need a fresh CUDA; or
+  TPPROBE_RANK_START=spawn).
+
+Either way: when one rank fails the others get SIGTERM (a probe rank ignores it and goes on to
+report the failure) and SIGKILL 30 s later, as the elastic agent does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+
+STOP_GRACE_S = 30      # the elastic agent's: SIGTERM, then SIGKILL this long after
+
+
+def _quiet_agent() -> None:
+    """The agent logs a failed worker as an error; a finding (exit 1) is not one: the report says it."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def agreed_code(codes: list[int]) -> int:
+    """The ranks' exit codes as one: 0 when all are 0; else bad usage (2) over an internal error (3)
+    over findings (1); a rank killed by a signal (a negative code) counts as 1."""
+    from ..core.errors import INTERNAL_EXIT
+    failed = [c for c in codes if c != 0]
+    if not failed:
+        return 0
+    return 2 if 2 in failed else INTERNAL_EXIT if INTERNAL_EXIT in failed else 1
+
+
+def _agreed_code(e) -> int:
+    return agreed_code([f.exitcode for f in e.failures.values()]) or 1
+
+
+def start_method() -> str:
+    """fork or spawn, for the ranks this launcher is about to start (module docstring)."""
+    from ..exchange.dist import BACKEND_ENV, GLOO_CUDA_ENV
+    from ..config.knobs import knob, knob_set
+    from ..core.errors import UsageError
+    asked = (knob("TPPROBE_RANK_START") or "auto").strip().lower()
+    if asked not in ("auto", "fork", "spawn"):
+        raise UsageError(f"TPPROBE_RANK_START={asked!r}: say auto, fork or spawn")
+    cpu_gloo = os.environ.get(BACKEND_ENV) == "gloo" and not knob_set(GLOO_CUDA_ENV)
+    if asked == "spawn" or not hasattr(os, "fork"):
+        return "spawn"
+    if asked == "fork" and not cpu_gloo:
+        raise UsageError("TPPROBE_RANK_START=fork: only CPU gloo ranks can be forked (CUDA does not survive a "
+                         "fork); unset it, or say spawn")
+    if not cpu_gloo or _entry() is None:
+        return "spawn"
+    # a thread of the launcher's (none today) would not be copied into the ranks: never fork beside one
+    return "fork" if threading.active_count() == 1 and release_openmp() else "spawn"
+
+
+def _entry():
+    """The CLI's main(), which a forked rank runs: the launcher always runs inside a tpprobe command,
+    so it is imported already (looked up, not imported: the CLI sits above this module)."""
+    return getattr(sys.modules.get("tpprobe.cli"), "main", None)
+
+
+def release_openmp() -> bool:
+    """Release GNU OpenMP's thread pool (torch's CPU build ships libgomp) so a forked rank starts its
+    own; False when it is loaded and says no. Another OpenMP runtime (LLVM's, Intel's) re-creates its
+    pool after a fork by itself."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:      # the loaded copy, whatever a wheel renamed it to
+            libs = {line.split()[-1] for line in f if "/libgomp" in line}
+    except OSError:
+        return False        # not Linux: cannot tell, so never fork
+    for path in libs:
+        try:
+            gomp = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        except OSError:
+            return False
+        pause = getattr(gomp, "omp_pause_resource_all", None)
+        if pause is None or pause(2) != 0:      # 2: omp_pause_hard, the pool's threads end
+            return False
+    return True
+
+
+def launch_local(nproc: int, argv: list[str], warm=None) -> int:
+    """Run `tpprobe <argv>` on nproc local ranks; return the ranks' agreed exit code. `warm()`, when
+    the ranks are forked: imports every rank would make (once, in the launcher, before the fork)."""
+    method = start_method()
+    if method == "fork" and warm is not None:
+        warm()
+        method = start_method()         # asked again: warm() must have started no thread
+    if method == "fork":
+        return _launch_forked(nproc, argv)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    _quiet_agent()
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "tpprobe", *argv)
+    except ChildFailedError as e:
+        return _agreed_code(e)
+    return 0
+
+
+def _rank_env(nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """What the elastic agent sets for its workers (one node, no restarts), less the rank."""
+    return {"GROUP_RANK": "0", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socket.socket, launcher: int) -> None:
+    """A forked rank: torchrun's environment, then `tpprobe <argv>`; never returns."""
+    code = 1
+    try:
+        listener.close()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        _die_with_launcher(launcher)
+        os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        _entry()(list(argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:           # main() catches everything of ours; this is the interpreter's
+        import traceback
+        traceback.print_exc()
+        from ..core.errors import INTERNAL_EXIT
+        code = INTERNAL_EXIT
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """A rank never outlives its launcher, however the launcher ends (SIGKILL included)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != launcher:       # it ended before the line above
+        os._exit(1)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
+def _launch_forked(nproc: int, argv: list[str]) -> int:
+    import torch.distributed as dist
+    from datetime import timedelta
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    env = _rank_env(nproc, listener.getsockname()[1], str(uuid.uuid4()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks: dict[int, int] = {}
+    launcher = os.getpid()
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for r in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                _rank_child(r, env, argv, listener, launcher)
+            ranks[pid] = r
+        # the store after the forks (its server thread is not copied into a rank); the ranks' clients
+        # retry until it listens. The listening socket was bound first: no other process takes the port.
+        store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), world_size=None, is_master=True,
+                              timeout=timedelta(hours=1), wait_for_workers=False,
+                              master_listen_fd=listener.fileno(), use_libuv=False)
+        listener.detach()       # the store owns the socket now, and closes it
+        codes = _wait_ranks(ranks)
+        del store
+        return agreed_code(codes)
+    except _Stopped as e:      # the launcher was told to stop: so are its ranks, and it ends as told
+        _kill(ranks, signal.SIGKILL)
+        return 128 + e.args[0]
+    except BaseException:
+        _kill(ranks, signal.SIGKILL)
+        raise
+    finally:
+        listener.close()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _wait_ranks(ranks: dict[int, int]) -> list[int]:
+    """Every rank's exit code (a signal: its negative number). After the first failure the others
+    get SIGTERM, and SIGKILL STOP_GRACE_S later."""
+    codes: dict[int, int] = {}
+    kill_at = None
+    while len(codes) < len(ranks):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if kill_at is not None and time.time() > kill_at:
+                _kill({p: r for p, r in ranks.items() if p not in codes}, signal.SIGKILL)
+                kill_at = float("inf")
+            time.sleep(0.05)
+            continue
+        if pid not in ranks:
+            continue
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0 and kill_at is None:
+            _kill({p: r for p, r in ranks.items() if p not in codes}, signal.SIGTERM)
+            kill_at = time.time() + STOP_GRACE_S
+    return [codes[p] for p in sorted(ranks, key=ranks.get)]
+
+
+def _kill(ranks: dict[int, int], sig: int) -> None:
+    for pid in ranks:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+COMMANDS = ("probe",)   # what `tpprobe torchrun` may start on the ranks
+
+
+def torchrun(argv: list[str]) -> int:
+    """`torchrun [its options] -m tpprobe COMMAND [options]`, with torchrun's own parser and launch,
+    ending like a tpprobe command: 0 healthy, 1 findings, 2 bad usage, and no ChildFailedError
+    traceback (plain torchrun prints one whenever a rank exits non-zero, a finding included)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from ..core.errors import UsageError
+    cut = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if cut is None:
+        raise UsageError("tpprobe torchrun: name the command after torchrun's options, e.g. "
+                         "tpprobe torchrun --nproc-per-node 4 probe --layers -1,1,3")
+    from torch.distributed.run import parse_args, run
+    import contextlib
+    import io
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = parse_args([*argv[:cut], "-m", "tpprobe", *argv[cut:]])
+    except SystemExit as e:      # argparse's usage block: keep its last line, the reason
+        why = (said.getvalue().strip().splitlines() or ["bad options"])[-1].split("error: ", 1)[-1]
+        raise UsageError(f"tpprobe torchrun: torchrun's options: {why} "
+                         f"(python -m torch.distributed.run --help lists them)") from e
+    _quiet_agent()
+    try:
+        run(args)
+    except ChildFailedError as e:
+        return _agreed_code(e)
+    return 0
