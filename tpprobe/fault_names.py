@@ -36,6 +36,8 @@ FAULTS = {
     "capture-no-residual": ("F18", None, False),
 }
 SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+# vLLM's own model only (--backend vllm): none yet; it takes the reduce faults below (tpprobe/engines/vllm/faults.py)
+VLLM: tuple = ()
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
 BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
         "skip-unreadable-allreduce", "skip-allreduce")

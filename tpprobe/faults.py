@@ -20,7 +20,7 @@ from .errors import UsageError
 from .knobs import knob
 from .target import ProbeTarget, RankContext
 
-from .fault_names import BOTH, FAULTS, SGLANG_ONLY, inject_help
+from .fault_names import BOTH, FAULTS, SGLANG_ONLY, VLLM, inject_help
 from .fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
 
 
@@ -31,9 +31,9 @@ def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
     builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY and n not in BOTH]
     if model and names:
         raise UsageError("--inject works on the built-in model and on --backend sglang, not on --model")
-    if backend == "sglang" and builtin:
-        raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend sglang inject "
-                         f"{', '.join(SGLANG_ONLY + BOTH)}")
+    if backend in ("sglang", "vllm") and builtin:
+        raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend {backend} inject "
+                         f"{', '.join((SGLANG_ONLY if backend == 'sglang' else VLLM) + BOTH)}")
     if backend != "sglang" and serving:
         raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
 
@@ -103,6 +103,11 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
     if not faults:
         return
     model = target.model
+    if all(f.name in VLLM + BOTH for f in faults) and type(model).__module__.startswith("vllm."):
+        from .engines.vllm.faults import inject as vllm_inject
+        for f in faults:
+            vllm_inject(f.name, model, f.arg, ctx)
+        return
     if all(f.name in SGLANG_ONLY + BOTH for f in faults) and not isinstance(model, TPModel):
         from .sglang.faults import inject
         for f in faults:
