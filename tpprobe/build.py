@@ -190,6 +190,10 @@ def run_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, laye
                 "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
                 "model_packs_aux": target.packed_aux is not None,
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
+    if opts.backend == "vllm" and target.packed_aux is not None:
+        # vLLM's rule: slots in ascending id (tpprobe.engines.vllm.tiny)
+        from .engines.vllm.tiny import expected_slots as vllm_slots
+        settings["expected_points"], settings["expected_ids"] = vllm_slots(layer_ids)
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
         from .sglang.tiny import ARCHES as SGLANG_ARCHES

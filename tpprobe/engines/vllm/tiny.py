@@ -15,7 +15,16 @@ vLLM's runner does) with vLLM's attention core replaced by causal SDPA (cpu_mode
 layer (VocabParallelEmbedding, QKV/MergedColumn/RowParallelLinear, ParallelLMHead) and every
 collective (GroupCoordinator -> CpuCommunicator: shared memory or gloo) is vLLM's own.
 
-EAGLE-3 capture is not set here (the probe packs its slots from its own hooks).
+EAGLE-3 capture is vLLM's own: `set_aux_hidden_state_layers(ids)` (SupportsEagle3), after which the
+model's forward returns `(hidden_states, aux)`, `aux` the list `EagleModelMixin._maybe_add_hidden_state`
+filled (h + r), and the draft gets `torch.cat(aux, -1)` (the proposer's `combine_hidden_states`
+input): that concatenation is the probe's packed aux, checked slot by slot.
+
+Layer ids. vLLM reads `eagle_aux_hidden_state_layer_ids` as written: vLLM id k = the stream entering
+layer k = HF hidden_states[k] (0 = the embedding, N = the last layer's output before the final norm),
+slots in ascending id (stored sorted). tpprobe's `--layers` keeps its one meaning on every backend
+(id i = the stream leaving layer i, -1 = the embedding), so `--layers i` asks vLLM for id i + 1:
+`vllm_ids(layer_ids)`; the report's settings show the ids vLLM holds (`vllm aux_hidden_state_layers`).
 """
 from __future__ import annotations
 
@@ -149,6 +158,27 @@ def run(model, vllm_config, ids: torch.Tensor):
     return out
 
 
+def vllm_ids(layer_ids: list[int]) -> tuple[int, ...]:
+    """vLLM's EAGLE-3 ids for tpprobe's --layers (id i = the stream leaving layer i) : i + 1."""
+    return tuple(int(i) + 1 for i in layer_ids)
+
+
+def expected_slots(layer_ids: list[int]) -> tuple[list[str], list[int]]:
+    """(points, ids): the capture point each slot of vLLM's packed aux must equal, and the tpprobe id
+    that asked for it, in vLLM's slot order (ascending id; an id asked twice is one slot)."""
+    from tpprobe.capture.points import id_point
+
+    ids = sorted(set(int(i) for i in layer_ids))
+    return [id_point(i) for i in ids], ids
+
+
+def packed_aux(result):
+    """What vLLM's EAGLE-3 proposer hands the draft: torch.cat(aux, -1) (None: no aux returned)."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], list) and result[1]:
+        return torch.cat(result[1], dim=-1)
+    return None
+
+
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
                  dtype: torch.dtype, layer_ids: Optional[list[int]] = None) -> ProbeTarget:
     """A tiny vLLM model on this rank, ready for the probe (see the module docstring).
@@ -162,6 +192,9 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         raise UsageError(f"--tokens must be >= 1, got {tokens}")
     check_tp(arch, ctx.world_size)
     model, vc, config, path = build_model(ctx, arch, num_layers, seed, dtype, max(64, tokens))
+    capture = bool(layer_ids)
+    if capture:
+        model.set_aux_hidden_state_layers(vllm_ids(layer_ids))     # vLLM's SupportsEagle3
     ids = _input_ids(config.vocab_size, tokens, seed)
     # one warm-up prefill, as vLLM's engine runs one before serving: its torch.compile'd helpers
     # (get_masked_input_and_mask in VocabParallelEmbedding) compile here, not in the probed forward
@@ -176,10 +209,14 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         "vocab": config.vocab_size,
         "vllm all-reduce": {"shm": "shared memory (torch.ops._C.shm_allreduce)",
                             "gloo": "torch.distributed (gloo)"}[path],
+        "vllm aux_hidden_state_layers": ",".join(map(str, model.model.aux_hidden_state_layers)) if capture else "off",
+        "layer-id rule": "vLLM: id k as written (eagle_aux_hidden_state_layer_ids) = the stream entering layer k "
+                         "= HF hidden_states[k], slots in ascending id; --layers i asks vLLM id i+1",
     }
     return ProbeTarget(
         model=model, forward=lambda: run(model, vc, ids), input_ids=ids, num_layers=num_layers,
         hidden_size=config.hidden_size, dtype=dtype, arch=arch, info=info,
+        packed_aux=packed_aux if capture else None, model_layer_ids=list(layer_ids) if capture else None,
         tap_extensions=vllm_extensions())
 
 
