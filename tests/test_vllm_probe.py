@@ -155,3 +155,27 @@ def test_vllm_faults_are_named_exactly(tmp_path, inject, nproc, path, exchange, 
     else:
         # the skipped reduce is missing from the count, every reduce that ran was read
         assert rep["allreduce"]["unchecked"] == 0 and rep["coverage"]["unreadable_paths"] == {}
+
+
+@pytest.mark.parametrize("nproc,exchange", [(2, "full"), (4, "fingerprint")])
+def test_a_dropped_final_layer_id_is_named_missing_at_its_slot(tmp_path, nproc, exchange):
+    # F29: vLLM's loop never offers id N (the last layer's output) to its capture (deepseek_v2's backbone
+    # until vLLM PR #46973): tpprobe id 3 = vLLM id 4 = N captures nothing, the draft gets 2 slots of 3
+    rc, rep, cp = probe(tmp_path, "--inject", "drop-final-id", "--layers", IDS, "--exchange", exchange, nproc=nproc)
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [("missing-capture", "aux slot for id 3", list(range(nproc)))], [f["line"] for f in rep["findings"]]
+    detail = failures(rep)[0]["detail"]
+    assert "id 3 produced no capture" in detail and "(2 of 3 slots present)" in detail, detail
+    assert rep["allreduce"]["incomplete"] == 0 and rep["allreduce"]["unchecked"] == 0
+
+
+def test_vllm_only_faults_need_the_vllm_backend():
+    from tpprobe.errors import UsageError
+    from tpprobe.faults import check_backend
+
+    with pytest.raises(UsageError, match="add --backend vllm"):
+        check_backend(["drop-final-id"], "auto", None)
+    with pytest.raises(UsageError, match="with --backend vllm inject drop-final-id"):
+        check_backend(["nan@1"], "vllm", None)
+    check_backend(["drop-final-id", "allreduce-scaled@1"], "vllm", None)

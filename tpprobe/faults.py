@@ -28,7 +28,8 @@ def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
     """Built-in faults need the built-in model; the serving faults need SGLang's (UsageError)."""
     names = [s.partition("@")[0] for s in specs or []]
     serving = [n for n in names if n in SGLANG_ONLY]
-    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY and n not in BOTH]
+    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY + VLLM + BOTH]
+    vllm_only = [n for n in names if n in VLLM]
     if model and names:
         raise UsageError("--inject works on the built-in model and on --backend sglang, not on --model")
     if backend in ("sglang", "vllm") and builtin:
@@ -36,6 +37,8 @@ def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
                          f"{', '.join((SGLANG_ONLY if backend == 'sglang' else VLLM) + BOTH)}")
     if backend != "sglang" and serving:
         raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
+    if backend != "vllm" and vllm_only:
+        raise UsageError(f"--inject {vllm_only[0]} breaks vLLM's EAGLE-3 capture: add --backend vllm")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
       reduce, the sum x TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output
       (zeros when there is none), on every rank: a custom all-reduce returning wrong data
   allreduce-rank@R (F23)  on rank R only, the middle layer's o_proj reduce returns R's own input
+  drop-final-id (F29)  the backbone never offers the final layer's output to the EAGLE-3 capture: vLLM's
+      `_maybe_add_hidden_state` is not called for id N (as deepseek_v2's loop did until vLLM PR #46973),
+      so an id N in `aux_hidden_state_layers` captures nothing and the draft gets one slot fewer
 
 A corrupt call still runs the real reduce first, so every rank issues the same collectives.
 """
@@ -26,7 +29,7 @@ from tpprobe.errors import UsageError
 from tpprobe.knobs import knob
 
 SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
-             "allreduce-stale", "allreduce-rank")
+             "allreduce-stale", "allreduce-rank", "drop-final-id")
 
 
 def _o_projs(model) -> list:
@@ -41,6 +44,9 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
                          f"{', '.join(SUPPORTED)}")
     projs = _o_projs(model)
     L = len(projs)
+    if name == "drop-final-id":
+        drop_final_id(model, L)
+        return
     if name == "skip-allreduce-all":
         for p in projs:
             p.reduce_results = False
@@ -50,6 +56,19 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
         return
     k = L // 2 if name == "allreduce-rank" else arg
     communicator_fault(name, projs[k], arg, ctx)
+
+
+def drop_final_id(model, num_layers: int) -> None:
+    """F29: the loop's call for id N (after the last layer) never reaches vLLM's capture."""
+    inner = getattr(model, "model", model)
+    orig = inner._maybe_add_hidden_state          # EagleModelMixin's, bound
+
+    def maybe_add(aux, layer_idx, hidden_states, residual):
+        if layer_idx == num_layers:
+            return aux
+        return orig(aux, layer_idx, hidden_states, residual)
+
+    inner._maybe_add_hidden_state = maybe_add      # an instance attribute: the forward's self. lookup finds it
 
 
 def communicator_fault(name: str, proj, arg: Optional[int], ctx) -> None:
