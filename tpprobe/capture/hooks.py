@@ -476,7 +476,8 @@ class Tap:
                 # owed partial sum, so the stream is read where SGLang materializes it, and the reduces
                 # at GroupCoordinator level (tpprobe.engines.sglang.stream registers itself here)
                 self.extensions += tuple(e for e in factory() if e not in self.extensions)
-                self.sglang_layers = True
+                # vLLM's layers return (hidden_states, residual): the stream is read from them
+                self.sglang_layers = self.sglang_layers or prefix == "sglang."
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:

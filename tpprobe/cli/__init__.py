@@ -91,7 +91,8 @@ def probe(**kw) -> None:
     existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
     # one backend decision for every rank, made here and passed on (a rank never decides alone)
-    dist_backend = tdist.choose_backend(None if opts.backend in ("auto", "sglang") else opts.backend, opts.nproc)
+    launcher_picks = opts.backend in ("auto", "sglang", "vllm")     # else the backend named: gloo or nccl
+    dist_backend = tdist.choose_backend(None if launcher_picks else opts.backend, opts.nproc)
     gpus = tdist.torch.cuda.device_count() if tdist.torch.cuda.is_available() else 0
     if dist_backend == "gloo" and gpus and not (opts.quiet or opts.json_out):
         where = "its tensors on the GPU (TPPROBE_GLOO_CUDA)" if knob_set(tdist.GLOO_CUDA_ENV) else "CPU"
@@ -103,6 +104,9 @@ def probe(**kw) -> None:
     if opts.backend == "sglang":
         from ..engines.sglang.tiny import preload
         warm = lambda: preload(opts.arch)    # noqa: E731
+    elif opts.backend == "vllm":
+        from ..engines.vllm.tiny import preload as vllm_preload
+        warm = lambda: vllm_preload(opts.arch)    # noqa: E731
     code = launch_local(opts.nproc, ["probe", *opts.to_argv()], warm=warm)
     if not existed:
         remove_if_empty(Path(opts.out))

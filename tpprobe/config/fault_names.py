@@ -34,8 +34,12 @@ FAULTS = {
     "fused-allreduce-capture": ("F16", None, False),
     "dp-attention-gather": ("F17", None, False),
     "capture-no-residual": ("F18", None, False),
+    # vLLM's own model only (--backend vllm): tpprobe/engines/vllm/faults.py
+    "drop-final-id": ("F29", None, False),
 }
 SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+# vLLM's own model only (--backend vllm), beside the reduce faults below (tpprobe/engines/vllm/faults.py)
+VLLM = ("drop-final-id",)
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
 BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
         "skip-unreadable-allreduce", "skip-allreduce")
@@ -43,16 +47,17 @@ BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduc
 
 def inject_help() -> str:
     """--inject's help: every fault, and which take @K (a layer) or @R (a rank)."""
-    names, sglang = [], []
+    names, sglang, vllm = [], [], []
     for name, (_, kind, required) in FAULTS.items():
         arg = {"layer": "@K", "rank": "@R"}.get(kind, "")
         shown = name + (arg if required else f"(optional {arg})" if arg else "")
-        (sglang if name in SGLANG_ONLY else names).append(shown)
+        (sglang if name in SGLANG_ONLY else vllm if name in VLLM else names).append(shown)
     return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
             "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
             "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
             "README 'The faults it names'. Faults:\n\n\b\n" + _lines(names, 44)
-            + "\n\n\b\nwith --backend sglang only:\n" + _lines(sglang, 44))
+            + "\n\n\b\nwith --backend sglang only:\n" + _lines(sglang, 44)
+            + "\n\n\b\nwith --backend vllm only:\n" + _lines(vllm, 44))
 
 
 def _lines(names: list[str], width: int) -> str:

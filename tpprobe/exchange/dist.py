@@ -351,6 +351,8 @@ def shutdown(ctx) -> None:
     import sys
     if "tpprobe.engines.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
         sys.modules["tpprobe.engines.sglang.dist"].release_shared_memory()
+    if "tpprobe.engines.vllm.cpu_mode" in sys.modules:     # vLLM's groups (and their shared memory) likewise
+        sys.modules["tpprobe.engines.vllm.cpu_mode"].release()
     try:
         if dist.is_initialized():
             # let every rank read the verdict before the store's host (rank 0's agent) may go; at

@@ -39,7 +39,8 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     t_start = time.time()
     stacks_after_env()
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
-    ctx = init(None if opts.backend in ("auto", "sglang") else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
+    launcher_picks = opts.backend in ("auto", "sglang", "vllm")     # gloo or nccl: the launcher decided
+    ctx = init(None if launcher_picks else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
     progress = Progress()
     from ..report.live import attach as live_display
     live = live_display(progress, ctx.rank, quiet=opts.quiet or opts.json_out)

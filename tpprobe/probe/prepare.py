@@ -27,10 +27,12 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"--timeout must be > 0 seconds (got {opts.timeout})")
     if opts.exchange not in ("full", "fingerprint"):
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
-    if opts.backend not in ("auto", "gloo", "nccl", "sglang"):
-        raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl or sglang")
+    if opts.backend not in ("auto", "gloo", "nccl", "sglang", "vllm"):
+        raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl, sglang or vllm")
     from ..engines.sglang.tiny import ARCHES as SGLANG_ARCHES, canonical_arch
-    if canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
+    if opts.backend == "vllm":
+        _validate_vllm(opts, world)
+    elif canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
         raise UsageError(f"unknown --arch {opts.arch!r}: use {', '.join(SGLANG_ARCHES)} (with --backend sglang)")
     if opts.config is not None and opts.backend != "sglang":
         raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
@@ -52,7 +54,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
         if bad:
             raise UsageError(f"--layers {bad} out of range for a model of {opts.num_layers} layers: "
                              f"ids run from -1 (embedding) to {opts.num_layers - 1}")
-        if opts.backend != "sglang":
+        if opts.backend not in ("sglang", "vllm"):
             BuiltinConfig.from_options(opts).validate(world)
     if opts.model is not None and ":" not in opts.model:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
@@ -62,6 +64,17 @@ def validate(opts: ProbeOptions, world: int) -> None:
         from ..engines.sglang.tiny import check_tp
         check_tp(canonical_arch(opts.arch), opts.config, world, opts.dp_attention)
     parse_faults(opts.inject, world, opts.num_layers, ids)
+
+
+def _validate_vllm(opts: ProbeOptions, world: int) -> None:
+    """--backend vllm: the arch it builds, its shapes over tp, and what it does not take yet."""
+    from ..engines.vllm.tiny import check_arch, check_tp
+    if opts.model is not None:
+        raise UsageError("--backend vllm builds vLLM's tiny models; with --model your factory builds the model: "
+                         "drop --backend vllm")
+    if opts.config is not None:
+        raise UsageError("--config with --backend vllm is not built yet: use --arch llama")
+    check_tp(check_arch(opts.arch), world)
 
 
 def _validate_dp_attention(opts: ProbeOptions, world: int) -> None:
@@ -90,6 +103,10 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
         return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
                              dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
                              attn_dp=opts.dp_attention)
+    if opts.backend == "vllm":
+        from ..engines.vllm.tiny import build_target as vllm_target
+        return vllm_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
+                           dtype=opts.torch_dtype, layer_ids=layer_ids)
     from ..builtin.model import build_builtin
     return build_builtin(ctx, BuiltinConfig.from_options(opts, layer_ids))
 
@@ -156,6 +173,8 @@ def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
                          f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")
     if any(type(m).__module__.startswith("sglang.") for m in target.model.modules()):
         import tpprobe.engines.sglang.stream  # noqa: F401  registers SGLang's layer extensions with the Tap
+    if any(type(m).__module__.startswith("vllm.") for m in target.model.modules()):
+        import tpprobe.engines.vllm.audit  # noqa: F401  registers vLLM's coordinator door with the Tap
     return target
 
 
@@ -166,10 +185,15 @@ def run_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, laye
     settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": dtype, "layer_ids": shown_ids,
                 "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
                 "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
-                "model": opts.model or ("sglang:" + opts.arch if opts.backend == "sglang" else "builtin"),
+                "model": opts.model or (f"{opts.backend}:{opts.arch}" if opts.backend in ("sglang", "vllm")
+                                        else "builtin"),
                 "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
                 "model_packs_aux": target.packed_aux is not None,
                 "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
+    if opts.backend == "vllm" and target.packed_aux is not None:
+        # vLLM's rule: slots in ascending id (tpprobe.engines.vllm.tiny)
+        from ..engines.vllm.tiny import expected_slots as vllm_slots
+        settings["expected_points"], settings["expected_ids"] = vllm_slots(layer_ids)
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
         from ..engines.sglang.tiny import ARCHES as SGLANG_ARCHES

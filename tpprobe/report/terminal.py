@@ -71,7 +71,8 @@ def render(report: dict, con: Console) -> None:
                       Text(f"differ on ranks {differ}" if differ else "agree",
                            style="bold red" if differ else "green"))
         con.print(s)
-    if st.get("arch") in ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2") and st.get("layer_ids") is not None:
+    if st.get("arch") in ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2") and st.get("layer_ids") is not None \
+            and not str(st.get("backend", "")).startswith("vllm"):     # SGLang's rule, not vLLM's
         # what SGLang's own capture rules make of these ids on this architecture
         from ..engines.sglang.layer_ids import layers_table, plan
         try:

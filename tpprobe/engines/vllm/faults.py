@@ -1,0 +1,112 @@
+"""Faults made vLLM's own way, in vLLM's own model (`tpprobe probe --backend vllm --inject`).
+
+Each breaks the model where the real bug lives and never touches what tpprobe observes: the probe's
+door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
+
+  skip-allreduce@K (F2 / F24 for one layer)  layer K's `self_attn.o_proj`, a RowParallelLinear, is set
+      `reduce_results=False` (vLLM's own flag: "the caller reduces") and nobody reduces: its output
+      stays this rank's partial sum
+  skip-allreduce-all (F24)  the same in every layer
+  allreduce-scaled@K, allreduce-one-buffer@K, allreduce-stale@K (F22)  the TP group's device
+      communicator (on CPU vLLM's CpuCommunicator: shared memory or gloo) returns, for layer K's o_proj
+      reduce, the sum x TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output
+      (zeros when there is none), on every rank: a custom all-reduce returning wrong data
+  allreduce-rank@R (F23)  on rank R only, the middle layer's o_proj reduce returns R's own input
+  drop-final-id (F29)  the backbone never offers the final layer's output to the EAGLE-3 capture: vLLM's
+      `_maybe_add_hidden_state` is not called for id N (as deepseek_v2's loop did until vLLM PR #46973),
+      so an id N in `aux_hidden_state_layers` captures nothing and the draft gets one slot fewer
+
+A corrupt call still runs the real reduce first, so every rank issues the same collectives.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from tpprobe.core.errors import UsageError
+from tpprobe.config.knobs import knob
+
+SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
+             "allreduce-stale", "allreduce-rank", "drop-final-id")
+
+
+def _o_projs(model) -> list:
+    layers = list(getattr(getattr(model, "model", model), "layers", None) or [])
+    return [getattr(getattr(layer, "self_attn", None), "o_proj", None) for layer in layers]
+
+
+def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
+    """Apply fault `name` to vLLM model `model` on this rank."""
+    if name not in SUPPORTED:
+        raise UsageError(f"--inject {name} is not made on vLLM's models yet; with --backend vllm inject "
+                         f"{', '.join(SUPPORTED)}")
+    projs = _o_projs(model)
+    L = len(projs)
+    if name == "drop-final-id":
+        drop_final_id(model, L)
+        return
+    if name == "skip-allreduce-all":
+        for p in projs:
+            p.reduce_results = False
+        return
+    if name == "skip-allreduce":
+        projs[arg].reduce_results = False
+        return
+    k = L // 2 if name == "allreduce-rank" else arg
+    communicator_fault(name, projs[k], arg, ctx)
+
+
+def drop_final_id(model, num_layers: int) -> None:
+    """F29: the loop's call for id N (after the last layer) never reaches vLLM's capture."""
+    inner = getattr(model, "model", model)
+    orig = inner._maybe_add_hidden_state          # EagleModelMixin's, bound
+
+    def maybe_add(aux, layer_idx, hidden_states, residual):
+        if layer_idx == num_layers:
+            return aux
+        return orig(aux, layer_idx, hidden_states, residual)
+
+    inner._maybe_add_hidden_state = maybe_add      # an instance attribute: the forward's self. lookup finds it
+
+
+def communicator_fault(name: str, proj, arg: Optional[int], ctx) -> None:
+    """Break the TP group's device communicator for the reduce `proj` (a RowParallelLinear) issues."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    comm = tp.device_communicator
+    orig = comm.all_reduce            # the bound method of vLLM's communicator (CpuCommunicator on CPU)
+    rank = ctx.rank if ctx is not None else dist.get_rank()
+    scale = float(knob("TPPROBE_INJECT_SCALE"))
+    inside = threading.local()
+    last: dict = {}
+
+    proj.register_forward_pre_hook(lambda m, a: setattr(inside, "on", True))
+    proj.register_forward_hook(lambda m, a, o: setattr(inside, "on", False))
+
+    def all_reduce(input_):
+        if not getattr(inside, "on", False):
+            out = orig(input_)
+            last["out"] = out.detach().clone()
+            return out
+        mine = input_.detach().clone()
+        out = orig(input_)                # the real reduce runs on every rank
+        if name == "allreduce-rank" and rank != arg:
+            pass
+        elif name == "allreduce-scaled":
+            out.mul_(scale)
+        elif name == "allreduce-one-buffer":
+            dist.broadcast(mine, src=tp.ranks[0], group=tp.cpu_group)
+            out.copy_(mine)
+        elif name == "allreduce-stale":
+            prev = last.get("out")
+            out.copy_(prev if prev is not None and prev.shape == out.shape else torch.zeros_like(out))
+        elif name == "allreduce-rank":
+            out.copy_(mine)
+        last["out"] = out.detach().clone()
+        return out
+
+    comm.all_reduce = all_reduce      # an instance attribute: GroupCoordinator calls it as vLLM would
