@@ -1,5 +1,5 @@
 """The detection curve of the one noise model (docs/noise.md): the smallest relative error on one
-rank that full mode (checks.noise.compare on the tensors) and fingerprint mode (checks.evidence.
+rank that full mode (core.noise.compare on the tensors) and fingerprint mode (checks.evidence.
 fp_level on the k=32 sketches) call material in >= 99 % of seeded trials, per dtype and fault shape;
 and the largest 1-2 ULP rounding noise both still call noise.
 

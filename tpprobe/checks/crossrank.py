@@ -48,7 +48,7 @@ def rounding_noise(names: list[str], point_stats: dict, explained: set) -> list[
                     severity=INFO,
                     detail=f"{len(noisy)} capture points differ by "
                            f"rounding only (worst element {worst_ulp:.1f} ULP, relative error {worst_rel:.2g}, "
-                           f"within checks/noise.py's bounds): not a failure")]
+                           f"within core/noise.py's bounds): not a failure")]
 
 
 def classes(ev, name: str, live: list[int]) -> list[list[int]]:
