@@ -195,3 +195,36 @@ def test_the_readmes_layout_is_the_tree():
         "run: python scripts/layout.py --write"
     assert all(import_graph.modules()[m].read_text().lstrip().startswith(('"""', 'r"""'))
                for m in import_graph.modules()), "every module opens with a docstring"
+
+
+def test_every_tpprobe_import_names_a_module_and_a_name_that_exist():
+    """Each `from tpprobe... import n` and `from .x import n`, lazy ones inside functions included, resolves:
+    a move that missed a function-level import (`from .engines.vllm.faults import ...` left one dot short)
+    fails here, not on the first user who takes that path."""
+    import importlib
+    bad = []
+    for path in sorted((ROOT / "tpprobe").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        base = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                mod = ".".join(base[:len(base) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else (node.module or "")
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                mod, names = None, [a.name for a in node.names]
+            else:
+                continue
+            if mod is None:
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                        if n.startswith("tpprobe") and importlib.util.find_spec(n) is None]
+                continue
+            if not mod.startswith("tpprobe"):
+                continue
+            if importlib.util.find_spec(mod) is None:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {mod}")
+                continue
+            module = importlib.import_module(mod)
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} {mod}.{n}" for n in names
+                    if n != "*" and not hasattr(module, n) and importlib.util.find_spec(f"{mod}.{n}") is None]
+    assert bad == [], bad

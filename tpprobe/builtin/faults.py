@@ -107,7 +107,7 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
         return
     model = target.model
     if all(f.name in VLLM + BOTH for f in faults) and type(model).__module__.startswith("vllm."):
-        from .engines.vllm.faults import inject as vllm_inject
+        from ..engines.vllm.faults import inject as vllm_inject
         for f in faults:
             vllm_inject(f.name, model, f.arg, ctx)
         return

@@ -546,7 +546,7 @@ def rs_looks_like(out: torch.Tensor, ins: dict, j: int, dtype: torch.dtype) -> d
 def fp_rs_looks_like(out: Fingerprint, members: list, j: int, slices: dict, dtype: torch.dtype) -> dict:
     """rs_looks_like() from fingerprints: slices[n] holds every member's sketch of its input's n-th
     chunk, so slice n of the sum has their summed sketch."""
-    from .noise import reduce_bound
+    from ..core.noise import reduce_bound
     lk = fp_looks_like(out, dict(zip(members, slices[j])), None, dtype)
     if lk["as"] != "other":
         return lk
