@@ -9,8 +9,8 @@ checked) whichever path ran below; what the dispatcher sees inside (a c10d op, `
 is folded into the record's `via`, never counted twice. `all_gather` is wrapped the same way (the
 logits gather: without it a shared-memory all-gather would be counted and unreadable).
 
-`coordinator_door(tap, cls, label)` is the Tap extension; tpprobe.engines.vllm.audit uses it (SGLang's
-tpprobe/sglang/audit.py predates it and does the same for all_reduce).
+`coordinator_door(tap, cls, label)` is the Tap extension both engines use: tpprobe.engines.vllm.audit
+(all-reduce and all-gather) and tpprobe.engines.sglang.audit (all-reduce).
 """
 from __future__ import annotations
 
