@@ -14,6 +14,7 @@ from ..core.noise import dtype_from_str
 def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
     ids: list[int] = settings.get("layer_ids") or []
     hidden, world, L = settings["hidden"], settings["world_size"], settings.get("num_layers")
+    vllm = str(settings.get("backend", "")).startswith("vllm")     # vLLM's ids are as written (docs/vllm.md)
     if settings.get("expected_points") is not None:
         # arch-aware (SGLang's rules, tpprobe.engines.sglang.layer_ids.expected_slots): one point per slot in slot
         # order, then None for each id that captures nothing; expected_ids names the id of each
@@ -61,7 +62,7 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
             if cause is not None:
                 verdicts[r] = cause
                 continue
-        verdicts[r] = slot_verdict(ids, expected, match, L)
+        verdicts[r] = slot_verdict(ids, expected, match, L, offset_rule=not vllm)
     # group identical verdicts
     by: dict[tuple, list[int]] = {}
     for r, v in verdicts.items():
@@ -78,7 +79,10 @@ def _whole_slots(match) -> bool:
     return bool(match) and all(m is not None for m in match)
 
 
-def slot_verdict(ids, expected, match, L):
+def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
+    """The slot table's verdict. `offset_rule`: the engine adds 1 to an id (SGLang), so an id whose
+    layer is num_layers maps past the loop; vLLM's ids are as written (its id N is valid), so a lost
+    one was dropped by the engine."""
     def lab(p):
         return point_label(p) if p else "no candidate"
 
@@ -89,7 +93,10 @@ def slot_verdict(ids, expected, match, L):
             why = []
             for i in lost:
                 why.append(f"id {i} produced no capture" + (
-                    f": it maps to layer {i + 1} = num_layers, past the last layer, and is silently dropped"
+                    (f": it maps to layer {i + 1} = num_layers, past the last layer, and is silently dropped"
+                     if offset_rule else
+                     ": a valid id (the engine's ids are as written) that the engine's loop never offered to "
+                     "its capture")
                     if L is not None and i + 1 >= L else ""))
             return ("missing-capture", f"aux slot for id {lost[0]}" if len(lost) == 1 else f"aux slots for ids {lost}",
                     "; ".join(why) + f" ({len(match)} of {len(expected)} slots present)")
