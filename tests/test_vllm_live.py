@@ -113,8 +113,12 @@ def steps(cap: Path) -> list[Path]:
     return sorted((cap / "dp0-pp0").glob("step-*"))
 
 
+AUX = "0,1,3"       # tpprobe ids: the streams leaving layers 0, 1 and 3 (vLLM ids 1, 2, 4)
+
+
 def test_healthy_engine_reports_healthy_with_full_coverage(checkpoint, tmp_path):
-    res, cap, log = serve(tmp_path, checkpoint, tokens=4)
+    res, cap, log = serve(tmp_path, checkpoint, tokens=4, TPPROBE_VLLM_AUX_LAYERS=AUX)
+    assert "EAGLE-3 style capture on" in log, log[-4000:]
     assert len(res["tokens"][0]) == 4
     found = steps(cap)
     assert found, log[-4000:]
@@ -129,6 +133,14 @@ def test_healthy_engine_reports_healthy_with_full_coverage(checkpoint, tmp_path)
     assert (rc, failures) == (0, []), json.dumps(rep)[:4000]
     assert [r["step"] for r in rep["steps"]] == [int(d.name.split("-")[1]) for d in found], rep["steps"]
     assert all(r["failures"] == 0 for r in rep["steps"]), rep["steps"]
+    for d in found:      # every step of both workers: every point, every reduce, every aux slot
+        code, fails, one = report(d)
+        assert (code, fails) == (0, []), (d, one["findings"])
+        assert [s["ok"] for s in one["slots"]] == [True, True, True], (d, one["slots"])
+        for r in (0, 1):
+            meta = json.loads((d / f"rank-{r:03d}.json").read_text())
+            assert meta["forward_mode"] in ("extend", "decode")
+            assert meta["aux"]["shape"][1] == 3 * 256, meta["aux"]
 
 
 def test_skipped_row_parallel_reduce_is_named_at_its_layer(checkpoint, tmp_path):
@@ -139,6 +151,19 @@ def test_skipped_row_parallel_reduce_is_named_at_its_layer(checkpoint, tmp_path)
     assert rc == 1 and failures, json.dumps(rep)[:4000]
     first = rep["first_divergence"]
     assert "model.layers.1.self_attn.o_proj" in first["where"], first
+
+
+def test_draft_capture_without_residual_is_named(checkpoint, tmp_path):
+    res, cap, log = serve(tmp_path, checkpoint, tokens=2, TPPROBE_VLLM_AUX_LAYERS=AUX,
+                          TPPROBE_VLLM_INJECT="aux-no-residual")
+    assert "TEST FAULT injected: aux-no-residual" in log
+    rc, failures, rep = report(cap / "dp0-pp0" / "step-000000")
+    assert rc == 1 and failures, json.dumps(rep)[:4000]
+    assert [s["ok"] for s in rep["slots"]] == [False, False, False], rep["slots"]
+    assert [f["kind"] for f in failures] == ["slot-mismatch"], failures
+    text = " ".join(json.dumps(failures).split())
+    for k in (0, 1, 3):      # each slot is named with the layer whose output it should hold
+        assert f"expected layer {k}'s output" in text, text
 
 
 def test_cost_side_by_side(checkpoint, tmp_path):

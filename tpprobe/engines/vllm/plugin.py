@@ -10,7 +10,11 @@ TPPROBE_EMBED, TPPROBE_LAYER_LIST), meaning the same here; TPPROBE_SGLANG_MODELS
 forward modes are named as SGLang names them: `extend` (a forward with a prompt's first token in it:
 prefill; a batch that mixes prefill and decode counts as extend) and `decode` (every other forward).
 TPPROBE_VLLM_INJECT (tests only; tpprobe/config/knobs.py) breaks the loaded model with one of
-tpprobe.engines.vllm.faults' faults, e.g. `skip-allreduce@1`.
+tpprobe.engines.vllm.faults' faults, e.g. `skip-allreduce@1`, or `aux-no-residual` (the EAGLE-3
+capture hands the draft the layer's output without the residual added). TPPROBE_VLLM_AUX_LAYERS
+(tests) turns on an EAGLE-3 style capture with no draft model: vLLM's own `set_aux_hidden_state_layers`
+on the model, the packed aux (`torch.cat(aux, -1)`, what the proposer gets) checked slot by slot, and
+the runner handed the hidden states only (a runner without a drafter expects no tuple).
 
 Worker side, independent of the model runner: `register()` wraps vLLM's `BaseModelLoader.load_model`,
 so whichever runner (V1 or V2) loads the model gets it back with an instance-level `forward` that, for
@@ -35,6 +39,7 @@ import torch
 _state = threading.local()
 _STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False, "failed": False}
 _REGISTERED = {"done": False}
+_AUX: dict = {"ids": None, "last": None}
 
 
 def _say(msg: str) -> None:
@@ -85,14 +90,41 @@ def attach(model: torch.nn.Module) -> None:
         from tpprobe.engines.vllm.faults import inject
 
         name, _, arg = fault.partition("@")
-        inject(name, model, int(arg) if arg else None)
+        if name == "aux-no-residual":
+            aux_no_residual(model)
+        else:
+            inject(name, model, int(arg) if arg else None)
         _say(f"TEST FAULT injected: {fault}")
     inner = model.forward
+    aux_ids = knob("TPPROBE_VLLM_AUX_LAYERS")
+    if aux_ids:
+        from tpprobe.engines.vllm.tiny import packed_aux, vllm_ids
+
+        _AUX["ids"] = [int(i) for i in aux_ids.split(",") if i.strip()]
+        model.set_aux_hidden_state_layers(vllm_ids(_AUX["ids"]))     # vLLM's SupportsEagle3
+        raw = inner
+
+        def inner(*args, **kwargs):  # the aux goes to tpprobe, the runner gets what it expects
+            out = raw(*args, **kwargs)
+            _AUX["last"] = packed_aux(out)
+            return out[0] if isinstance(out, tuple) else out
+        _say(f"EAGLE-3 style capture on: tpprobe ids {_AUX['ids']} (vLLM ids {vllm_ids(_AUX['ids'])})")
 
     def forward(*args, **kwargs):
         return _forward(model, inner, args, kwargs)
 
     model.forward = forward
+
+
+def aux_no_residual(model) -> None:
+    """Test fault: the EAGLE-3 capture appends the layer's output without the residual (h, not h + r)."""
+    inner = getattr(model, "model", model)
+    orig = inner._maybe_add_hidden_state
+
+    def maybe_add(aux, layer_idx, hidden_states, residual):
+        return orig(aux, layer_idx, hidden_states, None)
+
+    inner._maybe_add_hidden_state = maybe_add
 
 
 def _mode(positions) -> str:
@@ -189,12 +221,20 @@ def parallel_ranks() -> dict:
 
 
 def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, budget, par):
-    from tpprobe.capture.points import EMBED_OUT, INPUT_IDS
-    from tpprobe.capture.record import rank_record
-    from tpprobe.checks.evidence import add_fingerprints
+    from tpprobe.capture.points import AUX_PACKED, EMBED_OUT, INPUT_IDS
+    from tpprobe.capture.record import aux_meta, rank_record
+    from tpprobe.checks.evidence import add_fingerprints, match_slots, slot_candidates
+    from tpprobe.engines.vllm.tiny import expected_slots
+    from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
 
+    aux = _AUX["last"] if _AUX["ids"] is not None else None
+    if aux is not None and (aux.dim() != 2 or aux.shape[0] != input_ids.shape[0]):
+        aux = None
+    kept_aux = None
+    if aux is not None and budget.admit(AUX_PACKED, aux):
+        kept_aux = (aux if tap.sample_rows is None else aux[:tap.sample_rows]).detach().clone()
     ids = input_ids.detach().clone()
-    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=ids, model=model,
+    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=ids, model=model, packed=kept_aux,
                                 timings={"forward_s": t_forward}, extra={
                                     "source": "vllm-plugin", "step": step, "forward_mode": mode,
                                     "model": type(model).__name__, "parallel": par,
@@ -209,14 +249,25 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, b
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     meta["hidden"] = hidden
-    add_fingerprints(meta, tap, None, hidden, torch.float32)
+    meta["aux"] = aux_meta(aux)
+    add_fingerprints(meta, tap, None, hidden, aux.dtype if aux is not None else torch.float32)
+    points, slot_ids = expected_slots(_AUX["ids"]) if aux is not None else ([], [])
+    if aux is not None:
+        meta["fingerprints"][AUX_PACKED] = fingerprint(aux, seed=PROBE_SEED, k=PROBE_K).to_json()
+        if hidden and aux.shape[-1] % hidden == 0:
+            names = [n for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries]
+            if tap.sample_rows is None:
+                cands = {n: tap.captures.get(n, tap.summaries.get(n)) for n in names}
+            else:
+                cands = {n: tap.summaries[n] for n in names if n in tap.summaries}
+            meta["slot_match"] = match_slots(aux, hidden, cands, aux.dtype)
     fps = meta["fingerprints"]
     dtype = getattr(torch, fps[EMBED_OUT]["dtype"]) if EMBED_OUT in fps else next(iter(model.parameters())).dtype
     run_settings = {
         "world_size": world, "backend": "vllm (live engine, plugin)",
         "dtype": str(dtype).replace("torch.", ""), "hidden": hidden, "num_layers": len(tap.layer_indices),
         "tokens": int(input_ids.shape[0]), "arch": str(getattr(config, "model_type", type(model).__name__)),
-        "model": type(model).__name__, "layer_ids": [], "expected_points": [], "expected_ids": [],
+        "model": type(model).__name__, "layer_ids": slot_ids, "expected_points": points, "expected_ids": slot_ids,
         "forward_mode": mode, "step": step, "dp_rank": par["dp_rank"], "pp_rank": par["pp_rank"],
         "exchange": "fingerprint (plugin)",
     }
