@@ -20,7 +20,8 @@ Worker side, independent of the model runner: `register()` wraps vLLM's `BaseMod
 so whichever runner (V1 or V2) loads the model gets it back with an instance-level `forward` that, for
 the first N selected forwards, runs tpprobe's `Tap` (embedding, decoder layers, every all-reduce at
 vLLM's `GroupCoordinator` door: tpprobe.engines.vllm.audit) around the model's own forward and writes
-the step's folder the way the SGLang plugin does (Budget and step_dir are that plugin's):
+the step's folder through the SGLang plugin's own writer (its Budget and _write_step, given this
+plugin's record and ranks):
 DIR/dp{D}-pp{P}/step-{N:06d}/rank-{tp:03d}.{safetensors,json} + manifest.json (TP rank 0 gathers the
 entries over the TP group's CPU group; the forward mode is in the manifest and every rank's metadata).
 
@@ -275,41 +276,14 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, b
 
 
 def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget) -> None:
-    """This rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather."""
-    from tpprobe import __version__
-    from tpprobe.engines.sglang.plugin import step_dir
-    from tpprobe.formats.capture_dir import write_manifest, write_rank
+    """The SGLang plugin's step writer (files, the gather over the TP group's CPU group, the manifest)
+    with this plugin's record and ranks: `tp` is vLLM's GroupCoordinator (cpu_group, ranks)."""
+    from tpprobe.engines.sglang.plugin import _write_step as write_step
 
     par = parallel_ranks()
-    out = step_dir(s["dir"], par, step)
-    entries: list = []
-    run_settings: dict = {}
-    nbytes = 0
-    t0 = time.time()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tensors, meta, run_settings = _step_record(s, step, mode, rank, world, tap, input_ids, model,
-                                                   t_forward, budget, par)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        meta["timings"]["record_s"] = time.time() - t0
-        meta["kept_bytes"] = nbytes
-        entries = write_rank(out, rank, tensors, meta)
-    except Exception as e:  # noqa: BLE001 - still join the gather below
-        _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
-    gathered = [None] * world if rank == 0 else None
-    if world > 1:
-        torch.distributed.gather_object((entries, run_settings), gathered, dst=tp.ranks[0], group=tp.cpu_group)
-    else:
-        gathered = [(entries, run_settings)]
-    if rank == 0:
-        files = [e for es, _ in gathered for e in (es or [])]
-        settings_ = next((st for _, st in gathered if st), {"world_size": world})
-        try:
-            write_manifest(out, {"world_size": world, "ranks": sorted({e["rank"] for e in files}),
-                                 "settings": settings_, "tool": f"tpprobe {__version__}", "source": "vllm-plugin",
-                                 "step": step, "forward_mode": mode, "model": type(model).__name__}, files)
-        except Exception as e:  # noqa: BLE001
-            _say(f"tp_rank 0: step {step} manifest NOT written: {type(e).__name__}: {e}")
-            return
-    if entries:
-        _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes of kept tensors + fingerprints -> {out}")
+
+    def record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
+        return _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, budget, par)
+
+    write_step(s, step, mode, rank, world, tp, tap, input_ids, None, model, t_forward, budget,
+               record=record, par=par, source="vllm-plugin")
