@@ -200,7 +200,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     finally:
         _state.busy = False
     t_forward = time.time() - t0
-    _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
+    write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
         # their collectives with no Python of tpprobe's (capture/audit.py: release)
@@ -291,7 +291,7 @@ def step_dir(root: Path, par: dict, step: int) -> Path:
     return root / f"dp{par['dp_rank']}-pp{par['pp_rank']}" / f"step-{step:06d}"
 
 
-def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget, *,
+def write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget, *,
                 record=None, par=None, source="sglang-plugin") -> None:
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
     (also when its own write failed), so one rank's error never hangs the others. `record`, `par`

@@ -20,7 +20,7 @@ Worker side, independent of the model runner: `register()` wraps vLLM's `BaseMod
 so whichever runner (V1 or V2) loads the model gets it back with an instance-level `forward` that, for
 the first N selected forwards, runs tpprobe's `Tap` (embedding, decoder layers, every all-reduce at
 vLLM's `GroupCoordinator` door: tpprobe.engines.vllm.audit) around the model's own forward and writes
-the step's folder through the SGLang plugin's own writer (its Budget and _write_step, given this
+the step's folder through the SGLang plugin's own writer (its Budget and write_step, given this
 plugin's record and ranks):
 DIR/dp{D}-pp{P}/step-{N:06d}/rank-{tp:03d}.{safetensors,json} + manifest.json (TP rank 0 gathers the
 entries over the TP group's CPU group; the forward mode is in the manifest and every rank's metadata).
@@ -278,7 +278,7 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, b
 def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget) -> None:
     """The SGLang plugin's step writer (files, the gather over the TP group's CPU group, the manifest)
     with this plugin's record and ranks: `tp` is vLLM's GroupCoordinator (cpu_group, ranks)."""
-    from tpprobe.engines.sglang.plugin import _write_step as write_step
+    from tpprobe.engines.sglang.plugin import write_step
 
     par = parallel_ranks()
 
