@@ -239,7 +239,8 @@ def residual_stream(output) -> Optional[torch.Tensor]:
 _Event = getattr(torch._C, "_CudaEventBase", None)
 if not hasattr(_Event, "record"):           # a CPU build's stub
     _Event = torch.cuda.Event
-_record = _Event.record
+_record = getattr(_Event, "record", None)   # None: a stub without one (vLLM's CPU worker swaps torch.cuda.Event
+#                                            for a placeholder); only CUDA tensors record events
 
 
 class DeviceStalled(RuntimeError):

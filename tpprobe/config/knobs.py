@@ -41,6 +41,13 @@ KNOBS = {
     "TPPROBE_VLLM_ALLREDUCE": Knob("shm", "--backend vllm on CPU: the path vLLM's TP all-reduce takes, shm (its "
                                    "shared-memory _C.shm_allreduce, what its CPU engine takes) or gloo (its "
                                    "torch.distributed fallback)", "probe"),
+    "TPPROBE_VLLM_INJECT": Knob(None, "tests only: the vLLM plugin breaks the model it attaches to with one of "
+                                "tpprobe.engines.vllm.faults' faults (NAME or NAME@K, e.g. skip-allreduce@1) or "
+                                "aux-no-residual", "plugin (tests)"),
+    "TPPROBE_VLLM_AUX_LAYERS": Knob(None, "the vLLM plugin asks the model's EAGLE-3 capture for these tpprobe layer "
+                                    "ids (comma list; i = the stream leaving layer i, -1 = the embedding) on an engine "
+                                    "with no draft model, checks the packed aux slot by slot and hands the runner the "
+                                    "hidden states only (tests)", "plugin (tests)"),
     "TPPROBE_RANK_START": Knob("auto", "how `tpprobe probe` starts its local ranks: auto (fork CPU gloo ranks from "
                                "the launcher, which has torch imported already; spawn them through PyTorch's "
                                "elastic agent otherwise), fork, or spawn", "probe"),

