@@ -1,0 +1,91 @@
+"""Record what a set of tpprobe commands print, and compare two recordings: the house moves' proof that
+terminal and --json output did not change (issue 31: byte-identical after timings are masked).
+
+    PYTHONPATH=. .venv/bin/python scripts/outputs.py record /tmp/before      # on the old tree
+    PYTHONPATH=. .venv/bin/python scripts/outputs.py record /tmp/after       # on the new tree
+    python scripts/outputs.py compare /tmp/before /tmp/after                 # exit 1 on any difference
+
+Each command's stdout, stderr and exit code go to DIR/<name>.txt; timings, durations, the run's folder
+and the environment block (versions, hostname) are masked, nothing else. Every command writes under DIR.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+# name -> tpprobe arguments ({d} is the recording's folder)
+COMMANDS = {
+    "help": ["--help"],
+    "help-probe": ["probe", "--help"],
+    "help-report": ["report", "--help"],
+    "help-diff": ["diff", "--help"],
+    "help-layers": ["layers", "--help"],
+    "help-invariance": ["invariance", "--help"],
+    "help-accept": ["accept", "--help"],
+    "help-specforge": ["specforge", "--help"],
+    "probe-healthy": ["probe", "--out", "{d}/healthy"],
+    "probe-healthy-json": ["probe", "--json", "--out", "{d}/healthy-j"],
+    "probe-skip": ["probe", "--inject", "skip-allreduce@2", "--out", "{d}/skip"],
+    "probe-skip-json": ["probe", "--json", "--inject", "skip-allreduce@2", "--out", "{d}/skip-j"],
+    "probe-scaled-fp": ["probe", "--exchange", "fingerprint", "--inject", "allreduce-scaled@1", "--out", "{d}/scaled"],
+    "probe-tp4-aux": ["probe", "--nproc", "4", "--layers", "0,2,4", "--out", "{d}/tp4"],
+    "report-text": ["report", "{d}/skip"],
+    "report-json": ["report", "--json", "{d}/skip"],
+    "report-md": ["report", "{d}/skip", "--markdown", "{d}/skip.md"],
+    "report-html": ["report", "{d}/healthy", "--html", "{d}/healthy.html"],
+    "diff-self": ["diff", "{d}/healthy", "{d}/skip"],
+    "layers": ["layers", "--arch", "llama", "--num-layers", "8"],
+    "layers-json": ["layers", "--arch", "deepseek_v3", "--num-layers", "61", "--ids", "2,30,58", "--json"],
+    "bad-usage": ["probe", "--nproc", "0"],
+}
+
+MASKS = [
+    (re.compile(r"\b\d+(\.\d+)?\s?(ms|s|µs|us)\b"), "…s"),
+    (re.compile(r"\"(wall|elapsed|seconds|time|sent|received|[a-z_]*_s|[a-z_]*_ms|[a-z_]*_mb)\": [0-9.e+-]+"),
+     r'"\1": …'),
+    (re.compile(r"\"(hostname|host|python|torch|tpprobe|platform|cpu|pid|created|started|date)\": \"[^\"]*\""),
+     r'"\1": …'),
+]
+
+
+def mask(text: str, d: str) -> str:
+    text = text.replace(d, "{d}")
+    for pat, rep in MASKS:
+        text = pat.sub(rep, text)
+    return text
+
+
+def record(d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, COLUMNS="120", NO_COLOR="1", TERM="dumb")
+    for name, args in COMMANDS.items():
+        argv = [sys.executable, "-m", "tpprobe"] + [a.format(d=d) for a in args]
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        (d / f"{name}.txt").write_text(mask(f"exit {p.returncode}\n--- stdout\n{p.stdout}--- stderr\n{p.stderr}",
+                                            str(d)))
+        print(f"{name}: exit {p.returncode}")
+
+
+def compare(a: Path, b: Path) -> int:
+    bad = 0
+    for name in COMMANDS:
+        x, y = (a / f"{name}.txt").read_text(), (b / f"{name}.txt").read_text()
+        if x != y:
+            bad += 1
+            sys.stdout.writelines(difflib.unified_diff(x.splitlines(True), y.splitlines(True), f"{a}/{name}",
+                                                       f"{b}/{name}"))
+    print(f"{len(COMMANDS) - bad} of {len(COMMANDS)} identical")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "record":
+        record(Path(sys.argv[2]).resolve())
+    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
+        sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))
+    else:
+        sys.exit("usage: outputs.py record DIR | compare BEFORE AFTER")
