@@ -76,12 +76,9 @@ def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch)
     report's exchange part (as the torch path's reasons are); nothing is said otherwise, and a run
     that never imported the kernels says nothing."""
     import sys as _sys
-    from tpprobe.checks.evidence import add_fingerprints
+    from tpprobe.capture.record import fingerprint_notes
     from tpprobe.fingerprint import triton as tf
     from tpprobe.exchange.gather import exchange_summary
-
-    class Tap:
-        summaries, allreduces, order, captures = {}, [], [], {}
 
     class Ch:
         def collect(self, key, deadline):
@@ -90,9 +87,7 @@ def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch)
     def metas(device):
         out = {}
         for r in (0, 1):
-            m = {"device": device, "allreduces": []}
-            add_fingerprints(m, Tap(), None, 8, torch.float32)
-            out[r] = {"meta": m}
+            out[r] = {"meta": {"device": device, "allreduces": [], "fingerprints": {}, **fingerprint_notes(device)}}
         return out
 
     monkeypatch.delenv("TPPROBE_FP_HOST_COMBINE", raising=False)
