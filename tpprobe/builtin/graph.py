@@ -159,10 +159,11 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
         replay, read_at = gf.read(), time.time()
         packed = out[1].clone() if out[1] is not None else None
         etap, _ = eager_fingerprints(model, ids)
-    # the rank record every probe writes, of the replay's fingerprints (the aux slots matched against them)
+    # the rank record every probe writes, of the replay's fingerprints (the aux slots matched against them);
+    # no coverage: the hooks ran when the graph was captured, no Python watched this replay
     meta = rank_record(replay, rank=ctx.rank, world=ctx.world_size, input_ids=None, model=model, hidden=c.hidden,
                        aux=packed, device=ctx.device, extra={"read_at": read_at, "source": "cuda-graph replay"},
-                       fingerprints=Sketch(FP_SEED, FP_K), slot_dtype=c.dtype).to_json()
+                       fingerprints=Sketch(FP_SEED, FP_K), slot_dtype=c.dtype, with_coverage=False).to_json()
     cmp = compare_points(meta, etap)
     settings = run_settings(world_size=ctx.world_size, backend=ctx.backend, dtype=c.dtype, layer_ids=layer_ids,
                             num_layers=c.num_layers, hidden=c.hidden, tokens=tokens, arch="builtin", model="builtin",

@@ -66,7 +66,7 @@ class RankRecord:
     unreduced_rows: list
     embed_module: Optional[str]
     layers_hooked: int
-    coverage: dict
+    coverage: Optional[dict]        # what was hooked and audited (None: not said, the JSON has no key)
     aux: dict                       # the whole packed aux tensor's layout (aux_meta), {} without one
     params: dict                    # replicated-parameter hashes
     timings: dict
@@ -84,7 +84,8 @@ class RankRecord:
         meta = {
             "rank": self.rank, "world_size": self.world_size, "status": self.status, "error": self.error,
             "points": self.points, "allreduces": self.collectives, "unreduced_rows": self.unreduced_rows,
-            "embed_module": self.embed_module, "layers_hooked": self.layers_hooked, "coverage": self.coverage,
+            "embed_module": self.embed_module, "layers_hooked": self.layers_hooked,
+            **({} if self.coverage is None else {"coverage": self.coverage}),
             "aux": self.aux, "params": self.params, "timings": self.timings, "device": self.device,
             **self.extra, "hidden": self.hidden,
         }
@@ -131,7 +132,7 @@ def rank_record(tap, *, rank: int, world: int, input_ids: Optional[torch.Tensor]
                 status: str = "ok", error: Optional[str] = None, timings: Optional[dict] = None, device=None,
                 extra: Optional[dict] = None, params: Optional[dict] = None, fingerprints: Optional[Sketch] = None,
                 slot_dtype: Optional[torch.dtype] = None, count_kept: bool = False,
-                record_started: Optional[float] = None) -> RankRecord:
+                record_started: Optional[float] = None, with_coverage: bool = True) -> RankRecord:
     """The record of one forward under `tap` (its summaries resolved to Fingerprints).
 
     Tensors: the kept capture points, the audited collectives' inputs and outputs, `input_ids` (None:
@@ -140,7 +141,8 @@ def rank_record(tap, *, rank: int, world: int, input_ids: Optional[torch.Tensor]
     `fingerprints` (a Sketch): every point's and collective's fingerprint, the aux's, and the slot match
     (judged in `slot_dtype`). `extra`: keys of the caller's own; `params`: the replicated-parameter
     hashes when already taken (on a side stream, the model's being blocked); `count_kept`: say the kept
-    bytes; `record_started`: timings gets record_s, the seconds from then until this record is made."""
+    bytes; `record_started`: timings gets record_s, the seconds from then until this record is made;
+    `with_coverage`: False for a forward the tap's hooks did not watch (a CUDA graph's replay)."""
     aux = packed if aux is None else aux
     tensors = {n: t for n, t in tap.captures.items() if isinstance(t, torch.Tensor)}
     for rec in tap.allreduces:
@@ -167,7 +169,7 @@ def rank_record(tap, *, rank: int, world: int, input_ids: Optional[torch.Tensor]
                 if n in tensors or n in tap.summaries],
         collectives=[collective_meta(r, fingerprints is not None) for r in tap.allreduces],
         unreduced_rows=tap.unreduced_rows(), embed_module=tap.embed_name, layers_hooked=len(tap.layer_indices),
-        coverage=tap.coverage(), aux=aux_meta(aux),
+        coverage=tap.coverage() if with_coverage else None, aux=aux_meta(aux),
         params=replicated_param_hashes(model) if params is None else params, timings=timings, device=device,
         extra=dict(extra or {}), hidden=hidden, fingerprints=fps, notes=notes, slot_match=slot_match,
         kept_bytes=sum(t.numel() * t.element_size() for t in tensors.values()) if count_kept else None,
