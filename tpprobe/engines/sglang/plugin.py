@@ -256,8 +256,9 @@ def step_dir(root: Path, par: dict, step: int) -> Path:
 def write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget, *,
                 record=None, par=None, source="sglang-plugin") -> None:
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
-    (also when its own write failed), so one rank's error never hangs the others. `record`, `par`
-    and `source`: another engine's plugin (tpprobe.engines.vllm.plugin) writing through this one."""
+    (also when its own write failed), so one rank's error never hangs the others. `record` returns the
+    step's (RankRecord, run settings) (engines/step.py); `record`, `par` and `source`: another engine's
+    plugin (tpprobe.engines.vllm.plugin) writing through this one."""
     from tpprobe import __version__
     from tpprobe.formats.capture_dir import write_manifest, write_rank
 
