@@ -36,11 +36,12 @@ def _no_hook(h) -> bool:
     return h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls)
 
 
-def refused(version: str = triton.__version__) -> str:
-    """Why launches go through JITFunction.run ("" when the direct launch is taken)."""
+def refused(version: str = "") -> str:
+    """Why launches go through JITFunction.run ("" when the direct launch is taken); ``version``:
+    Triton's, the installed one unless given."""
     if INTERP:
         return "the CPU interpreter"
-    why = fast_path_refused("launch", version)
+    why = fast_path_refused("launch", version or triton.__version__)
     if why:
         return why
     try:
@@ -50,7 +51,7 @@ def refused(version: str = triton.__version__) -> str:
         return "no triton.knobs"
 
 
-def direct_launch_ok(version: str = triton.__version__) -> bool:
+def direct_launch_ok(version: str = "") -> bool:
     return not refused(version)
 
 
