@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ...config.knobs import knob
 from .c10d import sub_ranks
-from .interceptor import Interceptor, _local, wrapped
+from .interceptor import Interceptor, THREAD, wrapped
 
 _PG = getattr(dist, "ProcessGroup", None)
 _GUARD = torch._C._AutoDispatchBelowADInplaceOrView
@@ -68,7 +68,7 @@ _READERS = {"allreduce": _door_allreduce, "all_gather_single": _door_gather, "_a
 
 def _door(raw, read):
     def door(self, *args, **kwargs):
-        st = getattr(_local, "stack", None)
+        st = getattr(THREAD, "stack", None)
         if not st:                          # nothing to record on this thread: skip the kernel's hop
             with _GUARD():
                 return raw(self, *args, **kwargs)

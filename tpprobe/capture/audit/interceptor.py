@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-_local = threading.local()        # .stack: the Audits active on this thread (kernel and doors)
+THREAD = threading.local()        # .stack: the Audits active on this thread (kernel and doors)
 _PYKEY = torch._C.DispatchKey.Python
 
 
@@ -26,15 +26,15 @@ class Interceptor:
 
 def active_stack() -> list:
     """The Audits active on this thread (kernel path), innermost last."""
-    st = getattr(_local, "stack", None)
+    st = getattr(THREAD, "stack", None)
     if st is None:
-        st = _local.stack = []
+        st = THREAD.stack = []
     return st
 
 
 def active():
     """The running thread's innermost Audit on the kernel path, else None."""
-    st = getattr(_local, "stack", None)
+    st = getattr(THREAD, "stack", None)
     return st[-1] if st else None
 
 

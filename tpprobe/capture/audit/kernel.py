@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .interceptor import Interceptor, _local, active_stack, wrapped
+from .interceptor import Interceptor, THREAD, active_stack, wrapped
 from .records import audited
 
 KEY = "ADInplaceOrView"
@@ -31,7 +31,7 @@ def _kernel(op):
     def k(*args, **kwargs):
         # below the key: the op (and whatever the audit runs around it) never comes back here
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            st = getattr(_local, "stack", None)
+            st = getattr(THREAD, "stack", None)
             if st and not wrapped(args):
                 return st[-1].dispatch(op, args, kwargs)
             return op(*args, **kwargs)
