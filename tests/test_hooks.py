@@ -454,3 +454,25 @@ def test_tpprobe_audit_doors_0_keeps_every_collective_on_the_kernel():
                        env={**os.environ, "PYTHONPATH": str(ROOT), "TPPROBE_AUDIT_DOORS": "0"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["False", "False", "True", "1", "c10d.allreduce_"]
+
+
+def test_each_audit_path_is_an_interceptor_and_the_audit_names_those_that_ran():
+    """kernel + doors (the usual), kernel alone (doors closed), the mode (inference mode): each an
+    Interceptor entered at start and exited at the end, named by Audit.paths (Audit.path unchanged)."""
+    from tpprobe.capture import audit
+
+    def watched(**kw):
+        with audit.Audit(lambda t: ("m", None, "x", None), **kw) as a:
+            inside = [type(i).__name__ for i in a.interceptors if isinstance(i, audit.Interceptor)]
+        return a.path, a.paths, inside, a.interceptors
+
+    assert watched() == ("kernel", ("kernel", "doors"), ["KernelPath", "DoorsPath"], [])
+    audit.set_doors(False)
+    try:
+        assert watched() == ("kernel", ("kernel",), ["KernelPath"], [])
+    finally:
+        audit.set_doors(True)
+    with torch.inference_mode():
+        assert watched() == ("mode (inference mode)", ("mode",), ["ModePath"], [])
+    assert watched(use_mode=True)[:3] == ("mode (the tensors may be inference tensors)", ("mode",), ["ModePath"])
+    assert audit.KERNELS.active == 0 and audit.release() and not audit.KERNELS.registered() and not audit.DOORS.opened
