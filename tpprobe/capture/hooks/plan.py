@@ -60,13 +60,25 @@ class Plan:
                  "mods", "found", "cached", "generation")
 
 
-def _contents(m) -> tuple:
-    # child modules compared by identity (the plan holds them); parameters and buffers by id
-    return (tuple(m._modules.items()), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
-
-
-def _stamp(model, mods) -> tuple:
-    return (_contents(model), *[_contents(m) for m in mods])
+def _stamp(model, mods) -> list:
+    """Every module's children by name and identity (the plan holds them), then its parameter count,
+    its parameters' and buffers' ids; flat, one -1 after each module (this runs at every Tap)."""
+    out: list = []
+    for m in (model, *mods):
+        d = m.__dict__
+        try:
+            children, params, buffers = d["_modules"], d["_parameters"], d["_buffers"]
+        except KeyError:            # kept elsewhere than the instance (a scripted module)
+            children, params, buffers = m._modules, m._parameters, m._buffers
+        if children:
+            out += children.items()
+        out.append(len(params))
+        if params:
+            out += map(id, params.values())
+        if buffers:
+            out += map(id, buffers.values())
+        out.append(-1)
+    return out
 
 
 class PlanCache:
