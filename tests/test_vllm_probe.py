@@ -64,15 +64,35 @@ def check_read_everywhere(rep, nproc, path):
 
 
 HEALTHY = [("llama", 2, "shm", "full"), ("llama", 2, "gloo", "fingerprint"), ("llama", 4, "shm", "fingerprint"),
-           ("llama", 4, "gloo", "full"), ("qwen3", 2, "shm", "full")]
+           ("llama", 4, "gloo", "full"), ("qwen3", 2, "shm", "full"),
+           ("qwen3_moe", 2, "shm", "full"), ("qwen3_moe", 4, "gloo", "fingerprint"),
+           ("deepseek_v2", 2, "gloo", "full"), ("deepseek_v2", 4, "shm", "fingerprint")]
 # tpprobe ids (i = the stream leaving layer i, -1 = the embedding), given out of order: vLLM is asked for ids
 # 4,0,2 (i + 1), 4 = N, the final-layer id; its slots come in ascending id
 IDS, VLLM_IDS = "3,-1,1", [0, 2, 4]
+# deepseek_v2: vLLM 0.32.0's DeepseekV2Model cannot capture id 0 (test_deepseek_embedding_id_is_refused):
+# tpprobe ids 3,0,1 = vLLM ids 4,1,2 (4 = N, which its own loop appends after the last layer). Its
+# set_aux_hidden_state_layers keeps the tuple as given (not EagleModelMixin's, which sorts): the settings show
+# 4,1,2 as vLLM holds them; its loop still fills the slots in ascending id
+ARCH_IDS = {"deepseek_v2": ("3,0,1", [1, 2, 4], "4,1,2")}
+SLOTS = {"3,-1,1": [(0, -1, "embed.out", True), (1, 1, "layer.1.out", True), (2, 3, "layer.3.out", True)],
+         "3,0,1": [(0, 0, "layer.0.out", True), (1, 1, "layer.1.out", True), (2, 3, "layer.3.out", True)]}
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "qwen3": "Qwen3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
+               "deepseek_v2": "DeepseekV2DecoderLayer"}
+
+
+def mlp_reduce_source(arch, k):
+    """The module whose reduce closes layer k's MLP: vLLM's RowParallelLinear down_proj in a dense MLP; in an
+    MoE block (qwen3_moe: every layer; deepseek_v2: every layer but layer 0) vLLM's FusedMoE reduces its
+    routed + shared sum itself, a reduce the audit places in layer k with no row-parallel module to name"""
+    moe = arch == "qwen3_moe" or (arch == "deepseek_v2" and k >= 1)
+    return None if moe else f"model.layers.{k}.mlp.down_proj"
 
 
 @pytest.mark.parametrize("arch,nproc,path,exchange", HEALTHY, ids=[f"{a}-tp{n}-{p}-{e}" for a, n, p, e in HEALTHY])
 def test_healthy_with_full_coverage_every_reduce_read(tmp_path, arch, nproc, path, exchange):
-    rc, rep, cp = probe(tmp_path, "--exchange", exchange, "--layers", IDS, nproc=nproc, path=path, arch=arch)
+    ids, vllm_ids, held = ARCH_IDS.get(arch, (IDS, VLLM_IDS, ",".join(map(str, VLLM_IDS))))
+    rc, rep, cp = probe(tmp_path, "--exchange", exchange, "--layers", ids, nproc=nproc, path=path, arch=arch)
     assert rc == 0, [f["line"] for f in rep["findings"]]
     if nproc > 2 and path == "shm":
         # vLLM's shared-memory all-reduce sums in a different order on each rank at tp > 2 (measured: at
@@ -85,7 +105,7 @@ def test_healthy_with_full_coverage_every_reduce_read(tmp_path, arch, nproc, pat
         assert rep["findings"] == []
     cov = rep["coverage"]
     assert cov["embed"] == "model.embed_tokens" and cov["layers_found"] == cov["layers_ran"] == L
-    assert cov["layer_classes"] == [{"llama": "LlamaDecoderLayer", "qwen3": "Qwen3DecoderLayer"}[arch]]
+    assert cov["layer_classes"] == [LAYER_CLASS[arch]]
     # per rank: the embedding's reduce, then o_proj's and down_proj's in every layer, each from vLLM's own
     # RowParallelLinear; the logits all-gather after the last layer
     assert cov["reduces_per_place"] == {"embed": {str(r): 1 for r in range(nproc)},
@@ -93,9 +113,8 @@ def test_healthy_with_full_coverage_every_reduce_read(tmp_path, arch, nproc, pat
     check_read_everywhere(rep, nproc, path)
     # vLLM's own EAGLE-3 capture (set_aux_hidden_state_layers; the aux list its forward returns, concatenated
     # as its proposer does): every slot holds the stream its vLLM id names, in ascending id, on every rank
-    assert rep["settings"]["vllm aux_hidden_state_layers"] == ",".join(map(str, VLLM_IDS))
-    assert [(s["slot"], s["id"], s["expected"], s["ok"]) for s in rep["slots"]] == [
-        (0, -1, "embed.out", True), (1, 1, "layer.1.out", True), (2, 3, "layer.3.out", True)]
+    assert rep["settings"]["vllm aux_hidden_state_layers"] == held
+    assert [(s["slot"], s["id"], s["expected"], s["ok"]) for s in rep["slots"]] == SLOTS[ids]
     recs = rep["allreduce"]["records"]
     assert rep["allreduce"]["incomplete"] == 0 and rep["allreduce"]["complete"] == len(recs)
     assert all(e["level"] in ("exact", "noise") for e in recs), recs
@@ -112,10 +131,11 @@ def test_healthy_with_full_coverage_every_reduce_read(tmp_path, arch, nproc, pat
             for k in range(L):
                 assert torch.allclose(rec.tensors[f"layer.{k}.out"], hs[k + 1], atol=1e-4), (rank, k)
             # the packed aux vLLM's draft receives: vLLM id k = HF hidden_states[k] (N: before the final norm)
-            assert torch.allclose(rec.tensors["aux.packed"], torch.cat([hs[k] for k in VLLM_IDS], -1), atol=1e-4)
+            assert torch.allclose(rec.tensors["aux.packed"], torch.cat([hs[k] for k in vllm_ids], -1), atol=1e-4)
             ars = [a for a in rec.meta["allreduces"] if a["kind"] == "all_reduce"]
-            assert [a["source"] for a in ars[1:]] == [f"model.layers.{k}.{m}" for k in range(L)
-                                                      for m in ("self_attn.o_proj", "mlp.down_proj")]
+            assert [(a["layer"], a["source"]) for a in ars[1:]] == [
+                (k, src) for k in range(L)
+                for src in (f"model.layers.{k}.self_attn.o_proj", mlp_reduce_source(arch, k))]
             assert all(a["group"] == "tp:0" for a in rec.meta["allreduces"])
 
 
@@ -181,3 +201,17 @@ def test_vllm_only_faults_need_the_vllm_backend():
     with pytest.raises(UsageError, match="with --backend vllm inject drop-final-id"):
         check_backend(["nan@1"], "vllm", None)
     check_backend(["drop-final-id", "allreduce-scaled@1"], "vllm", None)
+
+
+def test_deepseek_embedding_id_is_refused_in_one_line(tmp_path):
+    # vLLM 0.32.0's DeepseekV2Model captures id k as hidden + residual before layer k, and before layer 0 the
+    # residual is None: its own forward raises a TypeError (vLLM's default ids, 2, N//2, N-3, never ask for 0).
+    # tpprobe says so in one line, exit 2, not as an internal error
+    cp = run_cli(["probe", "--backend", "vllm", "--arch", "deepseek_v2", "--nproc", "2", "--out", str(tmp_path),
+                  "--num-layers", str(L), "--tokens", str(TOKENS), "--layers", "-1,1", "--quiet", "--timeout", "180"],
+                 timeout=420, env={"OMP_NUM_THREADS": "1"})
+    assert cp.returncode == 2, cp.stderr[-3000:]
+    lines = [x for x in cp.stderr.splitlines() if x.startswith("tpprobe: error:")]
+    assert len(lines) == 1 and "Traceback" not in cp.stderr, cp.stderr[-3000:]
+    assert "vLLM for id 0 (the embedding)" in lines[0] and "DeepseekV2Model.forward raises" in lines[0], lines
+    assert "'Tensor' and 'NoneType'" in lines[0] and lines[0].endswith("drop -1 from --layers"), lines

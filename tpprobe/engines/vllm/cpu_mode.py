@@ -107,12 +107,16 @@ def import_kernels() -> None:
 
 def make_config(config_dir: str, tp: int, dtype: torch.dtype, max_len: int):
     """vLLM's VllmConfig of a local config folder, for a model built outside the engine on CPU."""
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import AttentionConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     mc = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
                      max_model_len=max_len, enforce_eager=True)
+    # MLA models: vLLM's reference CPU MLA backend, named (point 6): on an AMX host vLLM picks AMX_MLA for
+    # any dtype, and it is bf16-only (float32 fails in process_weights_after_loading)
+    attn = AttentionConfig(backend=AttentionBackendEnum.CPU_MLA) if mc.use_mla else AttentionConfig()
     return VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), attention_config=attn)
 
 
 def publish_parallel_state(vllm_config, rank: int, world_size: int, local_rank: int) -> str:
@@ -173,13 +177,42 @@ def sdpa_attention(attn) -> None:
     attn.forward = forward          # an instance attribute: nn.Module.__call__ finds it first
 
 
+def mla_sdpa_attention(attn) -> None:
+    """Replace one vLLM `MLAAttention` module's core (multi-head latent attention, DeepSeek-V2/V3) by causal
+    SDPA over its local heads, un-absorbed as vLLM's MLA prefill computes it: the latent KV goes through
+    the module's own `kv_b_proj` (vLLM's ColumnParallelLinear: this rank's heads, no communication) into
+    per-head k_nope and v, the shared rope key k_pe joins every head, the scale is the module's (yarn's
+    mscale included). Its inputs (q, the normed latent, k_pe) and output shape stay vLLM's."""
+    nh, nope, rope, hdv = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    scale = float(attn.scale)
+    if getattr(attn, "is_sparse", False) or getattr(attn, "use_sparse", False):
+        raise UsageError(f"{attn.layer_name}: sparse MLA (DeepSeek-V3.2's indexer) is not reproduced by tpprobe's "
+                         f"CPU attention core")
+
+    def forward(q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+        n = q.shape[0]
+        kv = attn.kv_b_proj(kv_c_normed)[0].view(n, nh, nope + hdv)
+        k_nope, v = kv.split([nope, hdv], dim=-1)
+        k = torch.cat([k_nope, k_pe.reshape(n, 1, rope).expand(n, nh, rope)], dim=-1)
+        qh = q.reshape(n, nh, nope + rope).transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1),
+                                                               is_causal=True, scale=scale)
+        return out.transpose(0, 1).reshape(n, nh * hdv)
+
+    attn.forward = forward
+
+
 def replace_attention(model) -> int:
-    """Every vLLM `Attention` of the model gets the SDPA core; returns how many."""
+    """Every vLLM `Attention` (and `MLAAttention`) of the model gets the SDPA core; returns how many."""
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     n = 0
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, MLAAttention):
+            mla_sdpa_attention(m)
+            n += 1
+        elif isinstance(m, Attention):
             sdpa_attention(m)
             n += 1
     return n

@@ -61,7 +61,10 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
 def drop_final_id(model, num_layers: int) -> None:
     """F29: the loop's call for id N (after the last layer) never reaches vLLM's capture."""
     inner = getattr(model, "model", model)
-    orig = inner._maybe_add_hidden_state          # EagleModelMixin's, bound
+    orig = getattr(inner, "_maybe_add_hidden_state", None)          # EagleModelMixin's, bound
+    if orig is None:
+        raise UsageError(f"--inject drop-final-id: vLLM's {type(inner).__name__} has its own capture loop (no "
+                         f"_maybe_add_hidden_state to withhold id N from); use --arch llama, qwen3 or qwen3_moe")
 
     def maybe_add(aux, layer_idx, hidden_states, residual):
         if layer_idx == num_layers:
