@@ -215,3 +215,60 @@ def test_deepseek_embedding_id_is_refused_in_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in cp.stderr, cp.stderr[-3000:]
     assert "vLLM for id 0 (the embedding)" in lines[0] and "DeepseekV2Model.forward raises" in lines[0], lines
     assert "'Tensor' and 'NoneType'" in lines[0] and lines[0].endswith("drop -1 from --layers"), lines
+
+
+# Qwen/Qwen3-0.6B's config.json as published (a real architecture's shape: 16 heads of 128, 8 KV heads, MLP 3072,
+# vocab 151936, tied embeddings, bf16), probed at 2 of its 28 layers with random weights
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+
+
+def test_config_json_builds_a_real_architectures_shape(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**QWEN3_06B, "quantization_config": {"quant_method": "fp8"}}))  # dropped: random weights
+    out = tmp_path / "run"
+    cp = run_cli(["probe", "--backend", "vllm", "--config", str(cfg), "--num-layers", "2", "--nproc", "2",
+                  "--out", str(out), "--tokens", str(TOKENS), "--seed", str(SEED), "--layers", "1,-1", "--quiet",
+                  "--timeout", "300"], timeout=600, env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": "shm"})
+    rep = json.loads((out / "report.json").read_text())
+    assert cp.returncode == 0 and rep["findings"] == [], (cp.stderr[-3000:], [f["line"] for f in rep["findings"]])
+    cov = rep["coverage"]
+    # the arch comes from the config's architectures, the depth from --num-layers, the widths from the config
+    assert cov["layers_found"] == cov["layers_ran"] == 2 and cov["layer_classes"] == ["Qwen3DecoderLayer"]
+    assert rep["settings"]["hidden"] == 1024 and rep["settings"]["vocab"] == 151936
+    assert rep["settings"]["model"].startswith(f"Qwen3ForCausalLM (config {cfg}, 2 layers, random weights")
+    assert cov["reduces_per_place"] == {"embed": {"0": 1, "1": 1}, "layer.0": {"0": 2, "1": 2},
+                                        "layer.1": {"0": 2, "1": 2}}
+    ar = rep["allreduce"]
+    assert ar["unchecked"] == 0 and ar["incomplete"] == 0 and ar["checked"] == len(ar["records"]) == 6
+    assert [(s["id"], s["expected"], s["ok"]) for s in rep["slots"]] == [(-1, "embed.out", True),
+                                                                         (1, "layer.1.out", True)]
+    # vLLM's model of that shape = HF's of the same config and seeded weights, stream by stream
+    from tpprobe.formats.capture_dir import load_run
+    from tpprobe.engines.vllm.tiny import hf_reference
+
+    run = load_run(out)
+    _, hs, _ = hf_reference("qwen3", 2, TOKENS, SEED, config_path=str(cfg))
+    for rank, rec in run.records.items():
+        for k in range(2):
+            assert torch.allclose(rec.tensors[f"layer.{k}.out"], hs[k + 1], atol=1e-4, rtol=1e-4), (rank, k)
+
+
+@pytest.mark.parametrize("cfg,nproc,says", [
+    (QWEN3_06B, 3, "--backend vllm --config {cfg} at tp=3: its 16 attention heads do not split over 3 ranks; its 8 KV "
+                   "heads neither split over nor replicate onto 3 ranks; use --nproc 1, 2, 4, 8"),
+    ({**QWEN3_06B, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, 2,
+     "--arch 'qwen2' is not built by the vLLM backend yet: use llama, qwen3, qwen3_moe, deepseek_v2")])
+def test_config_json_that_does_not_fit_is_one_line(tmp_path, cfg, nproc, says):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    cp = run_cli(["probe", "--backend", "vllm", "--config", str(path), "--num-layers", "2", "--nproc", str(nproc),
+                  "--out", str(tmp_path / "r")], timeout=120)
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr[-2000:]
+    assert cp.stderr.strip().splitlines()[-1] == "tpprobe: error: " + says.format(cfg=path), cp.stderr

