@@ -152,6 +152,19 @@ FAULTS = [
     ("allreduce-rank@1", 2, "shm", "full", "allreduce-incomplete", OPROJ.format(k=L // 2), [1], "rank 1's input alone"),
     ("allreduce-scaled@1", 4, "gloo", "fingerprint", "allreduce-incomplete", OPROJ.format(k=1), [0, 1, 2, 3],
      "the sum scaled by 2", "qwen3"),
+    # F23 on the gloo path in the other exchange mode (shm / full above)
+    ("allreduce-rank@1", 2, "gloo", "fingerprint", "allreduce-incomplete", OPROJ.format(k=L // 2), [1],
+     "rank 1's input alone"),
+    # F27: vLLM's capture appends hidden_states alone (a decoder layer's output[0]), without the residual; the
+    # default ids -1,1,2: slot 1 (id 1) is the first that lacks it, named with the reduce that made its value
+    ("aux-no-residual", 2, "shm", "full", "capture-no-residual", "aux slot 1", [0, 1],
+     "holds the output of all-reduce #4 (model.layers.1.mlp.down_proj, layer 1, group tp:0, 2 ranks) alone"),
+    # with fingerprints only, the cause (which reduce's output the slot holds) is not named: naming it needs every
+    # rank's tensors (tpprobe/checks/causes.py); each rank's slots are matched locally, and the slots that hold
+    # none of the stream's points are named, on every rank
+    ("aux-no-residual", 2, "gloo", "fingerprint", "slot-mismatch", "aux slots [1, 2]", [0, 1],
+     "slot 1 (id 1) equals no candidate, expected layer 1's output; slot 2 (id 2) equals no candidate, expected "
+     "layer 2's output"),
 ]
 
 
@@ -177,6 +190,39 @@ def test_vllm_faults_are_named_exactly(tmp_path, inject, nproc, path, exchange, 
         assert rep["allreduce"]["unchecked"] == 0 and rep["coverage"]["unreadable_paths"] == {}
 
 
+@pytest.mark.parametrize("exchange", ["full", "fingerprint"])
+def test_a_reduce_dropped_on_the_shared_memory_path_is_read_and_named(tmp_path, exchange):
+    # F25: vLLM's CPU shared-memory dispatcher returns without running torch.ops._C.shm_allreduce for layer 2's
+    # o_proj reduce. A c10d-level audit cannot read that op; at vLLM's GroupCoordinator door the call is read:
+    # every rank got its own partial sum back, named at the module that issued it
+    rc, rep, cp = probe(tmp_path, "--inject", "skip-unreadable-allreduce@2", "--exchange", exchange)
+    assert rc == 1, cp.stderr[-3000:]
+    got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
+    assert got == [("allreduce-incomplete", OPROJ.format(k=2), [0, 1])], [f["line"] for f in rep["findings"]]
+    f = failures(rep)[0]
+    assert "on rank 0 it returned rank 0's input alone (the sum never happened); on rank 1 it returned rank 1's " \
+           "input alone" in f["detail"], f["detail"]
+    # each rank got a different value back: the report never says the ranks agree
+    assert "ranks agree" not in f["detail"], f["detail"]
+    # the dropped call is the one reduce with no shared-memory op under vLLM's door; all others went through it
+    e = rep["allreduce"]["records"][f["evidence"]["seq"]]
+    assert (e["path"], e["source"], e["level"]) == ("vllm.GroupCoordinator.all_reduce",
+                                                    "model.layers.2.self_attn.o_proj", "incomplete")
+    assert rep["coverage"]["paths"] == {"vllm.GroupCoordinator.all_reduce+_C.shm_allreduce": 2 * L,
+                                        "vllm.GroupCoordinator.all_reduce": 1,
+                                        "vllm.GroupCoordinator.all_gather+_C.shm_all_gather": 1}
+    assert rep["allreduce"]["unchecked"] == 0 and rep["coverage"]["unreadable_paths"] == {}
+
+
+def test_the_shared_memory_fault_needs_the_shared_memory_path(tmp_path):
+    cp = run_cli(["probe", "--backend", "vllm", "--nproc", "2", "--out", str(tmp_path), "--num-layers", str(L),
+                  "--tokens", str(TOKENS), "--inject", "skip-unreadable-allreduce@1", "--quiet", "--timeout", "180"],
+                 timeout=420, env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": "gloo"})
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr[-3000:]
+    assert "tpprobe: error: --inject skip-unreadable-allreduce drops a reduce on vLLM's shared-memory path; this " \
+           "run's TP group reduces over gloo: unset TPPROBE_VLLM_ALLREDUCE (shm is the default)" in cp.stderr
+
+
 @pytest.mark.parametrize("nproc,exchange", [(2, "full"), (4, "fingerprint")])
 def test_a_dropped_final_layer_id_is_named_missing_at_its_slot(tmp_path, nproc, exchange):
     # F29: vLLM's loop never offers id N (the last layer's output) to its capture (deepseek_v2's backbone
@@ -198,9 +244,12 @@ def test_vllm_only_faults_need_the_vllm_backend():
 
     with pytest.raises(UsageError, match="add --backend vllm"):
         check_backend(["drop-final-id"], "auto", None)
-    with pytest.raises(UsageError, match="with --backend vllm inject drop-final-id"):
+    with pytest.raises(UsageError, match="with --backend vllm inject drop-final-id, aux-no-residual"):
         check_backend(["nan@1"], "vllm", None)
-    check_backend(["drop-final-id", "allreduce-scaled@1"], "vllm", None)
+    with pytest.raises(UsageError, match="--inject aux-no-residual breaks vLLM's EAGLE-3 capture: add --backend vllm"):
+        check_backend(["aux-no-residual"], "sglang", None)
+    check_backend(["drop-final-id", "aux-no-residual", "allreduce-scaled@1", "skip-unreadable-allreduce@1"], "vllm",
+                  None)
 
 
 def test_deepseek_embedding_id_is_refused_in_one_line(tmp_path):
