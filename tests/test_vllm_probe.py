@@ -321,3 +321,14 @@ def test_config_json_that_does_not_fit_is_one_line(tmp_path, cfg, nproc, says):
                   "--out", str(tmp_path / "r")], timeout=120)
     assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr[-2000:]
     assert cp.stderr.strip().splitlines()[-1] == "tpprobe: error: " + says.format(cfg=path), cp.stderr
+
+
+def test_deepseek_default_ids_never_ask_for_the_embedding():
+    # without --layers, --backend vllm --arch deepseek_v2 (or a DeepSeek --config) takes DeepSeek's default ids,
+    # which vLLM's DeepseekV2Model can capture (never -1: test_deepseek_embedding_id_is_refused_in_one_line);
+    # the other archs keep the built-in default
+    from tpprobe.config.options import ProbeOptions
+
+    assert ProbeOptions.from_cli(backend="vllm", arch="deepseek_v2", num_layers=4).layers == [0, 2]
+    assert ProbeOptions.from_cli(backend="vllm", arch="deepseek_v2", num_layers=6).layers == [0, 2, 4]
+    assert ProbeOptions.from_cli(backend="vllm", arch="llama", num_layers=4).layers == [-1, 1, 2]

@@ -25,6 +25,10 @@ own model classes outside its engine, on the probe's gloo world. Imported only b
    builds. Outside the engine it is replaced by causal SDPA over the rank's local heads (GQA repeated)
    for a prefill of one sequence; no TP communication is inside it, every TP layer stays vLLM's own.
    tests/test_vllm_probe.py proves it equal to HF's model on the same checkpoint (every layer's stream).
+   MLA (`MLAAttention`, DeepSeek-V2/V3) likewise, un-absorbed as vLLM's MLA prefill computes it, through the
+   module's own `kv_b_proj`; its backend is named `CPU_MLA` (vLLM's reference CPU MLA): on an AMX host vLLM
+   picks `AMX_MLA` for any dtype, and that one is bf16-only (float32 fails in process_weights_after_loading,
+   `invalid weight input features 16`).
 7. Shared memory at exit: the TP group's MessageQueue broadcaster and the shm communicator hold
    segments; `release()` runs vLLM's own `destroy_model_parallel()` before the process group goes.
 8. vLLM's lines on CPU ("Triton is installed, but doesn't include CPU backend", "Model Runner V2
@@ -32,6 +36,9 @@ own model classes outside its engine, on the probe's gloo world. Imported only b
    engine nobody sets vLLM's IR-op priorities, so RMSNorm runs vLLM's native implementation) are true
    and expected here: `VLLM_LOGGING_LEVEL` defaults to ERROR in this mode (a user's own value wins), and
    torch's FutureWarning on vLLM's `all_gather_into_tensor` call is filtered.
+9. The forward context: vLLM's runner runs every forward under `set_forward_context`; its `FusedMoE` looks
+   its layer up there (else `AssertionError: Forward context is not set`): tpprobe.engines.vllm.tiny.run
+   sets one with no attention metadata (the core of point 6 needs none).
 """
 from __future__ import annotations
 
