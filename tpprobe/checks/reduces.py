@@ -112,7 +112,7 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
         grp = f"group {e['group']}, " if e.get("group") else ""
         n = e.get("group_size")
         agree = (" The ranks agree with each other, so only the audit's input/output pair shows it."
-                 if len(bad) == world and kind == "all_reduce" else "")
+                 if len(bad) == world and kind == "all_reduce" and len(looks) == 1 else "")
         sketch = ar.get("method") == "sketch"
         if kind in ("all_gather", "all_to_all"):
             against = "against the chunks sent, bit for bit" + (" (their sketches' hashes)" if sketch else "")

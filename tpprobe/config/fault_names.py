@@ -36,10 +36,11 @@ FAULTS = {
     "capture-no-residual": ("F18", None, False),
     # vLLM's own model only (--backend vllm): tpprobe/engines/vllm/faults.py
     "drop-final-id": ("F29", None, False),
+    "aux-no-residual": ("F27", None, False),
 }
 SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
 # vLLM's own model only (--backend vllm), beside the reduce faults below (tpprobe/engines/vllm/faults.py)
-VLLM = ("drop-final-id",)
+VLLM = ("drop-final-id", "aux-no-residual")
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
 BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
         "skip-unreadable-allreduce", "skip-allreduce")

@@ -171,6 +171,7 @@ class ProbeOptions:
                 v = parse(v)
             kw[f.name] = _value(v)
         sglang = kw["backend"] == "sglang" and not kw["model"]
+        vllm = kw["backend"] == "vllm" and not kw["model"]     # its --config reads as SGLang's (dtype: float32)
         if kw["dtype"] is None:
             kw["dtype"] = config_dtype(kw["config"]) if kw["config"] and kw["backend"] == "sglang" else "float32"
         given = [f"--{n.replace('_', '-')}" for n in BUILTIN_ONLY if kw.get(n) is not None]
@@ -179,9 +180,9 @@ class ProbeOptions:
                      f"with --backend {kw['backend']} the shape comes from --arch or --config (a config.json)")
             raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}")
         for n in ("num_layers", *BUILTIN_ONLY):
-            if kw.get(n) is None and not (n == "num_layers" and sglang and kw["config"]):
+            if kw.get(n) is None and not (n == "num_layers" and (sglang or vllm) and kw["config"]):
                 kw[n] = BUILTIN[n]
-        if sglang and kw["config"]:
+        if (sglang or vllm) and kw["config"]:
             # the config's own architecture and depth, unless --arch / --num-layers say otherwise
             from ..engines.sglang.tiny import config_arch_and_layers
             arch, layers = config_arch_and_layers(kw["config"])
@@ -191,8 +192,9 @@ class ProbeOptions:
         kw["arch"] = kw["arch"] or "llama"
         kw["layers_given"] = values.get("layers") is not None
         if values.get("layers") is None and not kw["model"]:
-            if sglang:
-                # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3)
+            if sglang or (vllm and kw["arch"] in ("deepseek_v2", "deepseek_v3", "kimi_k2")):
+                # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3);
+                # on vLLM too for DeepSeek: its DeepseekV2Model cannot capture the embedding (-1)
                 from ..engines.sglang.tiny import default_layer_ids
                 kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
             else:

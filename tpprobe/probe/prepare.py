@@ -35,7 +35,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
         _validate_vllm(opts, world)
     elif canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
         raise UsageError(f"unknown --arch {opts.arch!r}: use {', '.join(SGLANG_ARCHES)} (with --backend sglang)")
-    if opts.config is not None and opts.backend != "sglang":
+    if opts.config is not None and opts.backend not in ("sglang", "vllm"):
         raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
                          f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
     if opts.backend == "nccl" and not torch.cuda.is_available():
@@ -73,9 +73,7 @@ def _validate_vllm(opts: ProbeOptions, world: int) -> None:
     if opts.model is not None:
         raise UsageError("--backend vllm builds vLLM's tiny models; with --model your factory builds the model: "
                          "drop --backend vllm")
-    if opts.config is not None:
-        raise UsageError("--config with --backend vllm is not built yet: use --arch llama")
-    check_tp(check_arch(opts.arch), world)
+    check_tp(check_arch(opts.arch), world, opts.config)
 
 
 def _validate_dp_attention(opts: ProbeOptions, world: int) -> None:
@@ -107,7 +105,7 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
     if opts.backend == "vllm":
         from ..engines.vllm.tiny import build_target as vllm_target
         return vllm_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                           dtype=opts.torch_dtype, layer_ids=layer_ids)
+                           dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
     from ..builtin.model import build_builtin
     return build_builtin(ctx, BuiltinConfig.from_options(opts, layer_ids))
 

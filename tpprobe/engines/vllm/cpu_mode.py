@@ -25,6 +25,10 @@ own model classes outside its engine, on the probe's gloo world. Imported only b
    builds. Outside the engine it is replaced by causal SDPA over the rank's local heads (GQA repeated)
    for a prefill of one sequence; no TP communication is inside it, every TP layer stays vLLM's own.
    tests/test_vllm_probe.py proves it equal to HF's model on the same checkpoint (every layer's stream).
+   MLA (`MLAAttention`, DeepSeek-V2/V3) likewise, un-absorbed as vLLM's MLA prefill computes it, through the
+   module's own `kv_b_proj`; its backend is named `CPU_MLA` (vLLM's reference CPU MLA): on an AMX host vLLM
+   picks `AMX_MLA` for any dtype, and that one is bf16-only (float32 fails in process_weights_after_loading,
+   `invalid weight input features 16`).
 7. Shared memory at exit: the TP group's MessageQueue broadcaster and the shm communicator hold
    segments; `release()` runs vLLM's own `destroy_model_parallel()` before the process group goes.
 8. vLLM's lines on CPU ("Triton is installed, but doesn't include CPU backend", "Model Runner V2
@@ -32,6 +36,9 @@ own model classes outside its engine, on the probe's gloo world. Imported only b
    engine nobody sets vLLM's IR-op priorities, so RMSNorm runs vLLM's native implementation) are true
    and expected here: `VLLM_LOGGING_LEVEL` defaults to ERROR in this mode (a user's own value wins), and
    torch's FutureWarning on vLLM's `all_gather_into_tensor` call is filtered.
+9. The forward context: vLLM's runner runs every forward under `set_forward_context`; its `FusedMoE` looks
+   its layer up there (else `AssertionError: Forward context is not set`): tpprobe.engines.vllm.tiny.run
+   sets one with no attention metadata (the core of point 6 needs none).
 """
 from __future__ import annotations
 
@@ -107,12 +114,16 @@ def import_kernels() -> None:
 
 def make_config(config_dir: str, tp: int, dtype: torch.dtype, max_len: int):
     """vLLM's VllmConfig of a local config folder, for a model built outside the engine on CPU."""
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.config import AttentionConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     mc = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
                      max_model_len=max_len, enforce_eager=True)
+    # MLA models: vLLM's reference CPU MLA backend, named (point 6): on an AMX host vLLM picks AMX_MLA for
+    # any dtype, and it is bf16-only (float32 fails in process_weights_after_loading)
+    attn = AttentionConfig(backend=AttentionBackendEnum.CPU_MLA) if mc.use_mla else AttentionConfig()
     return VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), attention_config=attn)
 
 
 def publish_parallel_state(vllm_config, rank: int, world_size: int, local_rank: int) -> str:
@@ -173,13 +184,42 @@ def sdpa_attention(attn) -> None:
     attn.forward = forward          # an instance attribute: nn.Module.__call__ finds it first
 
 
+def mla_sdpa_attention(attn) -> None:
+    """Replace one vLLM `MLAAttention` module's core (multi-head latent attention, DeepSeek-V2/V3) by causal
+    SDPA over its local heads, un-absorbed as vLLM's MLA prefill computes it: the latent KV goes through
+    the module's own `kv_b_proj` (vLLM's ColumnParallelLinear: this rank's heads, no communication) into
+    per-head k_nope and v, the shared rope key k_pe joins every head, the scale is the module's (yarn's
+    mscale included). Its inputs (q, the normed latent, k_pe) and output shape stay vLLM's."""
+    nh, nope, rope, hdv = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    scale = float(attn.scale)
+    if getattr(attn, "is_sparse", False) or getattr(attn, "use_sparse", False):
+        raise UsageError(f"{attn.layer_name}: sparse MLA (DeepSeek-V3.2's indexer) is not reproduced by tpprobe's "
+                         f"CPU attention core")
+
+    def forward(q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+        n = q.shape[0]
+        kv = attn.kv_b_proj(kv_c_normed)[0].view(n, nh, nope + hdv)
+        k_nope, v = kv.split([nope, hdv], dim=-1)
+        k = torch.cat([k_nope, k_pe.reshape(n, 1, rope).expand(n, nh, rope)], dim=-1)
+        qh = q.reshape(n, nh, nope + rope).transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1),
+                                                               is_causal=True, scale=scale)
+        return out.transpose(0, 1).reshape(n, nh * hdv)
+
+    attn.forward = forward
+
+
 def replace_attention(model) -> int:
-    """Every vLLM `Attention` of the model gets the SDPA core; returns how many."""
+    """Every vLLM `Attention` (and `MLAAttention`) of the model gets the SDPA core; returns how many."""
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     n = 0
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, MLAAttention):
+            mla_sdpa_attention(m)
+            n += 1
+        elif isinstance(m, Attention):
             sdpa_attention(m)
             n += 1
     return n

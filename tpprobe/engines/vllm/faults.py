@@ -12,6 +12,13 @@ door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
       reduce, the sum x TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output
       (zeros when there is none), on every rank: a custom all-reduce returning wrong data
   allreduce-rank@R (F23)  on rank R only, the middle layer's o_proj reduce returns R's own input
+  skip-unreadable-allreduce@K (F25)  on vLLM's shared-memory path, layer K's o_proj reduce is dropped where
+      vLLM's CPU communicator dispatches it: `torch.ops._C.shm_allreduce` never runs and each rank keeps its
+      partial sum. A c10d-level audit cannot read that op (the catalogue's F25); at vLLM's GroupCoordinator
+      door it is read, and named by its module
+  aux-no-residual (F27)  vLLM's EAGLE-3 capture appends a layer's `hidden_states` alone, without the
+      residual its decoder layers return beside it (`output[0]`: vllm-lens PR #7, vLLM-Hook PR #11): every
+      slot but the embedding's holds half the stream
   drop-final-id (F29)  the backbone never offers the final layer's output to the EAGLE-3 capture: vLLM's
       `_maybe_add_hidden_state` is not called for id N (as deepseek_v2's loop did until vLLM PR #46973),
       so an id N in `aux_hidden_state_layers` captures nothing and the draft gets one slot fewer
@@ -29,7 +36,7 @@ from tpprobe.core.errors import UsageError
 from tpprobe.config.knobs import knob
 
 SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
-             "allreduce-stale", "allreduce-rank", "drop-final-id")
+             "allreduce-stale", "allreduce-rank", "skip-unreadable-allreduce", "aux-no-residual", "drop-final-id")
 
 
 def _o_projs(model) -> list:
@@ -47,6 +54,12 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     if name == "drop-final-id":
         drop_final_id(model, L)
         return
+    if name == "aux-no-residual":
+        aux_no_residual(model)
+        return
+    if name == "skip-unreadable-allreduce":
+        drop_shm_reduce(projs[arg])
+        return
     if name == "skip-allreduce-all":
         for p in projs:
             p.reduce_results = False
@@ -58,10 +71,52 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     communicator_fault(name, projs[k], arg, ctx)
 
 
+def _capture_fn(model, fault: str):
+    """(the backbone, its bound EagleModelMixin._maybe_add_hidden_state); UsageError for a backbone with its
+    own capture loop (deepseek_v2)."""
+    inner = getattr(model, "model", model)
+    orig = getattr(inner, "_maybe_add_hidden_state", None)
+    if orig is None:
+        raise UsageError(f"--inject {fault}: vLLM's {type(inner).__name__} has its own capture loop (no "
+                         f"_maybe_add_hidden_state to break); use --arch llama, qwen3 or qwen3_moe")
+    return inner, orig
+
+
+def aux_no_residual(model) -> None:
+    """F27: vLLM's capture appends h, not h + r (a hook that reads a decoder layer's output[0])."""
+    inner, orig = _capture_fn(model, "aux-no-residual")
+
+    def maybe_add(aux, layer_idx, hidden_states, residual):
+        return orig(aux, layer_idx, hidden_states, None)      # vLLM's own rule: no residual -> h alone
+
+    inner._maybe_add_hidden_state = maybe_add
+
+
+def drop_shm_reduce(proj) -> None:
+    """F25: the reduce `proj` (a RowParallelLinear) issues is dropped inside vLLM's shared-memory dispatcher:
+    `_CPUSHMDistributed.all_reduce` returns without running `torch.ops._C.shm_allreduce`."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    dm = get_tp_group().device_communicator.dist_module
+    if type(dm).__name__ != "_CPUSHMDistributed":
+        raise UsageError("--inject skip-unreadable-allreduce drops a reduce on vLLM's shared-memory path; this run's "
+                         "TP group reduces over gloo: unset TPPROBE_VLLM_ALLREDUCE (shm is the default)")
+    orig = dm.all_reduce
+    inside = threading.local()
+    proj.register_forward_pre_hook(lambda m, a: setattr(inside, "on", True))
+    proj.register_forward_hook(lambda m, a, o: setattr(inside, "on", False))
+
+    def all_reduce(input, group=None):
+        if getattr(inside, "on", False):
+            return None                 # dropped: every rank keeps its partial sum
+        return orig(input, group)
+
+    dm.all_reduce = all_reduce
+
+
 def drop_final_id(model, num_layers: int) -> None:
     """F29: the loop's call for id N (after the last layer) never reaches vLLM's capture."""
-    inner = getattr(model, "model", model)
-    orig = inner._maybe_add_hidden_state          # EagleModelMixin's, bound
+    inner, orig = _capture_fn(model, "drop-final-id")
 
     def maybe_add(aux, layer_idx, hidden_states, residual):
         if layer_idx == num_layers:
