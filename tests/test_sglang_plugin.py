@@ -1,6 +1,6 @@
 """The tpprobe SGLang plugin, loaded through SGLang's own load_plugins() in real gloo ranks
 running the tiny models: writes per-rank capture files + a manifest per (dp, pp) TP group and
-forward (DIR/dp0-pp0/step-NNNNNN) that `tpprobe report` checks offline (exit 0 on a healthy step,
+forward (DIR/dp0-pp0/step-NNNNNN-MODE) that `tpprobe report` checks offline (exit 0 on a healthy step,
 1 naming partial-allreduce at the embedding when its reduce was skipped; over the whole run it names
 the first step where ranks diverge), with layer.K.out equal to HF's hidden_states[K+1] where full
 tensors are kept (TPPROBE_KEEP=*); by default only fingerprints, and kept tensors stay under
@@ -84,16 +84,16 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
     group = tmp_path / "dp0-pp0"
     assert [p.name for p in tmp_path.iterdir()] == ["dp0-pp0"]
     # steps are numbered per forward: the 3rd forward (beyond TPPROBE_MAX_STEPS) is not captured
-    steps = ["step-000000", "step-000001"] if broken else ["step-000000"]
+    steps = ["step-000000-extend", "step-000001-extend"] if broken else ["step-000000-extend"]
     assert sorted(p.name for p in group.iterdir()) == steps
-    run = load_run(group / "step-000000")
+    run = load_run(group / "step-000000-extend")
     for rec in run.records.values():
         assert rec.meta["parallel"]["tp_rank"] == rec.rank and rec.meta["parallel"]["tp_size"] == 2
         assert (rec.meta["parallel"]["dp_rank"], rec.meta["parallel"]["pp_rank"]) == (0, 0)
         assert set(rec.meta["fingerprints"]) >= {"embed.out", *(f"layer.{k}.out" for k in range(L))}
     if not broken:
         _assert_bounded(run)
-        code, failures, rep = _report(group / "step-000000")
+        code, failures, rep = _report(group / "step-000000-extend")
         assert (code, failures, rep["findings"]) == (0, [], [])
         assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
         # every point judged (from fingerprints), plus the packed aux tensor
@@ -114,10 +114,10 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
         assert rec.tensors["aux.packed"].shape == (TOKENS, 2 * hs[0].shape[-1])
     assert torch.equal(run.records[0].tensors["aux.packed"], run.records[1].tensors["aux.packed"])
 
-    code, failures, rep = _report(group / "step-000000")
+    code, failures, rep = _report(group / "step-000000-extend")
     assert (code, failures) == (0, []), rep["findings"]
     assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
-    code, failures, _ = _report(group / "step-000001")
+    code, failures, _ = _report(group / "step-000001-extend")
     assert code == 1
     assert [(f["kind"], f["where"], f["ranks"]) for f in failures] == \
         [("partial-allreduce", "embedding (model.embed_tokens)", [0, 1])], failures
