@@ -206,7 +206,9 @@ def test_plugin_error_is_logged_once_and_the_engine_goes_on(checkpoint, tmp_path
     ranks = "[0, 1]" if fault == "unwritable-dir" else "[1]"
     why = "NotADirectoryError" if fault == "unwritable-dir" else "RuntimeError: TPPROBE_VLLM_INJECT=plugin-error@1"
     assert f"at step 0 (extend) on tp rank(s) {ranks}: {why}" in lines[0], lines[0]
-    assert "the engine goes on" in lines[0] and "Traceback" not in log, log[-4000:]
+    assert "the engine goes on" in lines[0], lines[0]
+    # no traceback through tpprobe's code (vLLM prints one of its own, a WARNING: its chat-template warm-up)
+    assert f'File "{ROOT / "tpprobe"}' not in log, log[-4000:]
     if fault == "unwritable-dir":
         assert not (tmp_path / "a-file" / "capture").exists()
     else:     # rank 0's own files of step 0, no manifest (the step failed), nothing after it
