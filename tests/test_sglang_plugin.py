@@ -159,3 +159,36 @@ def test_plugin_inert_without_capture_dir(monkeypatch):
     before = repr(getattr(HookRegistry, "_hooks", None))
     plugin.register()
     assert repr(getattr(HookRegistry, "_hooks", None)) == before
+
+
+def error_worker(ctx):
+    from tpprobe.engines.sglang import cpu_mode
+
+    cpu_mode.enable()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from tpprobe.engines.sglang.tiny import build_target
+
+    t = build_target(ctx, "llama", L, TOKENS, SEED, torch.float32, IDS["llama"])
+    outs = [t.forward() for _ in range(3)]     # the first fails to be written; the rest are not captured
+    return [type(o).__name__ for o in outs]
+
+
+def test_unwritable_capture_dir_is_logged_once_and_the_forwards_go_on(tmp_path):
+    """The shared step writer (vLLM's plugin writes through it too): every rank's mkdir fails (the
+    folder is under a regular file), the ranks learn it from the step's all-gather, TP rank 0 logs
+    it in ONE line, every rank stops capturing, and every forward still returns."""
+    from sglang_ranks import LAST_LOGS
+
+    (tmp_path / "a-file").write_text("not a folder")
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path / "a-file" / "cap"), "SGLANG_PLUGINS": "tpprobe",
+           "TPPROBE_MAX_STEPS": "3"}
+    res = run_ranks("test_sglang_plugin:error_worker", 2, {}, env=env, timeout=240)
+    assert len(res) == 2 and all(len(r) == 3 for r in res), res
+    lines = [x for log in LAST_LOGS for x in log.splitlines() if "capture FAILED" in x]
+    assert len(lines) == 1, "\n".join(LAST_LOGS)[-4000:]
+    assert "at step 0 (extend) on tp rank(s) [0, 1]: NotADirectoryError" in lines[0], lines[0]
+    assert "the plugin stops capturing, the engine goes on" in lines[0]
+    ours = [x for log in LAST_LOGS for x in log.splitlines() if x.startswith("[tpprobe pid=")]
+    assert not [x for x in ours if " wrote " in x or "step 1" in x or "step 2" in x], ours
