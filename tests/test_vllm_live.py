@@ -133,12 +133,15 @@ def test_healthy_engine_reports_healthy_with_full_coverage(checkpoint, tmp_path)
     for d in found:
         man = json.loads((d / "manifest.json").read_text())
         assert man["source"] == "vllm-plugin" and man["ranks"] == [0, 1], (d, man)
+        assert d.name == f"step-{man['step']:06d}-{man['forward_mode']}", (d, man)     # the mode in the name
         assert (d / "rank-000.json").exists() and (d / "rank-001.json").exists()
         modes.add(man["forward_mode"])
     assert {"extend", "decode"} <= modes, modes
     rc, failures, rep = report(cap)
     assert (rc, failures) == (0, []), json.dumps(rep)[:4000]
-    assert [r["step"] for r in rep["steps"]] == [int(d.name.split("-")[1]) for d in found], rep["steps"]
+    assert [(r["step"], r["forward_mode"]) for r in rep["steps"]] == \
+        [(int(d.name.split("-")[1]), d.name.split("-")[2]) for d in found], rep["steps"]
+    assert [r["forward_mode"] for r in rep["steps"]] == ["extend"] + ["decode"] * (len(found) - 1), rep["steps"]
     assert all(r["failures"] == 0 for r in rep["steps"]), rep["steps"]
     for d in found:      # every step of both workers: every point, every reduce, every aux slot
         code, fails, one = report(d)
@@ -164,13 +167,54 @@ def test_draft_capture_without_residual_is_named(checkpoint, tmp_path):
     res, cap, log = serve(tmp_path, checkpoint, tokens=2, TPPROBE_VLLM_AUX_LAYERS=AUX,
                           TPPROBE_VLLM_INJECT="aux-no-residual")
     assert "TEST FAULT injected: aux-no-residual" in log
-    rc, failures, rep = report(cap / "dp0-pp0" / "step-000000")
+    rc, failures, rep = report(cap / "dp0-pp0" / "step-000000-extend")
     assert rc == 1 and failures, json.dumps(rep)[:4000]
     assert [s["ok"] for s in rep["slots"]] == [False, False, False], rep["slots"]
     assert [f["kind"] for f in failures] == ["slot-mismatch"], failures
     text = " ".join(json.dumps(failures).split())
     for k in (0, 1, 3):      # each slot is named with the layer whose output it should hold
         assert f"expected layer {k}'s output" in text, text
+
+
+_PLAIN: dict = {}
+
+
+def plain_engine(checkpoint, tmp_path_factory) -> dict:
+    """The RESULT of one engine run without the plugin's capture (warm-up 2, then 4 tokens), made once."""
+    if "res" not in _PLAIN:
+        _PLAIN["res"] = serve(tmp_path_factory.mktemp("plain"), checkpoint, tokens=4, warmup=2, capture=False)[0]
+    return _PLAIN["res"]
+
+
+@pytest.mark.parametrize("fault", ["unwritable-dir", "plugin-error@1"])
+def test_plugin_error_is_logged_once_and_the_engine_goes_on(checkpoint, tmp_path, tmp_path_factory, fault):
+    """A fault in the plugin's own code path, not the model's: TPPROBE_CAPTURE_DIR under a regular
+    file (every rank's mkdir fails; root can write anywhere, so not a chmod), or an exception raised
+    in the capture code on TP rank 1 alone (rank 0 captures fine and must not wait forever for it).
+    The engine serves a warm-up request and the timed one with the same greedy tokens as an engine
+    without the plugin's capture, and the failure is ONE log line naming the step and the ranks;
+    nothing is captured after it."""
+    plain = plain_engine(checkpoint, tmp_path_factory)
+    env = {"TPPROBE_VLLM_INJECT": fault} if fault.startswith("plugin-error") else {}
+    if fault == "unwritable-dir":
+        (tmp_path / "a-file").write_text("not a folder")
+        env["TPPROBE_CAPTURE_DIR"] = str(tmp_path / "a-file" / "capture")
+    res, cap, log = serve(tmp_path, checkpoint, tokens=4, warmup=2, **env)
+    assert res["tokens"] == plain["tokens"] and len(res["tokens"][0]) == 4, (res, plain)
+    lines = [x for x in log.splitlines() if "capture FAILED" in x]
+    assert len(lines) == 1, "\n".join(lines) or log[-4000:]
+    ranks = "[0, 1]" if fault == "unwritable-dir" else "[1]"
+    why = "NotADirectoryError" if fault == "unwritable-dir" else "RuntimeError: TPPROBE_VLLM_INJECT=plugin-error@1"
+    assert f"at step 0 (extend) on tp rank(s) {ranks}: {why}" in lines[0], lines[0]
+    assert "the engine goes on" in lines[0], lines[0]
+    # no traceback through tpprobe's code (vLLM prints one of its own, a WARNING: its chat-template warm-up)
+    assert f'File "{ROOT / "tpprobe"}' not in log, log[-4000:]
+    if fault == "unwritable-dir":
+        assert not (tmp_path / "a-file" / "capture").exists()
+    else:     # rank 0's own files of step 0, no manifest (the step failed), nothing after it
+        assert [d.name for d in cap.rglob("step-*")] == ["step-000000-extend"]
+        assert sorted(f.name for f in (cap / "dp0-pp0" / "step-000000-extend").iterdir()) == \
+            ["rank-000.json", "rank-000.safetensors"]
 
 
 def test_cost_side_by_side(checkpoint, tmp_path):

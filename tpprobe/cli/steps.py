@@ -1,11 +1,13 @@
-"""`tpprobe report DIR` over a run of many steps (the SGLang plugin's layout).
+"""`tpprobe report DIR` over a run of many steps (the SGLang and vLLM plugins' step folders).
 
-The plugin writes DIR/dp{D}-pp{P}/step-{N:06d}/ (one capture folder per TP group and forward, N the
-forward index). Every step folder is checked as `tpprobe report` checks one; the report printed is
-the FIRST step, in forward order, whose ranks diverge (any failure finding), with the step, its
-forward mode and the TP group named in its settings and a one-line summary of every step checked
-(`steps` in --json). When no step fails, the last step's report is printed with the count of steps
-checked, all healthy.
+The plugins (SGLang's, vLLM's) write DIR/dp{D}-pp{P}/step-{N:06d}-{mode}/ (one capture folder per TP
+group and forward, N the forward index, mode its forward mode: extend, decode, ...); folders written
+before the mode was in the name, DIR/dp{D}-pp{P}/step-{N:06d}/, are read as well (their mode from
+the capture's settings, if any). Every step folder is checked as `tpprobe report` checks one; the
+report printed is the FIRST step, in forward order, whose ranks diverge (any failure finding), with
+the step, its forward mode and the TP group named in its settings and a one-line summary of every
+step checked (`steps` in --json). When no step fails, the last step's report is printed with the
+count of steps checked, all healthy.
 """
 from __future__ import annotations
 
@@ -16,18 +18,26 @@ from typing import Callable, Optional
 from ..core.errors import UsageError
 from ..report.emit import emit
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-(\d+)(?:-([a-z0-9_]+))?$")   # the mode part: absent in old folders
 
 
 def find_steps(root: Path) -> list[tuple[str, int, Path]]:
-    """(TP group folder relative to root, forward index, step folder), in (group, index) order."""
+    """(TP group folder relative to root, forward index, step folder), in (index, group) order;
+    `step-N-mode` and the old `step-N` folders alike."""
     out = []
     for m in root.rglob("manifest.json"):
         hit = _STEP.match(m.parent.name)
         if hit:
             group = m.parent.parent.relative_to(root).as_posix()
             out.append(("." if group == "." else group, int(hit.group(1)), m.parent))
-    return sorted(out, key=lambda x: (x[1], x[0]))
+    return sorted(out, key=lambda x: (x[1], x[0], x[2].name))
+
+
+def folder_mode(path: Path) -> Optional[str]:
+    """The forward mode a step folder's name carries (`step-000003-decode`: decode); None for an old
+    `step-N` folder."""
+    hit = _STEP.match(path.name)
+    return hit.group(2) if hit else None
 
 
 def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool = False,
@@ -36,13 +46,15 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
 
     steps = find_steps(root)
     if not steps:
-        raise UsageError(f"{root} holds no step-N/manifest.json capture folders: point tpprobe report at a "
-                         f"folder written by the SGLang plugin (TPPROBE_CAPTURE_DIR) or by tpprobe probe")
+        raise UsageError(f"{root} holds no step-N-MODE/manifest.json capture folders: point tpprobe report at a "
+                         f"folder written by the SGLang or vLLM plugin (TPPROBE_CAPTURE_DIR) or by tpprobe probe")
     rows, first, last = [], None, None
     for group, n, path in steps:
         rep = check_dir(path)
         fails = [f for f in rep["findings"] if f["severity"] == "failure"]
         st = rep["settings"]
+        if not st.get("forward_mode") and folder_mode(path):     # a capture without it in its settings
+            st = rep["settings"] = {**st, "forward_mode": folder_mode(path)}
         rows.append({"group": group, "step": n, "forward_mode": st.get("forward_mode"), "folder": str(path),
                      "failures": len(fails), "points": len(rep["points"]),
                      "first": f"{fails[0]['kind']} at {fails[0]['where']} on ranks {fails[0]['ranks']}" if fails

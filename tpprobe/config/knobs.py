@@ -48,7 +48,8 @@ KNOBS = {
                                    "torch.distributed fallback)", "probe"),
     "TPPROBE_VLLM_INJECT": Knob(None, "tests only: the vLLM plugin breaks the model it attaches to with one of "
                                 "tpprobe.engines.vllm.faults' faults (NAME or NAME@K, e.g. skip-allreduce@1) or "
-                                "aux-no-residual", "plugin (tests)"),
+                                "aux-no-residual; plugin-error@R raises in the plugin's own capture code on TP "
+                                "rank R (the engine must go on)", "plugin (tests)"),
     "TPPROBE_VLLM_AUX_LAYERS": Knob(None, "the vLLM plugin asks the model's EAGLE-3 capture for these tpprobe layer "
                                     "ids (comma list; i = the stream leaving layer i, -1 = the embedding) on an engine "
                                     "with no draft model, checks the packed aux slot by slot and hands the runner the "

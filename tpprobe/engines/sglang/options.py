@@ -24,7 +24,7 @@ class PluginOptions:
     dir: Optional[Path] = opt("--out", None, "folder to write to (required to enable anything)",
                               env="TPPROBE_CAPTURE_DIR", parse=Path)
     max_steps: int = opt("--max-steps", 1, "forwards to capture per rank, counted over the selected modes; "
-                         "step N goes to DIR/dp{D}-pp{P}/step-{N:06d}", env="TPPROBE_MAX_STEPS", parse=int)
+                         "step N goes to DIR/dp{D}-pp{P}/step-{N:06d}-{mode}", env="TPPROBE_MAX_STEPS", parse=int)
     modes: set = opt("--modes", "extend", "comma list of ForwardMode names to capture (\"all\": every mode)",
                      env="TPPROBE_FORWARD_MODES", parse=lambda s: {m.lower() for m in _csv(s)})
     keep: list = opt("--keep", "", "comma list of point-name patterns kept as FULL tensors (default: none, every "

@@ -21,14 +21,16 @@ Settings (environment; declared once in tpprobe/engines/sglang/options.py Plugin
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
 
-Layout: DIR/dp{D}-pp{P}/step-{N:06d}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP group,
-N the forward index of this process (every forward counts, captured or not, so steps line up across
-ranks), D / P SGLang's data-parallel and pipeline ranks; each file's metadata carries
-`parallel` = {dp, pp, attn_tp, attn_dp, tp} ranks and sizes and the `forward_mode` (extend, decode,
-...). `tpprobe report DIR` over such a folder checks every step and names the first step and point
-where the ranks diverge. Whether a step is captured depends on the forward index and mode only (the
-same on every rank of a TP group), never on rank-local state, so the one collective per captured
-step (the manifest's gather over the TP group's CPU group) is joined by every rank.
+Layout: DIR/dp{D}-pp{P}/step-{N:06d}-{mode}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP
+group, N the forward index of this process (every forward counts, captured or not, so steps line up
+across ranks), mode its forward mode (extend = a prefill, decode, target_verify, ...: `step_name`),
+D / P SGLang's data-parallel and pipeline ranks; each file's metadata carries `parallel` = {dp, pp,
+attn_tp, attn_dp, tp} ranks and sizes and the `forward_mode`, and so does the manifest. Folders
+written before the mode was in the name (`step-{N:06d}`) are read too. `tpprobe report DIR` over
+such a folder checks every step and names the first step and point where the ranks diverge.
+Whether a step is captured depends on the forward index and mode only (the same on every rank of
+a TP group), never on rank-local state, so the one collective per captured step (the manifest's
+all-gather over the TP group's CPU group) is joined by every rank.
 
 Per captured forward, inside the model's own forward, each TP rank runs tpprobe's `Tap`
 (embedding, decoder layers, every torch.distributed.all_reduce) with the SGLang extensions of
@@ -53,13 +55,17 @@ unchanged, the fused all-reduce+norm kernel is not used for that boundary) and r
 layer's stream from the final norm.
 
 SGLang logs and swallows plugin exceptions, so this plugin prints its own state loudly: one
-`[tpprobe]` line per rank when it hooks, and one per written or skipped step.
+`[tpprobe]` line per rank when it hooks, and one per written step. A step that fails to be written
+on any rank (an unwritable TPPROBE_CAPTURE_DIR, an error in the record) is logged ONCE, by TP rank 0,
+naming the ranks, and every rank of the group stops capturing (they learn it from the step's one
+exchange, an all-gather over the TP group's CPU group); the engine goes on.
 
 GPU path: this module never imports tpprobe.engines.sglang.cpu_mode.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -71,7 +77,7 @@ import torch
 ENV_DIR = "TPPROBE_CAPTURE_DIR"
 
 _state = threading.local()
-_STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False}
+_STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False, "failed": False}
 
 
 def _say(msg: str) -> None:
@@ -161,7 +167,7 @@ class Budget:
 
 def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
     s = settings()
-    if s is None or getattr(_state, "busy", False):
+    if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     mode = _mode_name(forward_batch)
     step = _STEPS["n"]
@@ -200,7 +206,8 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     finally:
         _state.busy = False
     t_forward = time.time() - t0
-    write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget)
+    if write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget):
+        _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
         # their collectives with no Python of tpprobe's (capture/audit.py: release)
@@ -248,55 +255,70 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
                                  step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc)})
 
 
-def step_dir(root: Path, par: dict, step: int) -> Path:
-    """DIR/dp{D}-pp{P}/step-{N:06d}: one folder per TP group and forward."""
-    return root / f"dp{par['dp_rank']}-pp{par['pp_rank']}" / f"step-{step:06d}"
+def step_name(step: int, mode: str) -> str:
+    """`step-{N:06d}-{mode}`: the forward index and its forward mode (extend, decode, target_verify, ...;
+    lower case, anything but [a-z0-9_] made `_`). Readers also take the old `step-{N:06d}`."""
+    safe = re.sub(r"[^a-z0-9_]+", "_", str(mode).lower()).strip("_") or "unknown"
+    return f"step-{step:06d}-{safe}"
+
+
+def step_dir(root: Path, par: dict, step: int, mode: str) -> Path:
+    """DIR/dp{D}-pp{P}/step-{N:06d}-{mode}: one folder per TP group and forward."""
+    return root / f"dp{par['dp_rank']}-pp{par['pp_rank']}" / step_name(step, mode)
 
 
 def write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget, *,
-                record=None, par=None, source="sglang-plugin") -> None:
-    """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
-    (also when its own write failed), so one rank's error never hangs the others. `record` returns the
-    step's (RankRecord, run settings) (engines/step.py); `record`, `par` and `source`: another engine's
-    plugin (tpprobe.engines.vllm.plugin) writing through this one."""
+                record=None, par=None, source="sglang-plugin", error: Optional[str] = None) -> list:
+    """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the exchange
+    (also when its own capture or write failed: `error`, then nothing of its own is written), so one
+    rank's error never hangs the others. Returns every rank's error of this step as (rank, text),
+    the same list on every rank of the TP group (an all-gather), so the callers stop capturing
+    together; TP rank 0 logs them in ONE line. `record` returns the step's (RankRecord, run settings)
+    (engines/step.py); `record`, `par` and `source`: another engine's plugin (tpprobe.engines.vllm.plugin)
+    writing through this one."""
     from tpprobe import __version__
     from tpprobe.formats.capture_dir import write_manifest, write_rank
 
     record = _step_record if record is None else record
-    out = step_dir(s["dir"], parallel_ranks() if par is None else par, step)
+    out = step_dir(s["dir"], parallel_ranks() if par is None else par, step, mode)
     entries: list = []
     run_settings: dict = {}
     nbytes = 0
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        rec, run_settings = record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget)
-        nbytes = rec.kept_bytes
-        entries = write_rank(out, rank, rec.tensors, rec.to_json())
-    except Exception as e:  # noqa: BLE001 - SGLang would swallow it; still join the gather below
-        _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
-    gathered = [None] * world if rank == 0 else None
+    if error is None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            rec, run_settings = record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward,
+                                       budget)
+            nbytes = rec.kept_bytes
+            entries = write_rank(out, rank, rec.tensors, rec.to_json())
+        except Exception as e:  # noqa: BLE001 - the engine would swallow it; still join the exchange below
+            error = f"{type(e).__name__}: {e}"
+    mine = (entries, run_settings, error)
     if world > 1:
-        group = getattr(tp_group, "cpu_group", None)
-        torch.distributed.gather_object((entries, run_settings), gathered, dst=_global_rank0(tp_group), group=group)
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, mine, group=getattr(tp_group, "cpu_group", None))
     else:
-        gathered = [(entries, run_settings)]
-    if rank == 0:
-        files = [e for es, _ in gathered for e in (es or [])]
+        gathered = [mine]
+    errors = [(r, g[2]) for r, g in enumerate(gathered) if g[2] is not None]
+    if rank == 0 and not errors:
+        files = [e for es, _, _ in gathered for e in (es or [])]
         ranks = sorted({e["rank"] for e in files})
-        settings_ = next((st for _, st in gathered if st), {"world_size": world})
+        settings_ = next((st for _, st, _ in gathered if st), {"world_size": world})
         try:
             write_manifest(out, {"world_size": world, "ranks": ranks, "settings": settings_,
                                  "tool": f"tpprobe {__version__}", "source": source, "step": step,
                                  "forward_mode": mode, "model": type(model).__name__}, files)
-        except Exception as e:  # noqa: BLE001
-            _say(f"tp_rank 0: step {step} manifest NOT written: {type(e).__name__}: {e}")
-            return
-    if entries:
-        _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes of kept tensors + fingerprints "
-             f"-> {out}" + (f"; refused by TPPROBE_MAX_BYTES: {', '.join(budget.refused)}" if budget.refused else "")
-             + (f"; check it with `tpprobe report {out}`" if rank == 0 else ""))
-
-
-def _global_rank0(tp_group) -> int:
-    ranks = getattr(tp_group, "ranks", None)
-    return ranks[0] if ranks else 0
+        except Exception as e:  # noqa: BLE001 - rank 0's alone: logged once, the ranks keep capturing together
+            if not _STEPS.get("manifest_failed"):
+                _say(f"tp_rank 0: step {step} manifest NOT written (logged once): {type(e).__name__}: {e}")
+            _STEPS["manifest_failed"] = True
+            return []
+    if errors:
+        if rank == 0:
+            _say(f"capture FAILED at step {step} ({mode}) on tp rank(s) {[r for r, _ in errors]}: {errors[0][1]}; "
+                 f"the plugin stops capturing, the engine goes on")
+        return errors
+    _say(f"tp_rank {rank}: step {step} ({mode}) wrote {nbytes} bytes of kept tensors + fingerprints "
+         f"-> {out}" + (f"; refused by TPPROBE_MAX_BYTES: {', '.join(budget.refused)}" if budget.refused else "")
+         + (f"; check it with `tpprobe report {out}`" if rank == 0 else ""))
+    return []

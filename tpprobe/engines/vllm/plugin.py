@@ -15,6 +15,7 @@ capture hands the draft the layer's output without the residual added). TPPROBE_
 (tests) turns on an EAGLE-3 style capture with no draft model: vLLM's own `set_aux_hidden_state_layers`
 on the model, the packed aux (`torch.cat(aux, -1)`, what the proposer gets) checked slot by slot, and
 the runner handed the hidden states only (a runner without a drafter expects no tuple).
+TPPROBE_VLLM_INJECT=plugin-error@R (tests) raises in the plugin's own capture code on TP rank R.
 
 Worker side, independent of the model runner: `register()` wraps vLLM's `BaseModelLoader.load_model`,
 so whichever runner (V1 or V2) loads the model gets it back with an instance-level `forward` that, for
@@ -22,11 +23,14 @@ the first N selected forwards, runs tpprobe's `Tap` (embedding, decoder layers, 
 vLLM's `GroupCoordinator` door: tpprobe.engines.vllm.audit) around the model's own forward and writes
 the step's folder through the SGLang plugin's own writer (its Budget and write_step, given this
 plugin's record and ranks):
-DIR/dp{D}-pp{P}/step-{N:06d}/rank-{tp:03d}.{safetensors,json} + manifest.json (TP rank 0 gathers the
-entries over the TP group's CPU group; the forward mode is in the manifest and every rank's metadata).
+DIR/dp{D}-pp{P}/step-{N:06d}-{mode}/rank-{tp:03d}.{safetensors,json} + manifest.json, N the forward
+index, mode `extend` or `decode` (the entries are all-gathered over the TP group's CPU group, TP rank 0
+writes the manifest; the forward mode is also in the manifest and every rank's metadata).
 
 Not covered: forwards replayed from a CUDA graph run no Python (use enforce_eager=True to capture).
-An error inside the plugin is printed once (`[tpprobe]` line) and the engine goes on.
+An error inside the plugin is printed once (one `[tpprobe]` line, by TP rank 0 when it happens in a
+captured step: the step's exchange tells every rank, and all stop capturing together) and the engine
+goes on; an error of the model's own is raised as it is.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ _state = threading.local()
 _STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False, "failed": False}
 _REGISTERED = {"done": False}
 _AUX: dict = {"ids": None, "last": None}
+_PLUGIN_ERROR: dict = {"rank": None}     # TPPROBE_VLLM_INJECT=plugin-error@R (tests)
 
 
 def _say(msg: str) -> None:
@@ -93,6 +98,8 @@ def attach(model: torch.nn.Module) -> None:
         name, _, arg = fault.partition("@")
         if name == "aux-no-residual":
             aux_no_residual(model)
+        elif name == "plugin-error":      # not the model's: a fault in the plugin's own code, on TP rank R
+            _PLUGIN_ERROR["rank"] = int(arg) if arg else 0
         else:
             inject(name, model, int(arg) if arg else None)
         _say(f"TEST FAULT injected: {fault}")
@@ -160,7 +167,7 @@ def _forward(model, inner, args, kwargs):
         return box["result"]
 
     try:
-        _capture(s, model, run, input_ids, mode, step)
+        _capture(s, model, run, input_ids, mode, step, box)
     except BaseException as e:  # noqa: BLE001 - the plugin's own error: logged once, the engine goes on
         if "model_error" in box:
             raise
@@ -171,7 +178,11 @@ def _forward(model, inner, args, kwargs):
     return box["result"] if "result" in box else inner(*args, **kwargs)
 
 
-def _capture(s, model, run, input_ids, mode, step) -> None:
+def _capture(s, model, run, input_ids, mode, step, box) -> None:
+    """One captured forward on this rank. An error of the plugin's in the Tap (this rank's alone,
+    maybe) is carried into the step's exchange, which every rank joins after its forward: the whole
+    TP group learns it there and stops capturing together (no rank left waiting in a collective);
+    TP rank 0 logs it once."""
     from tpprobe.capture.hooks import Tap
     from tpprobe.capture.record import resolve_summaries
     from tpprobe.engines.sglang.plugin import Budget
@@ -189,6 +200,7 @@ def _capture(s, model, run, input_ids, mode, step) -> None:
     _state.busy = True
     t0 = time.time()
     fps = Deferred(PROBE_SEED, PROBE_K)
+    tap, error = None, None
     try:
         with torch.no_grad(), Tap(model, extensions=vllm_extensions(), input_ids=input_ids,
                                   embed=s["embed"], layers=s["layer_list"],
@@ -197,10 +209,20 @@ def _capture(s, model, run, input_ids, mode, step) -> None:
                                   summarize=fps) as tap:
             run()
         resolve_summaries(tap, fps, True)
+        if _PLUGIN_ERROR["rank"] == rank:
+            raise RuntimeError(f"TPPROBE_VLLM_INJECT=plugin-error@{rank}: a fault in the plugin's own code")
+    except Exception as e:  # noqa: BLE001
+        if "model_error" in box:
+            raise
+        error = f"{type(e).__name__}: {e}"
     finally:
         _state.busy = False
-    _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, time.time() - t0, budget)
-    if _STEPS["captured"] >= s["max_steps"]:
+    if "result" not in box:     # the Tap failed before the model ran: the forward (its collectives) first
+        run()
+    t_forward = time.time() - t0
+    if _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget, error=error):
+        _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
+    if _STEPS["captured"] >= s["max_steps"] or _STEPS["failed"]:
         from tpprobe.capture.audit import release
         release()
 
@@ -239,9 +261,10 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, b
                                  tokens=int(input_ids.shape[0]), mode=mode, step=step, par=par, slots=slots)
 
 
-def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget) -> None:
-    """The SGLang plugin's step writer (files, the gather over the TP group's CPU group, the manifest)
-    with this plugin's record and ranks: `tp` is vLLM's GroupCoordinator (cpu_group, ranks)."""
+def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget, error=None) -> list:
+    """The SGLang plugin's step writer (files, the all-gather over the TP group's CPU group, the
+    manifest) with this plugin's record and ranks: `tp` is vLLM's GroupCoordinator (cpu_group, ranks).
+    Returns every rank's error of this step (the same on every rank)."""
     from tpprobe.engines.sglang.plugin import write_step
 
     par = parallel_ranks()
@@ -249,5 +272,5 @@ def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward
     def record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
         return _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, budget, par)
 
-    write_step(s, step, mode, rank, world, tp, tap, input_ids, None, model, t_forward, budget,
-               record=record, par=par, source="vllm-plugin")
+    return write_step(s, step, mode, rank, world, tp, tap, input_ids, None, model, t_forward, budget,
+                      record=record, par=par, source="vllm-plugin", error=error)
