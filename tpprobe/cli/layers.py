@@ -63,6 +63,8 @@ def layers_command(
     con = console()
     if engine not in ("sglang", "vllm"):
         raise UsageError(f"--engine {engine!r}: use sglang or vllm")
+    if vllm_runner not in ("v1", "v2"):
+        raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
     if draft_config is not None or target_config is not None:
         if draft_config is None or target_config is None:
             raise UsageError("--draft-config and --target-config go together: give both config.json files")
