@@ -182,3 +182,48 @@ def test_config_readers_replay_vllms_own(live):
             got = config_ids(cfg, runner)[0]
             assert (tuple(got) if got else None) == want, (runner, cfg, got, want)
 
+
+
+@pytest.mark.vllm
+def test_diff_reads_what_vllms_own_writer_writes(tmp_path):
+    """vLLM's ExampleHiddenStatesConnector writes the file (its `_write_tensors`, the lock taken as its
+    `wait_for_save` takes it; read back by its `load_hidden_states`); tpprobe diff reads it against a tpprobe
+    capture of the same tokens: a match on the healthy pair, the exact slot named on an off-by-one."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector, load_hidden_states)
+
+    from tests.test_diff import jdiff
+    from tpprobe.eagle3.diff import load_side
+    from tpprobe.formats.vllm_hidden import to_tensors
+
+    cap = tmp_path / "cap"
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "1", "--layers", "-1,2,5", "--num-layers",
+                        "8", "--quiet", "--out", str(cap)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
+    s = load_side("baseline", cap)
+
+    def vllm_writes(name, points):
+        path = str(tmp_path / "hs" / f"{name}.safetensors")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        ExampleHiddenStatesConnector._write_tensors(to_tensors([s.streams[q] for q in points], s.input_ids),
+                                                    SimpleNamespace(synchronize=lambda: None), path, fd)
+        back = load_hidden_states(path)
+        assert list(back["hidden_states"].shape) == [len(s.input_ids), 3, s.hidden]
+        return path
+
+    ok = vllm_writes("req-ok", ["embed.out", "layer.2.out", "layer.5.out"])
+    rc, res = jdiff(cap, ok)
+    assert rc == 0 and res["kinds"] == ["match"] and res["target"]["kind"] == "vllm-extract", res["verdict"]
+    early = vllm_writes("req-early", ["embed.out", "layer.2.out", "layer.4.out"])
+    rc, res = jdiff(early, cap)
+    assert rc == 1 and res["kinds"] == ["off-by-one"] and res["match"] == [0, 1, None], res["verdict"]
+    assert "target slot 2 has no match: layer 5's output was captured where layer 4's output (baseline slot 2) was " \
+           "expected, one layer late (off by one)" in res["verdict"]
