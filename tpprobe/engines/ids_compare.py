@@ -18,8 +18,9 @@ CONVENTIONS = {"output": "the output-of-layer ids (id k = layer k's output = HF 
 def sglang_config_ids(draft: dict) -> tuple[Optional[list[int]], str]:
     """The ids SGLang's target side reads from a draft config (spec_aux_hidden_state.py: only the nested ids)."""
     eagle = draft.get("eagle_config") if isinstance(draft.get("eagle_config"), dict) else None
-    if eagle is not None and eagle.get("use_aux_hidden_state", True) and eagle.get("eagle_aux_hidden_state_layer_ids"):
-        return list(eagle["eagle_aux_hidden_state_layer_ids"]), "eagle_config.eagle_aux_hidden_state_layer_ids"
+    ids = (eagle or {}).get("eagle_aux_hidden_state_layer_ids")
+    if eagle is not None and eagle.get("use_aux_hidden_state", True) and ids is not None:
+        return list(ids), "eagle_config.eagle_aux_hidden_state_layer_ids"
     return None, "no eagle_config.eagle_aux_hidden_state_layer_ids: the model's default [2, L//2, L-3]"
 
 
