@@ -50,21 +50,35 @@ def layers_command(
                                              help="what the draft's ids meant in training: output (id k = output of "
                                                   "layer k, SpecForge) | before (id k = input of layer k)")] = "output",
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    engine: Annotated[str, typer.Option("--engine", help="whose capture rule: sglang | vllm (vLLM's ids are used "
+                                                         "as written: id k = HF hidden_states[k])")] = "sglang",
+    vllm_runner: Annotated[str, typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner "
+                                                                   "that reads the draft's ids: v2 (GPU default) "
+                                                                   "| v1 (CPU)")] = "v2",
 ) -> None:
-    """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
+    """What each EAGLE-3 layer id really captures under SGLang's (or vLLM's) rules (no model is run)."""
     from tpprobe.engines.sglang.layer_ids import parse_ids
     from tpprobe.report.terminal import console
 
     con = console()
+    if engine not in ("sglang", "vllm"):
+        raise UsageError(f"--engine {engine!r}: use sglang or vllm")
+    if vllm_runner not in ("v1", "v2"):
+        raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
     if draft_config is not None or target_config is not None:
         if draft_config is None or target_config is None:
             raise UsageError("--draft-config and --target-config go together: give both config.json files")
-        res = contract(draft_config, target_config, draft_convention)
+        res = contract(draft_config, target_config, draft_convention, vllm_runner)
         if json_out:
             print(json.dumps(res, indent=1))
         else:
+            from tpprobe.engines.ids_compare import render
+
             render_contract(res, con)
-        raise typer.Exit(1 if res["differences"] else 0)
+            render(res["engines"], con)
+        raise typer.Exit(1 if res["differences"] or res["engines"]["verdict"] else 0)
+    if engine == "vllm":
+        _vllm(arch, parse_ids(ids), num_layers, json_out, con)
     if arch.strip().lower() == "all":
         rows = all_rows(parse_ids(ids), num_layers)
         if json_out:
@@ -87,6 +101,29 @@ def layers_command(
     raise typer.Exit(1 if p.problems else 0)
 
 
+def _vllm(arch: str, ids, num_layers: int, json_out: bool, con) -> None:
+    """`--engine vllm`: the SGLang views' shapes, from vLLM's rule (tpprobe.engines.vllm.layer_ids)."""
+    from tpprobe.engines.vllm import layer_ids as v
+
+    if arch.strip().lower() == "all":
+        rows = v.all_rows(ids, num_layers)
+        if json_out:
+            print(json.dumps(rows, indent=1))
+        else:
+            render_all(rows, ids, num_layers, con, engine="vllm")
+        raise typer.Exit(1 if any(r["problems"] for r in rows) else 0)
+    p = v.plan(arch, ids, num_layers)
+    if json_out:
+        print(json.dumps({"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
+                          "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
+                          "crash": p.crash, "problems": p.problems, "rows": [r.__dict__ for r in p.rows]}, indent=1))
+    else:
+        con.print(v.layers_table(p))
+        if p.problems:
+            con.print(f"[bold red]PROBLEM[/]: {'; '.join(p.problems)}")
+    raise typer.Exit(1 if p.problems else 0)
+
+
 # ---- every architecture ------------------------------------------------------------------
 def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     from tpprobe.engines.sglang.layer_ids import plan_from_derived
@@ -104,15 +141,21 @@ def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     return out
 
 
-def render_all(rows: list[dict], ids, num_layers: int, con) -> None:
+def render_all(rows: list[dict], ids, num_layers: int, con, engine: str = "sglang") -> None:
     from rich.table import Table
 
     given = "default" if ids is None else ",".join(map(str, ids))
-    from tpprobe.engines.sglang import rules
+    if engine == "vllm":
+        from tpprobe.engines.vllm import installed_version, layer_ids
 
-    how = ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
-           f"derived from the installed SGLang {rules.installed_version()}")
-    t = Table(title=f"EAGLE-3 capture of every SGLang architecture, ids {given}, {num_layers} layers ({how})")
+        name, how = "vLLM", (f"vLLM {layer_ids.version()}'s code, tabulated" if layer_ids.use_table()
+                             else f"derived from the installed vLLM {installed_version()}")
+    else:
+        from tpprobe.engines.sglang import rules
+
+        name, how = "SGLang", ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
+                               f"derived from the installed SGLang {rules.installed_version()}")
+    t = Table(title=f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})")
     for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]", "problem"):
         t.add_column(c)
     for r in rows:
@@ -143,7 +186,7 @@ def _int_list(v, where: str) -> Optional[list[int]]:
     return list(v)
 
 
-def contract(draft_path: Path, target_path: Path, convention: str = "output") -> dict:
+def contract(draft_path: Path, target_path: Path, convention: str = "output", vllm_runner: str = "v2") -> dict:
     """Slot by slot: what the draft was configured to receive vs what the target captures."""
     from tpprobe.capture.points import point_label
     from tpprobe.checks.slots import slot_verdict
@@ -213,7 +256,13 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output") ->
             verdict = {"kind": v[0], "where": v[1], "detail": v[2]}
     if p.crash:
         differences.insert(0, f"the target crashes with these ids: {p.crash}")
-    return {"draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
+    from tpprobe.engines.ids_compare import compare
+
+    try:
+        engines = compare(draft, archs[0], L, convention, vllm_runner)
+    except UsageError as e:      # an architecture one engine does not know: said in the engines' view
+        engines = {"verdict": None, "error": str(e), "rows": [], "notes": [str(e)]}
+    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
             "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
