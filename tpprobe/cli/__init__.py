@@ -210,13 +210,17 @@ def diff(
                             "1e-3, or per target slot 0=1e-3,2=5e-2 "
                             "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    html: Annotated[Optional[str],
+                    typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
+                                                                       "to this file")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
     _DEBUG["on"] = debug
     from .diff import diff_command    # torch is imported only when a command needs it
     diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
-                 threshold=threshold, json_out=json_out)
+                 threshold=threshold, json_out=json_out, html=html, markdown=markdown)
 
 @app.command("accept")
 def accept(
