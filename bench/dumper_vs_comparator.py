@@ -149,7 +149,7 @@ CMP = ("import sys,time\n"
        "sys.exit(rc)\n")
 TPP = ("import sys,time\n"
        "from tpprobe.cli import main\n"
-       "import tpprobe.dumpdir.dumper\n"
+       "import tpprobe.dumpdir.report\n"
        "t, c = time.perf_counter(), time.process_time()\n"
        "try:\n"
        "    main(sys.argv[1:])\n"

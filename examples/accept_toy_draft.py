@@ -69,7 +69,8 @@ def train(feats: torch.Tensor, ids: torch.Tensor, out, vocab: int = V, steps: in
     from the aux features alone (its token embedding is zero and frozen, so it cannot shortcut
     through token t+1). The draft vocabulary is a permutation of the target's, so d2t must be
     honoured to score it. Written to `out` as SpecForge writes a draft."""
-    from tpprobe.eagle3.accept import Draft, Eagle3Forward, write_draft
+    from tpprobe.eagle3.accept.draft import Draft, write_draft
+    from tpprobe.eagle3.accept.engines import Eagle3Forward
     hidden = feats.shape[-1] // 3
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(7))      # draft index -> target id
     inv = torch.empty_like(perm)

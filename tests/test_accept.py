@@ -19,7 +19,7 @@ import torch
 
 from examples.accept_toy_draft import IDS, TOKENS, V, capture as _capture, probe_args, train as _train
 from tests.ranks import ROOT, probe, run_cli
-from tpprobe.eagle3.accept import accept_lengths, run_accept
+from tpprobe.eagle3.accept.score import accept_lengths, run_accept
 FAULTS = {  # --inject -> catalogue row (faults of the built-in model that change the aux input)
     "slice-capture": "F6", "capture-offset": "F7", "slot-order": "F8", "drop-embed-slot": "F8",
     "alias-capture": "F9", "embed-after-norm": "F13",
@@ -123,7 +123,8 @@ def test_the_cli_scores_the_seeds_slot_order_with_sglangs_draft_and_writes_json_
 def test_reimplementation_matches_sglangs_class(runs):
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]);"
-        "from tpprobe.eagle3.accept import load_draft, Eagle3Forward, SGLangEagle3;"
+        "from tpprobe.eagle3.accept.draft import load_draft;"
+        "from tpprobe.eagle3.accept.engines import Eagle3Forward, SGLangEagle3;"
         "from examples.accept_toy_draft import capture as _capture; from pathlib import Path;"
         "d = load_draft(sys.argv[2]); f, ids = _capture(Path(sys.argv[3]));"
         "a = Eagle3Forward(d).logits(f[:-1], ids[1:]).detach(); b = SGLangEagle3(d).logits(f[:-1], ids[1:]);"
@@ -279,7 +280,8 @@ def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
     scale, a hundredfold room over rounding), and at most 2 of the 190 per row (a wrong device
     path flips tens). Accept lengths within 0.05."""
     import math
-    from tpprobe.eagle3.accept import Eagle3Forward, load_draft
+    from tpprobe.eagle3.accept.draft import load_draft
+    from tpprobe.eagle3.accept.engines import Eagle3Forward
     if not torch.cuda.is_available():
         pytest.fail("needs CUDA (run with -m gpu on the GPU machine)")
     d = load_draft(runs["draft"])

@@ -244,7 +244,7 @@ def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
     """No more than two rank records are alive at once, whatever the folder holds."""
     import weakref
 
-    from tpprobe.dumpdir import dumper as D
+    from tpprobe.dumpdir import check as D
     alive, peak, real = set(), [0], D.load
 
     def counting(f):
@@ -265,7 +265,7 @@ def test_report_streams_two_records_at_a_time(dumps, monkeypatch):
 def test_load_maps_new_files_and_reads_old_ones_whole(tmp_path):
     """Files are memory-mapped (weights_only still); a file in torch's legacy format, which cannot be
     mapped, is read whole, with the same values."""
-    from tpprobe.dumpdir import dumper as D
+    from tpprobe.formats import sglang_dump as D
     v = torch.arange(12.).reshape(3, 4).to(torch.bfloat16)
     new, old = (tmp_path / "step=0___rank=0___dump_index=1___name=h.pt",
                 tmp_path / "step=0___rank=1___dump_index=1___name=h.pt")

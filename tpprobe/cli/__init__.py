@@ -133,9 +133,9 @@ def report(
 ) -> None:
     """Re-run the checks on a capture folder (or an SGLang dumper folder), offline, and print the report."""
     _DEBUG["on"] = debug
-    from ..dumpdir.dumper import is_dumper_dir
+    from ..formats.sglang_dump import is_dumper_dir
     if is_dumper_dir(capture_dir):
-        from ..dumpdir.dumper import report_command
+        from ..dumpdir.report import report_command
         raise typer.Exit(report_command(capture_dir, json_out=json_out, quiet=quiet, emit_dims=emit_dims))
     if emit_dims:
         raise UsageError(f"--emit-dims reads SGLang dumper folders; {capture_dir} is not one")
@@ -253,7 +253,8 @@ def accept(
     """Run the EAGLE-3 draft on both feature sets and say what the target capture costs in accept length."""
     _DEBUG["on"] = debug
     import json as _json
-    from ..eagle3.accept import markdown as md, render, run_accept
+    from ..eagle3.accept.report import markdown as md, render
+    from ..eagle3.accept.score import run_accept
     rep = run_accept(draft, baseline, target, tokens_from=tokens_from, fix=fix, engine=engine,
                      embed=str(embed) if embed else None, rank=rank, tolerance=tolerance, device=device)
     if markdown is not None:

@@ -77,12 +77,12 @@ def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = 
     for flag, path in (("--html", html), ("--markdown", markdown)):
         if path:
             check_file_path(Path(path), flag)
-    from ..dumpdir.dumper import is_dumper_dir
+    from ..formats.sglang_dump import is_dumper_dir
     if is_dumper_dir(baseline) or is_dumper_dir(target):
         if not (is_dumper_dir(baseline) and is_dumper_dir(target)):
             raise UsageError(f"{baseline if is_dumper_dir(baseline) else target} is an SGLang dumper folder and "
                              f"{target if is_dumper_dir(baseline) else baseline} is not: compare two dumper folders")
-        from ..dumpdir.dumper import diff_command as dumper_diff
+        from ..dumpdir.report import diff_command as dumper_diff
         raise typer.Exit(dumper_diff(baseline, target, json_out=json_out))
     rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,
                    offset=offset, threshold=threshold)

@@ -1,1 +1,1 @@
-"""Dumper folders: SGLang's dumper output checked and compared across ranks and runs (dumper)."""
+"""Dumper folders: SGLang's dumper output checked across ranks (check), compared across runs (diff), dims (dims)."""
