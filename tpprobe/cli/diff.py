@@ -83,7 +83,7 @@ def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = 
             raise UsageError(f"{baseline if is_dumper_dir(baseline) else target} is an SGLang dumper folder and "
                              f"{target if is_dumper_dir(baseline) else baseline} is not: compare two dumper folders")
         from ..dumpdir.report import diff_command as dumper_diff
-        raise typer.Exit(dumper_diff(baseline, target, json_out=json_out))
+        raise typer.Exit(dumper_diff(baseline, target, json_out=json_out, html=html, markdown=markdown))
     rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,
                    offset=offset, threshold=threshold)
     from ..report.emit import Flags, emit
