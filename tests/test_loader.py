@@ -322,3 +322,14 @@ def test_property_hostile_rank_metadata_sealed_in_the_manifest(healthy, tmp_path
     if 1 in run.records:   # accepted: the offline report must not crash on it either
         from tpprobe.cli.report import report_dir
         assert report_dir(d, json_out=True, quiet=True) in (0, 1)
+
+
+def test_torch_load_is_called_in_one_place():
+    """Every `.pt` file (capture, dumper record, SpecForge sample, draft checkpoint) is read through
+    tpprobe/formats/safe_load.py: the package calls torch.load nowhere else (read from the syntax tree)."""
+    import ast
+    hits = sorted({str(p.relative_to(ROOT)) for p in (ROOT / "tpprobe").rglob("*.py")
+                   for node in ast.walk(ast.parse(p.read_text()))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
+                   and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"})
+    assert hits == ["tpprobe/formats/safe_load.py"], hits

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .measure import bitwise, flat, measure, nonfinite_count, one_thread, rows_nonzero
+from ..checks.crossrank import classes as rank_classes
 from ..checks.findings import FAILURE, INFO, WARNING, Finding, exit_code
 from ..formats.sglang_dump import DumpRun, load, scan, token_dim, tp_layout, tp_of
 
@@ -145,21 +146,20 @@ def check_run(run: DumpRun) -> dict:
     return {"groups": results, "records": records, "hidden": hidden}
 
 
-def _classes(by_rank, ranks, ref_r, per_rank) -> list[list[int]]:
-    """Ranks grouped by equal values (bitwise or noise), largest group first (loads two records at a time)."""
-    groups = [[ref_r] + [r for r in ranks if r != ref_r and per_rank[str(r)]["level"] in ("bitwise", "noise")]]
-    for r in ranks:
-        if r in groups[0]:
-            continue
-        x, _ = load(by_rank[r])
-        for grp in groups[1:]:
-            y, _ = load(by_rank[grp[0]])
-            if measure(x, y)["level"] in ("bitwise", "noise"):
-                grp.append(r)
-                break
+class RankFiles:
+    """One record's rank files as the evidence checks/crossrank.classes groups ranks by: two ranks are the
+    same when measure() (the one noise rule) calls them bitwise or noise. A rank against the reference
+    rank is read off the levels already measured; any other pair loads two records at a time."""
+
+    def __init__(self, by_rank: dict, ref_r: int, per_rank: dict):
+        self.by_rank, self.ref_r, self.per_rank = by_rank, ref_r, per_rank
+
+    def same(self, name: str, r: int, q: int) -> bool:
+        if q == self.ref_r and r != q and str(r) in self.per_rank:
+            level = self.per_rank[str(r)]["level"]
         else:
-            groups.append([r])
-    return sorted(groups, key=lambda grp: (-len(grp), grp[0]))
+            level = measure(load(self.by_rank[r])[0], load(self.by_rank[q])[0])["level"]
+        return level in ("bitwise", "noise")
 
 
 def sum_over(by_rank, ranks, tdim: int = 0, masks: bool = True):
@@ -185,7 +185,7 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
     world = len(ranks)
     where = _where(g)
     declared = f" (its dims declare it replicated: {g.declared!r})" if lay and lay[0] == "replicated" else ""
-    classes = _classes(by_rank, ranks, ref_r, g.per_rank)
+    classes = rank_classes(RankFiles(by_rank, ref_r, g.per_rank), g.name, ranks)   # ref_r is ranks[0]
     if len(classes[0]) * 2 > world:
         bad = sorted(r for c in classes[1:] for r in c)
         _divergent(g, bad, g.per_rank.get(str(bad[0]), {}) if classes[0][0] == ref_r else {},

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..core.noise import INT_VIEW, coarser, compare, fast_level, has_nonfinite   # THE noise rule
+from ..core.noise import INT_VIEW, coarser, compare, fast_level, has_nonfinite, nonzero_rows   # THE noise rule
 
 COMPARE_CHUNK = 1 << 20   # elements per compare() call on the slow path
 LEVEL_ORDER = ["reference", "share", "bitwise", "noise", "material", "shape"]
@@ -105,7 +105,7 @@ def nonfinite_count(t: torch.Tensor) -> int:
 
 def rows_nonzero(t: torch.Tensor, tdim: int = 0) -> torch.Tensor:
     t = t.movedim(tdim, 0) if tdim and t.dim() > tdim else t
-    return _rows2d(t).ne(0).any(-1)
+    return nonzero_rows(t)
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from .safe_load import torch_load
 from ..capture.record import check_meta
 from ..core.errors import CaptureError, UsageError
 
@@ -237,13 +238,14 @@ def _read_json(path: Path, what: str):
 
 
 def safe_torch_load(path) -> object:
-    """The only way tpprobe reads a `.pt` file: tensors and plain containers, never code.
+    """A `.pt` file of a capture folder, through the one loader (formats/safe_load.py): tensors and plain
+    containers, never code.
 
     torch.load(weights_only=True) refuses any pickle that would import or call something; that
     refusal (and any other unreadable file) becomes one CaptureError naming the file."""
     p = Path(path)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch_load(p)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
         raise CaptureError(f"{p}: refused to load: the file holds more than tensors (it would run code "

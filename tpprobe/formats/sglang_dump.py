@@ -7,16 +7,15 @@ tp_size, …), dims (when the caller gave them), …}}`. A folder is a dumper fo
 files carry step, rank and name in their names (or it has exactly one such subfolder, as SGLang's
 comparator accepts).
 
-Loading is safe and streamed: `torch.load(weights_only=True)`, one file at a time, memory-mapped
-(`mmap=True`: the values are read from the page cache where they are used, not copied first;
-a file that cannot be mapped is read whole); a group (one name, step and tag set) holds the
-reference rank's record and one other record at a time, so memory is bounded by two records, not
-the folder.
+Loading is safe and streamed: `torch.load(weights_only=True)` through formats/safe_load.py, one
+file at a time, memory-mapped (`mmap=True`: the values are read from the page cache where they are
+used, not copied first; a file that cannot be mapped is read whole); a group (one name, step and
+tag set) holds the reference rank's record and one other record at a time, so memory is bounded by
+two records, not the folder.
 """
 from __future__ import annotations
 
 import re
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .safe_load import torch_load
 from ..core.errors import CaptureError, UsageError
 
 REQUIRED_KEYS = ("step", "rank", "name")
@@ -151,14 +151,12 @@ def load(f: DumpFile) -> tuple:
     import pickle
     import zipfile
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:       # mapped: the bytes are read where they are compared, not copied first
-                data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError:
-                raise
-            except Exception:      # not mappable (an old format, a pipe): read it whole; its errors are said below
-                data = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:       # mapped: the bytes are read where they are compared, not copied first
+            data = torch_load(str(path), mmap=True, quiet=True)
+        except pickle.UnpicklingError:
+            raise
+        except Exception:      # not mappable (an old format, a pipe): read it whole; its errors are said below
+            data = torch_load(str(path), quiet=True)
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CaptureError(f"{path}: refused: it holds pickled objects other than tensors and plain containers, "
@@ -178,9 +176,7 @@ def peek(f: DumpFile) -> tuple:
     """(shape, meta) of a record without reading its values (a memory map of the file, weights_only
     still); (None, {}) when the file cannot be read that way (the real load then says why, in one line)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            d = torch.load(str(f.path), map_location="cpu", weights_only=True, mmap=True)
+        d = torch_load(str(f.path), mmap=True, quiet=True)
         v = d.get("value")
         return (tuple(v.shape) if isinstance(v, torch.Tensor) else None), dict(d.get("meta") or {})
     except Exception:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .safe_load import torch_load
 from ..core.errors import CaptureError
 
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
@@ -41,9 +41,7 @@ def safe_torch_load(path: Path):
                 src = io.BytesIO(f.read())
         else:
             src = str(path)
-        with warnings.catch_warnings():      # torch warns on legacy pickles; the error below says it all
-            warnings.simplefilter("ignore")
-            return torch.load(src, map_location="cpu", weights_only=True)
+        return torch_load(src, quiet=True)      # torch warns on legacy pickles; the error below says it all
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"{path}: refused: the file holds pickled objects other than tensors and plain "
