@@ -41,7 +41,7 @@ RULES = [
     (r"^TPPROBE_CAPTURE_DIR=\S+ .*vllm serve |^tpprobe report /tmp/cap$", "skip", "",
      "a live vLLM server: tests/test_vllm_live.py runs vLLM's engine with the plugin under -m vllm_live"),
     (r"^bash ci/vllm-cpu/install\.sh|^\.venv-vllm/|--backend vllm", "skip", "",
-     "the vLLM tier (its own venv, not in scripts/test.sh): tests/test_vllm_probe.py runs it under -m vllm"),
+     "the vLLM tier (its own venv; scripts/test.sh installs it and runs tests/test_vllm_*.py under -m vllm)"),
     (r"^python scripts/import_graph\.py$", "run", "fast", ""),
     (r"^block .*: tpprobe (probe|specforge|diff) ", "run", "fast", ""),
     (r"^tpprobe probe --inject [a-z-]+(@\d+)?( --\S+ \S+)*$", "run", "slow", ""),

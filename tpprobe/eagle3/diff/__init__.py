@@ -1,7 +1,8 @@
 """`tpprobe diff BASELINE TARGET`: two runs of the same tokens, slot by slot, with a slot matcher.
 
 BASELINE and TARGET are each a tpprobe capture folder, a SpecForge EAGLE-3 sample (`.ckpt`,
-`.ckpt.gz`, `.pt`, loaded with `torch.load(weights_only=True)` only), a tpprobe rank file, or a
+`.ckpt.gz`, `.pt`, loaded with `torch.load(weights_only=True)` only), vLLM's `extract_hidden_states`
+file (`{req_id}.safetensors`: hidden_states [tokens, K, hidden], token_ids), a tpprobe rank file, or a
 bare `.safetensors` / `.pt` holding one packed [tokens, K*hidden] tensor.
 
   align   tokens by input_ids: exact, prefix, or a stated --offset; different sequences are refused

@@ -12,6 +12,8 @@ import torch
 from ...capture.points import AUX_PACKED, EMBED_OUT, in_norm, layer_streams
 from ...core.errors import CaptureError, UsageError
 from ...formats.specforge import EXPECTED, parse_sample, safe_torch_load
+from ...formats.vllm_hidden import is_vllm_hidden
+from ...formats.vllm_hidden import parse as parse_vllm
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".gz")
 
@@ -20,7 +22,7 @@ TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".gz")
 class Side:
     role: str
     path: Path
-    kind: str                                   # capture | rank-file | specforge | bare
+    kind: str                                   # capture | rank-file | specforge | vllm-extract | bare
     packed: torch.Tensor                        # [tokens, K*hidden]
     input_ids: Optional[torch.Tensor] = None
     streams: dict[str, torch.Tensor] = field(default_factory=dict)   # embed.out, layer.0.in_norm, layer.K.out
@@ -118,6 +120,9 @@ def _load_file(role: str, path: Path) -> Side:
             return _from_rank_tensors(role, path, "rank-file", t)
         if "aux_hidden_state" in t:
             return _from_sample(role, path, parse_sample(path, t))
+        if is_vllm_hidden(t):
+            v = parse_vllm(path, t)
+            return Side(role, path, "vllm-extract", v["packed"], input_ids=v["input_ids"], hidden=v["hidden"])
         if len(t) == 1:
             return Side(role, path, "bare", _packed2d(path, f"tensor {next(iter(t))!r}", next(iter(t.values()))))
         raise CaptureError(f"{path}: holds {len(t)} tensors ({', '.join(list(t)[:6])}), expected {EXPECTED}")
