@@ -60,7 +60,7 @@ def worker(rank, a, port, q):
     def tap(v):
         old = v.endswith("_old")
         if old:
-            hooks._PLANS.clear()           # discovery walks the model, as every Tap did before
+            hooks.PLANS.reset()           # discovery walks the model, as every Tap did before
         t = Tap(model, keep=keep3 if v.startswith("fp") else (lambda n: False), keep_allreduce_tensors=False,
                 summarize=(lambda x: fingerprint(x, seed=0, k=32)) if v.startswith("fp") else None)
         t.auditor.use_mode = old           # the audit through its TorchDispatchMode, as before

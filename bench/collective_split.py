@@ -13,7 +13,7 @@ idle device; the host time per collective is printed (median and mean of the rou
   tap           a Tap (installed: every hook and its callbacks) around --per row-parallel modules,
                 each all-reducing its output, minus the same Tap around the same modules with no
                 collective (the Tap's per-collective cost as the probe pays it)
-  *_kernel      the same with ProcessGroup's doors closed (capture/audit.py `_door`): the collective
+  *_kernel      the same with ProcessGroup's doors closed (capture/audit/doors.py): the collective
                 goes through the audit's dispatcher kernel, as every collective did before the doors
 Then: is dist.all_reduce blocking the host? The host time of one all_reduce issued behind
 --busy-ms of queued device work (torch.cuda._sleep), against one from an idle device.
@@ -128,7 +128,7 @@ def main():
         return timed(loop)
 
     def v_passthrough():
-        audit_mod._doors.sync()
+        audit_mod.sync()
         return timed(loop)
 
     def v_audit():
@@ -148,12 +148,12 @@ def main():
     def kernel_only(fn):
         # the same variant with ProcessGroup's doors closed: every collective through the kernel
         def v():
-            audit_mod._doors.sync()
-            audit_mod._doors.set_doors(False)
+            audit_mod.sync()
+            audit_mod.set_doors(False)
             try:
                 return fn()
             finally:
-                audit_mod._doors.set_doors(True)
+                audit_mod.set_doors(True)
         return v
 
     def tap_run(reduce):

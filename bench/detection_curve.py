@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from tpprobe.checks.evidence import fp_level, fp_rel
+from tpprobe.fingerprint.levels import fp_level, fp_rel
 from tpprobe.core.noise import compare
 from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
 

@@ -77,7 +77,7 @@ def run(xs, iters: int, host_combine: bool) -> dict:
             total.append(t2 - t0)
         del cs
     tm.restore()
-    assert not tf.COMBINE_WHY, tf.COMBINE_WHY
+    assert not tf.STATE.combine_why, tf.STATE.combine_why
     copy = tm.copy[10:]
     launch = tm.launch[10:] if not host_combine else [0.0] * len(copy)
     rest = [r - c - la for r, c, la in zip(read, copy, launch)]

@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import tpprobe.fingerprint.triton as tf  # noqa: E402
+from tpprobe.fingerprint.triton import kernels as tf  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -27,7 +27,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def asm_signature(kernel: str, block_r: int, extra: dict):
     """(signature, constexprs, divisible-by-16 args) to compile a kernel offline:
     3 x [8192, 7168] bf16, k = 32, 132 SMs x 3 programs."""
-    if kernel == "_fp32_kernel":
+    if kernel == "fp32_kernel":
         sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
                "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "brows_per_token": "i32",
                "iters": "i32", "salt_b0": "u32", "NPROG": "i32"}
@@ -36,7 +36,7 @@ def asm_signature(kernel: str, block_r: int, extra: dict):
         for name in const:
             sig[name] = "constexpr"
         return sig, const, ("w_ptr", "a_ptr", "nwords")
-    if kernel != "_fp16_kernel":
+    if kernel != "fp16_kernel":
         raise ValueError(kernel)
     sig = {"w_ptr": "*i32", "a_ptr": "*fp32", "fpart_ptr": "*fp32", "ipart_ptr": "*i64",
            "flag_ptr": "*i32", "nwords": "i32", "nbrows": "i32", "nfull": "i32",
@@ -126,7 +126,7 @@ def main():
     ap.add_argument("--block-r", type=int, default=16)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--kernel", default="_fp16_kernel")
+    ap.add_argument("--kernel", default="fp16_kernel")
     ap.add_argument("--dump")
     ap.add_argument("--maxnreg", type=int, default=144)
     ap.add_argument("kv", nargs="*")
@@ -141,7 +141,7 @@ def main():
     n, ops = loop_mix(sass)
     # the hot loop is unrolled DEPTH times (one tile each) in the 16-bit kernel
     words = const.get("BR", const.get("BLOCK_R", a.block_r)) * (64 * const.get("DEPTH", 2)
-                                                               if a.kernel == "_fp16_kernel" else 128)
+                                                               if a.kernel == "fp16_kernel" else 128)
     print(f"hot loop: {n} SASS instructions per tile of {words} words over {32 * a.warps} threads"
           f" = {n * 32 * a.warps / words:.1f} thread-instr/word")
     print("  " + ", ".join(f"{o} {c}" for o, c in ops.most_common(25)))

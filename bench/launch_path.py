@@ -7,7 +7,7 @@ One "forward" = --per-forward [rows, hidden] bf16 tensors fingerprinted as the p
 (`Deferred`), then `resolve()`. Variants alternate round by round, each with its own cached
 entries (so each launches its own way after the first), from a drained device; median host us
 per launch (the calls only) and per resolve. `equal`: the two variants' fingerprints agree bit for
-bit. With a Triton whose launcher is not 3.6's form both variants take the launcher (`direct` says).
+bit. With a Triton outside config/knobs.py FAST_PATHS["launch"] neither variant launches directly.
 """
 import argparse
 import os
@@ -18,7 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tpprobe.fingerprint.triton as tf  # noqa: E402
+import triton  # noqa: E402
+
+from tpprobe.fingerprint.triton import STATE, fastlaunch  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
 
 
@@ -31,15 +33,15 @@ def main():
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     ts = [torch.randn(a.rows, a.hidden, device=dev).to(torch.bfloat16) for _ in range(a.per_forward)]
-    real = tf.launch_of
+    real = fastlaunch.launch_of
     launcher = lambda ck: (ck.run, (ck.packed_metadata, None, None, None))  # noqa: E731
     entries = {"launch_of": {}, "launcher": {}}
 
     def forward(v):
-        tf.launch_of = real if v == "launch_of" else launcher
-        saved = dict(tf._ENTRIES)
-        tf._ENTRIES.clear()
-        tf._ENTRIES.update(entries[v])
+        fastlaunch.launch_of = real if v == "launch_of" else launcher
+        saved = dict(STATE.entries)
+        STATE.entries.clear()
+        STATE.entries.update(entries[v])
         try:
             d = Deferred(0x7470, 32)
             torch.cuda.synchronize()
@@ -48,11 +50,11 @@ def main():
             t1 = time.perf_counter()
             d.resolve()
             t2 = time.perf_counter()
-            entries[v].update(tf._ENTRIES)
+            entries[v].update(STATE.entries)
         finally:
-            tf._ENTRIES.clear()
-            tf._ENTRIES.update(saved)
-            tf.launch_of = real
+            STATE.entries.clear()
+            STATE.entries.update(saved)
+            fastlaunch.launch_of = real
         return (t1 - t0) / len(ts) * 1e6, (t2 - t1) * 1e6, [resolved(x).to_json() for x in out]
 
     for _ in range(3):
@@ -66,8 +68,8 @@ def main():
             got[v][0].append(launch)
             got[v][1].append(resolve)
     e = next(iter(next(iter(entries["launch_of"].values())).values()))     # the shape's entry
-    direct = e.launcher is not getattr(e.ck, "run", None)
-    print(f"launch path: {torch.cuda.get_device_name(dev)}, triton {tf.triton.__version__}, [{a.rows}, {a.hidden}] "
+    direct = e.direct is not None and e.direct.launch is not getattr(e.direct.compiled, "run", None)
+    print(f"launch path: {torch.cuda.get_device_name(dev)}, triton {triton.__version__}, [{a.rows}, {a.hidden}] "
           f"bf16 x {a.per_forward} per forward, {a.rounds} rounds; launch_of takes the C launch: {direct}")
     for v, (launch, resolve) in got.items():
         print(f"{v:10s} launch {statistics.median(launch):6.2f} us each, resolve {statistics.median(resolve):7.1f} us")

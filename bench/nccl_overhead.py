@@ -76,7 +76,7 @@ def worker(rank: int, a, port: int, q):
         keep_ids = {id_point(i) for i in layer_ids}
 
         def run(v):
-            audit._doors.set_doors(not v.endswith("_kernel"))
+            audit.set_doors(not v.endswith("_kernel"))
             v = v.replace("_kernel", "")
             if v == "off":       # probe off: none of the audit's kernels or doors on the way
                 audit.release()
@@ -104,7 +104,7 @@ def worker(rank: int, a, port: int, q):
             torch.cuda.synchronize()
             t = time.perf_counter() - t0
             if v == "off":       # registered again outside the timing (the next Tap would pay 5 ms)
-                audit._doors.sync()
+                audit.sync()
             return t
 
         times = alternate(variants, run, iters, warmup=2)      # warm-up: the kernels compile once
@@ -152,7 +152,7 @@ def main():
                     "every row-parallel output over the world-1 NCCL group, as a tp-2 model does (the per-collective "
                     "host cost on one GPU)")
     ap.add_argument("--kernel", action="store_true", help="also time installed / fingerprint with "
-                    "ProcessGroup's doors closed (capture/audit.py: every collective through the audit's "
+                    "ProcessGroup's doors closed (capture/audit/: every collective through the audit's "
                     "dispatcher kernel, as before the doors), side by side")
     ap.add_argument("--profile", action="store_true", help="also cProfile 20 decode forwards (rank 0, "
                     "smallest decode size) of installed and fingerprint into --out/profile_*.txt")

@@ -46,9 +46,9 @@ def main():
         return f"path {a.path}, {len(a.records)} record(s)"
     step("audit, kernel path", lambda: audited(False))     # recorded at ProcessGroup.allreduce's door
     from tpprobe.capture import audit as audit_mod
-    audit_mod._doors.set_doors(False)
+    audit_mod.set_doors(False)
     step("audit, kernel path, doors closed", lambda: audited(False))   # recorded by the dispatcher kernel
-    audit_mod._doors.set_doors(True)
+    audit_mod.set_doors(True)
     step("audit, mode path", lambda: audited(True))
 
     from tpprobe.fingerprint.reference import Deferred

@@ -82,7 +82,9 @@ def record(d: Path, names: list[str]) -> None:
     for name, args in COMMANDS.items():
         if names and name not in names:
             continue
-        argv = [sys.executable, "-m", "tpprobe"] + [a.format(d=d) for a in args]
+        # -P: the current folder is not put before PYTHONPATH, so PYTHONPATH picks the tree recorded even when
+        # this runs from another checkout (python -m would otherwise import ./tpprobe first)
+        argv = [sys.executable, "-P", "-m", "tpprobe"] + [a.format(d=d) for a in args]
         p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
         (d / f"{name}.txt").write_text(mask(f"exit {p.returncode}\n--- stdout\n{p.stdout}--- stderr\n{p.stderr}",
                                             str(d)))

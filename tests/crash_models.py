@@ -4,7 +4,7 @@ unusable, so the TypeError is raised in tpprobe's own frame): the run must end w
 internal-error line and exit code, and the live rank's report must name the rank and the step."""
 from __future__ import annotations
 
-import tpprobe.capture.audit as audit
+import tpprobe.capture.audit.recorder as recorder
 import tpprobe.probe.pipeline as probe
 from examples.my_model import build
 
@@ -19,7 +19,7 @@ def crash_in_write(ctx):
 def crash_in_forward(ctx):
     """rank 1: the audit's record of the first all-reduce (a hook of ours, inside the forward) fails."""
     if ctx.rank == 1:
-        audit._dtype_name = None
+        recorder.dtype_name = None
     return build(ctx)
 
 

@@ -19,6 +19,7 @@ import interp_shim  # noqa: E402
 interp_shim.install()
 
 import tpprobe.fingerprint.triton as tf  # noqa: E402
+from tpprobe.fingerprint.triton import kernels  # noqa: E402
 from tpprobe.fingerprint.reference import Pending, _fingerprint_torch  # noqa: E402
 
 # (shape, dtype) of every kernel branch at small sizes: full tiles and the masked tail, one and
@@ -46,7 +47,7 @@ def make_tensors(g) -> list:
 
 
 def main():
-    assert tf._INTERP, "run with TRITON_INTERPRET=1"
+    assert kernels.INTERP, "run with TRITON_INTERPRET=1"
     g = torch.Generator().manual_seed(7)
     tensors = make_tensors(g)
     tf.Batch.CHUNK = 256                 # small buffers: a batch spills into several (the cat path)
@@ -70,7 +71,7 @@ def main():
     entries = len(b.entries)
     dev_host = device_vs_host(tensors, new, g)
     print(json.dumps({"n": len(tensors), "buffers": nbuf, "same": same, "torch_ok": torch_ok,
-                      "entries": entries, "device_combine": not b.host_combine and not tf.COMBINE_WHY,
+                      "entries": entries, "device_combine": not b.host_combine and not tf.STATE.combine_why,
                       **dev_host, "synthetic": synthetic(g)}))
 
 
@@ -131,10 +132,8 @@ def synthetic(g) -> list:
     for n, dt, shape in cases:
         p = tf.plan_one(shape, dt, "cpu", 32, 0, 0, 0, tf.tuning())
         p["nprog"] = n
-        e = tf._Entry()
-        e.p, e.ni, e.nf = p, 4 * n, (-(-n * (p["kp"] + 2) // 4) * 4 + 1) // 2
         ntok = shape[0] if p["flags"] else 0
-        e.drow = (e.ni, e.nf, n, p["kp"], ntok)
+        e = tf.Entry(p=p, ni=4 * n, nf=(-(-n * (p["kp"] + 2) // 4) * 4 + 1) // 2, nprog=n, kp=p["kp"], ntok=ntok)
         e.words = e.ni + e.nf + (ntok + 1) // 2 + 1
         ents.append((e, off))
         off += e.words + (e.words % 2)
@@ -154,14 +153,14 @@ def synthetic(g) -> list:
             fp[3, kp], fp[5, kp + 1], fp[6, 0] = float("nan"), float("inf"), float("-inf")
         if i == 3:
             fp[7, kp + 1] = float("nan")
-        if e.drow[4]:
-            buf[o + e.ni + e.nf:].view(torch.int32)[:e.drow[4]] = (torch.rand(e.drow[4], generator=rng) < 0.5).int()
+        if e.ntok:
+            buf[o + e.ni + e.nf:].view(torch.int32)[:e.ntok] = (torch.rand(e.ntok, generator=rng) < 0.5).int()
     out = []
     for host_combine in (False, True):
         b = tf.Batch(3, 32, host_combine=host_combine)
         b.chunks, b.used = [[buf, off]], off
         tags = [Pending() for _ in ents]
-        b.items = [(ph, e, 0, o, None, None) for ph, (e, o) in zip(tags, ents)]
+        b.items = [tf.Item(ph, e, 0, o, None, None) for ph, (e, o) in zip(tags, ents)]
         b.read()
         out.append([_js(ph.fp) for ph in tags])
     return [a == b for a, b in zip(*out)]

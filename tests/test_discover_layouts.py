@@ -1,4 +1,4 @@
-"""Discovery from structure, for the shapes the TP libraries use (capture/discover.py, capture/hooks.py):
+"""Discovery from structure, for the shapes the TP libraries use (capture/discover.py, capture/hooks/):
 layer containers (ModuleList, torchtitan's ModuleDict, Sequential) found by structure and accepted by
 --layer-list; the embedding in any token layout ([b, s, h], Megatron's [s, b, h], [tokens, h]) read
 back as [tokens, hidden] in the ids' order, the outermost consumer of the ids first and an inner match

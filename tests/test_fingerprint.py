@@ -481,7 +481,7 @@ def test_device_combine_equals_the_host_combine_to_the_bit():
         b.read(None if only is None else {id(tags[i]) for i in only})
         return [None if p.fp is None else json.dumps(p.fp.to_json()) for p in tags]
     dev, host = read(False), read(True)
-    assert not tf.COMBINE_WHY, tf.COMBINE_WHY
+    assert not tf.STATE.combine_why, tf.STATE.combine_why
     assert [i for i, (a, b) in enumerate(zip(dev, host)) if a != b] == []
     only = list(range(1, len(ts), 4))
     part = read(False, only)

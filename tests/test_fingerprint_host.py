@@ -1,4 +1,4 @@
-"""The host side of a fused fingerprint launch (fingerprint/triton.py `Batch`, used by
+"""The host side of a fused fingerprint launch (fingerprint/triton/batch.py `Batch`, used by
 `Deferred`): the same fingerprints, bit for bit, as the launch path it replaced, for less host
 time per launch (docs/benchmarks.md has the H200 numbers); and the same, bit for bit, whether a
 forward's partials are combined on the device (`_combine_kernel`) or on the host (`combine_many`,
@@ -76,12 +76,9 @@ def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch)
     report's exchange part (as the torch path's reasons are); nothing is said otherwise, and a run
     that never imported the kernels says nothing."""
     import sys as _sys
-    from tpprobe.checks.evidence import add_fingerprints
+    from tpprobe.capture.record import fingerprint_notes
     from tpprobe.fingerprint import triton as tf
     from tpprobe.exchange.gather import exchange_summary
-
-    class Tap:
-        summaries, allreduces, order, captures = {}, [], [], {}
 
     class Ch:
         def collect(self, key, deadline):
@@ -90,19 +87,18 @@ def test_the_report_says_why_fingerprints_were_combined_on_the_host(monkeypatch)
     def metas(device):
         out = {}
         for r in (0, 1):
-            m = {"device": device, "allreduces": []}
-            add_fingerprints(m, Tap(), None, 8, torch.float32)
-            out[r] = {"meta": m}
+            out[r] = {"meta": {"device": device, "allreduces": [], "fingerprints": {}, **fingerprint_notes(device)}}
         return out
 
     monkeypatch.delenv("TPPROBE_FP_HOST_COMBINE", raising=False)
-    monkeypatch.setattr(tf, "COMBINE_WHY", [])
+    monkeypatch.setattr(tf.STATE, "combine_why", [])
     assert "fingerprint_host_combine" not in exchange_summary("fingerprint", Ch(), metas("cuda:0"), {}, 0)
     monkeypatch.setenv("TPPROBE_FP_HOST_COMBINE", "1")
-    monkeypatch.setattr(tf, "COMBINE_WHY", ["device combine unavailable (RuntimeError: x); combining on the host"])
+    monkeypatch.setattr(tf.STATE, "combine_why",
+                        ["device combine unavailable (RuntimeError: x); combining on the host"])
     got = exchange_summary("fingerprint", Ch(), metas("cuda:0"), {}, 0)["fingerprint_host_combine"]
     assert got == {r: ["TPPROBE_FP_HOST_COMBINE is set",
                        "device combine unavailable (RuntimeError: x); combining on the host"] for r in (0, 1)}
     assert "fingerprint_host_combine" not in exchange_summary("fingerprint", Ch(), metas("cpu"), {}, 0)
-    monkeypatch.delitem(_sys.modules, "tpprobe.fingerprint.triton")
+    monkeypatch.delitem(_sys.modules, "tpprobe.fingerprint.triton.state")
     assert FP.host_combine_notes() == []

@@ -103,8 +103,16 @@ def test_a_budget_is_asked_before_any_copy_and_refused_points_are_not_copied():
     assert res["copies_before_each_ask"] == [0, 0, 1, 1, 1]
 
 
+def _audit_files() -> set:
+    """The source files of the audit's package (capture/audit/): the frames the profiles count."""
+    from pathlib import Path
+
+    import tpprobe.capture.audit as audit
+    return {str(p) for p in Path(audit.__file__).parent.glob("*.py")}
+
+
 def _kernel_doors(rank, world):
-    """The audit's two paths on real ranks (capture/audit.py): the kernel path enters audit code
+    """The audit's two paths on real ranks (capture/audit/): the kernel path enters audit code
     once per collective and never for an aten op; it records only its own thread's collectives;
     under inference mode, or for a model holding inference tensors, the dispatch mode records the
     same; an op defined after the first audit is picked up; backward through a functional
@@ -118,20 +126,21 @@ def _kernel_doors(rank, world):
 
     t = _target(rank, world)
     calls = []
-    orig = audit.Audit._dispatch
+    orig = audit.Audit.dispatch
 
     def counted(self, func, args, kwargs):
         calls.append(func._name)
         return orig(self, func, args, kwargs)
 
-    audit.Audit._dispatch = counted
+    audit.Audit.dispatch = counted
     recs = lambda tap: [(a.where, a.source, a.group_size, a.shape, a.checked, a.meta()["path"])  # noqa: E731
                         for a in tap.allreduces]
     out = {}
-    entered = []                     # every Python frame of capture/audit.py the forward enters
+    entered = []                     # every Python frame of capture/audit/ the forward enters
+    files = _audit_files()
 
     def prof(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename == audit.__file__:
+        if event == "call" and frame.f_code.co_filename in files:
             entered.append(frame.f_code.co_name)
 
     def profiled():                  # one forward under a Tap, every audit frame it enters counted
@@ -149,11 +158,11 @@ def _kernel_doors(rank, world):
     out["entered"] = {n: entered.count(n) for n in ("door", "k", "__torch_dispatch__", "counted")}
     calls.clear()
     # the same forward with ProcessGroup's doors closed: the dispatcher kernel records the same
-    audit._doors.set_doors(False)
+    audit.set_doors(False)
     try:
         tap = profiled()
     finally:
-        audit._doors.set_doors(True)
+        audit.set_doors(True)
     out["kernel_only"] = (tap.auditor.path, recs(tap), list(calls),
                           {n: entered.count(n) for n in ("door", "k", "__torch_dispatch__")})
     calls.clear()
@@ -316,26 +325,26 @@ def _waits(rank, world):
     kernel a TorchBind ScriptObject; waiting on that crashed NCCL ranks)."""
     from tpprobe.capture import audit
     seen = []
-    unbox = audit._Work.unbox
+    unbox = dist.Work.unbox
 
     def counting(obj):
         seen.append(type(obj).__name__)
         return unbox(obj)
-    audit._Work.unbox = counting
+    dist.Work.unbox = counting
     out = {}
     try:
         for doors in (True, False):      # ProcessGroup's door hands back the Python Work itself
-            audit._doors.sync()
+            audit.sync()
             if not doors:
-                audit._doors.set_doors(False)
+                audit.set_doors(False)
             x = torch.ones(3)
             with audit.Audit(lambda t: ("m", None, "x", None), keep=lambda w: False) as a:
                 dist.all_reduce(x)
             out[doors] = {"seen": list(seen), "records": len(a.records), "path": a.path, "x": x.tolist()}
             seen.clear()
     finally:
-        audit._Work.unbox = unbox
-        audit._doors.set_doors(True)
+        dist.Work.unbox = unbox
+        audit.set_doors(True)
     return out
 
 
@@ -371,9 +380,10 @@ def _doors_forms(rank, world):
 
     from tpprobe.capture import audit
     entered = []
+    files = _audit_files()
 
     def prof(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename == audit.__file__ and frame.f_code.co_name in ("door", "k"):
+        if event == "call" and frame.f_code.co_filename in files and frame.f_code.co_name in ("door", "k"):
             entered.append(frame.f_code.co_name)
 
     x = torch.full((4, 3), float(rank + 1))
@@ -437,10 +447,32 @@ def test_tpprobe_audit_doors_0_keeps_every_collective_on_the_kernel():
             "from tpprobe.capture import audit\n"
             "with audit.Audit(lambda t: ('m', None, 'x', None), keep=lambda w: False) as a:\n"
             "    dist.all_reduce(torch.ones(2))\n"
-            "print(audit._doors.want_doors, getattr(dist.ProcessGroup.allreduce, '_tpprobe_door', False),"
-            " bool(audit._doors.libs), len(a.records), a.records[0].path)\n"
+            "print(audit.DOORS.wanted, getattr(dist.ProcessGroup.allreduce, '_tpprobe_door', False),"
+            " audit.KERNELS.registered(), len(a.records), a.records[0].path)\n"
             "dist.destroy_process_group()\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "TPPROBE_AUDIT_DOORS": "0"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["False", "False", "True", "1", "c10d.allreduce_"]
+
+
+def test_each_audit_path_is_an_interceptor_and_the_audit_names_those_that_ran():
+    """kernel + doors (the usual), kernel alone (doors closed), the mode (inference mode): each an
+    Interceptor entered at start and exited at the end, named by Audit.paths (Audit.path unchanged)."""
+    from tpprobe.capture import audit
+
+    def watched(**kw):
+        with audit.Audit(lambda t: ("m", None, "x", None), **kw) as a:
+            inside = [type(i).__name__ for i in a.interceptors if isinstance(i, audit.Interceptor)]
+        return a.path, a.paths, inside, a.interceptors
+
+    assert watched() == ("kernel", ("kernel", "doors"), ["KernelPath", "DoorsPath"], [])
+    audit.set_doors(False)
+    try:
+        assert watched() == ("kernel", ("kernel",), ["KernelPath"], [])
+    finally:
+        audit.set_doors(True)
+    with torch.inference_mode():
+        assert watched() == ("mode (inference mode)", ("mode",), ["ModePath"], [])
+    assert watched(use_mode=True)[:3] == ("mode (the tensors may be inference tensors)", ("mode",), ["ModePath"])
+    assert audit.KERNELS.active == 0 and audit.release() and not audit.KERNELS.registered() and not audit.DOORS.opened

@@ -24,6 +24,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 import tpprobe.fingerprint.triton as tf  # noqa: E402
+from tpprobe.fingerprint.triton import kernels  # noqa: E402
 from tpprobe.fingerprint.reference import PROBE_K as FP_K, PROBE_SEED as FP_SEED  # noqa: E402
 
 TOKENS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 127, 128, 129, 251, 256, 257, 509,
@@ -54,7 +55,7 @@ def specializations(cc: int, shapes, k: int = FP_K, seed: int = FP_SEED) -> dict
     backend = make_backend(target)
     binders = {}
     out = {}
-    tune = tf._tuning()
+    tune = tf.tuning()
     for shape, dtype in shapes:
         t = torch.empty(shape, dtype=dtype, device="meta")
         plans, ioff, foff, ntok = tf.plan([t], k, GPUS[cc], **tune)
@@ -149,7 +150,7 @@ def test_the_direct_launch_hands_the_launcher_what_jit_run_binds():
     for shape, dtype in [((1, 7168), torch.bfloat16), ((64, 7168), torch.float16), ((33, 130), torch.bfloat16),
                          ((5, 100), torch.float32), ((8192, 7168), torch.float32), ((6,), torch.bfloat16)]:
         b = tf.Batch(FP_SEED, FP_K)
-        e = b._entry(torch.empty(shape, dtype=dtype))
+        e = b.entry(torch.empty(shape, dtype=dtype))
         assert not e.why and e.words % 2 == 0
         binder = create_function_from_signature(e.kern.signature, e.kern.params, backend)
         specs = set()
@@ -173,11 +174,11 @@ def _combine_specs(cc: int) -> dict:
     """The device combine's specializations: k 1 / 32 / 64 (the probe's 32; KP 4 to 64), as
     `Batch` launches it (combine_call), every pointer 16-byte aligned."""
     backend = make_backend(GPUTarget("cuda", cc, 32))
-    kern = tf._combine_kernel
+    kern = kernels.combine_kernel
     binder = create_function_from_signature(kern.signature, kern.params, backend)
     out = {}
     for k in (1, 32, 64):
-        for kp in sorted({tf._kp(k, dt) for dt in DTYPES}):
+        for kp in sorted({tf.padded_k(k, dt) for dt in DTYPES}):
             desc = torch.empty(250, tf.DESC, dtype=torch.int64, device="meta")
             base, res = (torch.empty(n, dtype=torch.int64, device="meta") for n in (1 << 20, 4096))
             _, _, args, kw = tf.combine_call(desc, base, res, 250, k, kp)
@@ -202,7 +203,7 @@ def test_the_combine_direct_launch_hands_the_launcher_what_jit_run_binds():
     """`Batch._combine_run` calls the combine's launcher with integer addresses after the first
     launch: position by position what JITFunction.run binds, one specialization at any address."""
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    kern = tf._combine_kernel
+    kern = kernels.combine_kernel
     binder = create_function_from_signature(kern.signature, kern.params, backend)
     specs = set()
     for at in (0, 16, 4096, 1 << 30):

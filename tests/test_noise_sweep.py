@@ -86,7 +86,7 @@ def _sketch_trials(kind: str, trials: int = 100) -> int:
     alone, in process: bench/detection_curve.py's 'noise' and '1 ULP on 1/2' rows)."""
     import torch
 
-    from tpprobe.checks.evidence import fp_level
+    from tpprobe.fingerprint.levels import fp_level
     from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
     hits = 0
     for t in range(trials):

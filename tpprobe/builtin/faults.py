@@ -203,7 +203,7 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
 # shared-memory `_C.shm_allreduce`, SGLang's GroupCoordinator sit above c10d (or beside it), and that
 # is the part that breaks. `Communicator` gives the built-in model one: every row-parallel module
 # (o_proj, down_proj) is built with reduce_results=False and reduces through it. It reports each
-# reduce to the audit the way such a wrapper does (`tap.collective`, capture/audit.py: the c10d op it
+# reduce to the audit the way such a wrapper does (`tap.collective`, capture/audit/: the c10d op it
 # runs inside is folded into that one record), so the audit reads its input and its output, and one
 # call, at one module, goes wrong as the catalogue says:
 #

@@ -5,19 +5,23 @@ as a serving engine does per batch size) with or without a `GraphTap`; calling i
 into the static input and replays. `graph_probe_rank` is one rank of the GPU proof: it injects
 catalogue faults (before capture, so they are part of the graph), replays with new inputs, reads
 the fingerprints after replay, fingerprints the same forward eagerly with the ordinary `Tap` and
-compares every point, and returns the rank metadata `run_checks` judges (`graph_findings`).
+compares every point, and returns the rank record (capture/record.py, of the replay's fingerprints) and
+the run settings (formats/settings.py) `run_checks` judges (`graph_findings`).
 Used by tests/test_graph_tap.py (`pytest -m gpu`) and bench/graph_decode.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import torch
 
-from ..capture.graph_tap import GraphTap, StaticFingerprints, graph_meta
+from ..capture.graph_tap import GraphTap, StaticFingerprints, replayed
 from ..capture.hooks import Tap
 from ..capture.points import AUX_PACKED, allreduce_in, allreduce_out
+from ..capture.record import Sketch, rank_record
+from ..formats.settings import run_settings
 
 FP_SEED, FP_K = 0, 32
 
@@ -72,8 +76,9 @@ class GraphedForward:
         self.graph.replay()
         return self.out
 
-    def meta(self) -> dict:
-        return graph_meta(self.tap, self.slots.read())
+    def read(self) -> Tap:
+        """The last replay's fingerprints, as a Tap that ran that forward (capture/graph_tap.replayed)."""
+        return replayed(self.tap, self.slots.read())
 
 
 def eager_fingerprints(model, ids) -> tuple[Tap, object]:
@@ -91,7 +96,7 @@ def compare_points(meta: dict, tap: Tap) -> dict:
     eager = {n: f.to_json() for n, f in tap.summaries.items()}
     for a in tap.allreduces:
         eager[allreduce_in(a.seq)], eager[allreduce_out(a.seq)] = a.inp_summary.to_json(), a.out_summary.to_json()
-    graph = dict(meta["fingerprints"])
+    graph = {n: f for n, f in meta["fingerprints"].items() if n != AUX_PACKED}   # the aux: read after, not a tap
     for a in meta["allreduces"]:
         graph[allreduce_in(a["seq"])], graph[allreduce_out(a["seq"])] = a["in_fp"], a["out_fp"]
     rows = {}
@@ -138,9 +143,6 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
                      side_stream: bool = True) -> dict:
     """One rank: build (+ faults), capture with taps, replay new ids, read, compare with eager."""
     from . import faults as faults_mod
-    from ..checks.evidence import match_slots, slot_candidates
-    from ..fingerprint.reference import Fingerprint
-    from ..capture.params import replicated_param_hashes
 
     flt = faults_mod.parse(faults, ctx.world_size, cfg.num_layers, list(cfg.layer_ids))
     layer_ids = faults_mod.adjust_layer_ids(flt, list(cfg.layer_ids), cfg.num_layers)
@@ -154,25 +156,19 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
     ids = torch.randint(0, c.vocab, (tokens,), generator=g).to(ctx.device)
     with torch.no_grad():
         out = gf(ids)
-        meta = gf.meta()
+        replay, read_at = gf.read(), time.time()
         packed = out[1].clone() if out[1] is not None else None
         etap, _ = eager_fingerprints(model, ids)
+    # the rank record every probe writes, of the replay's fingerprints (the aux slots matched against them);
+    # no coverage: the hooks ran when the graph was captured, no Python watched this replay
+    meta = rank_record(replay, rank=ctx.rank, world=ctx.world_size, input_ids=None, model=model, hidden=c.hidden,
+                       aux=packed, device=ctx.device, extra={"read_at": read_at, "source": "cuda-graph replay"},
+                       fingerprints=Sketch(FP_SEED, FP_K), slot_dtype=c.dtype, with_coverage=False).to_json()
     cmp = compare_points(meta, etap)
-    meta.update(rank=ctx.rank, world_size=ctx.world_size, status="ok", error=None, hidden=c.hidden,
-                params=replicated_param_hashes(model), device=str(ctx.device), source="cuda-graph replay")
-    meta["aux"] = {}
-    if packed is not None:
-        meta["aux"] = {"shape": list(packed.shape), "dtype": str(packed.dtype).replace("torch.", ""),
-                       "contiguous": out[1].is_contiguous(), "stride": list(out[1].stride())}
-        fps = {n: Fingerprint.from_json(f) for n, f in meta["fingerprints"].items()}
-        cands = {n: fps[n] for n in slot_candidates(list(fps)) if n in fps}
-        meta["slot_match"] = match_slots(packed, c.hidden, cands, c.dtype)
-        from ..fingerprint.reference import fingerprint
-        meta["fingerprints"][AUX_PACKED] = fingerprint(packed, seed=FP_SEED, k=FP_K).to_json()
-    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": str(c.dtype).replace("torch.", ""),
-                "layer_ids": layer_ids, "num_layers": c.num_layers, "hidden": c.hidden, "tokens": tokens,
-                "arch": "builtin", "model": "builtin", "inject": list(faults), "model_packs_aux": True,
-                "exchange": "fingerprint (CUDA graph)", "side_stream": side_stream}
+    settings = run_settings(world_size=ctx.world_size, backend=ctx.backend, dtype=c.dtype, layer_ids=layer_ids,
+                            num_layers=c.num_layers, hidden=c.hidden, tokens=tokens, arch="builtin", model="builtin",
+                            inject=list(faults), model_packs_aux=True, exchange="fingerprint (CUDA graph)",
+                            extra={"side_stream": side_stream})
     return {"meta": meta, "compare": cmp, "settings": settings, "slots": len(gf.slots.plans),
             "static_bytes": gf.slots.nbytes}
 

@@ -17,7 +17,7 @@ the forward and their results read after each `replay()`:
         slots.begin(); out = model(static_ids); slots.end()
     static_ids.copy_(new_ids); g.replay()
     fps = slots.read()                    # one D2H copy, host combine: one Fingerprint per slot
-    meta = graph_meta(tap, fps)           # the rank metadata `tpprobe report` judges
+    view = replayed(tap, fps)             # a Tap with those fingerprints: capture/record.rank_record
 
 Inside the captured region each point costs one kernel launch (the 16-bit / fp32 fused kernel)
 writing its partials at fixed offsets, plus one memset of the token-flag words per forward
@@ -40,7 +40,8 @@ hidden a multiple of 128 (others have none). Tensors the kernel cannot read in p
 """
 from __future__ import annotations
 
-import time
+import copy
+import dataclasses
 
 import torch
 
@@ -48,7 +49,7 @@ from ..fingerprint.reference import Fingerprint
 from .hooks import Tap
 from .points import layer_out
 
-__all__ = ["StaticFingerprints", "GraphTap", "GraphTapMismatch", "graph_meta"]
+__all__ = ["StaticFingerprints", "GraphTap", "GraphTapMismatch", "replayed"]
 
 
 class GraphTapMismatch(RuntimeError):
@@ -230,18 +231,14 @@ class GraphTap(Tap):
         self._record(name, s, copied=True)
 
 
-def graph_meta(tap: Tap, fps: list[Fingerprint]) -> dict:
-    """The rank metadata of one forward's fingerprints, with the keys `tpprobe probe --exchange
-    fingerprint` writes: points, fingerprints, the all-reduce audit with in_fp / out_fp."""
-    fp = {n: fps[i] for n, i in tap.summaries.items()}
-    points = [{"name": n, "shape": fp[n].shape, "dtype": fp[n].dtype}
-              for n in dict.fromkeys(tap.order) if n in fp]
-    ars = []
-    for a in tap.allreduces:
-        m = a.meta()
-        if a.inp_summary is not None and a.out_summary is not None:
-            m["in_fp"], m["out_fp"] = fps[a.inp_summary].to_json(), fps[a.out_summary].to_json()
-        ars.append(m)
-    return {"points": points, "fingerprints": {n: f.to_json() for n, f in fp.items()},
-            "allreduces": ars, "unreduced_rows": tap.unreduced_rows(), "embed_module": tap.embed_name,
-            "layers_hooked": len(tap.layer_indices), "read_at": time.time()}
+def replayed(tap: Tap, fps: list[Fingerprint]) -> Tap:
+    """`tap` as an ordinary Tap reads after a forward: a copy whose points' and collectives'
+    summaries are the Fingerprints of one replay (`slots.read()`), not slot numbers, and which keeps no
+    tensor; capture/record.rank_record makes the rank record of it, as of any Tap."""
+    view = copy.copy(tap)
+    view.summaries = {n: fps[i] for n, i in tap.summaries.items()}
+    view.allreduces = [dataclasses.replace(a, inp_summary=None if a.inp_summary is None else fps[a.inp_summary],
+                                           out_summary=None if a.out_summary is None else fps[a.out_summary])
+                       for a in tap.allreduces]
+    view.captures = {}
+    return view

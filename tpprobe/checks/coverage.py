@@ -85,7 +85,7 @@ def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
 
 def partial_placement_findings(records, live) -> list[Finding]:
     """A capture point that is a DTensor placed Partial still owes its reduce where it was read:
-    DTensor says so itself (capture/hooks.py records each DTensor point's placements, and those of
+    DTensor says so itself (capture/hooks/ records each DTensor point's placements, and those of
     each row-parallel module's DTensor output). Named at its place: the layer and the module in it
     whose output was placed Partial (the layer itself when no such module was seen)."""
     owed: dict = {}

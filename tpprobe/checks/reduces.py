@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..capture.points import EMBED_OUT, IN_NORM, parse, point_layer, stream_order
-from .evidence import looks_text
+from .looks import looks_text
 from .findings import Finding
 
 MAX_FINDINGS = 8      # the first incomplete reduces, one finding each; the count of the rest in the last

@@ -7,6 +7,7 @@ README's table, `python scripts/knobs_table.py --write`, lists every one)."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,8 +24,12 @@ KNOBS = {
                                       "Triton kernels (GPU)", "probe, plugin (diagnosis)"),
     "TPPROBE_FP_HOST_COMBINE": Knob(None, "set: the fused fingerprints' partials are combined on the host, not the "
                                     "device (GPU)", "probe, plugin (diagnosis)"),
-    "TPPROBE_FP_JIT": Knob(None, "set: launch the Triton kernels through JITFunction.run, not the direct C launch",
+    "TPPROBE_FP_JIT": Knob(None, "set: launch the Triton kernels through JITFunction.run, not the direct C launch "
+                           "(which is taken only on the Triton releases FAST_PATHS names)",
                            "probe, plugin (diagnosis)"),
+    "TPPROBE_FAST_HOOKS": Knob("1", "0: the Tap registers its hooks through torch's public register_forward_* API "
+                               "(the fast path writes torch's private hook dicts, only on the torch releases "
+                               "FAST_PATHS names)", "probe, plugin (diagnosis)"),
     "TPPROBE_FP_BLOCK_R": Knob("16", "Triton fingerprint kernel: rows per block", "probe, plugin (diagnosis)"),
     "TPPROBE_FP_WARPS": Knob("4", "Triton fingerprint kernel: warps per program", "probe, plugin (diagnosis)"),
     "TPPROBE_FP_PROGS": Knob("3", "Triton fingerprint kernel: programs per SM", "probe, plugin (diagnosis)"),
@@ -54,6 +59,46 @@ KNOBS = {
     "TPPROBE_DIST_BACKEND": Knob(None, "the launcher's one backend decision, passed to every rank (set by tpprobe "
                                  "probe itself)", "internal"),
 }
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """A fast path through a package's private internals, taken only on the releases it was verified
+    on (lowest <= major.minor < below) and while its knob allows it; the public path otherwise."""
+    package: str                # the distribution whose version decides
+    lowest: tuple               # (major, minor), included
+    below: tuple                # (major, minor), excluded
+    knob: str                   # the TPPROBE_* variable that switches it
+    knob_allows: bool           # whether "set" (knob_set) allows it (True) or forbids it (False)
+    what: str
+
+
+# The one place the private internals tpprobe touches are pinned to releases: tests/test_fast_paths.py.
+FAST_PATHS = {
+    "hooks": FastPath("torch", (2, 11), (2, 14), "TPPROBE_FAST_HOOKS", True,
+                      "the Tap writes torch.nn.Module's private hook dicts and swaps a hookless module's forward"),
+    "launch": FastPath("triton", (3, 6), (3, 7), "TPPROBE_FP_JIT", False,
+                       "the fingerprint kernels are launched through their CompiledKernel's launcher (Triton 3.6's "
+                       "C launch), not JITFunction.run"),
+}
+
+
+def release(version: str) -> tuple:
+    """(major, minor) of a version string ("2.13.0+cpu" -> (2, 13), "3.6.0rc1" -> (3, 6)); () when unreadable."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else ()
+
+
+def fast_path_refused(name: str, version: str) -> str:
+    """Why the fast path `name` is not taken with this installed version ("" when it is)."""
+    fp = FAST_PATHS[name]
+    if knob_set(fp.knob) != fp.knob_allows:
+        return f"{fp.knob}={knob(fp.knob) or ''}"
+    r = release(version)
+    if not r or not fp.lowest <= r < fp.below:
+        return (f"{fp.package} {version} is outside {'.'.join(map(str, fp.lowest))} to "
+                f"{'.'.join(map(str, fp.below))} (exclusive)")
+    return ""
 
 
 def knob(name: str) -> Optional[str]:

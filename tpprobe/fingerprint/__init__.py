@@ -1,2 +1,2 @@
 """Fingerprint: what a tensor's fingerprint is (definition), its torch reference and deferred reads
-(reference), and the Triton kernels that compute it on a GPU."""
+(reference), how two compare (levels), and the Triton kernels that compute it on a GPU."""

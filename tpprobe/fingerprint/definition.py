@@ -1,5 +1,5 @@
 """The fingerprint's definition, shared by the PyTorch path (fingerprint.py) and the Triton
-kernel (triton.py): the hash constants and mixers, the sign patterns of the sketch,
+kernels (triton/): the hash constants and mixers, the sign patterns of the sketch,
 and the `Fingerprint` record both produce. Neither path imports the other for these.
 """
 from __future__ import annotations

@@ -193,11 +193,11 @@ def host_combine_notes() -> list:
     did: TPPROBE_FP_HOST_COMBINE, or the device combine failing once (then every later batch).
     Reads the kernel module only if a fingerprint already imported it (a CPU run never does)."""
     import sys
-    tf = sys.modules.get(f"{__package__}.triton")
-    if tf is None:
+    state = sys.modules.get(f"{__package__}.triton.state")
+    if state is None:
         return []
     return (["TPPROBE_FP_HOST_COMBINE is set"] if knob_set("TPPROBE_FP_HOST_COMBINE") else []) + \
-        list(getattr(tf, "COMBINE_WHY", []))
+        list(state.STATE.combine_why)
 
 
 def fingerprint(t: torch.Tensor, seed: int = 0, k: int = 32) -> Fingerprint:

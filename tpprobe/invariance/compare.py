@@ -107,7 +107,7 @@ def _out_cell(c, R, key, rows) -> dict:
 def _propagated(table: list[dict], n: str, rname: str) -> None:
     """Downstream of the first break, rounding differences propagate and add up: a cell whose sketch
     difference exceeds the probe's noise bound for one operation (core/noise.py rel_bound, as
-    checks.evidence.fp_level judges a sketch) but stays within that bound * (layers since the first
+    fingerprint.levels.fp_level judges a sketch) but stays within that bound * (layers since the first
     break + 1) -- each layer re-rounds and passes on what it got (measured: fp32, 6 layers, tp 4:
     2.4x the one-operation bound five layers on) -- is rounding noise that propagated, not a new
     break. A jump beyond it (a missing shard: ~0.5; a 1 % error in float32) stays material. The

@@ -16,7 +16,8 @@ def _fp(cell: Optional[dict]):
 
 def level(a: Optional[dict], b: Optional[dict]) -> dict:
     """a against b (cells of two configurations): level and the sketch's relative difference."""
-    from ..checks.evidence import fp_dtype, fp_level, fp_rel, judge_dtype
+    from ..core.noise import judge_dtype
+    from ..fingerprint.levels import fp_dtype, fp_level, fp_rel
     if a is None or b is None:
         return {"level": "missing"}
     fa, fb = _fp(a), _fp(b)

@@ -3,7 +3,7 @@ the probe's Tap and write tp<N>/rank<r>.json (its rows' fingerprints, in firing 
 
 What a forward produced comes from the Tap's public interface only:
 * capture points: `tap.order` and `tap.summaries` (fingerprinted on the prompt's own rows);
-* collectives: the Tap's collective audit (capture/audit.py), through `Audit.observe`: every
+* collectives: the Tap's collective audit (capture/audit/), through `Audit.observe`: every
   all-reduce's record (its input and output fingerprints are filled in when it ends), every
   all-gather and reduce-scatter with its input, each placed among the capture points where it
   began;

@@ -1,4 +1,4 @@
-"""The probe's forward: one forward of the target under the hooks (capture/hooks.py Tap).
+"""The probe's forward: one forward of the target under the hooks (capture/hooks Tap).
 
 A peer that dies or a collective that times out ends the forward with status "error"; what was
 captured up to there is still reported. On a GPU the host runs ahead of the device: the Tap bounds

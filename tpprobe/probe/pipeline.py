@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .prepare import build_with_faults, capture_size, run_settings, validate
+from .prepare import build_with_faults, capture_size, probe_settings, validate
 from ..capture.audit import prepare as prepare_audit
 from ..formats.capture_dir import check_out_dir, remove_if_empty, write_manifest, write_rank
 from ..capture.hooks import Tap
 from ..capture.progress import Progress
-from ..capture.record import rank_record
-from ..checks.evidence import FingerprintEvidence, add_fingerprints
+from ..capture.record import PROBE_SKETCH, rank_record
+from ..checks.evidence import FingerprintEvidence
 from ..checks.findings import exit_code
 from ..core.errors import INTERNAL_EXIT, InternalError, TPProbeError, exception_text, say_internal
 from ..checks.run import run_checks
@@ -175,13 +175,12 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
     me.progress.set("write")
     target, ctx = me.target, me.ctx
     packed = target.packed_aux(result) if status == "ok" and target.packed_aux is not None else None
-    tensors, meta = rank_record(tap, rank=ctx.rank, world=ctx.world_size, input_ids=target.input_ids,
-                                model=target.model, packed=packed, status=status, error=error,
-                                timings=me.timings, device=ctx.device, extra={"hidden": target.hidden_size},
-                                params=me.device.params)
-    if not me.keep_all:   # --exchange fingerprint: a few KB per capture travel, not the tensors
-        add_fingerprints(meta, tap, packed, target.hidden_size, me.opts.torch_dtype)
-    return tensors, meta
+    # --exchange fingerprint: a few KB per capture travel, not the tensors
+    record = rank_record(tap, rank=ctx.rank, world=ctx.world_size, input_ids=target.input_ids, model=target.model,
+                         hidden=target.hidden_size, packed=packed, status=status, error=error, timings=me.timings,
+                         device=ctx.device, params=me.device.params,
+                         fingerprints=None if me.keep_all else PROBE_SKETCH, slot_dtype=me.opts.torch_dtype)
+    return record.tensors, record.to_json()
 
 
 def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
@@ -203,7 +202,7 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     me.progress.set("report")
     ch, world = me.ch, me.ctx.world_size
     liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
-    settings = run_settings(me.opts, me.ctx, me.target, me.layer_ids)
+    settings = probe_settings(me.opts, me.ctx, me.target, me.layer_ids)
     references = reference_streams(BuiltinConfig.from_options(me.opts)) \
         if me.target.arch == "builtin" and not me.opts.model else None
     t2 = time.time()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..formats.capture_dir import check_file_path, estimate_capture_bytes
+from ..formats.settings import run_settings
 from ..core.errors import TPProbeError, UsageError
 from ..builtin.faults import check_backend, parse as parse_faults
 from ..builtin.model import BuiltinConfig
@@ -178,27 +179,26 @@ def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
     return target
 
 
-def run_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, layer_ids: list[int]) -> dict:
-    """The run's settings as the report and the manifest show them."""
+def probe_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, layer_ids: list[int]) -> dict:
+    """The probe's run settings as the report and the manifest show them (formats/settings.py builds them)."""
     shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else layer_ids
     dtype = str(target.dtype).removeprefix("torch.") if opts.model else opts.dtype   # judge in the model's dtype
-    settings = {"world_size": ctx.world_size, "backend": ctx.backend, "dtype": dtype, "layer_ids": shown_ids,
-                "requested_layer_ids": list(opts.layers), "num_layers": target.num_layers,
-                "hidden": target.hidden_size, "tokens": int(target.input_ids.numel()), "arch": target.arch,
-                "model": opts.model or (f"{opts.backend}:{opts.arch}" if opts.backend in ("sglang", "vllm")
-                                        else "builtin"),
-                "inject": list(opts.inject), "exchange": opts.exchange, "timeout_s": opts.timeout,
-                "model_packs_aux": target.packed_aux is not None,
-                "seed": opts.seed, **{k: v for k, v in target.info.items() if isinstance(v, (int, float, str))}}
+    slots = None
     if opts.backend == "vllm" and target.packed_aux is not None:
         # vLLM's rule: slots in ascending id (tpprobe.engines.vllm.tiny)
         from ..engines.vllm.tiny import expected_slots as vllm_slots
-        settings["expected_points"], settings["expected_ids"] = vllm_slots(layer_ids)
+        slots = vllm_slots(layer_ids)
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
         from ..engines.sglang.tiny import ARCHES as SGLANG_ARCHES
         from ..engines.sglang.layer_ids import expected_slots, plan
         if target.arch in SGLANG_ARCHES:
-            settings["expected_points"], settings["expected_ids"] = expected_slots(
-                plan(target.arch, target.model_layer_ids, target.num_layers))
-    return settings
+            slots = expected_slots(plan(target.arch, target.model_layer_ids, target.num_layers))
+    return run_settings(
+        world_size=ctx.world_size, backend=ctx.backend, dtype=dtype, layer_ids=shown_ids,
+        requested_layer_ids=list(opts.layers), num_layers=target.num_layers, hidden=target.hidden_size,
+        tokens=int(target.input_ids.numel()), arch=target.arch,
+        model=opts.model or (f"{opts.backend}:{opts.arch}" if opts.backend in ("sglang", "vllm") else "builtin"),
+        inject=list(opts.inject), exchange=opts.exchange, timeout_s=opts.timeout,
+        model_packs_aux=target.packed_aux is not None, seed=opts.seed, slots=slots,
+        extra={k: v for k, v in target.info.items() if isinstance(v, (int, float, str))})

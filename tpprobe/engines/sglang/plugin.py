@@ -228,62 +228,24 @@ def _aux(result, tokens: int):
 
 
 def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
-    """This rank's kept tensors (under the byte budget), metadata (the one rank record `tpprobe probe`
-    writes too, with every point's fingerprint and each all-reduce's in_fp / out_fp) and run settings."""
-    from tpprobe.capture.points import AUX_PACKED, EMBED_OUT, INPUT_IDS
-    from tpprobe.capture.record import aux_meta, rank_record
-    from tpprobe.checks.evidence import add_fingerprints, match_slots, slot_candidates
-    from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
+    """This rank's record (the one rank record `tpprobe probe` writes too, with every point's fingerprint
+    and each all-reduce's in_fp / out_fp, its kept tensors under the byte budget) and run settings."""
     from tpprobe.engines.sglang.layer_ids import slots_from_layers_to_capture
+    from tpprobe.engines.step import step_record, step_settings
 
     tokens = int(input_ids.shape[0])
     aux, aux_note = _aux(result, tokens)
-    kept_aux = None
-    if aux is not None and budget.admit(AUX_PACKED, aux):
-        kept_aux = (aux if tap.sample_rows is None else aux[:tap.sample_rows]).detach().clone()
     ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
     par = parallel_ranks()
-    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=input_ids.detach().clone(), model=model,
-                                packed=kept_aux, timings={"forward_s": t_forward}, extra={
-                                    # plugin-only facts
-                                    "source": "sglang-plugin", "step": step, "forward_mode": mode,
-                                    "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
-                                    "aux_note": aux_note, "kept_rows": tap.sample_rows,
-                                    "budget_refused": budget.refused})
-    if not budget.admit(INPUT_IDS, input_ids):
-        tensors.pop(INPUT_IDS, None)
-    meta["aux"] = aux_meta(aux)            # the whole tensor's shape, also when only rows (or nothing) were kept
-    seen = set()
-    for k, t in list(tensors.items()):   # safetensors refuses shared storage: copy repeats
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        tensors[k] = t.clone() if key in seen else t
-        seen.add(key)
-    config = getattr(model, "config", None)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    meta["hidden"] = hidden
-    add_fingerprints(meta, tap, None, hidden, aux.dtype if aux is not None else torch.float32)
-    if aux is not None:
-        meta["fingerprints"][AUX_PACKED] = fingerprint(aux, seed=PROBE_SEED, k=PROBE_K).to_json()
-        if hidden and aux.shape[-1] % hidden == 0:
-            names = [n for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries]
-            if tap.sample_rows is None:
-                cands = {n: tap.captures.get(n, tap.summaries.get(n)) for n in names}
-            else:     # sampled rows cannot stand for whole tensors: fingerprints only
-                cands = {n: tap.summaries[n] for n in names if n in tap.summaries}
-            meta["slot_match"] = match_slots(aux, hidden, cands, aux.dtype)
-    L = len(tap.layer_indices)
-    points, ids = slots_from_layers_to_capture(ltc, L) if aux is not None else ([], [])
-    fps = meta["fingerprints"]
-    dtype = getattr(torch, fps[EMBED_OUT]["dtype"]) if EMBED_OUT in fps else next(iter(model.parameters())).dtype
-    run_settings = {
-        "world_size": world, "backend": "sglang (live server, plugin)",
-        "dtype": str(dtype).replace("torch.", ""), "hidden": hidden, "num_layers": L, "tokens": tokens,
-        "arch": str(getattr(config, "model_type", type(model).__name__)),
-        "model": type(model).__name__, "layer_ids": ids, "expected_points": points, "expected_ids": ids,
-        "sglang layers_to_capture": str(ltc), "forward_mode": mode, "step": step,
-        "dp_rank": par["dp_rank"], "pp_rank": par["pp_rank"], "exchange": "fingerprint (plugin)",
-    }
-    return tensors, meta, run_settings
+    record = step_record(tap, model=model, rank=rank, world=world, input_ids=input_ids, aux=aux, budget=budget,
+                         t_forward=t_forward, extra={
+                             # plugin-only facts
+                             "source": "sglang-plugin", "step": step, "forward_mode": mode,
+                             "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
+                             "aux_note": aux_note, "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
+    slots = slots_from_layers_to_capture(ltc, len(tap.layer_indices)) if aux is not None else ([], [])
+    return record, step_settings(record, model, backend="sglang (live server, plugin)", tokens=tokens, mode=mode,
+                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc)})
 
 
 def step_dir(root: Path, par: dict, step: int) -> Path:
@@ -294,8 +256,9 @@ def step_dir(root: Path, par: dict, step: int) -> Path:
 def write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, model, t_forward, budget, *,
                 record=None, par=None, source="sglang-plugin") -> None:
     """Write this rank's files; TP rank 0 writes the manifest. Every rank ALWAYS joins the gather
-    (also when its own write failed), so one rank's error never hangs the others. `record`, `par`
-    and `source`: another engine's plugin (tpprobe.engines.vllm.plugin) writing through this one."""
+    (also when its own write failed), so one rank's error never hangs the others. `record` returns the
+    step's (RankRecord, run settings) (engines/step.py); `record`, `par` and `source`: another engine's
+    plugin (tpprobe.engines.vllm.plugin) writing through this one."""
     from tpprobe import __version__
     from tpprobe.formats.capture_dir import write_manifest, write_rank
 
@@ -304,15 +267,11 @@ def write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, mod
     entries: list = []
     run_settings: dict = {}
     nbytes = 0
-    t0 = time.time()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tensors, meta, run_settings = record(s, step, mode, rank, world, tap, input_ids, result,
-                                             model, t_forward, budget)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        meta["timings"]["record_s"] = time.time() - t0
-        meta["kept_bytes"] = nbytes
-        entries = write_rank(out, rank, tensors, meta)
+        rec, run_settings = record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget)
+        nbytes = rec.kept_bytes
+        entries = write_rank(out, rank, rec.tensors, rec.to_json())
     except Exception as e:  # noqa: BLE001 - SGLang would swallow it; still join the gather below
         _say(f"tp_rank {rank}: step {step} NOT written: {type(e).__name__}: {e}")
     gathered = [None] * world if rank == 0 else None

@@ -222,57 +222,21 @@ def parallel_ranks() -> dict:
 
 
 def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, budget, par):
-    from tpprobe.capture.points import AUX_PACKED, EMBED_OUT, INPUT_IDS
-    from tpprobe.capture.record import aux_meta, rank_record
-    from tpprobe.checks.evidence import add_fingerprints, match_slots, slot_candidates
+    """This rank's record and run settings (tpprobe/engines/step.py, as the SGLang plugin writes them)."""
+    from tpprobe.engines.step import step_record, step_settings
     from tpprobe.engines.vllm.tiny import expected_slots
-    from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, fingerprint
 
     aux = _AUX["last"] if _AUX["ids"] is not None else None
     if aux is not None and (aux.dim() != 2 or aux.shape[0] != input_ids.shape[0]):
         aux = None
-    kept_aux = None
-    if aux is not None and budget.admit(AUX_PACKED, aux):
-        kept_aux = (aux if tap.sample_rows is None else aux[:tap.sample_rows]).detach().clone()
-    ids = input_ids.detach().clone()
-    tensors, meta = rank_record(tap, rank=rank, world=world, input_ids=ids, model=model, packed=kept_aux,
-                                timings={"forward_s": t_forward}, extra={
-                                    "source": "vllm-plugin", "step": step, "forward_mode": mode,
-                                    "model": type(model).__name__, "parallel": par,
-                                    "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
-    if not budget.admit(INPUT_IDS, input_ids):
-        tensors.pop(INPUT_IDS, None)
-    seen = set()
-    for k, t in list(tensors.items()):   # safetensors refuses shared storage: copy repeats
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        tensors[k] = t.clone() if key in seen else t
-        seen.add(key)
-    config = getattr(model, "config", None)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    meta["hidden"] = hidden
-    meta["aux"] = aux_meta(aux)
-    add_fingerprints(meta, tap, None, hidden, aux.dtype if aux is not None else torch.float32)
-    points, slot_ids = expected_slots(_AUX["ids"]) if aux is not None else ([], [])
-    if aux is not None:
-        meta["fingerprints"][AUX_PACKED] = fingerprint(aux, seed=PROBE_SEED, k=PROBE_K).to_json()
-        if hidden and aux.shape[-1] % hidden == 0:
-            names = [n for n in slot_candidates(tap.order) if n in tap.captures or n in tap.summaries]
-            if tap.sample_rows is None:
-                cands = {n: tap.captures.get(n, tap.summaries.get(n)) for n in names}
-            else:
-                cands = {n: tap.summaries[n] for n in names if n in tap.summaries}
-            meta["slot_match"] = match_slots(aux, hidden, cands, aux.dtype)
-    fps = meta["fingerprints"]
-    dtype = getattr(torch, fps[EMBED_OUT]["dtype"]) if EMBED_OUT in fps else next(iter(model.parameters())).dtype
-    run_settings = {
-        "world_size": world, "backend": "vllm (live engine, plugin)",
-        "dtype": str(dtype).replace("torch.", ""), "hidden": hidden, "num_layers": len(tap.layer_indices),
-        "tokens": int(input_ids.shape[0]), "arch": str(getattr(config, "model_type", type(model).__name__)),
-        "model": type(model).__name__, "layer_ids": slot_ids, "expected_points": points, "expected_ids": slot_ids,
-        "forward_mode": mode, "step": step, "dp_rank": par["dp_rank"], "pp_rank": par["pp_rank"],
-        "exchange": "fingerprint (plugin)",
-    }
-    return tensors, meta, run_settings
+    record = step_record(tap, model=model, rank=rank, world=world, input_ids=input_ids, aux=aux, budget=budget,
+                         t_forward=t_forward, extra={
+                             "source": "vllm-plugin", "step": step, "forward_mode": mode,
+                             "model": type(model).__name__, "parallel": par,
+                             "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
+    slots = expected_slots(_AUX["ids"]) if aux is not None else ([], [])
+    return record, step_settings(record, model, backend="vllm (live engine, plugin)",
+                                 tokens=int(input_ids.shape[0]), mode=mode, step=step, par=par, slots=slots)
 
 
 def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget) -> None:

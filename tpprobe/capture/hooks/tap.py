@@ -1,334 +1,38 @@
-"""Scoped hooks: what the probe sees during one forward on one rank.
+"""The Tap: what the probe sees during one forward on one rank (a context manager).
 
-`Tap(model, ...)` is a context manager. On enter it finds the decoder layers and the embedding
-from the model's structure (capture/discover.py: the longest ModuleList; the module that consumes
-the input ids and emits [tokens, hidden]), or from overrides (`embed=`, `layers=`: a module path
-or a class-name glob), hooks the modules whose calls it reads (the decoder layers, row-parallel
-modules, layer 0's input norm, the embedding; a wrapper around the forward instead of hooks where
-a module has no other hook, so its call stays on torch's fast path), and starts the collective audit
-(capture/audit.py: every all-reduce, reduce-scatter and all-gather at the c10d dispatcher level,
-whatever door it came through): its input (before) and output (after), the group size, the path
-and which module issued it (read when it is issued from the frames of the module calls running
-then: `running_modules`; no module keeps a stack for it). On exit every handle is removed and
-the audit stopped, also when the forward raises. `coverage()` says what was hooked and audited.
-
-Capture points (names used everywhere in tpprobe):
-  embed.local   the embedding's local, pre-reduce output (the input of the all-reduce it issues;
-                equal to embed.out when it issues none)
-  embed.out     the embedding module's output
-  layer.K.out   the residual stream leaving decoder layer K (hidden_states + residual), which is
-                what EAGLE-3 layer id K captures (SGLang-Llama convention; id -1 = embed.out)
+On enter it finds the decoder layers and the embedding from the model's structure
+(capture/discover.py: the longest ModuleList; the module that consumes the input ids and emits
+[tokens, hidden]), or from overrides (`embed=`, `layers=`: a module path or a class-name glob), hooks
+the modules whose calls it reads (the decoder layers, row-parallel modules, layer 0's input norm,
+the embedding: install.py), and starts the collective audit (capture/audit/): every collective's
+input and output, group, path and the module that issued it (read from the frames of the module
+calls running then: collectives.running_modules).  On exit every handle is removed and the audit
+stopped, also when the forward raises.  `coverage()` says what was hooked and audited; the capture
+points it records are capture/points.py's.
 
 `keep(name) -> bool` decides which points keep a tensor; the others are passed to `summarize`
 (e.g. a fingerprint) so the Tap never holds more than it must. All tensors kept are copies.
 """
 from __future__ import annotations
 
-import sys
-import time
-import weakref
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.hooks import RemovableHandle
 
-from ..core.cuda import current_stream
-from . import discover
-from .audit import Audit, CollectiveRecord, holds_inference_tensors
-from .params import dtensor_placements
-from .points import (AR_OUT, EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, IN_NORM, SHARE, STREAM, in_norm, layer_out,
-                     layer_place, parse)
-from .progress import Progress
-
-
-@dataclass
-class HookHandle:
-    kind: str                 # "embed" | "layer" | "module"
-    name: str                 # qualified module name
-    index: Optional[int]      # layer index for decoder layers
-    handles: list = field(default_factory=list, repr=False)
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def __repr__(self) -> str:
-        idx = "" if self.index is None else f"[{self.index}]"
-        return f"<{self.kind}{idx} {self.name}>"
-
-
-class _Pair:
-    """A pre-hook and/or a forward hook written straight into one module's hook dicts, as torch's
-    ``register_forward_pre_hook(prepend=True)`` / ``register_forward_hook`` write them, with ids
-    from the same counter; ``remove()`` takes them out. The Tap installs its hooks for every
-    forward: through torch's API (a RemovableHandle each, with weak references) a hook cost ~1.3 us
-    to add and remove, 100 us per forward on the 4-layer built-in model; this costs ~0.15 us."""
-    __slots__ = ("module", "pre_id", "post_id")
-
-    def __init__(self, module, pre, post, with_kwargs: bool):
-        i = RemovableHandle.next_id
-        RemovableHandle.next_id = i + 2
-        self.module, self.pre_id, self.post_id = module, (i if pre is not None else None), \
-            (i + 1 if post is not None else None)
-        if pre is not None:
-            d = module._forward_pre_hooks
-            d[i] = pre
-            d.move_to_end(i, last=False)        # first: know where we are before any other pre-hook
-            if with_kwargs:
-                module._forward_pre_hooks_with_kwargs[i] = True
-        if post is not None:
-            module._forward_hooks[i + 1] = post
-            if with_kwargs:
-                module._forward_hooks_with_kwargs[i + 1] = True
-
-    def remove(self) -> None:
-        m = self.module
-        if m is None:
-            return
-        self.module = None
-        if self.pre_id is not None:
-            m._forward_pre_hooks.pop(self.pre_id, None)
-            m._forward_pre_hooks_with_kwargs.pop(self.pre_id, None)
-        if self.post_id is not None:
-            m._forward_hooks.pop(self.post_id, None)
-            m._forward_hooks_with_kwargs.pop(self.post_id, None)
-
-
-_DIRECT = all(hasattr(torch.nn.Linear(1, 1), a) for a in (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs"))
-
-
-_NO_FORWARD = object()
-
-
-class _Wrap:
-    """pre and post around the module's own forward, as an instance attribute ``forward``: for a
-    module with no hooks at all, so that its call keeps torch's fast path (a module with any hook
-    takes ``_call_impl``'s slow path: ~4 us a call here, ~10 on a GPU host, per hooked module per
-    forward). Equivalent to a first pre-hook and a last forward hook only while the module has no
-    other hooks, which is why it is used only then (``add_hooks``). ``remove()`` puts back what
-    was there."""
-    __slots__ = ("module", "prev")
-
-    def __init__(self, module, pre, post):
-        d = module.__dict__
-        self.module, self.prev = module, d.get("forward", _NO_FORWARD)
-        inner = module.forward
-        if pre is None:
-            def forward(*args, **kwargs):
-                out = inner(*args, **kwargs)
-                post(module, args, out)
-                return out
-        else:
-            def forward(*args, **kwargs):
-                pre(module, args)
-                out = inner(*args, **kwargs)
-                post(module, args, out)
-                return out
-        forward.__wrapped__ = inner          # inspect.signature(module.forward) still reads the model's
-        d["forward"] = forward
-
-    def remove(self) -> None:
-        m = self.module
-        if m is None:
-            return
-        self.module = None
-        if self.prev is _NO_FORWARD:
-            m.__dict__.pop("forward", None)
-        else:
-            m.__dict__["forward"] = self.prev
-
-
-def _hookless(module) -> bool:
-    """No hook of any kind on the module nor global ones: a wrapper is then the same as hooks."""
-    mm = torch.nn.modules.module
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or mm._global_forward_hooks or mm._global_forward_pre_hooks
-                or mm._global_backward_hooks or mm._global_backward_pre_hooks)
-
-
-def add_hooks(module: torch.nn.Module, pre, post, with_kwargs: bool = False, wrap: bool = False) -> list:
-    """pre (first of the module's pre-hooks) and post (last of its forward hooks), either may be
-    None: handles with ``remove()``. wrap=True (post given, no kwargs): around the module's forward
-    instead (``_Wrap``) when the module has no other hook. Through torch's own registration where
-    its hook dicts are not as expected."""
-    if _DIRECT and isinstance(getattr(module, "_forward_pre_hooks", None), OrderedDict):
-        if wrap and post is not None and not with_kwargs and _hookless(module):
-            return [_Wrap(module, pre, post)]
-        return [_Pair(module, pre, post, with_kwargs)]
-    return ([module.register_forward_pre_hook(pre, prepend=True, with_kwargs=with_kwargs)] if pre else []) + \
-        ([module.register_forward_hook(post, with_kwargs=with_kwargs)] if post else [])
-
-
-# Every module call runs inside torch.nn.Module._call_impl (its forward, and its pre- and forward
-# hooks): the frames of that function on this thread, each with its `self`, are the modules being
-# called, innermost first. The collective audit reads them when a collective is issued (rarely:
-# a few per layer) instead of every module keeping a stack with hooks on every call.
-_CALL_IMPL = getattr(torch.nn.Module._call_impl, "__code__", None)
-
-
-def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
-    """known[id(module)] = (name, kind, layer index) for every module of ``known`` whose call is
-    running on this thread, innermost first (read from the Python frames of
-    torch.nn.Module._call_impl), up to the first decoder layer: ``known`` holds the layers and the
-    modules inside them, so nothing known runs around a layer."""
-    out = []
-    f = frame if frame is not None else sys._getframe(1)
-    code = _CALL_IMPL
-    while f is not None and limit:
-        if f.f_code is code:
-            e = known.get(id(f.f_locals.get("self")))
-            if e is not None:
-                out.append(e)
-                if e[1] == "layer":
-                    break
-        f = f.f_back
-        limit -= 1
-    return out
-
-
-def _local(t):
-    """A DTensor's local tensor (no collective), any other tensor as it is."""
-    return t.to_local() if dtensor_placements(t) is not None else t
-
+from .. import discover
+from ..audit import Audit, CollectiveRecord
+from ..params import dtensor_placements
+from ..points import EMBED_LOCAL, EMBED_OUT, EMBED_PLACE, IN_NORM, SHARE, STREAM, in_norm, layer_out, parse
+from ..progress import Progress
+from . import fast
+from .collectives import Collectives
+from .install import HookHandle, add_hooks
+from .outputs import first_tensor, is_owed, local_tensor, residual_stream
+from .plan import PLANS, REGISTRATIONS
 
 _ROW_KINDS = (STREAM, SHARE, IN_NORM)    # capture points held as [tokens, hidden] (discover.rows)
-AllReduceRecord = CollectiveRecord        # the name earlier code imports
-_ROW_PATTERNS = discover.ROW_PATTERNS        # the name earlier code imports
-
-
-def find_modules(model: torch.nn.Module, embed: Optional[str] = None, layers: Optional[str] = None):
-    """(embedding (name, module) or None when it is found during the forward, [(index, name, module)]
-    of decoder layers in order). See capture/discover.py."""
-    _, _, found = discover.layer_list(model, layers)
-    return (discover.embedding(model, embed) if embed else None), found
-
-
-def first_tensor(x):
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            if isinstance(y, torch.Tensor):
-                return y
-    return None
-
-
-def is_owed(output) -> bool:
-    """SGLang 0.5.23's OwedOutput (a decoder layer's partial sum the next boundary reduces)."""
-    return type(output).__name__ in ("OwedOutput", "UnreducedOutput")
-
-
-def residual_stream(output) -> Optional[torch.Tensor]:
-    """The stream leaving a decoder layer: hidden_states + residual (SGLang's convention)."""
-    if is_owed(output):
-        return None
-    if isinstance(output, torch.Tensor):
-        return output.clone()
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        h = output[0]
-        r = output[1] if len(output) > 1 and isinstance(output[1], torch.Tensor) else None
-        return h.clone() if r is None else h + r
-    return None
-
-
-_Event = getattr(torch._C, "_CudaEventBase", None)
-if not hasattr(_Event, "record"):           # a CPU build's stub
-    _Event = torch.cuda.Event
-_record = getattr(_Event, "record", None)   # None: a stub without one (vLLM's CPU worker swaps torch.cuda.Event
-#                                            for a placeholder); only CUDA tensors record events
-
-
-class DeviceStalled(RuntimeError):
-    """The GPU did not complete an all-reduce within the deadline (a peer died or hung)."""
-
-
-class _Plan:
-    """What `_install` finds from a model's structure, kept per model object (weakly) so a Tap per
-    forward does not walk `named_modules` again (on the built-in model, 4 layers: the walks were half
-    of the 270 us an install took). Used again while the model's structure is unchanged: no module,
-    parameter or buffer was registered anywhere since (PyTorch's global registration hooks count
-    them: assignment, add_module, ModuleList.append) and no module has a different number of
-    children, parameters and buffers (a deletion). Not seen: `_modules` edited by hand, a parameter's
-    `.data` replaced."""
-    __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "known", "inference", "stamp",
-                 "mods", "found", "cached")
-
-
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_GEN = [0]
-
-
-def _bump(*_):
-    _GEN[0] += 1
-
-
-for _reg in ("register_module_module_registration_hook", "register_module_parameter_registration_hook",
-             "register_module_buffer_registration_hook"):
-    getattr(torch.nn.modules.module, _reg)(_bump)
-
-
-def _plan(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Optional[str]) -> _Plan:
-    try:
-        per = _PLANS.setdefault(model, {})
-    except TypeError:               # not weakly referenceable: no cache
-        per = {}
-    plan = per.get((layer_spec, embed_spec))
-    if plan is not None and plan.stamp == _stamp(model, plan.mods):
-        return _root(plan, model)
-    plan = _Plan()
-    plan.found = None        # the candidate an earlier Tap found to be the embedding (its name)
-    plan.cached = plan
-    plan.layer_how, plan.layer_list, plan.layers = discover.layer_list(model, layer_spec)
-    plan.embed = discover.embedding(model, embed_spec) if embed_spec else None
-    plan.candidates = [] if embed_spec else discover.candidates(model, plan.layers, plan.layer_list)
-    seen: set[int] = set()
-    plan.subs = []
-    for idx, name, m in plan.layers:
-        subs = []
-        for sub_name, sub in m.named_modules():
-            if sub is m or id(sub) in seen:   # a module shared by layers (SGLang's rope) once
-                continue
-            seen.add(id(sub))
-            kind = "row" if discover.is_row_parallel(sub) else "module"
-            subs.append((kind, f"{name}.{sub_name}", sub))
-        plan.subs.append((idx, name, m, subs))
-    # what the collective audit names from the running module calls: the layers and every module
-    # inside them (ids: the plan is used only while these modules are all alive, see _stamp)
-    plan.known = {}
-    for idx, name, m, subs in plan.subs:
-        plan.known[id(m)] = (name, "layer", idx)
-        for kind, sub_name, sub in subs:
-            plan.known[id(sub)] = (sub_name, kind, idx)
-    plan.inference = holds_inference_tensors(model)
-    # the cache holds no reference to the model itself (it is the weak key): None stands for it
-    plan.mods = [m for m in model.modules() if m is not model]
-    plan.stamp = _stamp(model, plan.mods)
-    plan.candidates = [(n, None if m is model else m) for n, m in plan.candidates]
-    plan.embed = None if plan.embed is None else (plan.embed[0], None if plan.embed[1] is model else plan.embed[1])
-    per[(layer_spec, embed_spec)] = plan
-    return _root(plan, model)
-
-
-def _stamp(model, mods) -> tuple:
-    return _GEN[0], len(model._modules) + len(model._parameters) + len(model._buffers), \
-        tuple([len(m._modules) + len(m._parameters) + len(m._buffers) for m in mods])
-
-
-def _root(plan: _Plan, model) -> _Plan:
-    """The plan with the model itself put back where the cache holds None."""
-    out = _Plan()
-    for k in _Plan.__slots__:
-        setattr(out, k, getattr(plan, k))
-    out.candidates = [(n, model if m is None else m) for n, m in plan.candidates]
-    if plan.embed is not None and plan.embed[1] is None:
-        out.embed = (plan.embed[0], model)
-    return out
-
 
 # layer families that need model-specific extensions: module prefix -> () -> extensions. Filled by
 # the family's own package when it is imported (tpprobe.engines.sglang.stream: "sglang."), so the Tap
@@ -336,7 +40,7 @@ def _root(plan: _Plan, model) -> _Plan:
 LAYER_EXTENSIONS: dict = {}
 
 
-class Tap:
+class Tap(Collectives):
     def __init__(self, model: torch.nn.Module, *, embed: Optional[str] = None, layers: Optional[str] = None,
                  input_ids: Optional[torch.Tensor] = None, keep: Callable[[str], bool] = lambda n: True,
                  summarize: Optional[Callable[[torch.Tensor], Any]] = None,
@@ -402,11 +106,20 @@ class Tap:
             self.auditor.before = None             # nothing to bound: no call per collective
         self.device_stalled = False
         self.stream_from_layer_output = True
+        # how the hooks were registered: "fast" (fast.py) or "public (why)" (torch's register_forward_*)
+        self.hooks_path = ""
+        self._fast = False
+        self._registered = False
         self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "Tap":
         try:
+            REGISTRATIONS.acquire()          # PyTorch's registration hooks: from the first Tap's enter
+            self._registered = True
+            why = fast.refused()
+            self._fast = not why
+            self.hooks_path = "fast" if self._fast else f"public ({why})"
             self._install()
         except BaseException:
             self._remove()
@@ -444,7 +157,7 @@ class Tap:
                 self.summaries[name] = self.summarize(full)
 
     def _install(self) -> None:
-        plan = _plan(self.model, self.layer_spec, self.embed_spec)
+        plan = PLANS.plan(self.model, self.layer_spec, self.embed_spec)
         self.layer_how, self.layer_list, layers = plan.layer_how, plan.layer_list, plan.layers
         self._layer_names = [n for _, n, _ in layers]
         if self.embed_spec:
@@ -483,7 +196,7 @@ class Tap:
             self._ext_handles += list(ext(self) or [])
         if self.audit:
             # a model holding inference tensors: collectives on them bypass the audit's
-            # ADInplaceOrView kernels, so the audit watches through its dispatch mode (capture/audit.py)
+            # ADInplaceOrView kernels, so the audit watches through its dispatch mode (capture/audit/mode.py)
             self.auditor.use_mode = self.auditor.use_mode or plan.inference
             self.auditor.__enter__()
             self._auditing = True
@@ -511,7 +224,7 @@ class Tap:
             layout = discover.hidden_layout(output, ids, self._world)
             if self._embed_pending:           # inside an outer consumer: a fallback, if it emits rows
                 if layout is not None:
-                    out = _local(first_tensor(output))      # kept as this rank's tensor: no DTensor op
+                    out = local_tensor(first_tensor(output))      # kept as this rank's tensor: no DTensor op
                     self._embed_fallback = (name, handle, args, out.detach().clone(), layout, tuple(ids.shape))
                 return
             fallback, self._embed_fallback = self._embed_fallback, None
@@ -524,7 +237,7 @@ class Tap:
                     if r.where == EMBED_PLACE:
                         r.where = "other"
 
-        handle.handles += add_hooks(module, pre, post, with_kwargs=True)
+        handle.handles += add_hooks(module, pre, post, with_kwargs=True, fast_path=self._fast)
         self.handles.append(handle)
 
     def _embed_found(self, name, handle, args, output, layout, ids_shape) -> None:
@@ -548,7 +261,7 @@ class Tap:
         def post_(mod, args, output):
             post(handle, args, output)
 
-        handle.handles += add_hooks(module, pre, post_, wrap=True)
+        handle.handles += add_hooks(module, pre, post_, wrap=True, fast_path=self._fast)
         self.handles.append(handle)
 
     def _remove(self) -> None:
@@ -563,6 +276,9 @@ class Tap:
         if self._auditing:
             self._auditing = False
             self.auditor.__exit__(None, None, None)
+        if self._registered:                 # ... to the last Tap's exit
+            self._registered = False
+            REGISTRATIONS.release()
 
     # -- capture --------------------------------------------------------------------------
     def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
@@ -657,7 +373,7 @@ class Tap:
         if isinstance(output, torch.Tensor):
             return self._readable(name, output)
         if isinstance(output, (tuple, list)):
-            return type(output)((self._readable(name, o) if i == 0 else _local(o)) if isinstance(o, torch.Tensor)
+            return type(output)((self._readable(name, o) if i == 0 else local_tensor(o)) if isinstance(o, torch.Tensor)
                                 and i < 2 else o for i, o in enumerate(output))
         return output
 
@@ -682,83 +398,6 @@ class Tap:
                                  "storage": StorageWeakRef(out.untyped_storage()) if out is not None else None,
                                  "reduced": any(r.source == module for r in self.allreduces)})
 
-    # -- collective audit -----------------------------------------------------------------
-    def collective(self, kind: str, path: str, inp, group_size: int, op: str = "SUM"):
-        """Record one collective issued by a wrapper above c10d (see capture/audit.py)."""
-        return self.auditor.collective(kind, path, inp, group_size, op)
-
-    def _audit_copy(self, name: str, t: torch.Tensor, where: str) -> Optional[torch.Tensor]:
-        if where == EMBED_PLACE and not self.keep_ar:
-            if parse(name).kind == AR_OUT:   # admitted with its input (embed.local): both or neither
-                return self._copy(t)
-            name = EMBED_LOCAL
-        return self._copy(t) if self._admitted(name, t) else None
-
-    def _before_collective(self, inp) -> None:
-        if self.device_lag is not None and isinstance(inp, torch.Tensor) and inp.is_cuda:
-            self._bound_lag()
-
-    def _after_collective(self, rec: CollectiveRecord, out) -> None:
-        t = out if isinstance(out, torch.Tensor) else None
-        if t is not None and t.is_cuda:    # completes when the collective does (wait() ordered the stream)
-            # torch.cuda.Event's base, recorded on the kept Stream: the Python subclass's __new__
-            # and record() (which looks the stream up again) are two more frames per collective
-            ev = _Event()
-            _record(ev, current_stream(t.get_device()))
-            self.progress.events.append((rec.seq, ev))
-
-    def _bound_lag(self) -> None:
-        lag, limit = self.device_lag
-        ev = self.progress.events
-        if len(ev) < lag or ev[-lag][1].query():
-            return
-        seq, e = ev[-lag]
-        t_end = time.time() + limit
-        while not e.query():
-            if time.time() > t_end:
-                self.device_stalled = True
-                raise DeviceStalled(f"all-reduce #{seq + 1 if seq + 1 < len(self.allreduces) else seq} did not "
-                                    f"complete on the GPU within {limit:g}s")
-            time.sleep(0.0001)
-
-    def _attribution(self, tensor):
-        # the modules running this collective, innermost first: the layers' (from the frames) and
-        # the embedding's (its hooks keep a stack: it is known only once it consumed the ids)
-        running = running_modules(self._known, sys._getframe(1))
-        module = running[0][0] if running else self._stack[-1][0] if self._stack else "<outside hooked modules>"
-        layer = next((idx for _, kind, idx in running if kind == "layer"), None)
-        in_embed = bool(self._stack)
-        where = layer_place(-1 if in_embed else layer)
-        source = next((name for name, kind, _ in running if kind == "row"), None)
-        if source is None and isinstance(tensor, torch.Tensor):
-            # reduced after the row-parallel module returned (reduce_results=False)
-            ptr, storage = tensor.data_ptr(), None
-            for row in reversed(self.row_outputs):
-                if row["ptr"] == ptr and not row["reduced"]:
-                    storage = storage or StorageWeakRef(tensor.untyped_storage())
-                    if row["storage"] is None or row["storage"].expired() or row["storage"] != storage:
-                        continue
-                    row["reduced"], source = True, row["module"]
-                    if not in_embed and row["layer"] is not None:
-                        layer, where = row["layer"], layer_place(row["layer"])
-                    break
-        return module, layer, where, source
-
-    def truncate_to_device(self, done: int) -> None:
-        """The device completed all-reduces up to #done and no further (a peer died or hung; the
-        communicator was aborted): keep what a blocking backend would have, the captures taken
-        before #done + 1 and its input, and drop what was computed from its unfinished output."""
-        cut = done + 1
-        for name in [n for n, k in self.after.items() if k > cut]:
-            self.captures.pop(name, None)
-            self.summaries.pop(name, None)
-        self.order = [n for n in self.order if self.after.get(n, 0) <= cut]
-        del self.allreduces[cut + 1:]
-        if len(self.allreduces) > cut:
-            self.allreduces[cut].out = self.allreduces[cut].out_summary = None
-
-    def unreduced_rows(self) -> list[dict]:
-        return [{"module": r["module"], "layer": r["layer"]} for r in self.row_outputs if not r["reduced"]]
 
     def coverage(self) -> dict:
         """What was hooked and audited on this rank (part of the verdict: checks/coverage.py)."""
