@@ -45,6 +45,6 @@ tail -n 1 "$VLLM_LOG"     # install.sh: its time and the venv's size
 # the vLLM tier (tests/test_vllm_*.py): vLLM's own models probed at tp 2 and 4, its engine with the plugin,
 # its capture rule and its extract_hidden_states file
 START=$(date +%s)
-.venv-vllm/bin/python -m pytest -q --durations=15 -m "vllm or vllm_live" tests/ || rc=$?
+.venv-vllm/bin/python -m pytest -q --durations=15 -m "vllm or vllm_live" tests/test_vllm_*.py || rc=$?
 echo "scripts/test.sh: the vLLM tier took $(( $(date +%s) - START )) s"
 exit $rc
