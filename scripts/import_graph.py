@@ -23,7 +23,7 @@ FLOORS = [
     ["invariance"],
     ["probe"],                           # the pipeline every rank runs
     ["builtin", "dumpdir", "eagle3"],    # the built-in model; SGLang dumper folders; EAGLE-3 diff and accept
-    ["report"],                          # (report/terminal still asks the SGLang layer-id rules for its table)
+    ["report"],                          # the shared Report, its one sink and renderers; sglang_plan builds a section
     ["config.options"],                  # ProbeOptions asks the SGLang engine for an arch's default layer ids
     ["engines"],                         # engines side by side: sglang/ (vLLM next to it)
     ["checks", "exchange"],

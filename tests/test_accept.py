@@ -318,3 +318,17 @@ def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
                   "--target", str(runs["slot-order"]), "--device", "cuda:0"], timeout=240)
     # the header, however wrapped
     assert cp.returncode == 1 and " on cuda:0 (" in " ".join(cp.stdout.split()), cp.stdout[-2000:]
+
+
+def test_the_cli_writes_html_and_markdown_like_every_command(runs, tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_sinks import assert_written
+    cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]), "--engine", "torch",
+                  "--target", str(runs["slot-order"]), "--html", str(tmp_path / "a.html"),
+                  "--markdown", str(tmp_path / "a.md")], timeout=240)
+    assert cp.returncode == 1, cp.stderr[-2000:]
+    assert f"HTML report: {tmp_path / 'a.html'}" in cp.stdout
+    rep = json.loads(run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
+                              "--engine", "torch", "--target", str(runs["slot-order"]), "--json"], timeout=240).stdout)
+    rows = [[r["label"], f"{r['top1_agreement']:.1%}", f"{r['accept_length']['5']:.2f}"] for r in rep["rows"]]
+    assert_written(tmp_path, "a", f"COST: {rep['line']}", rows)

@@ -41,7 +41,7 @@ from tpprobe.engines.sglang import INSTALL_HINT, available
 def render(rep: dict) -> str:
     from rich.console import Console
 
-    from tpprobe.report.terminal import render as term
+    from tpprobe.probe.report import render as term
     con = Console(file=io.StringIO(), width=400, record=True, color_system=None)
     term(rep, con)
     return con.export_text()

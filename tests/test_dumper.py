@@ -277,3 +277,24 @@ def test_load_maps_new_files_and_reads_old_ones_whole(tmp_path):
     maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else None
     if maps is not None:                        # mapped while its tensor lives (Linux)
         assert str(new) in maps and str(old) not in maps
+
+
+# ---- one sink (issue 31 step 5): the dumper's report and diff write --html and --markdown like every command
+def test_report_and_diff_write_html_and_markdown(dumps, tmp_path):
+    from test_sinks import assert_written
+    code, out, err = cli("report", str(dumps / "tp2" / "row_sum"), "--html", str(tmp_path / "rep.html"),
+                         "--markdown", str(tmp_path / "rep.md"))
+    assert code == 1, out + err
+    rep = json.loads(cli("report", str(dumps / "tp2" / "row_sum"), "--json")[1])
+    line = next(f["line"] for f in rep["findings"] if f["severity"] == "failure")
+    rec = rep["records"][0]
+    assert_written(tmp_path, "rep", line, [[rec["name"], str(rec["step"]), rec["read"]]])
+    assert f"HTML report: {tmp_path / 'rep.html'}" in out
+
+    code, out, err = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt_bad"),
+                         "--html", str(tmp_path / "diff.html"), "--markdown", str(tmp_path / "diff.md"))
+    assert code == 1, out + err
+    d = json.loads(cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt_bad"), "--json")[1])
+    bad = next(r for r in d["rows"] if r["level"] == "material")
+    line = next(f["line"] for f in d["findings"] if f["severity"] == "failure")
+    assert_written(tmp_path, "diff", line, [[bad["name"], str(bad["step"]), bad["baseline_how"], "material"]])

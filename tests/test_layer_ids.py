@@ -6,7 +6,8 @@ import pytest
 from rich.console import Console
 
 from tpprobe.core.errors import UsageError
-from tpprobe.engines.sglang.layer_ids import parse_ids, plan, render_layers_table
+from tpprobe.engines.sglang.layer_ids import parse_ids, plan
+from tpprobe.report.sglang_plan import render_layers_table
 
 
 def test_llama_plus_one_always():

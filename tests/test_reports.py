@@ -245,7 +245,7 @@ SKIP2_REDUCES = "layers 0–1: 2 on every rank; layer 2: 1 on every rank; layers
 def _terminal_text(rep: dict) -> str:
     from rich.console import Console
 
-    from tpprobe.report.terminal import render
+    from tpprobe.probe.report import render
     con = Console(record=True, width=400, color_system=None)
     render(rep, con)
     return re.sub(r"\s+", " ", con.export_text())

@@ -136,7 +136,12 @@ def report(
     from ..formats.sglang_dump import is_dumper_dir
     if is_dumper_dir(capture_dir):
         from ..dumpdir.report import report_command
-        raise typer.Exit(report_command(capture_dir, json_out=json_out, quiet=quiet, emit_dims=emit_dims))
+        for flag, out in (("--html", html), ("--markdown", markdown)):
+            if out:
+                from ..formats.capture_dir import check_file_path
+                check_file_path(Path(out), flag)
+        raise typer.Exit(report_command(capture_dir, json_out=json_out, quiet=quiet, emit_dims=emit_dims, html=html,
+                                        markdown=markdown))
     if emit_dims:
         raise UsageError(f"--emit-dims reads SGLang dumper folders; {capture_dir} is not one")
     from .report import report_dir
@@ -211,13 +216,17 @@ def diff(
                             "1e-3, or per target slot 0=1e-3,2=5e-2 "
                             "(default 1e-5 for float32 pairs, 2e-3 when a side is bf16/fp16)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    html: Annotated[Optional[str],
+                    typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
+                                                                       "to this file")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N."""
     _DEBUG["on"] = debug
     from .diff import diff_command    # torch is imported only when a command needs it
     diff_command(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden, offset=offset,
-                 threshold=threshold, json_out=json_out)
+                 threshold=threshold, json_out=json_out, html=html, markdown=markdown)
 
 @app.command("accept")
 def accept(
@@ -244,27 +253,24 @@ def accept(
     tolerance: Annotated[float, typer.Option("--tolerance",
                                              help="accept-length difference (chain of 5) still called no cost")] = 0.05,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
-    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="also write a Markdown summary")] = None,
+    html: Annotated[Optional[str],
+                    typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
+                                                                       "to this file")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
     """Run the EAGLE-3 draft on both feature sets and say what the target capture costs in accept length."""
     _DEBUG["on"] = debug
-    import json as _json
-    from ..eagle3.accept.report import markdown as md, render
+    from ..formats.capture_dir import check_file_path
+    for flag, out in (("--html", html), ("--markdown", markdown)):
+        if out:
+            check_file_path(Path(out), flag)
+    from ..eagle3.accept.report import accept_report
     from ..eagle3.accept.score import run_accept
+    from ..report.emit import Flags, emit
     rep = run_accept(draft, baseline, target, tokens_from=tokens_from, fix=fix, engine=engine,
                      embed=str(embed) if embed else None, rank=rank, tolerance=tolerance, device=device)
-    if markdown is not None:
-        if not markdown.parent.is_dir():
-            raise UsageError(f"--markdown {markdown}: folder {markdown.parent} does not exist")
-        markdown.write_text(md(rep))
-    if json_out:
-        print(_json.dumps(rep, indent=1))
-    else:
-        from ..report.terminal import console
-        render(rep, console())
-        if markdown is not None:
-            console().print(f"markdown: {markdown}")
+    emit(accept_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown))
     raise typer.Exit(rep["exit_code"])
 
 

@@ -1,7 +1,6 @@
 """`tpprobe diff`: load both sides (every rank with --all-ranks), split, align, match, and print."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +10,7 @@ from ..core.errors import UsageError
 from ..eagle3.diff.compare import default_threshold, parse_thresholds
 from ..eagle3.diff.load import Side, load_side, side_of_run, split_slots
 from ..eagle3.diff.match import diff_sides
-from ..eagle3.diff.render import print_table, to_json
+from ..eagle3.diff.render import diff_report
 from ..eagle3.diff.tokens import align
 
 SCHEMA = "tpprobe.diff/1"
@@ -70,24 +69,23 @@ def _rank_pairs(bp: Path, tp: Path, rank: int, all_ranks: bool) -> list[tuple[Si
 
 def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = False, slots: Optional[int] = None,
                  hidden: Optional[int] = None, offset: Optional[int] = None, threshold: Optional[str] = None,
-                 json_out: bool = False) -> None:
+                 json_out: bool = False, html: Optional[str] = None, markdown: Optional[str] = None) -> None:
     """Compare two runs of the same tokens slot by slot: training dump vs serving capture, tp=1 vs tp=N;
     or two SGLang dumper folders, name by name, each unsharded to the full tensors.
     Bad input raises TPProbeError: cli.main prints it (one line; the traceback with --debug)."""
+    from ..formats.capture_dir import check_file_path
+    for flag, path in (("--html", html), ("--markdown", markdown)):
+        if path:
+            check_file_path(Path(path), flag)
     from ..formats.sglang_dump import is_dumper_dir
     if is_dumper_dir(baseline) or is_dumper_dir(target):
         if not (is_dumper_dir(baseline) and is_dumper_dir(target)):
             raise UsageError(f"{baseline if is_dumper_dir(baseline) else target} is an SGLang dumper folder and "
                              f"{target if is_dumper_dir(baseline) else baseline} is not: compare two dumper folders")
         from ..dumpdir.report import diff_command as dumper_diff
-        raise typer.Exit(dumper_diff(baseline, target, json_out=json_out))
+        raise typer.Exit(dumper_diff(baseline, target, json_out=json_out, html=html, markdown=markdown))
     rep = run_diff(baseline, target, rank=rank, all_ranks=all_ranks, slots=slots, hidden=hidden,
                    offset=offset, threshold=threshold)
-    if json_out:
-        sys.stdout.write(to_json(rep))
-    else:
-        from ..report.terminal import console
-        print_table(rep, console())
+    from ..report.emit import Flags, emit
+    emit(diff_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown))
     raise typer.Exit(rep["exit_code"])
-
-

@@ -55,12 +55,20 @@ def layers_command(
     vllm_runner: Annotated[str, typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner "
                                                                    "that reads the draft's ids: v2 (GPU default) "
                                                                    "| v1 (CPU)")] = "v2",
+    html: Annotated[Optional[str],
+                    typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
+    markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
+                                                                       "to this file")] = None,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's (or vLLM's) rules (no model is run)."""
     from tpprobe.engines.sglang.layer_ids import parse_ids
-    from tpprobe.report.terminal import console
+    from tpprobe.report.emit import Flags, emit
 
-    con = console()
+    for flag, path in (("--html", html), ("--markdown", markdown)):
+        if path:
+            from tpprobe.formats.capture_dir import check_file_path
+            check_file_path(Path(path), flag)
+    flags = Flags(json_out=json_out, html=html, markdown=markdown)
     if engine not in ("sglang", "vllm"):
         raise UsageError(f"--engine {engine!r}: use sglang or vllm")
     if vllm_runner not in ("v1", "v2"):
@@ -68,60 +76,53 @@ def layers_command(
     if draft_config is not None or target_config is not None:
         if draft_config is None or target_config is None:
             raise UsageError("--draft-config and --target-config go together: give both config.json files")
-        res = contract(draft_config, target_config, draft_convention, vllm_runner)
-        if json_out:
-            print(json.dumps(res, indent=1))
+        rep = contract_report(contract(draft_config, target_config, draft_convention, vllm_runner))
+    elif arch.strip().lower() == "all":
+        if engine == "vllm":
+            from tpprobe.engines.vllm import layer_ids as v
+            rows = v.all_rows(parse_ids(ids), num_layers)
         else:
-            from tpprobe.engines.ids_compare import render
+            rows = all_rows(parse_ids(ids), num_layers)
+        rep = all_report(rows, parse_ids(ids), num_layers, engine)
+    else:
+        rep = plan_report(arch, parse_ids(ids), num_layers, engine)
+    emit(rep, None, flags)
+    raise typer.Exit(rep.exit_code)
 
-            render_contract(res, con)
-            render(res["engines"], con)
-        raise typer.Exit(1 if res["differences"] or res["engines"]["verdict"] else 0)
+
+def _json(doc) -> str:
+    return json.dumps(doc, indent=1)
+
+
+# ---- one architecture --------------------------------------------------------------------
+def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: str = "sglang"):
+    """What SGLang's (or vLLM's) rule for `arch` makes of `ids`: the plan's table and its problems."""
+    from tpprobe.report.model import Cell, Report, Text
+
     if engine == "vllm":
-        _vllm(arch, parse_ids(ids), num_layers, json_out, con)
-    if arch.strip().lower() == "all":
-        rows = all_rows(parse_ids(ids), num_layers)
-        if json_out:
-            print(json.dumps(rows, indent=1))
-        else:
-            render_all(rows, parse_ids(ids), num_layers, con)
-        raise typer.Exit(1 if any(r["problems"] for r in rows) else 0)
-    from tpprobe.engines.sglang.layer_ids import layers_table, plan
-
-    p = plan(arch, parse_ids(ids), num_layers)
-    if json_out:
-        print(json.dumps({"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
-                          "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
-                          "crash": p.crash, "problems": p.problems,
-                          "rows": [r.__dict__ for r in p.rows]}, indent=1))
+        from tpprobe.engines.vllm import layer_ids as v
+        from tpprobe.report.vllm_plan import vllm_plan_table
+        p = v.plan(arch, ids, num_layers)
+        table = vllm_plan_table(p)
     else:
-        con.print(layers_table(p))
-        if p.problems:
-            con.print(f"[bold red]PROBLEM[/]: {'; '.join(p.problems)}")
-    raise typer.Exit(1 if p.problems else 0)
-
-
-def _vllm(arch: str, ids, num_layers: int, json_out: bool, con) -> None:
-    """`--engine vllm`: the SGLang views' shapes, from vLLM's rule (tpprobe.engines.vllm.layer_ids)."""
-    from tpprobe.engines.vllm import layer_ids as v
-
-    if arch.strip().lower() == "all":
-        rows = v.all_rows(ids, num_layers)
-        if json_out:
-            print(json.dumps(rows, indent=1))
-        else:
-            render_all(rows, ids, num_layers, con, engine="vllm")
-        raise typer.Exit(1 if any(r["problems"] for r in rows) else 0)
-    p = v.plan(arch, ids, num_layers)
-    if json_out:
-        print(json.dumps({"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
-                          "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
-                          "crash": p.crash, "problems": p.problems, "rows": [r.__dict__ for r in p.rows]}, indent=1))
+        from tpprobe.engines.sglang.layer_ids import plan
+        from tpprobe.report.sglang_plan import plan_table
+        p = plan(arch, ids, num_layers)
+        table = plan_table(p)
+    doc = {"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
+           "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
+           "crash": p.crash, "problems": p.problems, "rows": [r.__dict__ for r in p.rows]}
+    sections = [table]
+    if p.problems:
+        sections.append(Text(parts=[Cell("PROBLEM", "failure"), Cell(f": {'; '.join(p.problems)}")]))
+        verdict = [Cell(f"PROBLEM: {x}", "failure") for x in p.problems]
     else:
-        con.print(v.layers_table(p))
-        if p.problems:
-            con.print(f"[bold red]PROBLEM[/]: {'; '.join(p.problems)}")
-    raise typer.Exit(1 if p.problems else 0)
+        verdict = [Cell(f"every id captures one slot the draft can use: aux slots = HF hidden_states"
+                        f"{p.slot_hf_indices}", "ok")]
+    given = "default" if ids is None else ",".join(map(str, ids))
+    return Report("tpprobe.layers/1", f"tpprobe layers: {arch}, {num_layers} layers, ids {given}", doc,
+                  verdict=verdict, sections=sections, settings={"arch": arch, "ids": given, "num_layers": num_layers},
+                  exit_code=1 if p.problems else 0, to_json=_json)
 
 
 # ---- every architecture ------------------------------------------------------------------
@@ -141,8 +142,9 @@ def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     return out
 
 
-def render_all(rows: list[dict], ids, num_layers: int, con, engine: str = "sglang") -> None:
-    from rich.table import Table
+def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
+    """One row per architecture: what SGLang's (or vLLM's) rule captures for `ids`, and any problem."""
+    from tpprobe.report.model import Cell, Column, Report, Table
 
     given = "default" if ids is None else ",".join(map(str, ids))
     if engine == "vllm":
@@ -155,13 +157,17 @@ def render_all(rows: list[dict], ids, num_layers: int, con, engine: str = "sglan
 
         name, how = "SGLang", ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
                                f"derived from the installed SGLang {rules.installed_version()}")
-    t = Table(title=f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})")
-    for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]", "problem"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["arch"], r["file"], str(r["layers_to_capture"]), str(r["slots"]),
-                  f"[bold red]{'; '.join(r['problems'])}[/]" if r["problems"] else "[green]-[/]")
-    con.print(t)
+    t = Table(f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})",
+              [Column(c) for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]",
+                                   "problem")],
+              [[r["arch"], r["file"], str(r["layers_to_capture"]), str(r["slots"]),
+                Cell("; ".join(r["problems"]), "failure") if r["problems"] else Cell("-", "ok")] for r in rows])
+    bad = [r for r in rows if r["problems"]]
+    verdict = ([Cell(f"{r['arch']}: {'; '.join(r['problems'])}", "failure") for r in bad]
+               or [Cell(f"every architecture captures one usable slot per id ({len(rows)} architectures)", "ok")])
+    return Report("tpprobe.layers/1", f"tpprobe layers: every {name} architecture, ids {given}, {num_layers} layers",
+                  rows, verdict=verdict, sections=[t], settings={"ids": given, "num_layers": num_layers},
+                  exit_code=1 if bad else 0, to_json=_json)
 
 
 # ---- the draft / target contract (F19) ---------------------------------------------------
@@ -279,26 +285,34 @@ def _hs(i: Optional[int], L: int) -> str:
     return f"HF hidden_states[{i}]"
 
 
-def render_contract(res: dict, con) -> None:
-    from rich.markup import escape
-    from rich.table import Table
+def contract_report(res: dict):
+    """The contract slot by slot, its notes and its verdict."""
+    from tpprobe.report.model import Cell, Column, Report, Table, Text
 
-    t = Table(title=f"EAGLE-3 contract: draft {res['draft']} vs target {res['target']} "
-                    f"({res['target_arch']}, {res['num_layers']} layers)",
-              caption=escape(f"draft: {res['draft_convention']}; target: {res['target_rule']}"))
-    for c in ("slot", "draft id", "draft expects", "target captures", ""):
-        t.add_column(c)
-    for r in res["rows"]:
-        t.add_row(str(r["slot"]), "-" if r["draft_id"] is None else str(r["draft_id"]), r["draft_expects"],
-                  r["target_captures"], "[green]same[/]" if r["ok"] else "[bold red]DIFFERS[/]")
-    con.print(t)
-    for n in res["notes"]:
-        con.print(f"note: {escape(n)}")
+    t = Table(f"EAGLE-3 contract: draft {res['draft']} vs target {res['target']} "
+              f"({res['target_arch']}, {res['num_layers']} layers)",
+              [Column(c) for c in ("slot", "draft id", "draft expects", "target captures", "")],
+              [[str(r["slot"]), "-" if r["draft_id"] is None else str(r["draft_id"]), r["draft_expects"],
+                r["target_captures"], Cell("same", "ok") if r["ok"] else Cell("DIFFERS", "failure")]
+               for r in res["rows"]],
+              caption=f"draft: {res['draft_convention']}; target: {res['target_rule']}")
+    sections: list = [t] + [Text(f"note: {n}") for n in res["notes"]]
     if res["differences"]:
         v = res["verdict"]
         head = "FAILURE id-contract" + (f" ({v['kind']} at {v['where']})" if v else "")
-        con.print(f"[bold red]{head}[/]: " + escape("; ".join(res["differences"])))
+        line = Cell(f"{head}: " + "; ".join(res["differences"]), "failure")
+        sections.append(Text(parts=[Cell(head, "failure"), Cell(": " + "; ".join(res["differences"]))]))
         if v:
-            con.print(f"  {escape(v['detail'])}")
+            sections.append(Text(f"  {v['detail']}"))
     else:
-        con.print("[green]the draft and the target agree on every slot[/]")
+        line = Cell("the draft and the target agree on every slot", "ok")
+        sections.append(Text(line.text, "ok"))
+    from tpprobe.report.vllm_plan import engines_sections
+    eng = res["engines"]
+    sections += engines_sections(eng)
+    verdict = [line] + ([Cell(f"FAILURE engine-id-mismatch: {eng['verdict']}", "failure")]
+                        if eng.get("verdict") else [])
+    return Report("tpprobe.layers/1", f"tpprobe layers: EAGLE-3 contract of {res['draft']} and {res['target']}", res,
+                  verdict=verdict, sections=sections,
+                  settings={"draft": res["draft"], "target": res["target"], "convention": res["draft_convention"]},
+                  exit_code=1 if res["differences"] or eng.get("verdict") else 0, to_json=_json)

@@ -9,7 +9,8 @@ from ..capture.points import SHARE, parse
 from ..checks.run import run_checks
 from ..checks.findings import FAILURE, Finding
 from ..report.model import build_report
-from ..report.emit import emit
+from ..probe.report import probe_report
+from ..report.emit import Flags, emit
 
 
 def fingerprint_evidence(records: dict, settings: dict):
@@ -44,7 +45,7 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
         if find_steps(path):      # the SGLang plugin's run: many steps, maybe many TP groups
             return report_steps(path, check_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet)
     rep = check_dir(path)
-    emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
+    emit(probe_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return rep["exit_code"]
 
 

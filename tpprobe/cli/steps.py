@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..core.errors import UsageError
-from ..report.emit import emit
+from ..probe.report import probe_report
+from ..report.emit import Flags, emit
 
 _STEP = re.compile(r"^step-(\d+)(?:-([a-z0-9_]+))?$")   # the mode part: absent in old folders
 
@@ -83,5 +84,5 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
                                           f"{len(fails)} step(s) with failures; that step's report follows"
                                           if d else "no step diverges; the last step's report follows"),
                         highlight=False, soft_wrap=True)
-    emit(rep, None, type("O", (), {"json_out": json_out, "quiet": quiet, "html": html, "markdown": markdown})())
+    emit(probe_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return rep["exit_code"]

@@ -1,11 +1,11 @@
-"""Dumper reports printed: `tpprobe report DUMPDIR` and `tpprobe diff B T` on the terminal or as JSON.
-"""
+"""Dumper reports: `tpprobe report DUMPDIR` and `tpprobe diff B T` as the shared Report (its sections), for the
+one sink (report/emit.py: terminal or --json, --html, --markdown); --emit-dims prints the comparator's dims."""
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 from .check import report_data
 from .check import span as _span
@@ -16,21 +16,15 @@ from ..core.errors import CaptureError
 from ..formats.sglang_dump import EXPECTED, tp_layout
 
 
-# ---- rendering (report) ----------------------------------------------------------------------------------
-def render_report(data: dict, con) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
+# ---- the shared Report (report/model.py): sections for the one sink ----------------------------------------
+def report_sections(data: dict):
+    """`tpprobe report DUMPDIR` as the shared Report: records × ranks, coverage, the verdict."""
     from ..report.labels import cell_label
-    from ..report.terminal import LEVEL_STYLE
+    from ..report.model import Cell, Column, Report, Rule, Table, Text
     cov = data["coverage"]
-    con.rule(f"[bold]tpprobe dumper report[/] — {data['path']} · tp={data['tp_size']} · "
-             f"{len(data['ranks'])} ranks · steps {_span(data['steps']) if data['steps'] else '-'}")
-    t = Table(title="records × ranks", header_style="bold")
-    for c in ("name", "step", "shape", "read"):
-        t.add_column(c, no_wrap=True)
-    for r in data["ranks"]:
-        t.add_column(f"rank {r}")
+    steps = _span(data["steps"]) if data["steps"] else "-"
+    head = f"{data['path']} · tp={data['tp_size']} · {len(data['ranks'])} ranks · steps {steps}"
+    rows = []
     for rec in data["records"]:
         extra = "".join(f" {k}={v}" for k, v in rec["tags"].items())
         row = [rec["name"] + extra, str(rec["step"]), f"{rec['shape']} {rec['dtype']}",
@@ -39,26 +33,68 @@ def render_report(data: dict, con) -> None:
                               else "")]
         for r in data["ranks"]:
             s = rec["per_rank"].get(str(r))
-            row.append(Text(cell_label(s), style=LEVEL_STYLE.get((s or {}).get("level", "?"), "")) if s
-                       else Text("—", style="dim"))
-        t.add_row(*row)
-    con.print(t)
-    con.print(Text(f"coverage: {cov['files']} files, {cov['records_read']} read, {cov['groups']} records over "
-                   f"{cov['names']} names, {cov['checked']} checked across ranks"
-                   + (f"; not tensors (skipped): {', '.join(cov['not_tensors'][:4])}" if cov["not_tensors"] else ""),
-                   style="dim"))
-    con.print(Text("verdict", style="bold"))
+            row.append(Cell(cell_label(s), (s or {}).get("level", "?")) if s else Cell("—", style="dim"))
+        rows.append(row)
+    sections: list = [
+        Rule("tpprobe dumper report", f" — {head}"),
+        Table("records × ranks", [Column(c, no_wrap=True) for c in ("name", "step", "shape", "read")]
+              + [Column(f"rank {r}") for r in data["ranks"]], rows, terminal={"header_style": "bold"}),
+        Text(f"coverage: {cov['files']} files, {cov['records_read']} read, {cov['groups']} records over "
+             f"{cov['names']} names, {cov['checked']} checked across ranks"
+             + (f"; not tensors (skipped): {', '.join(cov['not_tensors'][:4])}" if cov["not_tensors"] else ""),
+             style="dim"),
+        Text("verdict", style="bold", heading=True)]
+    verdict = []
     for f in data["findings"]:
-        style = {"failure": "bold red", "warning": "yellow", "info": "cyan"}[f["severity"]]
-        con.print(Text(f"  {f['line']}", style=style), soft_wrap=True)
+        sections.append(Text(f"  {f['line']}", f["severity"], soft_wrap=True))
+        verdict.append(Cell(f["line"], f["severity"]))
         if f["severity"] != "info" and f.get("explain"):
-            con.print(Text(f"    why: {f['explain']}", style="dim"), soft_wrap=True)
+            sections.append(Text(f"    why: {f['explain']}", style="dim", soft_wrap=True))
     if not any(f["severity"] != "info" for f in data["findings"]):
-        con.print(Text(f"  HEALTHY: all {cov['checked']} records agree across ranks or are declared/identified "
-                       f"shards ({cov['records_read']} rank records read)", style="bold green"))
+        line = (f"HEALTHY: all {cov['checked']} records agree across ranks or are declared/identified "
+                f"shards ({cov['records_read']} rank records read)")
+        sections.append(Text(f"  {line}", "ok", "bold green"))
+        verdict.insert(0, Cell(line, "ok"))
+    doc = _public(data)
+    return Report(doc.get("schema", "tpprobe.dumper-report/1"), f"tpprobe dumper report: {head}", doc, verdict=verdict,
+                  sections=sections, findings=data["findings"], exit_code=data["exit_code"])
 
 
-def report_command(path: Path, json_out: bool = False, quiet: bool = False, emit_dims: bool = False) -> int:
+def diff_sections(data: dict):
+    """`tpprobe diff B T` on two dumper folders as the shared Report: every record against the baseline."""
+    from ..report.model import Cell, Column, Report, Table, Text
+    sections: list = [Text(f"baseline: {data['baseline']}", style="dim"),
+                      Text(f"target:   {data['target']}", style="dim")]
+    sections += [Text(f"tokens:   {n}", style="dim", soft_wrap=True) for n in data["notes"]]
+    cols = ("name", "step", "shape", "baseline", "target", "level", "max abs", "rel diff", "ULP max")
+    rows = [[r["name"], str(r["step"]), f"{r['shape']} {r['dtype']}", r["baseline_how"], r["target_how"],
+             Cell(r["level"], r["level"]),
+             "–" if r.get("max_abs") is None else f"{r['max_abs']:.3g}",
+             "–" if r.get("rel_diff") is None else f"{r['rel_diff']:.2e}",
+             "–" if r.get("ulp_max") is None else f"{r['ulp_max']:g}"] for r in data["rows"]]
+    sections.append(Table(None, [Column(c, no_wrap=c not in ("baseline", "target")) for c in cols], rows,
+                          terminal={"header_style": "bold"}))
+    inferred = [r["name"] for r in data["rows"] if r["inferred"]]
+    if inferred:
+        sections.append(Text(f"unsharded by inference (the meta has no tp dims for them): "
+                             f"{', '.join(sorted(set(inferred)))}", "warning", soft_wrap=True))
+    verdict = []
+    for f in data["findings"]:
+        sections.append(Text(f"  {f['line']}", f["severity"], soft_wrap=True))
+        verdict.append(Cell(f["line"], f["severity"]))
+    if not any(f["severity"] == FAILURE for f in data["findings"]):
+        lv = Counter(r["level"] for r in data["rows"])
+        line = (f"MATCH: all {len(data['rows'])} records equal the baseline after unsharding "
+                f"({lv.get('bitwise', 0)} bitwise, {lv.get('noise', 0)} within rounding)")
+        sections.append(Text(line, "ok", "bold green"))
+        verdict.insert(0, Cell(line, "ok"))
+    return Report(data.get("schema", "tpprobe.dumper-diff/1"), f"tpprobe diff: {data['target']} against "
+                  f"{data['baseline']}", data, verdict=verdict, sections=sections, findings=data["findings"],
+                  exit_code=data["exit_code"])
+
+
+def report_command(path: Path, json_out: bool = False, quiet: bool = False, emit_dims: bool = False,
+                   html: Optional[str] = None, markdown: Optional[str] = None) -> int:
     data = report_data(path)
     if data["coverage"]["checked"] == 0:
         raise CaptureError(f"{data['path']}: no tensor records to check; expected {EXPECTED}")
@@ -68,11 +104,8 @@ def report_command(path: Path, json_out: bool = False, quiet: bool = False, emit
             print(f"tpprobe: the dims were written; the dump also has findings: `tpprobe report {path}` "
                   f"names them", file=sys.stderr)
         return 0
-    if json_out:
-        sys.stdout.write(json.dumps(_public(data), indent=1, default=str) + "\n")
-    elif not quiet:
-        from ..report.terminal import console
-        render_report(data, console())
+    from ..report.emit import Flags, emit
+    emit(report_sections(data), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return data["exit_code"]
 
 
@@ -80,44 +113,9 @@ def _public(d: dict) -> dict:
     return {k: v for k, v in d.items() if not k.startswith("_")}
 
 
-def render_diff(data: dict, con) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    from ..report.terminal import LEVEL_STYLE
-    con.print(Text(f"baseline: {data['baseline']}", style="dim"))
-    con.print(Text(f"target:   {data['target']}", style="dim"))
-    for n in data["notes"]:
-        con.print(Text(f"tokens:   {n}", style="dim"), soft_wrap=True)
-    tab = Table(header_style="bold")
-    for c in ("name", "step", "shape", "baseline", "target", "level", "max abs", "rel diff", "ULP max"):
-        tab.add_column(c, no_wrap=c not in ("baseline", "target"))
-    for r in data["rows"]:
-        tab.add_row(Text(r["name"]), r["step"], f"{r['shape']} {r['dtype']}",
-                    Text(r["baseline_how"]), Text(r["target_how"]),
-                    Text(r["level"], style=LEVEL_STYLE.get(r["level"], "")),
-                    "–" if r.get("max_abs") is None else f"{r['max_abs']:.3g}",
-                    "–" if r.get("rel_diff") is None else f"{r['rel_diff']:.2e}",
-                    "–" if r.get("ulp_max") is None else f"{r['ulp_max']:g}")
-    con.print(tab)
-    inferred = [r["name"] for r in data["rows"] if r["inferred"]]
-    if inferred:
-        con.print(Text(f"unsharded by inference (the meta has no tp dims for them): {', '.join(sorted(set(inferred)))}",
-                       style="yellow"), soft_wrap=True)
-    for f in data["findings"]:
-        style = {"failure": "bold red", "warning": "yellow", "info": "cyan"}[f["severity"]]
-        con.print(Text(f"  {f['line']}", style=style), soft_wrap=True)
-    if not any(f["severity"] == FAILURE for f in data["findings"]):
-        lv = Counter(r["level"] for r in data["rows"])
-        con.print(Text(f"MATCH: all {len(data['rows'])} records equal the baseline after unsharding "
-                       f"({lv.get('bitwise', 0)} bitwise, {lv.get('noise', 0)} within rounding)", style="bold green"))
-
-
-def diff_command(baseline: Path, target: Path, json_out: bool = False) -> int:
+def diff_command(baseline: Path, target: Path, json_out: bool = False, html: Optional[str] = None,
+                 markdown: Optional[str] = None) -> int:
     data = diff_data(baseline, target)
-    if json_out:
-        sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
-    else:
-        from ..report.terminal import console
-        render_diff(data, console())
+    from ..report.emit import Flags, emit
+    emit(diff_sections(data), None, Flags(json_out=json_out, html=html, markdown=markdown))
     return data["exit_code"]

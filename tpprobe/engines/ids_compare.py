@@ -99,33 +99,3 @@ def _verdict(rows, differ, convention: str, want) -> str:
     who = f" ({matches} gives the draft what it was {trained[convention][8:]})" if matches else ""
     return (f"SGLang and vLLM capture different streams for this draft at slot(s) {slots}: they read its config "
             f"and ids differently{who}")
-
-
-def render(res: dict, con) -> None:
-    """The side-by-side table and its one verdict line (a rich Console)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    if res.get("error"):
-        con.print(f"note: both engines side by side: {escape(res['error'])}")
-        return
-
-    def hs(i):
-        return "nothing" if i is None else f"hidden_states[{i}]"
-    t = Table(title=f"EAGLE-3 draft on both engines: target {res['target_arch']}, {res['num_layers']} layers "
-                    f"(vLLM {res['vllm_runner']} model runner)",
-              caption=escape(f"SGLang ids {res['sglang_ids']} ({res['sglang_ids_from']}); vLLM ids {res['vllm_ids']} "
-                             f"({res['vllm_ids_from']}); draft trained with {res['draft_convention']}"))
-    for c in ("slot", "draft id", "draft expects", "SGLang captures", "vLLM captures", ""):
-        t.add_column(c)
-    for r in res["rows"]:
-        t.add_row(str(r["slot"]), "-" if r["draft_id"] is None else str(r["draft_id"]),
-                  "-" if r["draft_expects"] is None else hs(r["draft_expects"]), hs(r["sglang"]), hs(r["vllm"]),
-                  "[green]same[/]" if r["same"] else "[bold red]DIFFERS[/]")
-    con.print(t)
-    for n in res["notes"]:
-        con.print(f"note: {escape(n)}")
-    if res["verdict"]:
-        con.print(f"[bold red]FAILURE engine-id-mismatch[/]: {escape(res['verdict'])}")
-    else:
-        con.print("[green]SGLang and vLLM capture the same stream at every slot for this draft[/]")

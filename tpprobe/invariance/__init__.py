@@ -30,7 +30,7 @@ The modules, in the order they import each other:
   verdict   the first break of a configuration and its cause; the verdict over the grid
   compare   every configuration against the reference, row by row: the report
   keep      --keep: the tensors of the cells that are not bitwise
-  render    report.json, the terminal, --json, --html, --markdown
+  render    its sections of the shared Report (report.json, terminal, --json, --html, --markdown: report/emit.py)
   rank      the rank side: one TP size, every batch size, under the Tap and its audit
   run       the parent: one launch per TP size, then compare and report
 Torch-free to import (the command line imports `options`).

@@ -32,6 +32,7 @@ from ..builtin.model import BuiltinConfig, reference_streams
 from ..config.options import ProbeOptions
 from ..report.emit import emit
 from ..report.model import build_report
+from .report import probe_report
 from ..core.target import ProbeTarget, RankContext
 
 
@@ -215,5 +216,5 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
                             "tool": report["tool"], "liveness": {str(r): v for r, v in liveness["missing"].items()},
                             "timings": report["timings"]}, [f for p in posts.values() for f in p["files"]])
-    emit(report, me.out, me.opts)
+    emit(probe_report(report, me.out), me.out, me.opts)
     return exit_code(report["findings"])

@@ -1,45 +1,58 @@
-"""Where a report goes: report.json under --out, the terminal (or --json on stdout), --html, --markdown.
+"""Where a report goes: report.json, the terminal (or --json on stdout), --html, --markdown.
 
-One render, many sinks: every sink reads the same report dict (report/model.py).
+The one sink of every command: each hands it a Report (report/model.py) and the same flags, and every
+file and stream is written the same way.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
-from .model import write_json
+from .model import Report
 
 
-def emit(report: dict, out: Optional[Path], opts) -> None:
-    """report.json, the files asked for, then the terminal: the report (or --json), and where each
-    file went. --quiet prints the verdict lines only (a failure is never silent)."""
+def emit(report: Report, out: Optional[Path], opts) -> None:
+    """report.json under `out` (None: the command writes none), the files asked for (opts.html,
+    opts.markdown), then the terminal: the report (or --json), and where each file went. --quiet
+    prints the verdict lines only (a failure is never silent)."""
     if out is not None:
-        write_json(report, Path(out) / "report.json")
+        from ..formats.capture_dir import atomic_write_bytes
+        atomic_write_bytes(Path(out) / "report.json", report.to_json(report.document).encode())
     written = []
     if getattr(opts, "html", None):
-        from .html import write_html
-        write_html(report, Path(opts.html), capture_dir=out)
+        if report.write_html is not None:
+            report.write_html(Path(opts.html))
+        else:
+            from .html import write_report_html
+            write_report_html(report, Path(opts.html))
         written.append(("HTML report", opts.html))
     if getattr(opts, "markdown", None):
-        from .markdown import write_markdown
-        write_markdown(report, Path(opts.markdown))
+        if report.write_markdown is not None:
+            report.write_markdown(Path(opts.markdown))
+        else:
+            from .markdown import write_report_markdown
+            write_report_markdown(report, Path(opts.markdown))
         written.append(("Markdown summary", opts.markdown))
     if getattr(opts, "json_out", False):
-        sys.stdout.write(json.dumps(report, indent=1, default=str) + "\n")
+        sys.stdout.write(report.to_json(report.document) + "\n")
         for what, path in written:      # stdout stays pure JSON
             print(f"{what}: {path}", file=sys.stderr)
         return
     from rich.text import Text
 
-    from .labels import verdict_lines
-    from .terminal import console, render
+    from .terminal import console, draw, quiet_lines
     con = console()
     if getattr(opts, "quiet", False):
-        for line in verdict_lines(report):
-            con.print(Text(line, style="bold red" if report["exit_code"] else "green"))
+        quiet_lines(report, con)
         return
-    render(report, con)
+    draw(report, con)
     for what, path in written:
         con.print(Text(f"{what}: {path}", style="dim"))
+
+
+class Flags:
+    """The sink's flags for a command that has no options object: Flags(json_out=..., html=...)."""
+
+    def __init__(self, json_out: bool = False, html=None, markdown=None, quiet: bool = False):
+        self.json_out, self.html, self.markdown, self.quiet = json_out, html, markdown, quiet

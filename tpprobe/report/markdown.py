@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .envinfo import env_lines
-from .labels import cell_label, coverage_text, verdict_items
+from .labels import LEVEL_BOLD, cell_label, coverage_text, verdict_items
 
 MAX_LINES = 59
 ICON = {"failure": "🔴", "warning": "🟡", "info": "🔵", "ok": "🟢"}
-LEVEL_MARK = {"material": "**", "shape": "**", "incomplete": "**"}
 
 
 def _md(s: str) -> str:
@@ -21,7 +20,7 @@ def _md(s: str) -> str:
 
 def _cell(s) -> str:
     txt = _md(cell_label(s))
-    mark = LEVEL_MARK.get((s or {}).get("level"), "")
+    mark = "**" if (s or {}).get("level") in LEVEL_BOLD else ""
     return f"{mark}{txt}{mark}"
 
 
@@ -100,3 +99,51 @@ def write_markdown(report: dict, path: Path) -> None:
     path = Path(path)
     make_file_folder(path, "--markdown")
     atomic_write_bytes(path, render_markdown(report).encode("utf-8"))
+
+
+# ---- any Report: its sections, generically -----------------------------------------------------------
+def _section_cell(c) -> str:
+    if isinstance(c, str):
+        return _md(c)
+    txt = _md(c.text)
+    return f"**{txt}**" if c.level in LEVEL_BOLD and txt.strip() else txt
+
+
+def _section_md(s) -> list[str]:
+    from .model import KeyValue, Table, Text
+    if isinstance(s, Text):
+        if s.heading:
+            return [f"**{_md(s.plain.strip())}**", ""]
+        return ["".join(_section_cell(c) for c in s.cells()).strip() + "  "]
+    if isinstance(s, Table):
+        out = [f"**{_md(s.title)}**", ""] if s.title else []
+        out += ["| " + " | ".join(_md(c.name) or " " for c in s.columns) + " |", "|---" * len(s.columns) + "|"]
+        out += ["| " + " | ".join(_section_cell(c) for c in row) + " |" for row in s.rows]
+        out += (["", f"_{_md(s.caption)}_"] if s.caption else []) + [""]
+        return out
+    if isinstance(s, KeyValue):
+        return ([f"**{_md(s.title)}**", ""] if s.title else []) + [f"- {_md(k)}: {_section_cell(v)}"
+                                                                  for k, v in s.items] + [""]
+    return []
+
+
+def render_report_markdown(report) -> str:
+    """A Report (report/model.py) as Markdown for an issue: title, verdict lines, every Markdown section,
+    the environment folded."""
+    out = [f"### {_md(report.title)}", "", "**Verdict**", ""]
+    out += [f"- {ICON.get(c.level, '')} `{_md(c.text)}`".replace("-  `", "- `") for c in report.verdict] + [""]
+    for s in report.sections:
+        if "markdown" in s.media:
+            out += _section_md(s)
+    env = env_lines({"environment": report.environment, "settings": report.settings}) if report.environment else []
+    if env:
+        out += ["", "<details><summary>Environment</summary>", "", *[f"- {_md(x)}" for x in env], "", "</details>"]
+    out += ["", f"<sub>{_md(report.tool)} · exit code {report.exit_code}</sub>"]
+    return "\n".join(out) + "\n"
+
+
+def write_report_markdown(report, path: Path) -> None:
+    from ..formats.capture_dir import atomic_write_bytes, make_file_folder
+    path = Path(path)
+    make_file_folder(path, "--markdown")
+    atomic_write_bytes(path, render_report_markdown(report).encode("utf-8"))

@@ -1,21 +1,22 @@
-"""The terminal renderer: the report dict drawn with rich (rank 0 only).
+"""The terminal renderer: a Report's sections drawn with rich (rank 0 only).
 
-`render(report, console)` draws into any rich Console; `console()` is the terminal's.
+`draw(report, console)` draws every section meant for the terminal, generically: a Rule, Text lines,
+Tables, KeyValue tables. It reads report.model and labels' styles only and computes nothing about the
+run; `console()` is the terminal's.
 """
 from __future__ import annotations
 
 import sys
 
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from rich.markup import escape
+from rich.table import Table as RichTable
+from rich.text import Text as RichText
 
-from .labels import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces, slot_values_differ,
-                     timing_text, verdict_lines)
+from .labels import LEVEL_STYLE, style_of
+from .model import KeyValue, Report, Rule, Table, Text
 
-LEVEL_STYLE = {"bitwise": "green", "exact": "green", "reference": "cyan", "noise": "yellow",
-               "material": "bold red", "shape": "bold red", "incomplete": "bold red", "unchecked": "dim",
-               "share": "dim"}
+__all__ = ["LEVEL_STYLE", "console", "draw", "error_line", "quiet_lines"]
 
 
 def console(stderr: bool = False) -> Console:
@@ -27,73 +28,55 @@ def console(stderr: bool = False) -> Console:
 
 
 def error_line(msg: str) -> None:
-    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(f"tpprobe: error: {msg}", style="bold red"))
+    Console(stderr=True, highlight=False, soft_wrap=True).print(RichText(f"tpprobe: error: {msg}", style="bold red"))
 
 
-def _cell(s: dict) -> Text:
-    return Text(cell_label(s), style=LEVEL_STYLE.get(s.get("level", "?"), ""))
+def _text(c) -> RichText:
+    if isinstance(c, str):          # a plain cell: its text as it is (never read as markup)
+        return RichText(c)
+    return RichText(c.text, style=style_of(c.level, c.style))
 
 
-def render(report: dict, con: Console) -> None:
-    st = report["settings"]
-    con.rule(f"[bold]tpprobe rank-diff[/] — {st.get('model')} · tp={st['world_size']} · {st.get('backend')} · "
-             f"{st.get('dtype')} · ids {st.get('layer_ids')}")
-    from .envinfo import env_line
-    con.print(Text(env_line(report), style="dim"))
-    world = st["world_size"]
-    t = Table(title="capture points × ranks", show_lines=False, header_style="bold")
-    t.add_column("capture point")
-    for r in range(world):
-        t.add_column(f"rank {r}")
-    for p in report["points"]:
-        row = [p["name"]]
-        for r in range(world):
-            s = p["per_rank"].get(str(r))
-            row.append(_cell(s) if s else Text("missing" if r in report["ranks_missing"] else "—", style="dim"))
-        t.add_row(*row)
-    con.print(t)
-    cov = coverage_text(report)
-    if cov:
-        bad = any(b for _, _, b in coverage_parts(report))
-        con.print(Text("coverage: " + cov, style="bold red" if bad else ""))
-    ar = report["allreduce"]
-    if ar:
-        con.print(Text("all-reduce audit: " + audit_text(ar, missing_allreduces(report)),
-                       style="bold red" if ar.get("incomplete") or missing_allreduces(report) else ""))
-    if report.get("slots"):
-        s = Table(title="aux slots (what the draft model receives)", header_style="bold")
-        for c in ("slot", "id", "expected", "holds", "values across ranks"):
-            s.add_column(c)
-        for row in report["slots"]:
-            differ = slot_values_differ(report, row)
-            s.add_row(str(row["slot"]), str(row["id"]), str(row["expected"]),
-                      Text(str(row["matched"]), style="green" if row["ok"] else "bold red"),
-                      Text(f"differ on ranks {differ}" if differ else "agree",
-                           style="bold red" if differ else "green"))
-        con.print(s)
-    if st.get("arch") in ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2") and st.get("layer_ids") is not None \
-            and not str(st.get("backend", "")).startswith("vllm"):     # SGLang's rule, not vLLM's
-        # what SGLang's own capture rules make of these ids on this architecture
-        from ..engines.sglang.layer_ids import layers_table, plan
-        try:
-            con.print(layers_table(plan(st["arch"], list(st["layer_ids"]), int(st["num_layers"]))))
-        except Exception as e:   # a table is a courtesy: never let it break the report
-            con.print(Text(f"(layer-id table unavailable: {e})", style="dim"))
-    con.print(Text("verdict", style="bold"))
-    for f in report["findings"]:
-        style = {"failure": "bold red", "warning": "yellow", "info": "cyan"}[f["severity"]]
-        con.print(Text(f"  {f['line']}", style=style))
-        if f["severity"] != "info" and f.get("explain"):
-            con.print(Text(f"    why: {f['explain']}", style="dim"))
-        for c in f.get("consequences", [])[:5]:
-            con.print(Text(f"    follows from it: {c}", style="dim"))
-    if not report["findings"]:
-        con.print(Text("  " + verdict_lines(report)[0], style="bold green"))
-    con.print(Text(f"settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
-                   f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
-                   + timing_text(report), style="dim"))
-    if report.get("out"):
-        wrote = (report.get("exchange") or {}).get("captured_bytes_per_rank")
-        con.print(Text(f"captures and report.json: {report['out']}"
-                       + (f" ({wrote / 1e6:.2f} MB per rank)" if wrote else ""), style="dim"))
+def _table(s: Table) -> RichTable:
+    t = RichTable(title=None if s.title is None else escape(s.title),
+                  caption=None if s.caption is None else escape(s.caption), **s.terminal)
+    for c in s.columns:
+        t.add_column(c.name, justify=c.justify, no_wrap=c.no_wrap)
+    for row in s.rows:
+        t.add_row(*[_text(c) for c in row])
+    return t
+
+
+def _kv(s: KeyValue) -> RichTable:
+    t = RichTable(title=None if s.title is None else escape(s.title), show_header=False)
+    t.add_column("")
+    t.add_column("")
+    for k, v in s.items:
+        t.add_row(RichText(k), _text(v))
+    return t
+
+
+def draw(report: Report, con: Console) -> None:
+    """Every terminal section of `report`, in order."""
+    for s in report.sections:
+        if "terminal" not in s.media:
+            continue
+        if isinstance(s, Rule):
+            con.rule(f"[bold]{escape(s.bold)}[/]{escape(s.rest)}")
+        elif isinstance(s, Text):
+            line = RichText.assemble(*[_text(c) for c in s.cells()]) if s.parts else _text(s.cells()[0])
+            if s.soft_wrap is None:
+                con.print(line)
+            else:
+                con.print(line, soft_wrap=s.soft_wrap)
+        elif isinstance(s, Table):
+            con.print(_table(s))
+        elif isinstance(s, KeyValue):
+            con.print(_kv(s))
+
+
+def quiet_lines(report: Report, con: Console) -> None:
+    """--quiet: the verdict lines only (a failure is never silent)."""
+    for v in report.verdict:
+        con.print(RichText(v.text, style="bold red" if report.exit_code else "green"))
 

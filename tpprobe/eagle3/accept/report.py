@@ -1,4 +1,5 @@
-"""`tpprobe accept`'s report printed: the terminal table and the Markdown summary."""
+"""`tpprobe accept`'s report as the shared Report (report/model.py): its sections, for the one sink
+(report/emit.py: terminal or --json, --html, --markdown)."""
 from __future__ import annotations
 
 
@@ -8,43 +9,30 @@ def _on(rep: dict) -> str:
     return "" if dev == "cpu" else f" on {dev}" + (f" ({rep['device_name']})" if rep.get("device_name") else "")
 
 
-def render(rep: dict, console) -> None:
-    from rich.table import Table
+def accept_report(rep: dict):
+    """`tpprobe accept` as the shared Report: the accept-length table, unusable sources, the verdict."""
+    import json
+
+    from ...report.model import Cell, Column, Report, Table, Text
     d = rep["draft"]
-    console.print(f"[bold]tpprobe accept[/] — draft {d['path']} ({d['architecture']}, {d['aux_slots']} slots × "
-                  f"{d['target_hidden']}, vocab map {d['vocab_map']}) · engine {rep['engine']}{_on(rep)} · "
-                  f"{rep['tokens']} tokens from {rep['tokens_from']}")
-    tab = Table(title="expected accept length for a chain of k drafted tokens (1 + accepted drafts)")
-    tab.add_column("source")
-    tab.add_column("top-1 agreement", justify="right")
-    for k in rep["chain_lengths"]:
-        tab.add_column(f"k={k}", justify="right")
-    for r in rep["rows"]:
-        if not r["usable"]:
-            tab.add_row(r["label"], "–", *["1.00"] * len(rep["chain_lengths"]))
-            continue
-        tab.add_row(r["label"], f"{r['top1_agreement']:.1%}",
-                    *[f"{r['accept_length'][str(k)]:.2f}" for k in rep["chain_lengths"]])
-    console.print(tab)
-    for r in rep["rows"]:
-        if not r["usable"]:
-            console.print(f"  {r['label']}: {r['why']}")
-    style = "green" if rep["ok"] else "bold red"
-    console.print(f"[{style}]{'OK' if rep['ok'] else 'COST'}[/]: {rep['line']}")
-    console.print(f"[dim]how: {rep['estimate']}[/]")
-
-
-def markdown(rep: dict) -> str:
+    head = (f" — draft {d['path']} ({d['architecture']}, {d['aux_slots']} slots × {d['target_hidden']}, vocab map "
+            f"{d['vocab_map']}) · engine {rep['engine']}{_on(rep)} · {rep['tokens']} tokens from {rep['tokens_from']}")
     ks = rep["chain_lengths"]
-    lines = [f"### tpprobe accept: {'OK' if rep['ok'] else 'COST'}", "", rep["line"], "",
-             f"draft `{rep['draft']['path']}` · engine {rep['engine']}{_on(rep)} · {rep['tokens']} tokens", "",
-             "| source | top-1 | " + " | ".join(f"k={k}" for k in ks) + " |",
-             "|---|---:|" + "---:|" * len(ks)]
+    rows = []
     for r in rep["rows"]:
-        if r["usable"]:
-            lines.append(f"| {r['label']} | {r['top1_agreement']:.1%} | "
-                         + " | ".join(f"{r['accept_length'][str(k)]:.2f}" for k in ks) + " |")
+        if not r["usable"]:
+            rows.append([r["label"], "–", *["1.00"] * len(ks)])
         else:
-            lines.append(f"| {r['label']} | unusable | " + " | ".join("1.00" for _ in ks) + " |")
-    lines += ["", f"_{rep['estimate']}_", ""]
-    return "\n".join(lines)
+            rows.append([r["label"], f"{r['top1_agreement']:.1%}", *[f"{r['accept_length'][str(k)]:.2f}" for k in ks]])
+    word = "OK" if rep["ok"] else "COST"
+    level = "ok" if rep["ok"] else "failure"
+    sections: list = [
+        Text(parts=[Cell("tpprobe accept", style="bold"), Cell(head)]),
+        Table("expected accept length for a chain of k drafted tokens (1 + accepted drafts)",
+              [Column("source"), Column("top-1 agreement", justify="right")]
+              + [Column(f"k={k}", justify="right") for k in ks], rows)]
+    sections += [Text(f"  {r['label']}: {r['why']}") for r in rep["rows"] if not r["usable"]]
+    sections += [Text(parts=[Cell(word, level, "green" if rep["ok"] else "bold red"), Cell(f": {rep['line']}")]),
+                 Text(f"how: {rep['estimate']}", style="dim")]
+    return Report("tpprobe.accept/1", f"tpprobe accept: {word}", rep, verdict=[Cell(f"{word}: {rep['line']}", level)],
+                  sections=sections, exit_code=rep["exit_code"], to_json=lambda x: json.dumps(x, indent=1))

@@ -25,9 +25,9 @@ The package, by concern (each module imports only those above it; render reads t
 from .compare import DEFAULT_THRESHOLD, default_threshold, pair_stats, parse_thresholds, rel_diff
 from .load import Side, load_side, split_slots
 from .match import diff_sides, identify
-from .render import print_table, to_json
+from .render import diff_report, to_json
 from .tokens import align
 
 __all__ = ["DEFAULT_THRESHOLD", "Side", "align", "default_threshold", "diff_sides",
-           "identify", "load_side", "pair_stats", "parse_thresholds", "print_table", "rel_diff",
+           "identify", "load_side", "pair_stats", "parse_thresholds", "diff_report", "rel_diff",
            "split_slots", "to_json"]

@@ -283,31 +283,6 @@ def pinned_plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPl
     return p
 
 
-def layers_table(p: LayerPlan):
-    """A rich Table of `p` (for `tpprobe layers` and the probe report)."""
-    from rich.table import Table
-
-    given = "default" if p.ids is None else ",".join(str(i) for i in p.ids)
-    t = Table(title=f"SGLang {SGLANG_VERSION} EAGLE-3 capture, arch {p.arch}, {p.num_layers} layers, "
-                    f"ids {given}",
-              caption=f"{p.rule}. layers_to_capture={p.layers_to_capture}; packed aux = "
-                      f"{p.num_slots} slot(s) of hidden_size, same full tensor on every TP rank"
-                      + (f". CRASH: {p.crash}" if p.crash else ""))
-    t.add_column("id", justify="right")
-    t.add_column("layers_to_capture", justify="right")
-    t.add_column("capture point", justify="right")
-    t.add_column("aux slot", justify="right")
-    t.add_column("what it physically is")
-    t.add_column("status")
-    t.add_column("note")
-    style = {"ok": "green", "dropped": "yellow", "crash": "bold red"}
-    for r in p.rows:
-        t.add_row("-" if r.requested is None else str(r.requested), str(r.layer), point_of(r.layer, p.num_layers),
-                  "-" if r.slot is None else str(r.slot), r.what,
-                  f"[{style.get(r.status, '')}]{r.status or '-'}[/]", r.note)
-    return t
-
-
 def parse_ids(text: Optional[str]) -> Optional[list[int]]:
     """'-1,2,30' -> [-1, 2, 30]; '' or None -> None (SGLang's default). Bad text -> UsageError."""
     if text is None or not text.strip():
@@ -318,16 +293,6 @@ def parse_ids(text: Optional[str]) -> Optional[list[int]]:
         raise UsageError(f"--ids must be comma-separated integers like -1,2,30, got {text!r}") from None
 
 
-def render_layers_table(arch: str, ids: Optional[list[int]], num_layers: int, console=None) -> LayerPlan:
-    """Print the table for `tpprobe layers` on `console` (a rich Console; default stdout)."""
-    from rich.console import Console
-
-    p = plan(arch, ids, num_layers)
-    (console or Console()).print(layers_table(p))
-    return p
-
-
-# ---- the packed aux slots as tpprobe capture points ----------------------------------------------
 def layer_point(layer: int) -> str:
     """tpprobe's capture point equal to the stream SGLang captures at `layers_to_capture` entry
     `layer` (the stream entering that layer): embed.out for 0, else layer.{layer-1}.out."""

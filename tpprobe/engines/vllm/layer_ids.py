@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tpprobe.core.errors import UsageError
-from tpprobe.engines.sglang.layer_ids import LayerIdRow, LayerPlan, layer_point
+from tpprobe.engines.sglang.layer_ids import LayerIdRow, LayerPlan
 
 RUNNERS = ("v1", "v2")
 
@@ -257,23 +257,3 @@ def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
         out.append({"arch": key, "file": rule["module"], "rule": p.rule, "layers_to_capture": p.layers_to_capture,
                     "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash})
     return out
-
-
-def layers_table(p: LayerPlan):
-    """A rich Table of `p` (vLLM's columns: the id as vLLM holds it is the capture point)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    given = "default" if p.ids is None else ",".join(str(i) for i in p.ids)
-    t = Table(title=f"vLLM {version()} EAGLE-3 capture, arch {p.arch}, {p.num_layers} layers, "
-                    f"ids {given}",
-              caption=escape(f"{p.rule}. aux_hidden_state_layers={tuple(p.layers_to_capture)}; packed aux = "
-                             f"{p.num_slots} slot(s) of hidden_size" + (f". CRASH: {p.crash}" if p.crash else "")))
-    for c in ("id", "capture point", "aux slot", "what it physically is", "status", "note"):
-        t.add_column(c, justify="right" if c in ("id", "aux slot") else "left")
-    style = {"ok": "green", "dropped": "yellow", "duplicate": "yellow", "crash": "bold red"}
-    for r in p.rows:
-        point = layer_point(r.hf_index) if r.hf_index is not None else "-"
-        t.add_row("-" if r.requested is None else str(r.requested), point, "-" if r.slot is None else str(r.slot),
-                  escape(r.what), f"[{style.get(r.status, '')}]{r.status or '-'}[/]", escape(r.note))
-    return t

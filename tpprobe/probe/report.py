@@ -1,0 +1,103 @@
+"""The probe's report (`tpprobe probe`, `tpprobe report`) as the shared Report: its sections.
+
+`probe_report(document)` turns the report dict (report/model.py `build_report`) into a Report: the
+capture point × rank table, coverage, the all-reduce audit, the aux slots, SGLang's layer plan (computed
+here, never by a renderer), the verdict and the settings line. The HTML (heatmaps) and the Markdown issue
+summary keep their own document renderers (report/html.py, report/markdown.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ..report.labels import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
+                             slot_values_differ, timing_text, verdict_lines)
+from ..report.model import SCHEMA, Cell, Column, Report, Rule, Table, Text
+
+SEVERITY_STYLE = {"failure": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def title(st: dict) -> str:
+    return (f"{st.get('model')} · tp={st['world_size']} · {st.get('backend')} · {st.get('dtype')} · "
+            f"ids {st.get('layer_ids')}")
+
+
+def _points(doc: dict) -> Table:
+    world = doc["settings"]["world_size"]
+    rows = []
+    for p in doc["points"]:
+        row = [Cell(p["name"])]
+        for r in range(world):
+            s = p["per_rank"].get(str(r))
+            row.append(Cell(cell_label(s), s.get("level", "?")) if s else
+                       Cell("missing" if r in doc["ranks_missing"] else "—", style="dim"))
+        rows.append(row)
+    return Table("capture points × ranks", [Column("capture point")] + [Column(f"rank {r}") for r in range(world)],
+                 rows, terminal={"show_lines": False, "header_style": "bold"})
+
+
+def _slots(doc: dict) -> Table:
+    rows = []
+    for row in doc["slots"]:
+        differ = slot_values_differ(doc, row)
+        rows.append([Cell(str(row["slot"])), Cell(str(row["id"])), Cell(str(row["expected"])),
+                     Cell(str(row["matched"]), "ok" if row["ok"] else "failure"),
+                     Cell(f"differ on ranks {differ}" if differ else "agree", "failure" if differ else "ok")])
+    return Table("aux slots (what the draft model receives)",
+                 [Column(c) for c in ("slot", "id", "expected", "holds", "values across ranks")], rows,
+                 terminal={"header_style": "bold"})
+
+
+def sections(doc: dict) -> list:
+    from ..report.envinfo import env_line
+    from ..report.sglang_plan import probe_plan_sections
+    st = doc["settings"]
+    out: list = [Rule("tpprobe rank-diff", f" — {title(st)}"), Text(env_line(doc), style="dim"), _points(doc)]
+    cov = coverage_text(doc)
+    if cov:
+        bad = any(b for _, _, b in coverage_parts(doc))
+        out.append(Text("coverage: " + cov, style="bold red" if bad else ""))
+    ar = doc["allreduce"]
+    if ar:
+        missing = missing_allreduces(doc)
+        out.append(Text("all-reduce audit: " + audit_text(ar, missing),
+                        style="bold red" if ar.get("incomplete") or missing else ""))
+    if doc.get("slots"):
+        out.append(_slots(doc))
+    out += probe_plan_sections(st)
+    out.append(Text("verdict", style="bold", heading=True))
+    for f in doc["findings"]:
+        out.append(Text(f"  {f['line']}", level=f["severity"]))
+        if f["severity"] != "info" and f.get("explain"):
+            out.append(Text(f"    why: {f['explain']}", style="dim"))
+        for c in f.get("consequences", [])[:5]:
+            out.append(Text(f"    follows from it: {c}", style="dim"))
+    if not doc["findings"]:
+        out.append(Text("  " + verdict_lines(doc)[0], style="bold green"))
+    out.append(Text(f"settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
+                    f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
+                    + timing_text(doc), style="dim"))
+    if doc.get("out"):
+        wrote = (doc.get("exchange") or {}).get("captured_bytes_per_rank")
+        out.append(Text(f"captures and report.json: {doc['out']}"
+                        + (f" ({wrote / 1e6:.2f} MB per rank)" if wrote else ""), style="dim"))
+    return out
+
+
+def probe_report(doc: dict, capture_dir: Optional[Path] = None) -> Report:
+    """The Report of a probe document; its HTML and Markdown are the document's own (heatmaps, the 60-line
+    issue summary)."""
+    from ..report.html import write_html
+    from ..report.markdown import write_markdown
+    verdict = [Cell(f["line"], f["severity"]) for f in doc["findings"]] or [Cell(verdict_lines(doc)[0], "ok")]
+    return Report(SCHEMA, f"tpprobe rank-diff: {title(doc['settings'])}", doc, verdict=verdict,
+                  sections=sections(doc), settings=doc["settings"], environment=doc.get("environment") or {},
+                  findings=doc["findings"], exit_code=doc["exit_code"], tool=doc.get("tool", "tpprobe"),
+                  write_html=lambda path: write_html(doc, path, capture_dir=capture_dir),
+                  write_markdown=lambda path: write_markdown(doc, path))
+
+
+def render(doc: dict, con) -> None:
+    """The probe document drawn on a rich Console (the terminal's view)."""
+    from ..report.terminal import draw
+    draw(probe_report(doc), con)
