@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from tpprobe.formats.capture_dir import MANIFEST, CaptureError, check_out_dir, load_run, read_manifest, safe_torch_load
@@ -305,7 +305,10 @@ def test_property_hostile_manifest(healthy, tmp_path_factory, manifest, keep_rea
 
 @PROPS
 @given(meta=_json | st.fixed_dictionaries({}, optional={"points": _json, "allreduces": _json, "status": _json,
-                                                         "aux": _json, "params": _json}))
+                                                         "aux": _json, "params": _json,
+                                                         "coverage": _json}))
+@example(meta={"params": {"": None}})     # CI found it: a parameter entry that is not an object crashed the report
+@example(meta={"coverage": {"unreadable_points": [1]}})
 def test_property_hostile_rank_metadata_sealed_in_the_manifest(healthy, tmp_path_factory, meta):
     """Even a metadata file the manifest vouches for is checked before the checks read it."""
     d = tmp_path_factory.mktemp("meta") / "c"

@@ -195,9 +195,13 @@ def check_meta(meta) -> None:
     for k in ("status", "error", "embed_module"):
         if not (meta.get(k) is None or isinstance(meta.get(k), str)):
             raise ValueError(f"{k!r} must be a string")
-    for k in ("aux", "params", "timings"):
+    for k in ("aux", "params", "timings", "coverage"):
         if not isinstance(meta.get(k, {}), dict):
             raise ValueError(f"{k!r} must be an object")
+    if not all(isinstance(e, dict) for e in (meta.get("params") or {}).values()):
+        raise ValueError("'params' must map each parameter's name to an object")
+    if not isinstance((meta.get("coverage") or {}).get("unreadable_points") or {}, dict):
+        raise ValueError("'coverage.unreadable_points' must be an object")
 
 
 def resolve_summaries(tap, summarize, device_ok: bool) -> None:
