@@ -269,7 +269,7 @@ def cuda_communicator(tp):
     nc.__dict__.update(rank=rank, world_size=ws, group=group, available=True, disabled=False, _suspended=False,
                        device=cpu, comm=None, nccl=GlooNccl(group), nccl_version=0)
     cc.pynccl_comm = nc
-    stream = current_stream()                 # vLLM's CPU placeholder stream: NCCL gets a null stream handle
+    stream = type(current_stream())           # vLLM's CPU placeholder stream: NCCL gets a null stream handle
     if not hasattr(stream, "cuda_stream"):
         stream.cuda_stream = 0
 
@@ -354,7 +354,6 @@ class PathsModel(torch.nn.Module):
 def _parallel_state(ctx: RankContext):
     install_flashinfer()          # before vLLM imports its FlashInfer modules
     os.environ.setdefault("TPPROBE_VLLM_ALLREDUCE", "gloo")      # vLLM's CPU communicator without shared memory
-    from tpprobe.engines.sglang.tiny import seeded_hf_model  # noqa: F401 - the tier's import order (transformers)
     from tpprobe.engines.vllm import cpu_mode, tiny
 
     cpu_mode.enable()

@@ -124,8 +124,9 @@ def fused_door(tap, module, fn: str, label: str, read, coordinator) -> list:
         if auditor is not None and auditor.active_record is not None:
             auditor.active_record.via.append(label)     # under a coordinator's record: it reads the result
             return orig(*args, **kwargs)
-        # called positionally: the input is counted, what it returned is not read
-        inp, finish = (args[0], None) if args else read(kwargs)
+        # called positionally (or a method: the instance first): its first tensor is counted, nothing is read
+        inp, finish = (next((a for a in args if isinstance(a, torch.Tensor)), None), None) if args \
+            else read(kwargs)
         coord = coordinator(kwargs)
         n = int(getattr(coord, "world_size", 1))
         if not isinstance(inp, torch.Tensor) or n <= 1:

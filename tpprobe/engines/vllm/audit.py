@@ -97,6 +97,22 @@ def fused_extension(tap) -> list:
     return handles
 
 
+# fused kernels that reduce outside the coordinator and whose sum cannot be read from their arguments: each call is
+# counted unchecked (a coverage warning names it). DeepSeek-V4.1's all-reduce + mHC finalize (CuTe DSL, tp 4 with
+# NVLink multicast only): it reduces the MoE's unfinalized expert outputs inside the kernel.
+COUNTED = (("vllm.models.deepseek_v41.nvidia.ops.cute_dsl", "AllReduceMHC", "finalize"),)
+
+
+def counted_extension(tap) -> list:
+    """Tap extension: the fused reduces of COUNTED, where vLLM imported them, counted as unreadable."""
+    handles = []
+    for mod, cls_name, method in COUNTED:
+        cls = getattr(sys.modules.get(mod), cls_name, None)
+        if cls is not None:
+            handles += fused_door(tap, cls, method, f"{cls_name}.{method}", lambda kw: (None, None), _tp_group)
+    return handles
+
+
 def marks_extension(tap) -> list:
     """Tap extension: the GPU communicator each reduce went through, named in its record's path."""
     entries = []
@@ -117,7 +133,7 @@ def coordinator_audit_extension(tap) -> list:
     handles = coordinator_door(tap, GroupCoordinator, PATH, op_methods=("_all_reduce_out_place",))
     if handles:
         handles.append(door_below(OPS["all_reduce"]))
-        handles += fused_extension(tap) + marks_extension(tap)
+        handles += fused_extension(tap) + marks_extension(tap) + counted_extension(tap)
     return handles
 
 
