@@ -93,3 +93,43 @@ def test_a_wrong_sum_on_every_gpu_path_is_named(tmp_path):
     recs = by_layer(rep)
     assert recs[3]["level"] in ("exact", "noise") and recs[3]["path"] == PATHS["torch"]
     assert rep["allreduce"]["unchecked"] == 0 and rep["coverage"]["unreadable_paths"] == {}
+
+
+def test_a_fused_reduce_that_cannot_be_read_is_counted_unchecked():
+    """The fused door's other branch: a call whose reduced output is not in its arguments (here FlashInfer's
+    entry called positionally; DeepSeek-V4.1's AllReduceMHC.finalize always) is one record, counted and not
+    read (checked False: the coverage warning names its path), never a silent pass; a readable call beside
+    it is read. In one process: the door's bookkeeping only, no collective runs."""
+    import types
+
+    import torch
+
+    from tpprobe.capture.audit import Audit
+    from tpprobe.engines.door import fused_door
+    from tpprobe.engines.vllm.audit import fused_read
+
+    audit = Audit(lambda t: ("layers.0.proj", 0, "layer.0", None))
+    tap = types.SimpleNamespace(audit=True, auditor=audit, collective=audit.collective)
+    group = types.SimpleNamespace(world_size=2, ranks=[0, 1], unique_name="tp:0")
+
+    def allreduce_fusion(*args, **kw):         # what the kernel leaves: residual_out = sum + residual_in
+        if kw:
+            kw["residual_out"].add_(kw["input"] * 2)
+        return None
+
+    comm = types.SimpleNamespace(allreduce_fusion=allreduce_fusion,
+                                 AllReduceFusionPattern=types.SimpleNamespace(kAllReduce=0, kARResidualRMSNorm=1))
+    handles = fused_door(tap, comm, "allreduce_fusion", "flashinfer.comm.allreduce_fusion", fused_read(comm),
+                         lambda kw: group)
+    x, r = torch.ones(4, 8), torch.full((4, 8), 3.0)
+    comm.allreduce_fusion(x, None, 1)
+    comm.allreduce_fusion(input=x, workspace=None, pattern=1, residual_in=r, residual_out=r, norm_out=x.clone())
+    for h in handles:
+        h.remove()
+    assert comm.allreduce_fusion is allreduce_fusion
+    unread, read = audit.records
+    assert (unread.path, unread.checked, unread.group, unread.shape) == ("flashinfer.comm.allreduce_fusion", False,
+                                                                         "tp:0", (4, 8))
+    assert unread.inp is None and unread.out is None
+    # the readable call: its output is residual_out - residual_in (the residual copied on entry) = 2 x
+    assert read.checked and torch.equal(read.inp, torch.ones(4, 8)) and torch.equal(read.out, torch.full((4, 8), 2.0))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -44,8 +45,9 @@ import torch.distributed as dist
 from tpprobe import ProbeTarget, RankContext
 
 HIDDEN, TOKENS, SEED = 32, 8, 0
-# layer k's path: vLLM's communicator it goes through (ROUTES[k]); "op": the compiled-graph form, the custom op
-# torch.ops.vllm.all_reduce called without GroupCoordinator.all_reduce (it reaches custom all-reduce); "fused":
+# layer k's path: vLLM's communicator it goes through (ROUTES[k]); "op": the compiled-graph form (torch.compile,
+# eager backend, fullgraph): the graph calls torch.ops.vllm.all_reduce without GroupCoordinator.all_reduce (it
+# reaches custom all-reduce); "fused":
 # torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm, as the AllReduceFusionPass puts it in the graph
 ROUTES = ("custom", "symm_mem", "pynccl", "torch", "flashinfer", "fused", "op")
 WRONG: dict = {}
@@ -289,9 +291,12 @@ def cuda_communicator(tp):
     return cc
 
 
-def route(cc, path: str) -> None:
+def route(cc, path: str, tp=None) -> None:
     """The next reduce through CudaCommunicator.all_reduce takes `path`: the communicators before it in vLLM's
-    order are disabled (as vLLM disables one that is unavailable or gated out)."""
+    order are disabled (as vLLM disables one that is unavailable or gated out). "op": the TP coordinator calls
+    the custom op, as on CUDA (`use_custom_op_call`; vLLM's CPU platform says no)."""
+    if tp is not None:
+        tp.use_custom_op_call = path == "op"
     cc.fi_ar_comm.disabled = path != "flashinfer"
     cc.ca_comm.disabled = path not in ("custom", "op")
     cc.symm_mem_comm.disabled = path != "symm_mem"
@@ -305,7 +310,7 @@ class Proj(torch.nn.Module):
     def __init__(self, w: torch.Tensor, rank: int, world: int, path: str):
         super().__init__()
         cols = w.shape[1] // world
-        self.lo, self.hi, self.path = rank * cols, (rank + 1) * cols, path
+        self.lo, self.hi, self.path, self.compiled = rank * cols, (rank + 1) * cols, path, None
         self.weight = torch.nn.Parameter(w[:, self.lo:self.hi].contiguous(), requires_grad=False)
         self.gamma = torch.nn.Parameter(torch.ones(w.shape[0]), requires_grad=False)
 
@@ -320,8 +325,12 @@ class Proj(torch.nn.Module):
                 rms_eps=1e-6, pattern_code=FI_RESIDUAL_RMSNORM, world_size=get_tp_group().world_size,
                 launch_with_pdl=True, fp32_acc=True, max_token_num=TOKENS)
             return res
-        if self.path == "op":        # a compiled graph's reduce: the custom op, without GroupCoordinator.all_reduce
-            return h + torch.ops.vllm.all_reduce(part, group_name=get_tp_group().unique_name)
+        if self.path == "op":
+            # a compiled graph's reduce: Dynamo traces GroupCoordinator.all_reduce (use_custom_op_call set, as on
+            # CUDA) away; the graph calls torch.ops.vllm.all_reduce, the Python method never runs
+            if self.compiled is None:
+                self.compiled = torch.compile(tensor_model_parallel_all_reduce, backend="eager", fullgraph=True)
+            return h + self.compiled(part)
         return h + tensor_model_parallel_all_reduce(part)
 
 
@@ -361,6 +370,7 @@ def _parallel_state(ctx: RankContext):
     folder = tempfile.mkdtemp(prefix="tpprobe-vllm-gpu-paths-")
     config.save_pretrained(folder)
     vc = cpu_mode.make_config(folder, ctx.world_size, torch.float32, 64)
+    shutil.rmtree(folder, ignore_errors=True)
     cpu_mode.publish_parallel_state(vc, ctx.rank, ctx.world_size, ctx.local_rank)
     # vLLM's own code on the stand-in FlashInfer: the fused op is defined and registered by vLLM's statements
     import vllm.distributed.device_communicators.flashinfer_all_reduce  # noqa: F401
@@ -379,7 +389,7 @@ def build(ctx: RankContext) -> ProbeTarget:
     tp.device_communicator = cc       # what vLLM's GPU worker has at this place
     model = PathsModel(ctx.rank, ctx.world_size).eval()
     for layer in model.layers:
-        layer.register_forward_pre_hook(lambda m, a: route(cc, m.proj.path))
+        layer.register_forward_pre_hook(lambda m, a: route(cc, m.proj.path, tp))
     ids = torch.randint(0, 64, (TOKENS,), generator=torch.Generator().manual_seed(SEED))
 
     def forward():
