@@ -25,7 +25,9 @@ PATHS = {
     "symm_mem": f"{GC}.all_reduce+SymmMemCommunicator.all_reduce+symm_mem.two_shot_all_reduce_+c10d.allreduce_",
     "pynccl": f"{GC}.all_reduce+PyNcclCommunicator.all_reduce+c10d.allreduce_",
     "torch": f"{GC}.all_reduce+c10d.allreduce_",
-    "flashinfer": f"{GC}.all_reduce+FlashInferAllReduce.all_reduce+flashinfer.comm.allreduce_fusion+c10d.allreduce_",
+    # the first FlashInfer call makes vLLM's workspace (get_fi_ar_workspace: its node count is a collective over
+    # the group) before the kernel runs: the path lists ops in the order first seen
+    "flashinfer": f"{GC}.all_reduce+FlashInferAllReduce.all_reduce+c10d.allreduce_+flashinfer.comm.allreduce_fusion",
     # the fused op never reaches the coordinator: its door is FlashInfer's allreduce_fusion
     "fused": "flashinfer.comm.allreduce_fusion+c10d.allreduce_",
     # a compiled graph's custom op, without GroupCoordinator.all_reduce: the door it reaches

@@ -190,8 +190,14 @@ class CustomArOps:
 
 
 class CustomArHandle:
+    """The custom all-reduce's handle (vLLM's `_ptr`): the group to sum over. It owns no CUDA IPC memory, so it is
+    falsy: vLLM's `CustomAllreduce.close` (run by `__del__`) has nothing to dispose or free."""
+
     def __init__(self, group):
         self.group = group
+
+    def __bool__(self) -> bool:
+        return False
 
 
 _NCCL_DTYPES = {6: torch.float16, 7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
