@@ -29,11 +29,11 @@ from .doors import DOORS, Doors, DoorsPath
 from .interceptor import Interceptor
 from .kernel import KERNELS, KernelPath, Kernels
 from .mode import ModePath
-from .recorder import Audit, release, set_doors, sync
+from .recorder import Audit, door_below, release, set_doors, sync
 from .records import KINDS, REDUCES, CollectiveRecord, a2a_chunks, audited, dtype_name, expected_output, op_name
 
 __all__ = ["DOORS", "KERNELS", "KINDS", "REDUCES", "Audit", "CollectiveRecord", "Doors", "DoorsPath", "Interceptor",
-           "KernelPath", "Kernels", "ModePath", "a2a_chunks", "audited", "dtype_name", "expected_output",
+           "KernelPath", "Kernels", "ModePath", "a2a_chunks", "audited", "door_below", "dtype_name", "expected_output",
            "holds_inference_tensors", "op_name", "prepare", "release", "set_doors", "sync"]
 
 

@@ -16,6 +16,33 @@ from .mode import ModePath
 from .records import CollectiveRecord, a2a_chunks, audited, dtype_name
 
 
+# ops ("ns.name") whose Python implementation runs a wrapper's door (an engine's custom all-reduce op that
+# calls its coordinator: vLLM's torch.ops.vllm.all_reduce): the door records the call, the dispatcher lets
+# it through. Counted per registration; only while the door that records them is open (`door_below`).
+BELOW: dict = {}
+
+
+class _Below:
+    def __init__(self, key: str):
+        self.key = key
+        BELOW[key] = BELOW.get(key, 0) + 1
+
+    def remove(self) -> None:
+        if self.key is not None:
+            n = BELOW.get(self.key, 0) - 1
+            if n > 0:
+                BELOW[self.key] = n
+            else:
+                BELOW.pop(self.key, None)
+            self.key = None
+
+
+def door_below(key: str) -> _Below:
+    """Register op `key` ("ns.name") as recorded by a wrapper's door its implementation reaches; the
+    returned handle's `remove()` ends it (with the door)."""
+    return _Below(key)
+
+
 def sync(force: bool = False) -> bool:
     """Register the audit's kernels on every audited op not yet seen, and open ProcessGroup's doors
     where wanted; True when the kernel path is sound (no audited op keeps its own kernel)."""
@@ -170,6 +197,8 @@ class Audit:
             return func(*args, **kwargs)
         if self.active_record is not None:
             self.active_record.via.append(key)
+            return func(*args, **kwargs)
+        if key in BELOW:         # its implementation reaches a wrapper's door, which records it (once)
             return func(*args, **kwargs)
         handler = _HANDLERS.get(key)
         if handler is None:      # a collective we cannot read: counted and named, never skipped
