@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..report.labels import LEVEL_STYLE
+from ..report.labels import LEVEL_MARK, LEVEL_STYLE
 from .levels import human_bytes
 
-COMPACT = {"bitwise": "=", "noise": "≈", "material": "✗", "shape": "✗ shape", "missing": "✗ missing"}
+COMPACT = LEVEL_MARK        # report/labels.py declares each level's symbol
 
 
 def cell_text(cell: dict, short: bool = False) -> str:

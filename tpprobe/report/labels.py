@@ -19,6 +19,8 @@ LEVELS = {
     "failure": ("bold red", "bad", True), "warning": ("yellow", "noise", False), "info": ("cyan", "ref", False),
     "ok": ("green", "ok", False),
 }
+# the terminal's one-symbol cell of a level, where a table is too wide for words (tpprobe invariance)
+LEVEL_MARK = {"bitwise": "=", "noise": "≈", "material": "✗", "shape": "✗ shape", "missing": "✗ missing"}
 LEVEL_STYLE = {k: v[0] for k, v in LEVELS.items()}
 LEVEL_CLASS = {k: v[1] for k, v in LEVELS.items()}
 LEVEL_BOLD = frozenset(k for k, v in LEVELS.items() if v[2])
