@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 
 from tpprobe.report import envinfo
-from tpprobe.report.labels import cell_label
-from tpprobe.report.html import render_html, write_html
-from tpprobe.report.markdown import render_markdown
+from tpprobe.checks.words import cell_label
+from tpprobe.probe.report import render_html, render_markdown, write_html
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
