@@ -2,8 +2,9 @@
 
 Every command (probe, report, invariance, diff, layers, the dumper's check and diff, accept) builds a
 `Report`: `document` is what report.json and `--json` hold (each command's own schema, unchanged), the
-verdict lines and the `sections` (`Rule`, `Text`, `Table`, `KeyValue`) are what the terminal, HTML and
-Markdown draw, generically (report/emit.py is the one sink). A section builder (the command's own
+verdict lines and the `sections` (`Rule`, `Text`, `Table`, `KeyValue`; for the files `Block`, `Fold`,
+`Callout`, `Bullets`, `Heatmap`, `Heatmaps`) are what the terminal, HTML and Markdown draw, generically
+(report/emit.py is the one sink). A section builder (the command's own
 `report.py` / `render.py`) computes every domain fact; renderers only lay sections out. Cells and lines
 name a level or severity (report/labels.py `LEVELS`: the style of each, in every renderer, declared
 once). `build_report` assembles the probe's document from the checks' result; `write_json` is the JSON
