@@ -5,7 +5,9 @@
 - no module imports another module's private (`_name`) names, or reaches them as `mod._name`;
   a private module (`_name.py`) is imported only from its own package;
 - the renderers (terminal, html, markdown) never import each other, and the report model imports
-  no renderer;
+  no renderer; they import only report.model and report.labels of tpprobe (and the standard library,
+  rich, matplotlib/numpy for the images), and labels imports nothing of tpprobe: renderers lay sections
+  out and compute nothing about a run (issue 31);
 - dependencies point one way, floor by floor (`import_graph.FLOORS`, issue 31): a module imports only its own
   wing and the wings on floors below; the package root holds only __init__ and __main__ (and the
   `sglang/` shim that keeps the plugin's old entry point importable);
@@ -70,6 +72,23 @@ def test_no_module_imports_another_modules_private_names():
 def test_renderers_never_import_each_other_and_the_model_imports_none():
     bad = [f"{m} -> {t}" for m in RENDERERS | {"tpprobe.report.model", "tpprobe.report.labels"}
            for t, _, _, _ in GRAPH[m] if t in RENDERERS and t != m]
+    assert bad == []
+
+
+# of tpprobe a renderer reads the sections and the words and styles of the levels, nothing else; of the rest
+# the standard library and its drawing libraries
+RENDERER_READS = {"tpprobe.report.model", "tpprobe.report.labels"}
+DRAWING = {"rich", "matplotlib", "numpy"}
+
+
+def test_renderers_import_only_the_report_model_and_the_labels():
+    bad = [f"{m} -> {t}" for m in RENDERERS for t, _, _, _ in GRAPH[m] if t not in RENDERER_READS]
+    bad += [f"tpprobe.report.labels -> {t}" for t, _, _, _ in GRAPH["tpprobe.report.labels"]]
+    for m in sorted(RENDERERS | {"tpprobe.report.labels"}):
+        for node in ast.walk(ast.parse(MODS[m].read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            bad += [f"{m} -> {n}" for n in names if n.split(".")[0] not in sys.stdlib_module_names | DRAWING]
     assert bad == []
 
 

@@ -142,7 +142,7 @@ def test_quiet_prints_the_verdict_and_says_where_files_went(ranks_env, capfd):
     assert f"{rep['allreduce']['complete']} complete within rounding" in flat and "not bit-exact" in flat
     assert "exactly the sum" not in flat
     # the HTML: the slot table comes after the points table here, first on a slot fault
-    from tpprobe.report.html import render_html
+    from tpprobe.probe.report import render_html
     html = render_html(rep)
     assert html.index('id="verdict"') < html.index('id="points"') < html.index('id="slots"')
     slot_fault = {"kind": "capture-offset", "where": "aux slots [1, 2]", "ranks": [0, 1], "severity": "failure",
@@ -152,7 +152,7 @@ def test_quiet_prints_the_verdict_and_says_where_files_went(ranks_env, capfd):
 
 
 def test_audit_text_says_what_each_mode_proves():
-    from tpprobe.report.labels import audit_text
+    from tpprobe.checks.words import audit_text
     full = audit_text({"checked": 13, "complete": 13, "noise": 0, "incomplete": 0, "method": "tensors",
                        "count_per_rank": {"0": 13, "1": 13}})
     assert "13 complete (13 exactly the sum, 0 within rounding), 0 incomplete" in full

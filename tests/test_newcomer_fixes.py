@@ -97,7 +97,7 @@ def test_with_debug_a_factory_error_shows_the_traceback_and_no_debug_hint(tmp_pa
 
 
 def test_the_html_paints_reduces_complete_within_rounding_green_not_yellow(tmp_path):
-    from tpprobe.report.html import render_html
+    from tpprobe.probe.report import render_html
     code, rep, _ = probe(tmp_path / "fp", "--exchange", "fingerprint", "--dtype", "bfloat16")
     assert code == 0 and rep["allreduce"]["noise"] == rep["allreduce"]["checked"] > 0   # sketches: within rounding
     html = render_html(rep)

@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 
 from tpprobe.report import envinfo
-from tpprobe.report.labels import cell_label
-from tpprobe.report.html import render_html, write_html
-from tpprobe.report.markdown import render_markdown
+from tpprobe.checks.words import cell_label
+from tpprobe.probe.report import render_html, render_markdown, write_html
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
@@ -476,3 +475,15 @@ def test_html_without_matplotlib_says_how_to_get_the_heatmaps(faulty, monkeypatc
     assert doc.imgs == []
     assert "pip install 'tpprobe[html]'" in text and "tpprobe report DIR --html FILE" in text
     assert faulty["report"]["findings"][0]["line"][:40] in text, "the verdict is still there"
+
+
+def test_every_level_and_severity_has_its_words_and_styles_declared_once():
+    """core/noise.py declares the levels and their order, checks/findings.py the severities; report/labels.py
+    gives each its style in every renderer (issue 31: one declaration, read everywhere)."""
+    from tpprobe.checks.findings import SEVERITIES
+    from tpprobe.core.noise import LEVEL_ORDER, LEVEL_RANK
+    from tpprobe.invariance.levels import RANK
+    from tpprobe.report.labels import LEVELS
+    assert set(LEVEL_ORDER) | set(LEVEL_RANK) | set(SEVERITIES) <= set(LEVELS)
+    assert RANK is LEVEL_RANK
+    assert sorted(LEVEL_RANK, key=LEVEL_RANK.get)[:4] == ["bitwise", "noise", "material", "shape"]

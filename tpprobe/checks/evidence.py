@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..core.noise import compare, judge_dtype, nonfinite, nonzero_rows, reduce_check
+from ..core.noise import LEVEL_ORDER, compare, judge_dtype, nonfinite, nonzero_rows, reduce_check
 from ..capture.points import AUX_PACKED, SHARE, allreduce_in, allreduce_out, parse
 from ..capture.slots import match_slots, slot_candidates
 from ..fingerprint.levels import fp_dtype, fp_level, fp_measure
@@ -23,7 +23,7 @@ from ..fingerprint.reference import Fingerprint, fingerprint, sum_matches
 from .looks import (a2a_check, ag_check, fp_ag_check, fp_looks_like, fp_rel_error, fp_rs_looks_like, group_members,
                     looks_like, rel_error, rs_looks_like, scaled_fp)
 
-LEVELS = ["reference", "share", "bitwise", "noise", "material", "shape"]
+LEVELS = list(LEVEL_ORDER)          # core/noise.py declares the levels, best first
 # sketches of the ranks' increments summed against a reference stream's sketch: within this
 # relative difference it is that stream (a tp=1 reference differs from a tp run by rounding, 1e-2
 # at most in bf16; a stream missing a share of its sum is off by tens of percent)

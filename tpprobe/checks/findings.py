@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 FAILURE, WARNING, INFO = "failure", "warning", "info"
+SEVERITIES = (FAILURE, WARNING, INFO)          # worst first: every sort of findings by severity
 
 # What each kind means and its usual cause, in one sentence.
 EXPLAIN = {

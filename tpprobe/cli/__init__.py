@@ -157,7 +157,7 @@ def torchrun(ctx: typer.Context) -> None:
     The same launch as `torchrun ... -m tpprobe probe`, ending like tpprobe: exit 0 healthy, 1 findings,
     2 bad usage, without torchrun's ChildFailedError traceback after a report with findings."""
     if not ctx.args or ctx.args[0] in ("--help", "-h"):
-        from ..report.terminal import console
+        from ..report.emit import console
         console().print(torchrun.__doc__.replace("\n    ", "\n"))
         raise typer.Exit(0)
     from ..probe.launch import torchrun as run_torchrun

@@ -76,7 +76,7 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
                                    "kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"]}
     rep["out"] = str(root)
     if not json_out and not quiet:
-        from ..report.terminal import console
+        from ..report.emit import console
         d = rep.get("first_divergence")
         console().print(f"tpprobe report over {len(rows)} step(s) in {len({r['group'] for r in rows})} TP group(s) "
                         f"of {root}: " + (f"first divergence: step {d['step']} ({d['forward_mode']}) in {d['group']}: "

@@ -44,6 +44,15 @@ import torch
 
 HEAT_BINS = 256
 
+# The levels a comparison gives, declared once, best first: every ordering of levels (the worst of a row,
+# a sort) reads these, and report/labels.py LEVELS gives each its words and styles. reference and share are
+# never compared (the rank the others are held to; a rank's own shard before its reduce).
+COMPARED = ("bitwise", "noise", "material", "shape")
+LEVEL_ORDER = ("reference", "share") + COMPARED
+# how bad a compared level is (higher is worse); a value that is missing ranks with a shape mismatch:
+# neither can be compared
+LEVEL_RANK = {**{lv: i for i, lv in enumerate(COMPARED)}, "missing": COMPARED.index("shape")}
+
 CROSS_RANK, RESHARDED = "cross-rank", "resharded"
 
 # (whole-tensor rel_norm, worst-row rel_norm, worst element in ULP), per context and dtype.

@@ -13,7 +13,7 @@ import torch
 
 from .measure import bitwise, flat, measure, nonfinite_count, one_thread, rows_nonzero
 from ..checks.crossrank import classes as rank_classes
-from ..checks.findings import FAILURE, INFO, WARNING, Finding, exit_code
+from ..checks.findings import INFO, SEVERITIES, WARNING, Finding, exit_code
 from ..formats.sglang_dump import DumpRun, load, scan, token_dim, tp_layout, tp_of
 
 SCHEMA_REPORT = "tpprobe.dumper-report/1"
@@ -299,8 +299,7 @@ def _merge_findings(groups: list[GroupResult]) -> list[dict]:
             f.where = f"{name}{extra} (steps {span(steps)})"
         f.evidence = {**f.evidence, "steps": steps}
         out.append(f.to_json())
-    order = {FAILURE: 0, WARNING: 1, INFO: 2}
-    return sorted(out, key=lambda d: order[d["severity"]])
+    return sorted(out, key=lambda d: SEVERITIES.index(d["severity"]))
 
 
 def span(steps) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..core.noise import LEVEL_RANK
+
 SCHEMA = "tpprobe.invariance/1"
 FP_SEED, FP_K = 0x7470, 32          # the probe's sketch seed and size (every run signs alike)
-RANK = {"bitwise": 0, "noise": 1, "material": 2, "shape": 3, "missing": 3}
+RANK = LEVEL_RANK                   # core/noise.py declares the levels and their order
 
 
 def _fp(cell: Optional[dict]):

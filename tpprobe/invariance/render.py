@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..report.labels import LEVEL_STYLE
+from ..report.labels import LEVEL_MARK, LEVEL_STYLE
 from .levels import human_bytes
 
-COMPACT = {"bitwise": "=", "noise": "≈", "material": "✗", "shape": "✗ shape", "missing": "✗ missing"}
+COMPACT = LEVEL_MARK        # report/labels.py declares each level's symbol
 
 
 def cell_text(cell: dict, short: bool = False) -> str:
@@ -82,7 +82,8 @@ def _file_table(report: dict):
                          if c.get(k) not in (None, ""))
         if bytes_:
             hint += f"; message {human_bytes(bytes_)}"
-        return Cell(cell_text(c) + (" ◀" if key is not None and firsts[n] == key else ""), c["level"], hint=hint)
+        mark = " ◀" if key is not None and firsts[n] == key else ""
+        return Cell(cell_text(c) + mark, c["level"], hint=hint or None)
     rows = []
     for e in report["rows"]:
         rows.append([row_label(e)] + [cell(e["cells"][n], n, e["key"], (e.get("bytes") or {}).get(n)) for n in names])
@@ -147,5 +148,5 @@ def invariance_report(report: dict, width: int = 120):
 def emit(report: dict, root: Path, opts) -> None:
     """report.json under the run's folder, then the shared sink (terminal or --json, --html, --markdown)."""
     from ..report.emit import emit as sink
-    from ..report.terminal import console
+    from ..report.emit import console
     sink(invariance_report(report, console().width or 120), root, opts.probe)

@@ -1,18 +1,18 @@
 """The probe's report (`tpprobe probe`, `tpprobe report`) as the shared Report: its sections.
 
-`probe_report(document)` turns the report dict (report/model.py `build_report`) into a Report: the
-capture point × rank table, coverage, the all-reduce audit, the aux slots, SGLang's layer plan (computed
-here, never by a renderer), the verdict and the settings line. The HTML (heatmaps) and the Markdown issue
-summary keep their own document renderers (report/html.py, report/markdown.py).
+`probe_report(document)` turns the report dict (report/model.py `build_report`) into a Report: for the
+terminal the capture point × rank table, coverage, the all-reduce audit, the aux slots, SGLang's layer plan
+(computed here, never by a renderer), the verdict and the settings line; for the HTML page and the Markdown
+issue summary the sections probe/page.py builds (heatmaps included). The renderers lay them out.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from ..report.labels import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
-                             slot_values_differ, timing_text, verdict_lines)
-from ..report.model import SCHEMA, Cell, Column, Report, Rule, Table, Text
+from ..checks.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
+                            slot_values_differ, timing_text, verdict_lines)
+from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, Text
 
 SEVERITY_STYLE = {"failure": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -85,16 +85,42 @@ def sections(doc: dict) -> list:
 
 
 def probe_report(doc: dict, capture_dir: Optional[Path] = None) -> Report:
-    """The Report of a probe document; its HTML and Markdown are the document's own (heatmaps, the 60-line
-    issue summary)."""
-    from ..report.html import write_html
-    from ..report.markdown import write_markdown
-    verdict = [Cell(f["line"], f["severity"]) for f in doc["findings"]] or [Cell(verdict_lines(doc)[0], "ok")]
-    return Report(SCHEMA, f"tpprobe rank-diff: {title(doc['settings'])}", doc, verdict=verdict,
-                  sections=sections(doc), settings=doc["settings"], environment=doc.get("environment") or {},
-                  findings=doc["findings"], exit_code=doc["exit_code"], tool=doc.get("tool", "tpprobe"),
-                  write_html=lambda path: write_html(doc, path, capture_dir=capture_dir),
-                  write_markdown=lambda path: write_markdown(doc, path))
+    """The Report of a probe document: the terminal's sections, the HTML page's (heatmaps from the
+    document's per-token stats; capture_dir is accepted for callers that have one) and the 59-line
+    Markdown issue summary's."""
+    return _report(doc, terminal=True)
+
+
+def _report(doc: dict, terminal: bool) -> Report:
+    """terminal=False: the files' sections only (a document read back may hold only what they show)."""
+    from .page import MAX_LINES, html_sections, markdown_sections, page_title
+    findings = doc.get("findings") or []
+    verdict = [Cell(f["line"], f["severity"]) for f in findings] or [Cell(verdict_lines(doc)[0], "ok")]
+    drawn = sections(doc) if terminal else []
+    for s in drawn:
+        s.media = TERMINAL
+    return Report(SCHEMA, page_title(doc.get("settings") or {}), doc, verdict=verdict,
+                  sections=drawn + html_sections(doc) + markdown_sections(doc), settings=doc.get("settings") or {},
+                  environment=doc.get("environment") or {}, findings=findings, exit_code=doc.get("exit_code", 0),
+                  tool=doc.get("tool", "tpprobe"), page=True, max_lines=MAX_LINES)
+
+
+def render_html(doc: dict) -> str:
+    """The probe document's HTML page."""
+    from ..report.html import render_report_html
+    return render_report_html(_report(doc, terminal=False))
+
+
+def write_html(doc: dict, path: Path, capture_dir: Optional[Path] = None) -> None:
+    """The probe document's HTML page, written atomically."""
+    from ..report.emit import write_html as write
+    write(_report(doc, terminal=False), path)
+
+
+def render_markdown(doc: dict) -> str:
+    """The probe document's Markdown issue summary."""
+    from ..report.markdown import render_report_markdown
+    return render_report_markdown(_report(doc, terminal=False))
 
 
 def render(doc: dict, con) -> None:

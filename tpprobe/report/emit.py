@@ -21,18 +21,10 @@ def emit(report: Report, out: Optional[Path], opts) -> None:
         atomic_write_bytes(Path(out) / "report.json", report.to_json(report.document).encode())
     written = []
     if getattr(opts, "html", None):
-        if report.write_html is not None:
-            report.write_html(Path(opts.html))
-        else:
-            from .html import write_report_html
-            write_report_html(report, Path(opts.html))
+        write_html(report, Path(opts.html))
         written.append(("HTML report", opts.html))
     if getattr(opts, "markdown", None):
-        if report.write_markdown is not None:
-            report.write_markdown(Path(opts.markdown))
-        else:
-            from .markdown import write_report_markdown
-            write_report_markdown(report, Path(opts.markdown))
+        write_markdown(report, Path(opts.markdown))
         written.append(("Markdown summary", opts.markdown))
     if getattr(opts, "json_out", False):
         sys.stdout.write(report.to_json(report.document) + "\n")
@@ -41,7 +33,7 @@ def emit(report: Report, out: Optional[Path], opts) -> None:
         return
     from rich.text import Text
 
-    from .terminal import console, draw, quiet_lines
+    from .terminal import draw, quiet_lines
     con = console()
     if getattr(opts, "quiet", False):
         quiet_lines(report, con)
@@ -49,6 +41,32 @@ def emit(report: Report, out: Optional[Path], opts) -> None:
     draw(report, con)
     for what, path in written:
         con.print(Text(f"{what}: {path}", style="dim"))
+
+
+def console(stderr: bool = False):
+    """The terminal's rich Console, once the progress display (rank 0) has ended."""
+    from .live import stop_all
+    from .terminal import terminal_console
+    stop_all()
+    return terminal_console(stderr)
+
+
+def _write(path: Path, text: str, flag: str) -> None:
+    from ..formats.capture_dir import atomic_write_bytes, make_file_folder
+    make_file_folder(path, flag)
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_html(report: Report, path: Path) -> None:
+    """The report as one self-contained HTML file (atomically)."""
+    from .html import render_report_html
+    _write(Path(path), render_report_html(report), "--html")
+
+
+def write_markdown(report: Report, path: Path) -> None:
+    """The report's Markdown summary (atomically)."""
+    from .markdown import render_report_markdown
+    _write(Path(path), render_report_markdown(report), "--markdown")
 
 
 class Flags:

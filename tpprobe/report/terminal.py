@@ -2,7 +2,7 @@
 
 `draw(report, console)` draws every section meant for the terminal, generically: a Rule, Text lines,
 Tables, KeyValue tables. It reads report.model and labels' styles only and computes nothing about the
-run; `console()` is the terminal's.
+run; `terminal_console()` is the terminal's (report/emit.py `console()` ends the progress display first).
 """
 from __future__ import annotations
 
@@ -16,13 +16,10 @@ from rich.text import Text as RichText
 from .labels import LEVEL_STYLE, style_of
 from .model import KeyValue, Report, Rule, Table, Text
 
-__all__ = ["LEVEL_STYLE", "console", "draw", "error_line", "quiet_lines"]
+__all__ = ["LEVEL_STYLE", "draw", "error_line", "quiet_lines", "terminal_console"]
 
 
-def console(stderr: bool = False) -> Console:
-    # the progress display (rank 0) ends before anything is rendered to the terminal
-    from .live import stop_all
-    stop_all()
+def terminal_console(stderr: bool = False) -> Console:
     # rich follows the terminal's capabilities and NO_COLOR by itself
     return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
 
