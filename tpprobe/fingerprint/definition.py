@@ -1,4 +1,4 @@
-"""The fingerprint's definition, shared by the PyTorch path (fingerprint.py) and the Triton
+"""The fingerprint's definition, shared by the PyTorch path (reference.py) and the Triton
 kernels (triton/): the hash constants and mixers, the sign patterns of the sketch,
 and the `Fingerprint` record both produce. Neither path imports the other for these.
 """

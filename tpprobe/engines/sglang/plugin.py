@@ -210,7 +210,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
         _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
-        # their collectives with no Python of tpprobe's (capture/audit.py: release)
+        # their collectives with no Python of tpprobe's (capture/audit/recorder.py: release)
         from tpprobe.capture.audit import release
         release()
     return result
