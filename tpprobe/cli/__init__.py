@@ -25,7 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 "
                        "bad usage, 3 internal error.")
 
-_DEBUG = {"on": False}
+_DEBUG = {"on": False}   # the --debug of the command this process runs: each command sets it when it starts
 
 
 def _version(value: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# process-wide by nature: a torch.library op is defined once per process; the group is the last fault's
 _SHM: dict = {"lib": None, "group": None}
 
 

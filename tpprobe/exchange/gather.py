@@ -19,15 +19,23 @@ from ..formats.capture_dir import LoadedRank
 from ..capture.points import AR_IN, AR_OUT, SHARE, TOKENS, parse
 from ..core.noise import dtype_from_str
 
-_GROUP = None
+# owned by the default process group it was made on: a new default group (destroy_process_group,
+# then init again in one process) gets a new probe group on first use; reset() forgets it
+_GROUP: dict = {}
 
 
 def probe_group():
     """The probe's own gloo group (CPU tensors), apart from the model's collectives."""
-    global _GROUP
-    if _GROUP is None:
-        _GROUP = dist.new_group(backend="gloo")
-    return _GROUP
+    world = dist.group.WORLD
+    if _GROUP.get("world") is not world:
+        _GROUP.clear()
+        _GROUP.update(world=world, group=dist.new_group(backend="gloo"))
+    return _GROUP["group"]
+
+
+def reset() -> None:
+    """Forget the probe's group (it is made again on the next probe_group)."""
+    _GROUP.clear()
 
 
 def post_meta(ch, tensors: dict, meta: dict, files: list) -> None:

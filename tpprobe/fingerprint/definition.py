@@ -68,6 +68,7 @@ def sign_bits(idx: torch.Tensor, salts: list[int], k: int) -> torch.Tensor:
     return 1.0 - 2.0 * bits.to(torch.float64)
 
 
+# process-wide by nature: a pure function of its key (seed, k, device, dtype), the same for every run
 _A_CACHE: dict = {}
 
 

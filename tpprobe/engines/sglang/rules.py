@@ -157,6 +157,7 @@ def _hf_causal_lm(model_type: str) -> Optional[str]:
 
 
 # ---- the shell the setter runs on ------------------------------------------------------------
+# process-wide by nature: the installed sglang's source text, which does not change while it runs
 _SOURCES: dict = {}
 _LINES: dict = {}
 
