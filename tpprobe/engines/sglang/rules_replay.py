@@ -1,4 +1,4 @@
-"""SGLang's EAGLE-3 capture rules replayed from the shipped table (rules_table.py), without SGLang.
+"""SGLang's EAGLE-3 capture rules replayed from the shipped table (rules_table.py) without SGLang.
 
 `derive_from_table(name, ids, num_layers)` answers what tpprobe.engines.sglang.rules `derive` answers
 by running SGLang's own setter, from the table that module generates; `use_table()` says which of the
