@@ -49,7 +49,7 @@ def models_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "srt", "models")
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)    # process-wide by nature: the installed SGLang's files, unchanged while it runs
 def setter_files() -> tuple[str, ...]:
     """SGLang model files (module names) that define the EAGLE-3 setter (read as text, no import)."""
     d = models_dir()
@@ -62,7 +62,7 @@ def setter_files() -> tuple[str, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)    # process-wide by nature, as setter_files
 def _class_files() -> dict[str, str]:
     """class name -> model file, for every class defined in sglang/srt/models (text scan)."""
     d = models_dir()
