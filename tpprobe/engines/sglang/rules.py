@@ -42,6 +42,7 @@ from tpprobe.engines.sglang.rules_shell import build_shell, layer_owner, source_
 
 SETTER = "set_eagle3_layers_to_capture"
 
+
 def models_dir() -> str:
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:

@@ -14,6 +14,7 @@ import torch
 
 from tpprobe.engines.sglang.tiny_archs import config_for
 
+
 def _hf_class(config):
     import transformers
 
