@@ -19,7 +19,7 @@ import import_graph  # noqa: E402
 import readme_section  # noqa: E402
 
 BEGIN, END = "<!-- layout:begin (python scripts/layout.py --write) -->", "<!-- layout:end -->"
-NAME = 24          # the width of the name column
+NAME = 24          # the width of the name column (a longer name keeps one space before its line)
 WIDTH = 120        # the widest line
 
 
@@ -48,7 +48,7 @@ def section() -> str:
     for w in order:
         files = sorted(mods[m] for m in wings[w])
         if w:
-            out.append(f"{('tpprobe/' + w + '/'):<{NAME}}{first_sentence(pkg_root / w / '__init__.py')}".rstrip())
+            out.append(f"{('tpprobe/' + w + '/'):<{NAME - 1}} {first_sentence(pkg_root / w / '__init__.py')}".rstrip())
         else:
             out.append("tpprobe/")
         for p in files:
@@ -57,7 +57,7 @@ def section() -> str:
                 continue
             if rel.endswith("/__init__.py"):
                 rel = rel[:-len("__init__.py")]
-            out.append(f"{('  ' + rel):<{NAME}}{first_sentence(p)}".rstrip())
+            out.append(f"{('  ' + rel):<{NAME - 1}} {first_sentence(p)}".rstrip())
     return "\n".join(["```", *out, "```"])
 
 

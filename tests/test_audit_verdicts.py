@@ -407,7 +407,7 @@ def test_avg_is_checked_by_its_definition_on_real_tensors():
     tensors, in both exchange modes: the mean is complete, the sum handed back for a mean is not."""
     import torch
 
-    from tpprobe.formats.capture_dir import RankRecord
+    from tpprobe.formats.capture_dir import LoadedRank
     from tpprobe.capture.points import allreduce_in, allreduce_out
     from tpprobe.checks.allreduce import allreduce_audit
     from tpprobe.checks.evidence import FingerprintEvidence, TensorEvidence
@@ -420,7 +420,7 @@ def test_avg_is_checked_by_its_definition_on_real_tensors():
     def records(out):
         meta = {"seq": 0, "where": "layer.0", "module": "m", "layer": 0, "shape": [8, 16], "dtype": "float32",
                 "group_size": 4, "op": "AVG", "kind": "all_reduce", "path": "c10d.allreduce_"}
-        return {r: RankRecord(r, {"allreduces": [dict(meta, in_fp=fingerprint(ins[r]).to_json(),
+        return {r: LoadedRank(r, {"allreduces": [dict(meta, in_fp=fingerprint(ins[r]).to_json(),
                                                        out_fp=fingerprint(out).to_json())]},
                               {allreduce_in(0): ins[r], allreduce_out(0): out.clone()}) for r in range(4)}
 

@@ -17,7 +17,7 @@ from tpprobe.config.knobs import KNOBS  # noqa: E402
 from tpprobe.engines.sglang.options import PluginOptions  # noqa: E402
 
 DECLARED = {f.metadata["env"] for f in fields(PluginOptions)} | set(KNOBS)
-READERS = {ROOT / "tpprobe" / "options.py", ROOT / "tpprobe" / "knobs.py"}
+READERS = {ROOT / "tpprobe" / "engines" / "sglang" / "options.py", ROOT / "tpprobe" / "config" / "knobs.py"}
 
 
 def _sources():

@@ -78,11 +78,11 @@ def test_plan_imports_no_sglang():
 
 @pytest.fixture(scope="module")
 def live():
-    from tpprobe.engines.sglang import rules, rules_table
+    from tpprobe.engines.sglang import rules, rules_replay, rules_table
 
-    if rules.installed_version() != rules_table.SGLANG_VERSION:
+    if rules_replay.installed_version() != rules_table.SGLANG_VERSION:
         pytest.skip(f"the table is SGLang {rules_table.SGLANG_VERSION}'s; the installed SGLang is "
-                    f"{rules.installed_version()} (its own code answers there)")
+                    f"{rules_replay.installed_version()} (its own code answers there)")
     return rules, rules.tabulate()
 
 
@@ -90,7 +90,9 @@ def live():
 @pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
 def test_the_shipped_table_is_the_installed_sglangs(live):
     rules, tab = live
-    shipped = (ROOT / rules.TABLE_MODULE).read_text()
+    from tpprobe.engines.sglang.rules_replay import TABLE_MODULE
+
+    shipped = (ROOT / TABLE_MODULE).read_text()
     assert rules.render_table(tab) == shipped, "regenerate: python -m tpprobe.engines.sglang.rules --write"
     assert len(tab["CLASSES"]) >= 45 and len(tab["ARCHITECTURES"]) >= 40
 
@@ -99,6 +101,7 @@ def test_the_shipped_table_is_the_installed_sglangs(live):
 @pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
 def test_the_table_replays_sglangs_setter_on_ids_it_never_saw(live):
     rules, tab = live
+    from tpprobe.engines.sglang import rules_replay
     from tpprobe.engines.sglang.layer_ids import plan_from_derived
 
     grid = [(ids, L) for L in (7, 9, 12, 27, 48, 94)
@@ -107,12 +110,12 @@ def test_the_table_replays_sglangs_setter_on_ids_it_never_saw(live):
     for name in tab["CLASSES"]:
         cls = live[name] if "." in name else rules.resolve(name)
         for ids, L in grid:
-            a, b = rules.derive_from_table(name, ids, L), rules.derive(cls, ids, L)
+            a, b = rules_replay.derive_from_table(name, ids, L), rules.derive(cls, ids, L)
             assert rules._fields(a) == rules._fields(b), (name, ids, L)
             pa, pb = plan_from_derived(name, a), plan_from_derived(name, b)
             assert (pa.rule, pa.crash, pa.problems, pa.slot_hf_indices) == (pb.rule, pb.crash, pb.problems,
                                                                           pb.slot_hf_indices)
-    names = [*tab["FILES"], *tab["MODEL_TYPES"], *[n for n in rules._ALIASES],
+    names = [*tab["FILES"], *tab["MODEL_TYPES"], *[n for n in rules_replay.ALIASES],
              *[c for c in tab["CLASSES"] if "." not in c]]
     for n in names:     # every name resolves to the class SGLang's own lookup finds
-        assert rules.resolve_in_table(n, tab) == rules.resolve(n).__name__, n
+        assert rules_replay.resolve_in_table(n, tab) == rules.resolve(n).__name__, n

@@ -33,7 +33,8 @@ def _slots(aux, hs, hidden):
 
 
 def worker(ctx, archs):
-    from tpprobe.engines.sglang.tiny import build_target, hf_reference
+    from tpprobe.engines.sglang.tiny import build_target
+    from tpprobe.engines.sglang.tiny_weights import hf_reference
 
     out = {}
     for arch, id_sets in archs.items():

@@ -33,7 +33,8 @@ def _slots(aux, hs, hidden):
 
 
 def worker(ctx, arch, id_sets, config_path=None):
-    from tpprobe.engines.sglang.tiny import build_target, hf_reference
+    from tpprobe.engines.sglang.tiny import build_target
+    from tpprobe.engines.sglang.tiny_weights import hf_reference
 
     t = build_target(ctx, arch, L, TOKENS, SEED, torch.float32, id_sets[0], config_path=config_path)
     _, hs, logits = hf_reference(arch, L, TOKENS, SEED, config_path=config_path)

@@ -38,7 +38,8 @@ def worker(ctx, arch, broken_step, rank1_budget=None):
     from sglang.srt.plugins import load_plugins
 
     load_plugins()       # what each SGLang scheduler (TP rank worker) process does first
-    from tpprobe.engines.sglang.tiny import build_target, hf_reference
+    from tpprobe.engines.sglang.tiny import build_target
+    from tpprobe.engines.sglang.tiny_weights import hf_reference
 
     t = build_target(ctx, arch, L, TOKENS, SEED, torch.float32, IDS[arch])
     t.forward()          # step-000: healthy

@@ -44,7 +44,7 @@ def failures(rep):
 
 def check_healthy(out, rep, arch, config_path=None):
     from tpprobe.formats.capture_dir import load_run
-    from tpprobe.engines.sglang.tiny import hf_reference
+    from tpprobe.engines.sglang.tiny_weights import hf_reference
 
     assert failures(rep) == [], rep["findings"]
     assert rep["slots"] and all(s["ok"] for s in rep["slots"]), rep["slots"]
@@ -86,7 +86,7 @@ def test_cli_deepseek_v2_mla_moe_tp2_healthy_and_equal_to_hf(tmp_path):
 
 
 def test_cli_llama_tp4_from_config_file(tmp_path):
-    from tpprobe.engines.sglang.tiny import tiny_config
+    from tpprobe.engines.sglang.tiny_archs import tiny_config
 
     d = tiny_config("llama", 32).to_dict()
     d["quantization_config"] = {"quant_method": "fp8"}   # dropped: random weights in probe dtype

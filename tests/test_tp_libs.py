@@ -158,7 +158,7 @@ def _fresh_group(rank, world, root, i):
             ps.destroy_model_parallel()
     from tpprobe.exchange import gather
     dist.destroy_process_group()
-    gather._GROUP = None        # the probe's own gloo group lived on the old one: made again on first use
+    gather.reset()        # the probe's own gloo group lived on the old one: made again on first use
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, f'rdzv-after-{i}')}", rank=rank,
                             world_size=world)
 

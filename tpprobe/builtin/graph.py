@@ -178,8 +178,8 @@ def graph_findings(metas: dict[int, dict], settings: dict) -> list[dict]:
     from ..checks.evidence import FingerprintEvidence
     from ..core.noise import dtype_from_str
     from ..checks.run import run_checks
-    from ..formats.capture_dir import RankRecord
+    from ..formats.capture_dir import LoadedRank
 
-    records = {r: RankRecord(r, m, {}) for r, m in metas.items()}
+    records = {r: LoadedRank(r, m, {}) for r, m in metas.items()}
     ev = FingerprintEvidence(records, dtype_from_str(settings["dtype"]), {})
     return run_checks(records, settings, evidence=ev)["findings"]

@@ -57,7 +57,7 @@ def _int(s: str) -> Optional[int]:
     return int(s) if s.lstrip("-").isdigit() else None
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)     # process-wide by nature: a pure function of the name (Point is frozen)
 def parse(name: str) -> Point:
     """The one reader of capture-point names."""
     if name == EMBED_OUT:

@@ -6,7 +6,7 @@ formats/capture_dir.py reads it back). It returns a frozen `RankRecord`, complet
 point's and collective's fingerprint, which candidate each aux slot equals (capture/slots.py) and the
 fingerprint path's notes are inputs of the one call, never keys added to its JSON afterwards.
 `to_json()` is checked (`check_meta`): a malformed record fails where it is made, not when a report
-reads it. (formats.capture_dir.RankRecord is a rank read back: its number, that JSON and its tensors.)
+reads it. (formats.capture_dir.LoadedRank is a rank read back: its number, that JSON and its tensors.)
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The built-in model's unsharded tp=1 reference: when ranks agree with each other but not with it."""
 from __future__ import annotations
 
-from ..formats.capture_dir import RankRecord
+from ..formats.capture_dir import LoadedRank
 from ..capture.points import point_label, stream_order
 from .findings import WARNING, Finding
 from ..core.noise import RESHARDED, compare, rel_l2
 
 
-def reference_check(rec: RankRecord, references, dtype) -> list[Finding]:
+def reference_check(rec: LoadedRank, references, dtype) -> list[Finding]:
     for name in stream_order(references):
         if name in rec.tensors:
             c = compare(rec.tensors[name], references[name].to(rec.tensors[name]), dtype=dtype, context=RESHARDED)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..formats.capture_dir import RankRecord, point_set_mismatches
+from ..formats.capture_dir import LoadedRank, point_set_mismatches
 from ..capture.points import AUX_PACKED
 from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
@@ -43,7 +43,7 @@ _UNCHECKED_HINT = {
 }
 
 
-def run_checks(records: dict[int, RankRecord], settings: dict, liveness: Optional[dict] = None,
+def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optional[dict] = None,
                references: Optional[dict[str, torch.Tensor]] = None, evidence=None) -> dict:
     world = settings["world_size"]
     dtype = dtype_from_str(settings.get("dtype", "float32"))

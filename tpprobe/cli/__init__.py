@@ -25,7 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 "
                        "bad usage, 3 internal error.")
 
-_DEBUG = {"on": False}
+_DEBUG = {"on": False}   # the --debug of the command this process runs: each command sets it when it starts
 
 
 def _version(value: bool) -> None:
@@ -91,8 +91,7 @@ def probe(**kw) -> None:
     existed = Path(opts.out).is_dir()
     check_out_dir(Path(opts.out), 0)
     # one backend decision for every rank, made here and passed on (a rank never decides alone)
-    launcher_picks = opts.backend in ("auto", "sglang", "vllm")     # else the backend named: gloo or nccl
-    dist_backend = tdist.choose_backend(None if launcher_picks else opts.backend, opts.nproc)
+    dist_backend = tdist.choose_backend(tdist.named_process_group(opts.backend), opts.nproc)
     gpus = tdist.torch.cuda.device_count() if tdist.torch.cuda.is_available() else 0
     if dist_backend == "gloo" and gpus and not (opts.quiet or opts.json_out):
         where = "its tensors on the GPU (TPPROBE_GLOO_CUDA)" if knob_set(tdist.GLOO_CUDA_ENV) else "CPU"

@@ -128,11 +128,12 @@ def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: st
 # ---- every architecture ------------------------------------------------------------------
 def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     from tpprobe.engines.sglang.layer_ids import plan_from_derived
-    from tpprobe.engines.sglang import rules
+    from tpprobe.engines.sglang import rules, rules_replay
 
-    if rules.use_table():     # SGLang 0.5.23's rules as data: no SGLang needed, none imported
-        pairs = [(f, name, rules.derive_from_table(key, ids, num_layers)) for f, name, key in rules.table_rows()]
-    else:                     # another SGLang release installed: its own code
+    if rules_replay.use_table():     # SGLang 0.5.23's rules as data: no SGLang needed, none imported
+        pairs = [(f, name, rules_replay.derive_from_table(key, ids, num_layers))
+                 for f, name, key in rules_replay.table_rows()]
+    else:                            # another SGLang release installed: its own code
         pairs = [(f, cls.__name__, rules.derive(cls, ids, num_layers)) for f, cls in rules.all_architectures()]
     out = []
     for f, name, d in pairs:
@@ -153,10 +154,10 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
         name, how = "vLLM", (f"vLLM {layer_ids.version()}'s code, tabulated" if layer_ids.use_table()
                              else f"derived from the installed vLLM {installed_version()}")
     else:
-        from tpprobe.engines.sglang import rules
+        from tpprobe.engines.sglang import rules_replay
 
-        name, how = "SGLang", ("SGLang 0.5.23's code, tabulated" if rules.use_table() else
-                               f"derived from the installed SGLang {rules.installed_version()}")
+        name, how = "SGLang", ("SGLang 0.5.23's code, tabulated" if rules_replay.use_table() else
+                               f"derived from the installed SGLang {rules_replay.installed_version()}")
     t = Table(f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})",
               [Column(c) for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]",
                                    "problem")],

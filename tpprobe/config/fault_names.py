@@ -1,5 +1,5 @@
 """The faults `--inject` knows, by name (torch-free: `tpprobe probe --help` lists them without
-importing torch). What each fault does to the model lives in faults.py."""
+importing torch). What each fault does to the model lives in builtin/faults.py."""
 from __future__ import annotations
 
 # name -> (catalogue id, argument: "layer" | "rank" | None, argument required)

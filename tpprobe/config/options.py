@@ -184,7 +184,7 @@ class ProbeOptions:
                 kw[n] = BUILTIN[n]
         if (sglang or vllm) and kw["config"]:
             # the config's own architecture and depth, unless --arch / --num-layers say otherwise
-            from ..engines.sglang.tiny import config_arch_and_layers
+            from ..engines.sglang.tiny_archs import config_arch_and_layers
             arch, layers = config_arch_and_layers(kw["config"])
             kw["arch"] = kw["arch"] or arch
             if kw["num_layers"] is None:
@@ -195,7 +195,7 @@ class ProbeOptions:
             if sglang or (vllm and kw["arch"] in ("deepseek_v2", "deepseek_v3", "kimi_k2")):
                 # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3);
                 # on vLLM too for DeepSeek: its DeepseekV2Model cannot capture the embedding (-1)
-                from ..engines.sglang.tiny import default_layer_ids
+                from ..engines.sglang.tiny_archs import default_layer_ids
                 kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
             else:
                 kw["layers"] = builtin_layer_ids(kw["num_layers"])

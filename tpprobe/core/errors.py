@@ -66,7 +66,8 @@ def say_internal(exc: BaseException, rank=None, step=None, debug: bool = False) 
     print(internal_message(internal_line(exc, rank, step), debug), file=sys.stderr, flush=True)
 
 
-_OWN_MODELS = ("model.py", "faults.py", "tiny.py")   # tpprobe's models and injections: their raises are the model's
+# tpprobe's models and injections: their raises are the model's
+_OWN_MODELS = ("model.py", "faults.py", "tiny.py", "tiny_archs.py", "tiny_weights.py")
 
 
 def raised_in_tpprobe(exc: BaseException) -> bool:

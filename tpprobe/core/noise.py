@@ -329,7 +329,9 @@ INT_VIEW = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch
             torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
 PROOF_CHUNK = 1 << 20          # elements per chunk (whole token rows); the buffers below are this size
 _U32 = 2.0 ** -24              # float32 unit roundoff
-_WS: dict = {}                 # reused chunk buffers (a fresh one costs a page fault per 4 KiB); one caller at a time
+# reused chunk buffers (a fresh one costs a page fault per 4 KiB); one caller at a time. Process-wide by nature:
+# scratch memory, no result survives in it from one call to the next
+_WS: dict = {}
 
 
 def _buf(slot: str, n: int, dtype: torch.dtype) -> torch.Tensor:

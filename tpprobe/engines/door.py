@@ -3,7 +3,7 @@
 An engine's TP reduces all go through one Python method (`GroupCoordinator.all_reduce` in SGLang and
 in vLLM); where they end depends on the device (vLLM on CPU: shared memory `_C.shm_allreduce` or
 gloo; on GPUs custom all-reduce, pynccl, symmetric memory, FlashInfer, torch last). Wrapping that
-method records each reduce once through `tap.collective` (tpprobe/capture/audit.py), with its
+method records each reduce once through `tap.collective` (tpprobe/capture/hooks/collectives.py), with its
 input copied or summarized on entry and its result on return, so the audit READS it (completeness
 checked) whichever path ran below; what the dispatcher sees inside (a c10d op, `_C.shm_allreduce`)
 is folded into the record's `via`, never counted twice. `all_gather` is wrapped the same way (the

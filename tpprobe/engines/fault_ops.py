@@ -1,10 +1,11 @@
-"""An all-reduce op the audit can count but not read (F25), for the faults of faults.py and
-sglang/faults.py: `torch.ops.tpprobe_fault.shm_allreduce`, named like vLLM's CPU `_C.shm_allreduce`."""
+"""An all-reduce op the audit can count but not read (F25), for the faults of builtin/faults.py and
+engines/sglang/faults.py: `torch.ops.tpprobe_fault.shm_allreduce`, named like vLLM's CPU `_C.shm_allreduce`."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+# process-wide by nature: a torch.library op is defined once per process; the group is the last fault's
 _SHM: dict = {"lib": None, "group": None}
 
 

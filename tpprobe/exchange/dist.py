@@ -48,6 +48,12 @@ def env_rank() -> Optional[tuple[int, int, int]]:
 BACKEND_ENV = "TPPROBE_DIST_BACKEND"     # the launcher's one decision, passed to every rank
 
 
+def named_process_group(backend: str) -> Optional[str]:
+    """`tpprobe probe --backend` as `init` and `choose_backend` take it: gloo or nccl when named; None when
+    the launcher decides (auto, or an engine, sglang or vllm, whose ranks run on the group it chose)."""
+    return None if backend in ("auto", "sglang", "vllm") else backend
+
+
 def choose_backend(requested: Optional[str], local_world: int) -> str:
     """One rule for every rank of a node (it depends on the node, never on the rank): NCCL when
     each of the node's ranks has its own GPU, else gloo; an explicit nccl that cannot hold is a

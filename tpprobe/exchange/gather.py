@@ -15,19 +15,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..formats.capture_dir import RankRecord
+from ..formats.capture_dir import LoadedRank
 from ..capture.points import AR_IN, AR_OUT, SHARE, TOKENS, parse
 from ..core.noise import dtype_from_str
 
-_GROUP = None
+# owned by the default process group it was made on: a new default group (destroy_process_group,
+# then init again in one process) gets a new probe group on first use; reset() forgets it
+_GROUP: dict = {}
 
 
 def probe_group():
     """The probe's own gloo group (CPU tensors), apart from the model's collectives."""
-    global _GROUP
-    if _GROUP is None:
-        _GROUP = dist.new_group(backend="gloo")
-    return _GROUP
+    world = dist.group.WORLD
+    if _GROUP.get("world") is not world:
+        _GROUP.clear()
+        _GROUP.update(world=world, group=dist.new_group(backend="gloo"))
+    return _GROUP["group"]
+
+
+def reset() -> None:
+    """Forget the probe's group (it is made again on the next probe_group)."""
+    _GROUP.clear()
 
 
 def post_meta(ch, tensors: dict, meta: dict, files: list) -> None:
@@ -53,10 +61,10 @@ def gather_plan(posts: dict) -> list[tuple[str, list[int], str, bool]]:
     return plan
 
 
-def gather_full(ctx, tensors: dict, meta: dict, posts: dict) -> dict[int, RankRecord]:
+def gather_full(ctx, tensors: dict, meta: dict, posts: dict) -> dict[int, LoadedRank]:
     group = probe_group()
     world = ctx.world_size
-    records = {r: RankRecord(r, posts[r]["meta"] if r != ctx.rank else meta, {}) for r in range(world)}
+    records = {r: LoadedRank(r, posts[r]["meta"] if r != ctx.rank else meta, {}) for r in range(world)}
     for name, shape, wire, cast in gather_plan(posts):
         t = tensors[name].detach().to("cpu")
         t = (t.to(torch.float64) if cast else t).contiguous()
@@ -113,7 +121,7 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
         for r, stats in got.items():
             for name, s in stats.items():
                 detail.setdefault(name, {})[r] = s
-        records = {r: RankRecord(r, posts[r]["meta"] if r != ctx.rank else meta,
+        records = {r: LoadedRank(r, posts[r]["meta"] if r != ctx.rank else meta,
                                  dict(tensors) if r == ctx.rank else {}) for r in range(ctx.world_size)}
     return records, detail, moved
 
@@ -121,7 +129,7 @@ def exchange_fingerprint(ctx, ch, tensors: dict, meta: dict, posts: dict, dtype)
 def gather_records(ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_ok: bool) -> dict:
     """Rank 0 gets every rank's record: collectives when every rank is healthy, else the files."""
     if ctx.world_size == 1:
-        return {0: RankRecord(0, meta, tensors)}
+        return {0: LoadedRank(0, meta, tensors)}
     if all_ok:
         return gather_full(ctx, tensors, meta, posts)
     if ctx.rank != 0:
@@ -130,7 +138,7 @@ def gather_records(ctx, out: Path, tensors: dict, meta: dict, posts: dict, all_o
     from ..core.errors import TPProbeError
     # some rank is missing or failed: no collective is safe; read what the others wrote (on the
     # host: this rank's own tensors may still be on its GPU)
-    records = {0: RankRecord(0, meta, {k: v.cpu() for k, v in tensors.items()})}
+    records = {0: LoadedRank(0, meta, {k: v.cpu() for k, v in tensors.items()})}
     for r in posts:
         if r == 0:
             continue

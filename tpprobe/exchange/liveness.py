@@ -38,7 +38,7 @@ def missing_info(ch: Channel, r: int, posts: dict) -> dict:
         hb = ch.get("hb", r)
     info = {"heartbeat": hb, "stall": stall}
     crash = ch.get("crash", r)
-    if crash is not None:      # tpprobe's own code failed on that rank (probe.py _internal_error)
+    if crash is not None:      # tpprobe's own code failed on that rank (probe/pipeline.py _internal_error)
         info["crash"] = crash
         info["state"] = f"hit an internal error in tpprobe in {crash['step']}: {crash['error']}"
     elif hb is None and ready is not None:

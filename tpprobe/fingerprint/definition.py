@@ -1,4 +1,4 @@
-"""The fingerprint's definition, shared by the PyTorch path (fingerprint.py) and the Triton
+"""The fingerprint's definition, shared by the PyTorch path (reference.py) and the Triton
 kernels (triton/): the hash constants and mixers, the sign patterns of the sketch,
 and the `Fingerprint` record both produce. Neither path imports the other for these.
 """
@@ -68,6 +68,7 @@ def sign_bits(idx: torch.Tensor, salts: list[int], k: int) -> torch.Tensor:
     return 1.0 - 2.0 * bits.to(torch.float64)
 
 
+# process-wide by nature: a pure function of its key (seed, k, device, dtype), the same for every run
 _A_CACHE: dict = {}
 
 

@@ -103,6 +103,7 @@ def _xor_reduce(x: torch.Tensor) -> int:
     return acc ^ (int(x[0]) if x.numel() else 0)
 
 
+# process-wide by nature: a pure function of its key (seed, k, device, dtype) and row, the same for every run
 _ROW_SIGNS: dict = {}
 
 
@@ -177,7 +178,8 @@ def _fingerprint_torch(t: torch.Tensor, seed: int, k: int) -> Fingerprint:
 
 # --------------------------------------------------------------------------- dispatch
 # CUDA tensors that took the torch path, by reason (the probe reports these: a GPU where the
-# fused kernel cannot build, e.g. 16-bit tensors before sm_90, says so instead of being slow quietly)
+# fused kernel cannot build, e.g. 16-bit tensors before sm_90, says so instead of being slow quietly).
+# Process-wide by nature: what this process's GPU and Triton cannot do, said once on stderr and in every record
 TORCH_PATH: dict = {}
 
 

@@ -191,7 +191,8 @@ def check_out_dir(out: Path, need_bytes: int) -> None:
 
 # -- reading ---------------------------------------------------------------------------------
 @dataclass
-class RankRecord:
+class LoadedRank:
+    """One rank read back from a capture folder: its number, its rank JSON and its tensors."""
     rank: int
     meta: dict
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -201,7 +202,7 @@ class RankRecord:
 class LoadedRun:
     path: Path
     manifest: dict
-    records: dict[int, RankRecord]
+    records: dict[int, LoadedRank]
     problems: list[dict]          # {"file", "rank", "problem"} for every file that failed to verify
 
 
@@ -326,7 +327,7 @@ def load_run(path, verify: bool = True) -> LoadedRun:
                 and not p.name.startswith(".") and p.suffix in (".safetensors", ".json", ".pt") and p.is_file():
             problems.append({"file": p.name, "rank": None, "problem": "not in the manifest (extra file; ignored)"})
 
-    records: dict[int, RankRecord] = {}
+    records: dict[int, LoadedRank] = {}
     for rank in range(manifest["world_size"]):
         stem = rank_stem(rank)
         js, st = f"{stem}.json", f"{stem}.safetensors"
@@ -350,11 +351,11 @@ def load_run(path, verify: bool = True) -> LoadedRun:
                 continue
         elif any(p["file"] == st for p in problems) or meta.get("tensors_file", True):
             continue  # its tensors are unusable: do not report this rank from metadata alone
-        records[rank] = RankRecord(rank, meta, tensors)
+        records[rank] = LoadedRank(rank, meta, tensors)
     return LoadedRun(root, manifest, records, problems)
 
 
-def load_rank_files(root: Path, rank: int, entries: list[dict]) -> RankRecord:
+def load_rank_files(root: Path, rank: int, entries: list[dict]) -> LoadedRank:
     """One rank's record from its two files, verified against the entries it posted."""
     for e in entries:
         p = _safe_member(root, e["path"])
@@ -370,7 +371,7 @@ def load_rank_files(root: Path, rank: int, entries: list[dict]) -> RankRecord:
         check_meta(meta)
     except ValueError as e:
         raise CaptureError(f"{root / stem}.json: malformed rank metadata ({e})")
-    return RankRecord(rank, meta, _load_tensors(root / f"{stem}.safetensors"))
+    return LoadedRank(rank, meta, _load_tensors(root / f"{stem}.safetensors"))
 
 
 def point_set_mismatches(metas: dict[int, dict]) -> list[dict]:

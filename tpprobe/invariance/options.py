@@ -174,7 +174,7 @@ def validate(opts: InvarianceOptions) -> None:
         if builtin:
             builtin_cfg(opts, p.layers).validate(t)
         elif p.backend == "sglang":      # the shapes' own rule, as the probe checks it (before any rank starts)
-            from ..engines.sglang.tiny import check_tp
+            from ..engines.sglang.tiny_archs import check_tp
             check_tp(p.arch, p.config, t)
     if p.tokens < 1:
         raise UsageError(f"--tokens must be >= 1 (got {p.tokens})")

@@ -22,8 +22,8 @@ from ..checks.evidence import FingerprintEvidence
 from ..checks.findings import exit_code
 from ..core.errors import INTERNAL_EXIT, InternalError, TPProbeError, exception_text, say_internal
 from ..checks.run import run_checks
-from ..exchange.dist import (Channel, agree_out_dir, agree_ready, await_final, init, local_world, post_ready, shutdown,
-                             start_channels)
+from ..exchange.dist import (Channel, agree_out_dir, agree_ready, await_final, init, local_world, named_process_group,
+                             post_ready, shutdown, start_channels)
 from .settle import Settled, leave_now, stacks_after_env
 from ..exchange.gather import bytes_post, exchange_records, exchange_summary, post_meta
 from ..exchange.liveness import collect_meta, liveness_of
@@ -40,8 +40,7 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     t_start = time.time()
     stacks_after_env()
     grace = min(5.0, max(1.0, opts.timeout * 0.2))
-    launcher_picks = opts.backend in ("auto", "sglang", "vllm")     # gloo or nccl: the launcher decided
-    ctx = init(None if launcher_picks else opts.backend, max(1.0, opts.timeout - grace), opts.seed)
+    ctx = init(named_process_group(opts.backend), max(1.0, opts.timeout - grace), opts.seed)
     progress = Progress()
     from ..report.live import attach as live_display
     live = live_display(progress, ctx.rank, quiet=opts.quiet or opts.json_out)

@@ -30,7 +30,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
     if opts.backend not in ("auto", "gloo", "nccl", "sglang", "vllm"):
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl, sglang or vllm")
-    from ..engines.sglang.tiny import ARCHES as SGLANG_ARCHES, canonical_arch
+    from ..engines.sglang.tiny_archs import ARCHES as SGLANG_ARCHES, canonical_arch
     if opts.backend == "vllm":
         _validate_vllm(opts, world)
     elif canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
@@ -62,7 +62,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
     check_backend(opts.inject, opts.backend, opts.model)
     _validate_dp_attention(opts, world)
     if opts.backend == "sglang" and opts.model is None:   # shapes before any rank starts, not after a build
-        from ..engines.sglang.tiny import check_tp
+        from ..engines.sglang.tiny_archs import check_tp
         check_tp(canonical_arch(opts.arch), opts.config, world, opts.dp_attention)
     parse_faults(opts.inject, world, opts.num_layers, ids)
 
@@ -188,7 +188,7 @@ def probe_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, la
         slots = vllm_slots(layer_ids)
     if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
         # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
-        from ..engines.sglang.tiny import ARCHES as SGLANG_ARCHES
+        from ..engines.sglang.tiny_archs import ARCHES as SGLANG_ARCHES
         from ..engines.sglang.layer_ids import expected_slots, plan
         if target.arch in SGLANG_ARCHES:
             slots = expected_slots(plan(target.arch, target.model_layer_ids, target.num_layers))

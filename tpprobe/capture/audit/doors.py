@@ -119,7 +119,7 @@ class Doors:
         self.opened = {}
 
 
-DOORS = Doors()
+DOORS = Doors()   # process-wide by nature: ProcessGroup's methods are one class's; close() puts them back
 
 
 class DoorsPath(Interceptor):

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-THREAD = threading.local()        # .stack: the Audits active on this thread (kernel and doors)
+THREAD = threading.local()        # .stack: the Audits active on this thread (kernel and doors); each pops itself
 _PYKEY = torch._C.DispatchKey.Python
 
 

@@ -106,7 +106,7 @@ class Kernels:
             return True
 
 
-KERNELS = Kernels()
+KERNELS = Kernels()   # process-wide by nature: dispatcher kernels are the process's; release() removes them
 
 
 class KernelPath(Interceptor):

@@ -52,6 +52,7 @@ class Registrations:
         return bool(self.handles)
 
 
+# process-wide by nature: torch's registration hooks are global; installed only while a Tap is entered
 REGISTRATIONS = Registrations()
 
 
@@ -151,4 +152,4 @@ def _root(plan: Plan, model) -> Plan:
     return out
 
 
-PLANS = PlanCache()
+PLANS = PlanCache()   # per model object (weakly): a plan lives as long as its model; reset() forgets them

@@ -36,7 +36,7 @@ _ROW_KINDS = (STREAM, SHARE, IN_NORM)    # capture points held as [tokens, hidde
 
 # layer families that need model-specific extensions: module prefix -> () -> extensions. Filled by
 # the family's own package when it is imported (tpprobe.engines.sglang.stream: "sglang."), so the Tap
-# never imports a model family itself.
+# never imports a model family itself. Process-wide by nature: a registry of code, not of run state.
 LAYER_EXTENSIONS: dict = {}
 
 

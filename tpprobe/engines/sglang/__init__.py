@@ -1,11 +1,13 @@
 """SGLang support: probe SGLang's own models (CPU test mode) and a plugin for live servers.
 
 Modules:
-  layer_ids  what EAGLE-3 layer ids capture under SGLang's rules (rules: derived from SGLang's code,
-             rules_table: the tabulated 0.5.23 rules), read without importing SGLang
+  layer_ids  what EAGLE-3 layer ids capture under SGLang's rules (rules: derived from SGLang's code on a
+             rules_shell; rules_table: the tabulated 0.5.23 rules, replayed by rules_replay), read
+             without importing SGLang
   cpu_mode   every workaround SGLang 0.5.23 needs to run on CPU (imported only by the CPU mode)
   dist       publish SGLang's parallel state over an already-initialized torch.distributed world
-  tiny       tiny random-weight SGLang targets for `tpprobe probe --backend sglang`
+  tiny       tiny random-weight SGLang targets for `tpprobe probe --backend sglang` (tiny_archs: the
+             architectures and their configs; tiny_weights: the seeded weights and HF's reference)
   faults     --inject for SGLang's own models; audit, stream: the audit's door and layer extensions
   plugin     `sglang.srt.plugins` entry point for live servers (GPU path: never imports cpu_mode),
              its settings declared in options

@@ -8,8 +8,8 @@ symmetric memory, quick/flashinfer all-reduce or a torch custom op (sglang-servi
 none of which calls `torch.distributed.all_reduce`. Auditing the coordinator records each reduce
 once, with its group's name and size, whatever path it takes; a coordinator reduce that ends in
 `torch.distributed.all_reduce` is not counted a second time (the Tap's re-entrancy guard,
-`Tap.collective`, tpprobe/capture/audit.py). Reduces SGLang issues on WORLD with torch.distributed directly (the
-DP-attention gather) are still seen by the Tap's own torch.distributed wrapper.
+`Tap.collective`, tpprobe/capture/hooks/collectives.py). Reduces SGLang issues on WORLD with
+torch.distributed directly (the DP-attention gather) are still seen by the Tap's own torch.distributed wrapper.
 
 Imports sglang's parallel_state only (no CPU workarounds): used on GPUs by the plugin too.
 """

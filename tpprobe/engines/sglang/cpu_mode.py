@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 
+# process-wide by nature: the CPU workarounds patch sglang's modules and define torch ops, once per process
 _ENABLED = False
 _TV_LIB = None
 

@@ -33,6 +33,8 @@ SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention
 REDUCE_FAULTS = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
                  "skip-unreadable-allreduce", "skip-allreduce")
 
+# process-wide by nature: the collectors' class method is patched once per process (_patch_collectors), and
+# these are what it reads: the fault of the boundary running now on this thread, and one on every aux capture
 _pending = threading.local()
 _ALWAYS: dict = {"fn": None}       # a fault on every aux capture (dp-attention-gather)
 

@@ -114,7 +114,7 @@ def point_of(layer: int, num_layers: int) -> str:
 
 
 def plan_from_derived(arch: str, d) -> LayerPlan:
-    """A LayerPlan from what SGLang's own setter did (tpprobe.engines.sglang.rules.Derived)."""
+    """A LayerPlan from what SGLang's own setter did (tpprobe.engines.sglang.rules_replay.Derived)."""
     L = d.num_layers
     ids = d.ids
     ltc = list(d.layers_to_capture or [])
@@ -201,14 +201,16 @@ def plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPlan:
     `set_eagle3_layers_to_capture` on a shell of the class and reads its capture condition)."""
     if int(num_layers) < 1:
         raise UsageError(f"--num-layers must be >= 1, got {num_layers}")
-    from tpprobe.engines.sglang import rules
+    from tpprobe.engines.sglang import rules_replay
 
-    if rules.use_table():
-        p = plan_from_derived(arch, rules.derive_from_table(arch, ids, num_layers))
-        v = rules.installed_version()
-        p.source = (f"SGLang {SGLANG_VERSION}'s code, tabulated ({rules.TABLE_MODULE}; "
+    if rules_replay.use_table():
+        p = plan_from_derived(arch, rules_replay.derive_from_table(arch, ids, num_layers))
+        v = rules_replay.installed_version()
+        p.source = (f"SGLang {SGLANG_VERSION}'s code, tabulated ({rules_replay.TABLE_MODULE}; "
                     + ("SGLang not installed" if v is None else f"the installed SGLang is {v}") + ")")
         return p
+    from tpprobe.engines.sglang import rules
+
     return plan_from_derived(arch, rules.derive(arch, ids, num_layers))
 
 

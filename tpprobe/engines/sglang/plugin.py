@@ -76,6 +76,7 @@ import torch
 
 ENV_DIR = "TPPROBE_CAPTURE_DIR"
 
+# process-wide by nature: the plugin's per-process state in an SGLang worker (one server, one step count)
 _state = threading.local()
 _STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False, "failed": False}
 
@@ -210,7 +211,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
         _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
-        # their collectives with no Python of tpprobe's (capture/audit.py: release)
+        # their collectives with no Python of tpprobe's (capture/audit/recorder.py: release)
         from tpprobe.capture.audit import release
         release()
     return result

@@ -22,6 +22,7 @@ K aux hidden states` when one is missing (DeepSeek family). Loop point i is the 
 entering layer i = HF hidden_states[i] (0 = the embedding output).
 
 When SGLang cannot be imported, `tpprobe.engines.sglang.layer_ids` falls back to its pinned table.
+The shell is built in rules_shell.py; the table this module generates is replayed by rules_replay.py.
 """
 from __future__ import annotations
 
@@ -32,23 +33,14 @@ import inspect
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
 from tpprobe.core.errors import UsageError
+from tpprobe.engines.sglang.rules_replay import ALIASES, MAPS, STORES, TABLE_MODULE, Derived, derive_from_table
+from tpprobe.engines.sglang.rules_shell import build_shell, layer_owner, source_of
 
 SETTER = "set_eagle3_layers_to_capture"
-
-# names people use that are neither an SGLang model file, nor its class, nor a HF model_type
-_ALIASES = {
-    "kimi": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
-    "kimi-k2": "DeepseekV3ForCausalLM", "deepseek": "DeepseekV3ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-    "kimi_k25": "KimiK25ForConditionalGeneration", "kimi-k2.5": "KimiK25ForConditionalGeneration",
-    "mistral": "MistralForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-    "glm_moe_dsa": "GlmMoeDsaForCausalLM", "minimax_m3": "MiniMaxM3SparseForCausalLM",
-}
 
 
 def models_dir() -> str:
@@ -58,7 +50,7 @@ def models_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "srt", "models")
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)    # process-wide by nature: the installed SGLang's files, unchanged while it runs
 def setter_files() -> tuple[str, ...]:
     """SGLang model files (module names) that define the EAGLE-3 setter (read as text, no import)."""
     d = models_dir()
@@ -71,7 +63,7 @@ def setter_files() -> tuple[str, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)    # process-wide by nature, as setter_files
 def _class_files() -> dict[str, str]:
     """class name -> model file, for every class defined in sglang/srt/models (text scan)."""
     d = models_dir()
@@ -107,7 +99,7 @@ def resolve(name: str) -> type:
     (Qwen3MoeForCausalLM), SGLang's model file (qwen3_moe), a HF model_type (deepseek_v3) and a
     few common aliases (kimi, kimi_k2). UsageError when it has no EAGLE-3 capture."""
     raw = name.strip()
-    key = _ALIASES.get(raw.lower(), raw)
+    key = ALIASES.get(raw.lower(), raw)
     files = _class_files()
     cls_name, module = None, None
     if key in files:                                   # a class name
@@ -156,137 +148,9 @@ def _hf_causal_lm(model_type: str) -> Optional[str]:
     return None
 
 
-# ---- the shell the setter runs on ------------------------------------------------------------
-_SOURCES: dict = {}
-_LINES: dict = {}
-
-
-def _source(obj) -> str:
-    """inspect.getsource, once per object (derive reads the same methods for every id)."""
-    try:
-        return _SOURCES[obj]
-    except (KeyError, TypeError):
-        pass
-    try:
-        text = inspect.getsource(obj)
-    except (OSError, TypeError):
-        text = ""
-    try:
-        _SOURCES[obj] = text
-    except TypeError:
-        pass
-    return text
-
-
-def _inner_class(cls: type, attr: str) -> Optional[type]:
-    """The class `cls.__init__` assigns to self.<attr> (SGLang's own source, resolved in its module)."""
-    pat = re.compile(rf"self\.{attr}\s*=\s*((?:self\.)?[A-Za-z_][\w\.]*)\(")
-    mro = [c for c in cls.__mro__ if c.__module__.startswith("sglang.")]
-    for c in mro:
-        init = vars(c).get("__init__")
-        if init is None:
-            continue
-        g = vars(importlib.import_module(c.__module__))
-        for m in pat.finditer(_source(init)):
-            name = m.group(1)
-            if name.startswith("self."):            # self.body_cls(...): a class attribute
-                v = getattr(cls, name[5:], None)
-                if isinstance(v, type):
-                    return v
-                continue
-            if isinstance(g.get(name), type):
-                return g[name]
-            imp = re.search(rf"from ([\w\.]+) import [^\n]*\b{name}\b", _source(init))
-            if imp:                                 # imported inside __init__
-                try:
-                    v = getattr(importlib.import_module(imp.group(1)), name, None)
-                except Exception:  # noqa: BLE001
-                    v = None
-                if isinstance(v, type):
-                    return v
-            # a parameter (language_model_cls=...): the most derived class passing it wins
-            for d in mro:
-                hit = re.search(rf"\b{name}\s*=\s*(\w+)", _source(vars(d).get("__init__", "")))
-                if hit:
-                    gd = vars(importlib.import_module(d.__module__))
-                    if isinstance(gd.get(hit.group(1)), type):
-                        return gd[hit.group(1)]
-    return None
-
-
-class _Layer(SimpleNamespace):
-    pass
-
-
-def _shell(cls: type, L: int, depth: int = 0):
-    import torch
-
-    text = SimpleNamespace(num_hidden_layers=L)
-    cfg = SimpleNamespace(num_hidden_layers=L, text_config=text, get_text_config=lambda: text)
-    # class attributes, so they shadow SGLang's properties (pp_group reads the parallel state)
-    fixed = {"config": cfg, "pp_group": SimpleNamespace(is_last_rank=True, is_first_rank=True),
-             "start_layer": 0, "end_layer": L}
-    shell_cls = type(cls.__name__, (cls,), {**fixed, "__module__": cls.__module__})
-    obj = shell_cls.__new__(shell_cls)
-    if isinstance(obj, torch.nn.Module):
-        torch.nn.Module.__init__(obj)
-    obj.__dict__["layers"] = [_Layer() for _ in range(L)]
-    obj.__dict__["capture_aux_hidden_states"] = False
-    if depth < 3:
-        for attr in ("model", "language_model"):
-            inner = _inner_class(cls, attr)
-            sub = _shell(inner, L, depth + 1) if inner is not None else _bag(L)
-            obj.__dict__[attr] = sub        # plain attributes: no module registration needed
-    return obj
-
-
-def _bag(L: int):
-    return SimpleNamespace(layers=[_Layer() for _ in range(L)], start_layer=0, end_layer=L)
-
-
-def _owner(obj, depth: int = 0):
-    """The object that owns the decoder layers the setter marked: (object, path)."""
-    d = getattr(obj, "__dict__", {})
-    if "layers_to_capture" in d or any(getattr(x, "_is_layer_to_capture", False) for x in d.get("layers", [])):
-        return obj, ""
-    if depth < 3:
-        for attr in ("model", "language_model"):
-            if attr in d:
-                o, p = _owner(d[attr], depth + 1)
-                if o is not None:
-                    return o, f"{attr}." + p
-    return None, ""
-
-
 # ---- the rule -------------------------------------------------------------------------------
-@dataclass
-class Derived:
-    cls: str                       # SGLang class the setter belongs to
-    file: str                      # sglang/srt/models/<file>.py:<line> of the setter
-    num_layers: int
-    ids: Optional[list[int]]
-    layers_to_capture: Optional[list[int]]   # as the setter stored it (None: flags only / raised)
-    flagged: list[int] = field(default_factory=list)   # layers whose _is_layer_to_capture is set
-    set_error: Optional[str] = None          # the setter raised
-    owner: str = ""                          # attribute path of the object holding the layers
-    loop_uses_flags: bool = False            # the capture condition is the per-layer flag
-    captures_last: bool = False              # point L (the last layer's output) is captured
-    packer: bool = False                     # AuxHiddenStatePacker: a missing capture raises
-    forward_of: str = ""                     # whose forward was read
-
-    @property
-    def captured(self) -> list[int]:
-        """Capture points (0..L) the forward reaches, ascending, each once."""
-        if self.set_error:
-            return []
-        L = self.num_layers
-        if self.loop_uses_flags:
-            pts = set(self.flagged)
-        else:
-            pts = {c for c in (self.layers_to_capture or []) if 0 <= c < L}
-        if self.captures_last and L in (self.layers_to_capture or []):
-            pts.add(L)
-        return sorted(pts)
+# process-wide by nature: the installed sglang's source lines, which do not change while it runs
+_LINES: dict = {}
 
 
 def _forward_class(owner) -> type:
@@ -318,7 +182,7 @@ def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
         except (OSError, TypeError):
             line = 0
     where = f"sglang/srt/models/{defining.__module__.rsplit('.', 1)[-1]}.py:{line}"
-    shell = _shell(cls, L)
+    shell = build_shell(cls, L)
     d = Derived(cls=defining.__name__, file=where, num_layers=L, ids=None if ids is None else list(ids),
                 layers_to_capture=None)
     try:
@@ -326,7 +190,7 @@ def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
             setter(shell, None if ids is None else list(ids))
     except Exception as e:  # noqa: BLE001 - SGLang's own setter raised: that is the finding
         d.set_error = f"{type(e).__name__}: {e}"
-    owner, path = _owner(shell)
+    owner, path = layer_owner(shell)
     if owner is None:
         owner, path = (shell.__dict__.get("model") or shell), "model."
     d.owner = path.rstrip(".")
@@ -335,9 +199,9 @@ def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
     layers = getattr(owner, "__dict__", {}).get("layers", [])
     d.flagged = [i for i, x in enumerate(layers) if getattr(x, "_is_layer_to_capture", False)]
     fcls = type(owner).__mro__[1] if not isinstance(owner, SimpleNamespace) else cls
-    src = _source(getattr(fcls, "forward", None))
+    src = source_of(getattr(fcls, "forward", None))
     if "_is_layer_to_capture" not in src and "layers_to_capture" not in src:
-        src = _source(inspect.getmodule(fcls))          # the loop lives in a helper of that file
+        src = source_of(inspect.getmodule(fcls))          # the loop lives in a helper of that file
     d.forward_of = f"{fcls.__name__}.forward"
     d.loop_uses_flags = "_is_layer_to_capture" in src and not re.search(r"\bi\s+in\s+self\.layers_to_capture", src)
     d.captures_last = bool(re.search(r"(num_layers|self\.end_layer|len\(self\.layers\))\s+in\s+self\.layers_to_capture",
@@ -361,119 +225,15 @@ def all_architectures() -> list[tuple[str, type]]:
     return out
 
 
-# ---- the table: the same rules as data, for a machine without SGLang (and fast with it) ------------
+# ---- the table: the same rules as data, generated here (rules_replay.py replays it) ----------------
 # `tabulate()` runs `derive` on every architecture over a grid of (ids, num_layers) and names, for each,
 # the rule among a few that reproduces every result exactly (what the setter stores, what it flags,
-# what it raises); `render_table` writes that as tpprobe/engines/sglang/rules_table.py. `derive_from_table`
-# replays a rule on any ids. tests/test_layers_table.py regenerates the table from the installed SGLang
-# and asserts it equals the shipped one, and that the replay equals `derive` on another grid.
-TABLE_MODULE = "tpprobe/engines/sglang/rules_table.py"
-MAPS = ("plus1", "plus1_if_first_is_1", "as_given_if_max_is_L", "as_given")
-STORES = ("list", "flags", "list+flags_in_range")
-
-
-def _map(kind: str, ids: list[int], L: int) -> list[int]:
-    if kind == "plus1":
-        return [i + 1 for i in ids]
-    if kind == "plus1_if_first_is_1":          # DeepSeek-V2/V3, GLM-4-MoE-Lite
-        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
-    if kind == "as_given_if_max_is_L":         # gpt_oss: ids naming the final boundary are kept
-        return list(ids) if ids and max(ids) == L else [i + 1 for i in ids]
-    return list(ids)
-
-
-def _replay(rule: dict, ids: Optional[list[int]], L: int) -> tuple[Optional[list[int]], list[int], Optional[str]]:
-    """(layers_to_capture, flagged layers, the setter's error) as SGLang's setter leaves them."""
-    if rule.get("raises"):
-        return None, [], rule["raises"]
-    if ids is None:
-        d = rule["default_shift"]
-        if d is None:       # no default: the setter iterates the ids it was given (an inner model's setter)
-            return None, [], "TypeError: 'NoneType' object is not iterable"
-        ltc = [2 + d, L // 2 + d, L - 3 + d]
-    else:
-        ltc = _map(rule["map"], list(ids), L)
-    flagged: list[int] = []
-    if rule["store"] == "flags":               # setattr(self.layers[i], ...) for each, in order
-        for c in ltc:
-            if not -L <= c < L:
-                return ltc, sorted(set(flagged)), "IndexError: list index out of range"
-            flagged.append(c % L)
-    elif rule["store"] == "list+flags_in_range":
-        flagged = [c for c in ltc if 0 <= c < L]
-    return ltc, sorted(set(flagged)), None
-
-
-def derive_from_table(name: str, ids: Optional[list[int]], num_layers: int, table=None) -> Derived:
-    """`derive`, from the shipped table (no SGLang import)."""
-    tab = table or _table()
-    cls_name = resolve_in_table(name, tab)
-    e = tab["CLASSES"][cls_name]
-    L = int(num_layers)
-    ltc, flagged, err = _replay(e, ids, L)
-    owner = e["owner"] if ltc is not None else e.get("owner_on_error", e["owner"])
-    return Derived(cls=e["cls"], file=e["file"], num_layers=L, ids=None if ids is None else list(ids),
-                   layers_to_capture=ltc, flagged=flagged, set_error=err, owner=owner,
-                   loop_uses_flags=e["loop_uses_flags"], captures_last=e["captures_last"], packer=e["packer"],
-                   forward_of=e["forward_of"])
-
-
-def _table() -> dict:
-    from tpprobe.engines.sglang import rules_table as t
-
-    return {"SGLANG_VERSION": t.SGLANG_VERSION, "CLASSES": t.CLASSES, "FILES": t.FILES,
-            "MODEL_TYPES": t.MODEL_TYPES, "ARCHITECTURES": t.ARCHITECTURES}
-
-
-def resolve_in_table(name: str, tab=None) -> str:
-    """`resolve` over the table: a class name, SGLang model file, HF model_type or alias -> class name."""
-    tab = tab or _table()
-    raw = name.strip()
-    key = _ALIASES.get(raw.lower(), raw)
-    if key in tab["CLASSES"]:
-        return key
-    low = key.lower().replace("-", "_")
-    for where in ("FILES", "MODEL_TYPES"):
-        if low in tab[where]:
-            return tab[where][low]
-    raise UsageError(f"unknown SGLang arch {name!r}: give an architecture from config.json (e.g. "
-                     f"Qwen3MoeForCausalLM), an SGLang model file or a model_type; SGLang {tab['SGLANG_VERSION']} "
-                     f"has EAGLE-3 capture in {len(tab['CLASSES'])} architectures (`tpprobe layers --arch all` "
-                     f"lists them)")
-
-
+# what it raises); `render_table` writes that as tpprobe/engines/sglang/rules_table.py.
 def resolve_quiet(name: str):
     try:
         return resolve(name)
     except Exception:  # noqa: BLE001
         return None
-
-
-def table_rows() -> list[tuple[str, str, str]]:
-    """(file, class, table key) of every architecture, as `all_architectures` lists them."""
-    return [tuple(x) for x in _table()["ARCHITECTURES"]]
-
-
-def installed_version() -> Optional[str]:
-    """The installed SGLang's version from its metadata (no import); None when not installed."""
-    from tpprobe.engines.sglang import available
-
-    if not available():
-        return None
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:  # noqa: BLE001 - sglang on the path without metadata: read its code
-        return "unknown"
-
-
-def use_table() -> bool:
-    """The table answers unless an SGLang of another release is installed (then its own code does)."""
-    from tpprobe.engines.sglang import rules_table
-
-    v = installed_version()
-    return v is None or v == rules_table.SGLANG_VERSION
 
 
 def probe_grid(Ls=(1, 2, 3, 4, 5, 6, 8, 61)):
@@ -513,7 +273,7 @@ def _rule_for(cls: type) -> dict:
         if all(_fields(derive_from_table("X", ids, L, tab)) == _fields(d) for (ids, L), d in zip(grid, got)):
             return c
     raise UsageError(f"{cls.__name__}: no tabulated rule reproduces SGLang's set_eagle3_layers_to_capture "
-                     f"({first.file}); extend tpprobe.engines.sglang.rules.MAPS/STORES")
+                     f"({first.file}); extend tpprobe.engines.sglang.rules_replay.MAPS/STORES")
 
 
 def tabulate() -> dict:

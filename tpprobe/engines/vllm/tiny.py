@@ -70,8 +70,8 @@ def check_arch(arch: Optional[str]) -> str:
 
 def check_tp(arch: str, tp: int, config_path: Optional[str] = None) -> None:
     """UsageError (one line) when the model's heads / KV heads / MLP widths do not split over tp ranks (the
-    tiny model's shapes, or a --config's: tpprobe.engines.sglang.tiny.shape_of, written once)."""
-    from tpprobe.engines.sglang.tiny import shape_of
+    tiny model's shapes, or a --config's: tpprobe.engines.sglang.tiny_archs.shape_of, written once)."""
+    from tpprobe.engines.sglang.tiny_archs import shape_of
 
     s = shape_of(arch, config_path)
 
@@ -99,7 +99,7 @@ def hf_config(arch: str, num_layers: int, config_path: Optional[str] = None):
     """The HF config of the tiny model, or of a user's config.json cut to `num_layers` layers (random
     weights, quantization dropped, no remote code): the SGLang tier's, written once."""
     from tpprobe.engines.sglang.cpu_mode import fill_deepseek_config
-    from tpprobe.engines.sglang.tiny import load_config, tiny_config
+    from tpprobe.engines.sglang.tiny_archs import load_config, tiny_config
 
     config = load_config(arch, config_path, num_layers) if config_path else tiny_config(arch, num_layers)
     if arch == "deepseek_v2":
@@ -112,7 +112,7 @@ def hf_config(arch: str, num_layers: int, config_path: Optional[str] = None):
 def hf_reference(arch: str, num_layers: int, tokens: int, seed: int, config_path: Optional[str] = None):
     """HF's forward on the same seeded weights and ids (tpprobe.sglang.tiny.hf_reference: hidden_states[0]
     = embedding output, [k] = the stream entering layer k, the last one before the final norm)."""
-    from tpprobe.engines.sglang.tiny import hf_reference as ref
+    from tpprobe.engines.sglang.tiny_weights import hf_reference as ref
 
     return ref(check_arch(arch), num_layers, tokens, seed, config_path=config_path, prenorm_last=True)
 
@@ -147,7 +147,7 @@ def build_model(ctx: RankContext, arch: str, num_layers: int, seed: int, dtype: 
     """vLLM's own model of the tiny config on this rank, loaded as vLLM's loader loads it. Returns
     (model, vllm_config, hf_config, the all-reduce path vLLM's TP group took)."""
     from tpprobe.engines.vllm import cpu_mode
-    from tpprobe.engines.sglang.tiny import seeded_hf_model, unfuse_experts
+    from tpprobe.engines.sglang.tiny_weights import seeded_hf_model, unfuse_experts
 
     cpu_mode.enable()
     config = hf_config(arch, num_layers, config_path)

@@ -425,7 +425,7 @@ def combine_kernel(desc_ptr, ip_ptr, fp_ptr, gp_ptr, out_ptr, outf_ptr, outg_ptr
     sxor = tl.reduce(x, 0, _xor_combine)
     c = tl.arange(0, 4)
     iv = tl.where(c == 1, sxor, ssum)
-    # the bit hash's two words: fmix64(la), fmix64(lb ^ 0x5851F42D4C957F2D) (_hashdef.hash_hex)
+    # the bit hash's two words: fmix64(la), fmix64(lb ^ 0x5851F42D4C957F2D) (definition.hash_hex)
     u = (iv & 0xFFFFFFFF).to(tl.uint64, bitcast=True)
     u = tl.where(c == 1, u ^ tl.cast(0x5851F42D4C957F2D, tl.uint64), u)
     u = (u ^ (u >> 30)) * tl.cast(0xBF58476D1CE4E5B9, tl.uint64)

@@ -24,4 +24,4 @@ class State:
             getattr(self, f.name).clear()
 
 
-STATE = State()
+STATE = State()     # process-wide: device facts and compiled entries outlive any one run (reset() for tests)
