@@ -111,15 +111,17 @@ def _tensor_causes(rec, hidden: int, slot: int, expected: str, dtype) -> Optiona
         return None
     s = packed[..., slot * hidden:(slot + 1) * hidden].float()
     here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
+    read = False
     for a in rec.meta.get("allreduces", []):
         i, o = rec.tensors.get(allreduce_in(a["seq"])), rec.tensors.get(allreduce_out(a["seq"]))
+        read = read or (i is not None and o is not None)
         if i is None or o is None or tuple(o.shape) != tuple(s.shape):
             continue
         if _close(s, o.float(), dtype):
             here["capture-no-residual"].add(a["seq"])
         elif _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
             here["partial-capture"].add(a["seq"])
-    return here
+    return here if read else None       # the reduces' tensors were not kept (fingerprints): the sketches say
 
 
 def _fp(d) -> Optional[Fingerprint]:
