@@ -52,12 +52,33 @@ def hook_norms(norms: list, record: Callable[[int, torch.Tensor], None]) -> list
     return [norm.register_forward_hook(post_for(k)) for k, norm in enumerate(norms)]
 
 
+def _has_residual(output) -> bool:
+    return isinstance(output, (tuple, list)) and len(output) > 1 and isinstance(output[0], torch.Tensor) \
+        and isinstance(output[1], torch.Tensor)
+
+
 def residual_stream_extension(tap) -> list:
-    """Tap extension: `layer.K.out` for every decoder layer K of a vLLM model, read at the norm after it."""
+    """Tap extension: `layer.K.out` for every decoder layer K of a vLLM model, read at the norm after it; a
+    layer that returns no separate residual (Granite's, Cohere's) is read at its output as before."""
     norms = norms_after(tap.model)
     if norms is None:
         return []         # the Tap reads hidden + residual from the layer's output, as before
     tap.stream_from_extension = True
-    # a copy now: a fused add + RMSNorm (vLLM's CUDA kernel) updates the residual in place in the next norm,
-    # and a fingerprint may be taken later on a side stream
-    return hook_norms(norms, lambda k, v: tap.record_point(layer_out(k), v.detach().clone(), copied=True))
+    layers = list(getattr(getattr(tap.model, "model", tap.model), "layers", None) or [])
+
+    def record(k: int, v: torch.Tensor) -> None:
+        # a copy now: a fused add + RMSNorm (vLLM's CUDA kernel) updates the residual in place in the next norm,
+        # and a fingerprint may be taken later on a side stream
+        tap.record_point(layer_out(k), v.detach().clone(), copied=True)
+
+    def layer_post_for(k: int):
+        def post(mod, args, output):
+            if not _has_residual(output):       # the layer's output is the stream: no norm completes it
+                s = output if isinstance(output, torch.Tensor) else output[0] \
+                    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None
+                if s is not None:
+                    record(k, s)
+        return post
+
+    handles = [layer.register_forward_hook(layer_post_for(k)) for k, layer in enumerate(layers)]
+    return handles + hook_norms(norms, lambda k, v: record(k, v))
