@@ -78,8 +78,9 @@ def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Opti
     found: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
     for n, r in enumerate(live):
         here = _tensor_causes(records[r], hidden, slot, expected, dtype)
-        if here is None:
-            here = _sketch_causes(records[r], slot, expected, dtype)
+        if here is None or not any(here.values()):
+            # a fingerprint run keeps a few reduces' tensors (the embedding's), not every one: the sketches say
+            here = _sketch_causes(records[r], slot, expected, dtype) or here
         if here is None:
             return None
         for k in found:
@@ -111,17 +112,15 @@ def _tensor_causes(rec, hidden: int, slot: int, expected: str, dtype) -> Optiona
         return None
     s = packed[..., slot * hidden:(slot + 1) * hidden].float()
     here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
-    read = False
     for a in rec.meta.get("allreduces", []):
         i, o = rec.tensors.get(allreduce_in(a["seq"])), rec.tensors.get(allreduce_out(a["seq"]))
-        read = read or (i is not None and o is not None)
         if i is None or o is None or tuple(o.shape) != tuple(s.shape):
             continue
         if _close(s, o.float(), dtype):
             here["capture-no-residual"].add(a["seq"])
         elif _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
             here["partial-capture"].add(a["seq"])
-    return here if read else None       # the reduces' tensors were not kept (fingerprints): the sketches say
+    return here
 
 
 def _fp(d) -> Optional[Fingerprint]:
