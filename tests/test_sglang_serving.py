@@ -6,7 +6,7 @@
   its group (a coordinator reduce ending in torch.distributed.all_reduce is not counted twice);
 * F16 `--inject fused-allreduce-capture` is named partial-capture at the aux slot, with the
   all-reduce, module and layer whose owed sum the capture read too early;
-* F18 `--inject capture-no-residual` is named capture-no-residual at the aux slot;
+* F18 `--inject capture-no-residual` is named capture-no-residual at the aux slot, in both exchange modes;
 * DP attention (tp 4, attention-DP 2): healthy runs clean, each reduce checked against its own
   group; F17 `--inject dp-attention-gather` is named dp-gather-group with the groups involved.
 
@@ -80,11 +80,16 @@ def test_fused_allreduce_capture_is_a_partial_capture_at_its_slot(tmp_path):
     assert rep["allreduce"]["incomplete"] == 0
 
 
-def test_capture_without_residual_is_named(tmp_path):
-    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "qwen3", "--inject", "capture-no-residual")
+@pytest.mark.parametrize("exchange", ["full", "fingerprint"])
+def test_capture_without_residual_is_named(tmp_path, exchange):
+    # with fingerprints only too: the rank fingerprints the slot that equals no point, compared with each reduce's
+    # output sketch (tpprobe/checks/causes.py)
+    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "qwen3", "--inject", "capture-no-residual",
+                         "--exchange", exchange)
     assert code == 1, p.stderr[-3000:]
     f = failures(rep)
-    assert [(x["kind"], x["where"]) for x in f] == [("capture-no-residual", "aux slot 1")], rep["findings"]
+    assert [(x["kind"], x["where"], x["ranks"]) for x in f] == [("capture-no-residual", "aux slot 1", [0, 1])], \
+        rep["findings"]
     assert "model.layers.1.mlp.down_proj, layer 1" in f[0]["detail"] and "without the residual" in f[0]["detail"]
 
 

@@ -159,12 +159,19 @@ FAULTS = [
     # default ids -1,1,2: slot 1 (id 1) is the first that lacks it, named with the reduce that made its value
     ("aux-no-residual", 2, "shm", "full", "capture-no-residual", "aux slot 1", [0, 1],
      "holds the output of all-reduce #4 (model.layers.1.mlp.down_proj, layer 1, group tp:0, 2 ranks) alone"),
-    # with fingerprints only, the cause (which reduce's output the slot holds) is not named: naming it needs every
-    # rank's tensors (tpprobe/checks/causes.py); each rank's slots are matched locally, and the slots that hold
-    # none of the stream's points are named, on every rank
-    ("aux-no-residual", 2, "gloo", "fingerprint", "slot-mismatch", "aux slots [1, 2]", [0, 1],
-     "slot 1 (id 1) equals no candidate, expected layer 1's output; slot 2 (id 2) equals no candidate, expected "
-     "layer 2's output"),
+    # with fingerprints only, the same name: each rank fingerprints the slots that equal no capture point and the
+    # sketches are linear, so the slot is compared with every reduce's output sketch (tpprobe/checks/causes.py)
+    ("aux-no-residual", 2, "gloo", "fingerprint", "capture-no-residual", "aux slot 1", [0, 1],
+     "holds the output of all-reduce #4 (model.layers.1.mlp.down_proj, layer 1, group tp:0, 2 ranks) alone"),
+    # F28: layer 1's down_proj defers its reduce (reduce_results=False) and layer 2's input norm completes it; vLLM's
+    # capture of id 2 (tpprobe id 1, slot 1) appends the stream in between: each rank's partial sum + the residual.
+    # The stream itself is right (read where vLLM completes it, tpprobe/engines/vllm/stream.py): one finding
+    ("deferred-reduce-capture@1", 2, "shm", "full", "partial-capture", "aux slot 1", [0, 1],
+     "slot 1 (id 1) holds each rank's partial sum of all-reduce #4 (model.layers.1.mlp.down_proj, layer 1, group "
+     "tp:0, 2 ranks) plus the residual"),
+    ("deferred-reduce-capture@1", 2, "gloo", "fingerprint", "partial-capture", "aux slot 1", [0, 1],
+     "slot 1 (id 1) holds each rank's partial sum of all-reduce #4 (model.layers.1.mlp.down_proj, layer 1, group "
+     "tp:0, 2 ranks) plus the residual"),
 ]
 
 
@@ -185,6 +192,12 @@ def test_vllm_faults_are_named_exactly(tmp_path, inject, nproc, path, exchange, 
         assert "vllm.GroupCoordinator.all_reduce" in f["detail"] and "group tp:0" in f["detail"], f["detail"]
         assert ("_C.shm_allreduce" if path == "shm" else "c10d.allreduce_") in f["detail"], f["detail"]
         check_read_everywhere(rep, nproc, path)
+    elif kind == "partial-capture":
+        # the deferred reduce ran (later, in layer 2's input norm) and completed: counted in its layer, read, complete
+        check_read_everywhere(rep, nproc, path)
+        assert rep["allreduce"]["incomplete"] == 0
+        e = [x for x in rep["allreduce"]["records"] if x.get("source") == "model.layers.1.mlp.down_proj"]
+        assert [(x["where"], x["level"] in ("exact", "noise")) for x in e] == [("layer.1", True)], e
     else:
         # the skipped reduce is missing from the count, every reduce that ran was read
         assert rep["allreduce"]["unchecked"] == 0 and rep["coverage"]["unreadable_paths"] == {}

@@ -76,6 +76,7 @@ class RankRecord:
     fingerprints: Optional[dict] = None     # point name -> fingerprint JSON (--exchange fingerprint, plugins)
     notes: dict = field(default_factory=dict)   # why the fingerprint kernels were not used as planned
     slot_match: Optional[list] = None       # per aux slot, the candidate it equals (matched on the rank)
+    slot_fps: Optional[dict] = None         # slot index -> fingerprint JSON of each slot that equals none
     kept_bytes: Optional[int] = None        # the plugins: bytes of tensors kept under the budget
     tensors: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -94,6 +95,8 @@ class RankRecord:
         meta.update(self.notes)
         if self.slot_match is not None:
             meta["slot_match"] = self.slot_match
+        if self.slot_fps:
+            meta["slot_fps"] = self.slot_fps
         if self.kept_bytes is not None:
             meta["kept_bytes"] = self.kept_bytes
         meta = copy.deepcopy(meta)
@@ -153,12 +156,13 @@ def rank_record(tap, *, rank: int, world: int, input_ids: Optional[torch.Tensor]
     if packed is not None:
         tensors[AUX_PACKED] = packed
     device = str(device if device is not None else input_ids.device)
-    fps, notes, slot_match = None, {}, None
+    fps, notes, slot_match, slot_fps = None, {}, None, None
     if fingerprints is not None:
         fps = {n: f.to_json() for n, f in tap.summaries.items()}
         if aux is not None:
             fps[AUX_PACKED] = fingerprint(aux, seed=fingerprints.seed, k=fingerprints.k).to_json()
             slot_match = tap_slot_match(tap, aux, hidden, slot_dtype or aux.dtype)
+            slot_fps = unmatched_slot_fps(aux, hidden, slot_match, fingerprints)
         notes = fingerprint_notes(device)
     timings = dict(timings or {})
     if record_started is not None:
@@ -172,8 +176,20 @@ def rank_record(tap, *, rank: int, world: int, input_ids: Optional[torch.Tensor]
         coverage=tap.coverage() if with_coverage else None, aux=aux_meta(aux),
         params=replicated_param_hashes(model) if params is None else params, timings=timings, device=device,
         extra=dict(extra or {}), hidden=hidden, fingerprints=fps, notes=notes, slot_match=slot_match,
+        slot_fps=slot_fps,
         kept_bytes=sum(t.numel() * t.element_size() for t in tensors.values()) if count_kept else None,
         tensors=tensors)
+
+
+def unmatched_slot_fps(aux: torch.Tensor, hidden: int, slot_match, sketch) -> Optional[dict]:
+    """The fingerprint of each aux slot that equals no candidate (its index as a string -> JSON): the sketches
+    are linear, so the checks can still ask what the slot is made of (checks/causes.py: a partial sum, a
+    reduce's output without the residual) with no tensor moved. None when every slot matched."""
+    if not slot_match or None not in slot_match:
+        return None
+    slots = aux.split(hidden, dim=-1)
+    return {str(i): fingerprint(slots[i], seed=sketch.seed, k=sketch.k).to_json()
+            for i, m in enumerate(slot_match) if m is None and i < len(slots)}
 
 
 def check_meta(meta) -> None:

@@ -11,8 +11,10 @@ them exactly:
   capture-no-residual  (F18) slot = out_j: the layer's reduced output (hidden_states) without the
                        residual (SpecForge#431, sglang#39286)
 
-Needs every rank's tensors (--exchange full, or a capture folder); with fingerprints only the
-generic slot verdict applies.
+From every rank's tensors (--exchange full, or a capture folder), or, with fingerprints only, from the
+linear sketches: each rank fingerprints the slots that equal no capture point (`slot_fps`, capture/record.py)
+beside its points' and every all-reduce's input and output, and sketch(S - out_j + in_j) is
+sketch(S) - sketch(out_j) + sketch(in_j), so both causes are judged with no tensor moved.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from typing import Optional
 
 from ..capture.points import AUX_PACKED, allreduce_in, allreduce_out
 from ..core.noise import compare
+from ..fingerprint.levels import fp_level
+from ..fingerprint.reference import Fingerprint, sum_matches
+from .looks import scaled_fp
 
 
 def _close(a, b, dtype) -> bool:
@@ -72,20 +77,12 @@ def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Opti
         return None
     found: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
     for n, r in enumerate(live):
-        rec = records[r]
-        packed, S = rec.tensors.get(AUX_PACKED), rec.tensors.get(expected)
-        if packed is None or S is None or packed.shape[-1] < (slot + 1) * hidden:
+        here = _tensor_causes(records[r], hidden, slot, expected, dtype)
+        if here is None or not any(here.values()):
+            # a fingerprint run keeps a few reduces' tensors (the embedding's), not every one: the sketches say
+            here = _sketch_causes(records[r], slot, expected, dtype) or here
+        if here is None:
             return None
-        s = packed[..., slot * hidden:(slot + 1) * hidden].float()
-        here = {"partial-capture": set(), "capture-no-residual": set()}
-        for a in rec.meta.get("allreduces", []):
-            i, o = rec.tensors.get(allreduce_in(a["seq"])), rec.tensors.get(allreduce_out(a["seq"]))
-            if i is None or o is None or tuple(o.shape) != tuple(s.shape):
-                continue
-            if _close(s, o.float(), dtype):
-                here["capture-no-residual"].add(a["seq"])
-            elif _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
-                here["partial-capture"].add(a["seq"])
         for k in found:
             found[k] = here[k] if n == 0 else found[k] & here[k]
     audit = {a["seq"]: a for a in records[live[0]].meta.get("allreduces", [])}
@@ -106,3 +103,49 @@ def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Opti
                 f"(hidden_states) without the residual; expected {point_label(expected)} = hidden_states "
                 f"+ residual")
     return None
+
+
+def _tensor_causes(rec, hidden: int, slot: int, expected: str, dtype) -> Optional[dict]:
+    """{cause: seqs of the reduces that explain slot `slot`} from rank `rec`'s tensors; None without them."""
+    packed, S = rec.tensors.get(AUX_PACKED), rec.tensors.get(expected)
+    if packed is None or S is None or packed.shape[-1] < (slot + 1) * hidden:
+        return None
+    s = packed[..., slot * hidden:(slot + 1) * hidden].float()
+    here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
+    for a in rec.meta.get("allreduces", []):
+        i, o = rec.tensors.get(allreduce_in(a["seq"])), rec.tensors.get(allreduce_out(a["seq"]))
+        if i is None or o is None or tuple(o.shape) != tuple(s.shape):
+            continue
+        if _close(s, o.float(), dtype):
+            here["capture-no-residual"].add(a["seq"])
+        elif _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
+            here["partial-capture"].add(a["seq"])
+    return here
+
+
+def _fp(d) -> Optional[Fingerprint]:
+    return Fingerprint.from_json(d) if isinstance(d, dict) else None
+
+
+def _sketch_close(a: Fingerprint, b: Fingerprint, dtype) -> bool:
+    return a.shape == b.shape and a.k == b.k and a.seed == b.seed and fp_level(a, b, dtype) in ("bitwise", "noise")
+
+
+def _sketch_causes(rec, slot: int, expected: str, dtype) -> Optional[dict]:
+    """The same from rank `rec`'s fingerprints (linear sketches): slot = out_j when sketch(slot) ~ sketch(out_j);
+    slot = S - out_j + in_j when sketch(slot) + sketch(out_j) ~ sketch(S) + sketch(in_j). None without them."""
+    s = _fp((rec.meta.get("slot_fps") or {}).get(str(slot)))
+    S = _fp((rec.meta.get("fingerprints") or {}).get(expected))
+    if s is None or S is None or s.shape != S.shape or s.k != S.k or s.seed != S.seed or s.n_nan or s.n_inf:
+        return None
+    here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
+    for a in rec.meta.get("allreduces", []):
+        i, o = _fp(a.get("in_fp")), _fp(a.get("out_fp"))
+        if i is None or o is None or o.shape != s.shape or i.shape != s.shape or o.k != s.k or o.seed != s.seed \
+                or i.k != s.k or i.seed != s.seed or i.n_nan or i.n_inf or o.n_nan or o.n_inf:
+            continue
+        if _sketch_close(s, o, dtype):
+            here["capture-no-residual"].add(a["seq"])
+        elif not _sketch_close(i, o, dtype) and sum_matches(s, [S, scaled_fp(o, -1.0), i], dtype)[0]:
+            here["partial-capture"].add(a["seq"])
+    return here

@@ -37,10 +37,11 @@ FAULTS = {
     # vLLM's own model only (--backend vllm): tpprobe/engines/vllm/faults.py
     "drop-final-id": ("F29", None, False),
     "aux-no-residual": ("F27", None, False),
+    "deferred-reduce-capture": ("F28", "layer", True),
 }
 SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
 # vLLM's own model only (--backend vllm), beside the reduce faults below (tpprobe/engines/vllm/faults.py)
-VLLM = ("drop-final-id", "aux-no-residual")
+VLLM = ("drop-final-id", "aux-no-residual", "deferred-reduce-capture")
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
 BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
         "skip-unreadable-allreduce", "skip-allreduce")

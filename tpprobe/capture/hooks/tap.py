@@ -111,6 +111,7 @@ class Tap(Collectives):
         self._fast = False
         self._registered = False
         self.sglang_layers = False                 # SGLang's layers: the stream comes from its boundaries
+        self.stream_from_extension = False         # an extension records layer.K.out itself (vLLM's: at the norms)
 
     # -- install / remove -------------------------------------------------------------------
     def __enter__(self) -> "Tap":
@@ -358,7 +359,7 @@ class Tap(Collectives):
     def _layer_post(self, handle, args, output) -> None:
         name = layer_out(handle.index)
         self.layers_ran.add(handle.index)
-        if not self.stream_from_layer_output or self.sglang_layers or is_owed(output):
+        if not self.stream_from_layer_output or self.sglang_layers or self.stream_from_extension or is_owed(output):
             return     # an owed output (SGLang's OwedOutput) is a handle, never a tensor to read
         if self.summarize is None and not self.keep(name):
             self.order.append(name)       # nothing to keep: do not even form hidden + residual

@@ -138,9 +138,12 @@ def coordinator_audit_extension(tap) -> list:
 
 
 def vllm_extensions() -> tuple:
-    """Every Tap extension a vLLM model needs (ProbeTarget.tap_extensions): the coordinator door.
-    vLLM's decoder layers return (hidden_states, residual): the Tap reads the stream from them."""
-    return (coordinator_audit_extension,)
+    """Every Tap extension a vLLM model needs (ProbeTarget.tap_extensions): the residual stream read where
+    vLLM completes it, at the norm after each layer (tpprobe.engines.vllm.stream: a reduce a layer defers is
+    done by then), and the coordinator door."""
+    from tpprobe.engines.vllm.stream import residual_stream_extension
+
+    return (residual_stream_extension, coordinator_audit_extension)
 
 
 # the Tap adds these by itself wherever it finds vLLM's layers (a --model factory too)

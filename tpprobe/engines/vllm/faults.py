@@ -22,6 +22,12 @@ door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
   drop-final-id (F29)  the backbone never offers the final layer's output to the EAGLE-3 capture: vLLM's
       `_maybe_add_hidden_state` is not called for id N (as deepseek_v2's loop did until vLLM PR #46973),
       so an id N in `aux_hidden_state_layers` captures nothing and the draft gets one slot fewer
+  deferred-reduce-capture@K (F28)  layer K's `mlp.down_proj` (a RowParallelLinear) is set `reduce_results=False`
+      and its sum is completed later in the same stream, by a reduce issued on the way into the next norm (layer
+      K+1's `input_layernorm`, the final norm after the last layer): vLLM moving a layer's reduce into model code
+      (`ResidualStream`, `Scatter.PARTIAL`; not in vLLM 0.32.0), the stream right once it completes. vLLM's
+      EAGLE-3 capture appends the stream between the two (`_maybe_add_hidden_state` after layer K), so a draft
+      asking for the stream leaving layer K reads each rank's partial sum plus the residual
 
 A corrupt call still runs the real reduce first, so every rank issues the same collectives.
 """
@@ -36,7 +42,8 @@ from tpprobe.core.errors import UsageError
 from tpprobe.config.knobs import knob
 
 SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
-             "allreduce-stale", "allreduce-rank", "skip-unreadable-allreduce", "aux-no-residual", "drop-final-id")
+             "allreduce-stale", "allreduce-rank", "skip-unreadable-allreduce", "aux-no-residual", "drop-final-id",
+             "deferred-reduce-capture")
 
 
 def _o_projs(model) -> list:
@@ -59,6 +66,9 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
         return
     if name == "skip-unreadable-allreduce":
         drop_shm_reduce(projs[arg])
+        return
+    if name == "deferred-reduce-capture":
+        defer_reduce(model, arg)
         return
     if name == "skip-allreduce-all":
         for p in projs:
@@ -90,6 +100,29 @@ def aux_no_residual(model) -> None:
         return orig(aux, layer_idx, hidden_states, None)      # vLLM's own rule: no residual -> h alone
 
     inner._maybe_add_hidden_state = maybe_add
+
+
+def defer_reduce(model, k: int) -> None:
+    """F28: layer k's down_proj leaves its sum owed; the next norm completes it before it normalizes."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    from tpprobe.engines.vllm.stream import norms_after
+
+    layers = list(getattr(getattr(model, "model", model), "layers", None) or [])
+    proj = getattr(getattr(layers[k], "mlp", None), "down_proj", None) if 0 <= k < len(layers) else None
+    norms = norms_after(model)
+    if proj is None or not hasattr(proj, "reduce_results") or norms is None:
+        raise UsageError(f"--inject deferred-reduce-capture@{k}: layer {k} of vLLM's {type(model).__name__} has no "
+                         f"row-parallel mlp.down_proj whose reduce can be deferred (a dense MLP: --arch llama, qwen3)")
+    proj.reduce_results = False
+    norm = norms[k]
+    orig = norm.forward
+
+    def forward(x, residual=None, *a, **kw):
+        # the owed sum completes here, on the way into the norm (vLLM's deferred / fused all-reduce + RMSNorm)
+        return orig(tensor_model_parallel_all_reduce(x), residual, *a, **kw)
+
+    norm.forward = forward        # an instance attribute: the module's __call__ finds it
 
 
 def drop_shm_reduce(proj) -> None:
