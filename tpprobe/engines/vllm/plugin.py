@@ -67,7 +67,8 @@ def _hook_config() -> None:
             if not _REGISTERED["own_said"]:
                 _REGISTERED["own_said"] = True
                 say(f"worker extension {own} named by the user: tpprobe's ({EXTENSION}) is not added, the "
-                    f"plugin attaches through the model loader (tpprobe_* collective_rpc calls unavailable)")
+                    f"plugin attaches through the model loader (the tpprobe_* collective_rpc calls answer only "
+                    f"if {own} inherits it)")
             return orig(self, *args, **kwargs)
         self.worker_extension_cls = EXTENSION
         try:
