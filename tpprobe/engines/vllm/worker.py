@@ -195,7 +195,7 @@ def _forward(model, inner, args, kwargs):
             raise
         if not _STEPS["failed"]:
             say(f"capture FAILED at step {step}, the plugin stops capturing (the engine goes on): "
-                 f"{type(e).__name__}: {e}")
+                f"{type(e).__name__}: {e}")
         _STEPS["failed"] = True
     return box["result"] if "result" in box else inner(*args, **kwargs)
 
