@@ -83,12 +83,12 @@ def _plugin_path(tmp: Path) -> Path:
     return site
 
 
-def serve(tmp: Path, model: Path, tokens: int = 4, capture: bool = True, warmup: int = 0,
+def serve(tmp: Path, model: Path, tokens: int = 4, capture: bool = True, warmup: int = 0, engine: str = ENGINE,
           **env_extra) -> tuple[dict, Path, str]:
     """One engine run in a subprocess (TPPROBE_CAPTURE_DIR=tmp/capture unless capture is False):
-    (its RESULT line, the capture folder, its log)."""
+    (its RESULT line, the capture folder, its log). `engine`: the script run (ENGINE by default)."""
     script = tmp / "engine.py"
-    script.write_text(ENGINE)
+    script.write_text(engine)
     cap = tmp / "capture"
     env = dict(os.environ)
     env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp)), str(ROOT)]),
@@ -241,3 +241,122 @@ def test_cost_side_by_side(checkpoint, tmp_path):
         f"{name}: engine up {r['start_s']:.1f}s, gen {r['gen_s']:.3f}s ({n_tok / r['gen_s']:.1f} tok/s)"
         for name, (r, _, _) in runs.items()) + f"; {nbytes / n:.0f} bytes/step on disk (both ranks + manifest); "
           f"{time.time() - t:.0f}s in all")
+
+
+RPC_ENGINE = r'''
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+              max_model_len=128, enforce_eager=True, distributed_executor_backend="mp")
+    sp = SamplingParams(max_tokens=6, temperature=0, detokenize=False)
+    out = {"status0": llm.collective_rpc("tpprobe_status")}
+    a = llm.generate([{"prompt_token_ids": [1, 5, 9, 30, 77, 100, 200]}], sp)
+    out["status1"] = llm.collective_rpc("tpprobe_status")
+    out["capture"] = llm.collective_rpc("tpprobe_capture", args=(3, "decode"))
+    b = llm.generate([{"prompt_token_ids": [1, 7, 11, 40, 90]}], sp)
+    out["status2"] = llm.collective_rpc("tpprobe_status")
+    out["tokens"] = [list(a[0].outputs[0].token_ids), list(b[0].outputs[0].token_ids)]
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def _on_disk(cap: Path, rank: int) -> int:
+    return sum(f.stat().st_size for f in cap.rglob(f"rank-{rank:03d}.*"))
+
+
+def test_worker_extension_answers_collective_rpc_and_captures_later_decodes(checkpoint, tmp_path):
+    """The plugin names tpprobe's worker extension in the engine's config (the user named none):
+    vLLM mixes it into both TP workers, `collective_rpc("tpprobe_status")` answers from each with its
+    rank, and `tpprobe_capture(3, "decode")` sent between two requests captures the second request's
+    first three decode forwards, long after the one step TPPROBE_MAX_STEPS=1 allowed at start; every
+    step reports HEALTHY with the same full coverage."""
+    res, cap, log = serve(tmp_path, checkpoint, engine=RPC_ENGINE, TPPROBE_MAX_STEPS="1",
+                          TPPROBE_FORWARD_MODES="extend")
+    mixed = [x for x in log.splitlines() if "Injected" in x and "TpprobeWorkerExtension" in x]
+    assert mixed and "['tpprobe_attach', 'tpprobe_capture', 'tpprobe_status']" in mixed[0], log[-4000:]
+    assert "attached on every worker (collective_rpc tpprobe_attach): tp_rank 0: yes, tp_rank 1: yes" in log
+    for key in ("status0", "status1", "capture", "status2"):
+        assert [(x["tp_rank"], x["tp_size"], x["attached"], x["failed"], x["dir"]) for x in res[key]] == \
+            [(0, 2, True, False, str(cap)), (1, 2, True, False, str(cap))], (key, res[key])
+        assert len({x["pid"] for x in res[key]}) == 2, res[key]        # two worker processes answered
+    assert [(x["forwards"], x["captured"], x["limit"], x["bytes"]) for x in res["status0"]] == [(0, 0, 1, 0)] * 2
+    f1 = res["status1"][0]["forwards"]
+    assert f1 == 6 and [(x["forwards"], x["captured"]) for x in res["status1"]] == [(6, 1)] * 2, res["status1"]
+    assert [(x["captured"], x["limit"]) for x in res["capture"]] == [(1, 4)] * 2, res["capture"]
+    assert [(x["forwards"], x["captured"], x["limit"]) for x in res["status2"]] == [(12, 4, 4)] * 2, res["status2"]
+    found = [d.name for d in steps(cap)]
+    assert found == ["step-000000-extend"] + [f"step-{f1 + k:06d}-decode" for k in (1, 2, 3)], found
+    for r, x in enumerate(res["status2"]):         # the bytes each worker says it wrote: its files on disk
+        assert x["bytes"] == _on_disk(cap, r) > 0, (x, _on_disk(cap, r))
+    for d in steps(cap):
+        assert json.loads((d / "manifest.json").read_text())["ranks"] == [0, 1], d
+    rc, failures, rep = report(cap)
+    assert (rc, failures) == (0, []), json.dumps(rep)[:4000]
+    assert [(r["step"], r["forward_mode"], r["failures"]) for r in rep["steps"]] == \
+        [(0, "extend", 0)] + [(f1 + k, "decode", 0) for k in (1, 2, 3)], rep["steps"]
+    assert len({r["points"] for r in rep["steps"]}) == 1 and rep["steps"][0]["points"] > 0, rep["steps"]
+    cov = rep["coverage"]           # the last step's (a decode long after start): every layer, the embedding
+    assert cov["layers_found"] == L and cov["layers_ran"] == L and cov["embed"], cov
+    assert not [f for f in rep["findings"] if f["severity"] == "warning"], rep["findings"]
+
+
+CONFIG = r'''
+import json, os, sys
+if __name__ == "__main__":
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.v1.executor.abstract import Executor
+    import tpprobe.engines.vllm.plugin as plugin
+
+    def build(**kw):
+        return EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+                          max_model_len=128, enforce_eager=True, distributed_executor_backend="mp", **kw)
+
+    def hooks():
+        return [getattr(f, "_tpprobe", False) for f in
+                (EngineArgs.create_engine_config, Executor.compile_or_warm_up_model, BaseModelLoader.load_model)]
+
+    out = {}
+    a = build()          # vLLM loads its general plugins here (tpprobe's register(), no TPPROBE_CAPTURE_DIR)
+    out["inert"] = [a.create_engine_config().parallel_config.worker_extension_cls, hooks()]
+    print("PHASE on", file=sys.stderr, flush=True)
+    os.environ["TPPROBE_CAPTURE_DIR"] = sys.argv[2]
+    fns = []
+    for _ in range(3):
+        plugin.register()
+        fns.append([id(EngineArgs.create_engine_config), id(Executor.compile_or_warm_up_model),
+                    id(BaseModelLoader.load_model)])
+    out["on"] = hooks()
+    out["same"] = fns[0] == fns[1] == fns[2]
+    b = build()
+    out["ours"] = [b.create_engine_config().parallel_config.worker_extension_cls, b.worker_extension_cls]
+    own = [build(worker_extension_cls="my_pkg.MyExtension") for _ in range(2)]
+    out["own"] = [e.create_engine_config().parallel_config.worker_extension_cls for e in own]
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_plugin_names_its_extension_only_when_capturing_and_keeps_the_users(checkpoint, tmp_path):
+    """No engine started: the config the plugin's hook builds. Without TPPROBE_CAPTURE_DIR: no
+    extension named, nothing wrapped. With it: register() three times wraps each hook once; a config
+    with no extension gets tpprobe's (the user's EngineArgs unchanged); one with the user's own keeps
+    it, and ONE log line (two configs built) says the plugin attaches through the model loader."""
+    (tmp_path / "engine.py").write_text(CONFIG)
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp_path)), str(ROOT)]), VLLM_PLUGINS="tpprobe")
+    env.pop("TPPROBE_CAPTURE_DIR", None)
+    p = subprocess.run([sys.executable, "engine.py", str(checkpoint), str(tmp_path / "capture")], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    ext = "tpprobe.engines.vllm.worker.TpprobeWorkerExtension"
+    assert res["inert"] == ["", [False, False, False]], res
+    assert "[tpprobe" not in p.stderr.split("PHASE on")[0], p.stderr[-4000:]
+    assert res["on"] == [True, True, True] and res["same"], res
+    assert res["ours"] == [ext, ""], res
+    assert res["own"] == ["my_pkg.MyExtension"] * 2, res
+    said = [x for x in p.stderr.splitlines() if "named by the user" in x]
+    assert len(said) == 1 and "worker extension my_pkg.MyExtension named by the user" in said[0], said
+    assert not list((tmp_path / "capture").rglob("*")), "nothing captured without an engine"

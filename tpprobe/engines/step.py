@@ -1,6 +1,6 @@
 """One captured step of a live engine: the rank record and the run settings both plugins write.
 
-The SGLang plugin (engines/sglang/plugin.py) and the vLLM plugin (engines/vllm/plugin.py) differ in how
+The SGLang plugin (engines/sglang/plugin.py) and the vLLM plugin (engines/vllm/worker.py) differ in how
 they hook the model and name their ranks; what they write per step is built here once: the kept
 tensors under the byte budget (the packed aux first, then the token ids), the rank record with every
 fingerprint and the aux slot match (capture/record.py), and the settings (formats/settings.py).
