@@ -219,6 +219,7 @@ def test_plugin_error_is_logged_once_and_the_engine_goes_on(checkpoint, tmp_path
             ["rank-000.json", "rank-000.safetensors"]
 
 
+@pytest.mark.sweep     # three engines: bench/vllm_plugin.py measures the same costs; by hand: -m 'vllm_live and sweep'
 def test_cost_side_by_side(checkpoint, tmp_path):
     """Tokens/s without the plugin, with it capturing every timed forward, and with it past its
     steps (the default: the first prefill only), each engine warmed up by one generation first; the
