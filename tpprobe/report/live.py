@@ -21,7 +21,7 @@ from rich.text import Text
 PHASE_LABEL = {"start": "starting", "build": "building the model", "forward": "forward under the hooks",
                "write": "writing this rank's capture", "exchange": "exchanging captures between ranks",
                "report": "checks and report"}
-_ACTIVE: set = set()
+_ACTIVE: set = set()     # the live displays on screen now: one terminal per process, emptied when each stops
 _LOCK = threading.Lock()
 
 

@@ -52,7 +52,7 @@ from tpprobe.core.errors import UsageError
 from tpprobe.config.knobs import knob
 
 PATHS = ("shm", "gloo")
-_ENABLED = False
+_ENABLED = False     # process-wide by nature: vLLM's CPU workarounds patch this process's vLLM once
 
 
 def check_broken_vision() -> None:

@@ -84,7 +84,7 @@ def config_ids(draft: dict, runner: str = "v1") -> tuple[Optional[list[int]], st
 
 
 # ---- the architecture's rule ------------------------------------------------------------------------
-_LIVE: dict = {}
+_LIVE: dict = {}     # process-wide by nature: the installed vLLM's rules, read once (its files do not change)
 
 
 def use_table() -> bool:

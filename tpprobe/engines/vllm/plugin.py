@@ -32,6 +32,7 @@ from __future__ import annotations
 from tpprobe.engines.vllm.worker import attach, say, settings
 
 EXTENSION = "tpprobe.engines.vllm.worker.TpprobeWorkerExtension"
+# process-wide by nature: vLLM calls register() in every process, maybe more than once (idempotent)
 _REGISTERED = {"done": False, "own_said": False}
 
 

@@ -38,6 +38,8 @@ import time
 
 import torch
 
+# process-wide by nature: one vLLM worker process serves one TP rank for its whole life; this is its
+# capture's state (reported by tpprobe_status, reset by tpprobe_capture)
 _state = threading.local()
 # n: forwards seen since attach; limit/modes: a tpprobe_capture window (None: the settings')
 _STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False, "failed": False, "attached": False,
