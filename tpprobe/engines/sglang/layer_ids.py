@@ -96,7 +96,8 @@ class LayerPlan:
         return len(self.slot_hf_indices)
 
 
-def _what(layer: int, num_layers: int) -> str:
+def what_id_captures(layer: int, num_layers: int) -> str:
+    """What HF hidden_states index `layer` holds, in words (the same stream on both engines)."""
     if layer == 0:
         return "embedding output (= HF hidden_states[0])"
     if layer == num_layers:
@@ -158,11 +159,11 @@ def plan_from_derived(arch: str, d) -> LayerPlan:
                    if c == L else f"layer {c} is outside 0..{L - 1}: never reached")
             p.rows.append(LayerIdRow(req, c, False, None, None, "nothing", "", f"{note}; {why}".strip("; ")))
         elif point in seen:
-            p.rows.append(LayerIdRow(req, c, True, None, point, _what(point, L), "",
+            p.rows.append(LayerIdRow(req, c, True, None, point, what_id_captures(point, L), "",
                                      f"{note}; duplicate of an earlier id: captured once".strip("; ")))
         else:
             seen.add(point)
-            p.rows.append(LayerIdRow(req, c, True, captured.index(point), point, _what(point, L), "ok",
+            p.rows.append(LayerIdRow(req, c, True, captured.index(point), point, what_id_captures(point, L), "ok",
                                      note.strip("; ")))
     n_req = len(ltc)
     if d.packer:
@@ -251,12 +252,12 @@ def pinned_plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPl
                 why = f"layer {c} is outside 0..{L - 1}: never reached"
             row = LayerIdRow(req, c, False, None, None, "nothing", "", f"{shift_note}; {why}")
         elif c in seen:
-            row = LayerIdRow(req, c, True, None, c, _what(c, L), "",
+            row = LayerIdRow(req, c, True, None, c, what_id_captures(c, L), "",
                              f"{shift_note}; duplicate of an earlier id: captured once")
         else:
             seen.add(c)
             slot = slot_layers.index(c)
-            row = LayerIdRow(req, c, True, slot, c, _what(c, L), "ok", shift_note)
+            row = LayerIdRow(req, c, True, slot, c, what_id_captures(c, L), "ok", shift_note)
         p.rows.append(row)
 
     captured_any = bool(slot_layers)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tpprobe.core.errors import UsageError
-from tpprobe.engines.sglang.layer_ids import LayerIdRow, LayerPlan
+from tpprobe.engines.sglang.layer_ids import LayerIdRow, LayerPlan, what_id_captures
 
 RUNNERS = ("v1", "v2")
 
@@ -155,15 +155,6 @@ def default_ids(rule: dict, N: int) -> list[int]:
     raise UsageError(f"{rule['cls']}: vLLM's default aux layers are {rule['default']!r}; give --ids")
 
 
-def _what(k: int, N: int) -> str:
-    if k == 0:
-        return "embedding output (= HF hidden_states[0])"
-    if k == N:
-        return (f"residual stream leaving the last layer, before the final norm (HF hidden_states[{N}] "
-                f"is after it)")
-    return f"residual stream entering layer {k} = layer {k - 1}'s output = HF hidden_states[{k}]"
-
-
 def rule_line(rule: dict) -> str:
     if rule["kind"] == "hf-recorder":
         return (f"{rule['cls']}.set_aux_hidden_state_layers ({rule['setter_at']}): an output recorder on HF layer "
@@ -210,12 +201,12 @@ def plan(arch: str, ids: Optional[list[int]], num_layers: int, tab: Optional[dic
             p.rows.append(LayerIdRow(req, k, False, None, None, "nothing", "dropped",
                                      f"{why}; vLLM returns fewer aux states than ids"))
         elif k in seen:
-            p.rows.append(LayerIdRow(req, k, True, None, k, _what(k, N), "duplicate",
+            p.rows.append(LayerIdRow(req, k, True, None, k, what_id_captures(k, N), "duplicate",
                                      "duplicate of an earlier id: captured once"))
         else:
             seen.add(k)
             note = "" if rule["value"] != "h" else "captured WITHOUT the residual (hidden only)"
-            p.rows.append(LayerIdRow(req, k, True, captured.index(k), k, _what(k, N), "ok", note))
+            p.rows.append(LayerIdRow(req, k, True, captured.index(k), k, what_id_captures(k, N), "ok", note))
     if captured and [r.hf_index for r in p.rows if r.slot is not None] != captured:
         for r in p.rows:
             if r.slot is not None:
@@ -237,10 +228,10 @@ def _plan_recorder(p: LayerPlan, rule: dict, requested, asked, N: int) -> LayerP
         hf = (k - 1) % N + 1
         note = "" if hf == k else f"id {k}: Python's negative index: layer {hf - 1}'s output"
         if hf in seen:
-            p.rows.append(LayerIdRow(req, k, True, None, hf, _what(hf, N), "duplicate", "captured once"))
+            p.rows.append(LayerIdRow(req, k, True, None, hf, what_id_captures(hf, N), "duplicate", "captured once"))
             continue
         seen.add(hf)
-        p.rows.append(LayerIdRow(req, k, True, slot, hf, _what(hf, N), "ok", note))
+        p.rows.append(LayerIdRow(req, k, True, slot, hf, what_id_captures(hf, N), "ok", note))
         slot += 1
     for r in p.rows:
         if r.status == "ok":
