@@ -1,10 +1,16 @@
 """Test helpers that run real processes: the CLI as a subprocess, and N gloo ranks in-process.
 
 How the multi-rank helper works (like PyTorch's MultiProcessTestCase): `spawn(fn, world)` starts
-`world` processes (forked where that is safe, else with the spawn start method), each joins a
-gloo group through a `file://` rendezvous in a temp dir (no ports), runs `fn(rank, world, *args)`
-and sends back its return value or its formatted traceback. The parent waits up to `timeout` seconds, terminates every
-straggler when one fails or time runs out, and raises with the child's traceback.
+`world` processes, each joins a gloo group through a `file://` rendezvous in a temp dir (no ports),
+runs `fn(rank, world, *args)` and sends back its return value or its formatted traceback. The parent
+waits up to `timeout` seconds; when one rank fails or time runs out, every straggler gets SIGTERM and,
+STOP_GRACE_S later, SIGKILL, so no rank outlives its test, and the test raises with the child's traceback.
+
+The ranks are never forked from pytest itself: pytest has run torch ops (its intra-op pools do not
+survive a fork, and a model factory that runs torch ops on threads of its own, as transformers' weight
+loader does, trips over the copy) and may have threads of its own. They are forked from
+multiprocessing's fork server, a process that imported torch and nothing else ran: each rank starts
+with fresh pools, and still skips the interpreter start and the torch import.
 """
 from __future__ import annotations
 
@@ -69,8 +75,21 @@ def failures(report: dict) -> list[dict]:
     return [f for f in report.get("findings", []) if f["severity"] == "failure"]
 
 
+STOP_GRACE_S = 5       # SIGTERM, then SIGKILL this long after
+
+
+def _die_with_parent() -> None:
+    """A rank never outlives the process that forked it (the fork server, which ends with pytest)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(fn, rank, world, init_file, q, args):
     try:
+        _die_with_parent()
         import torch
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -84,17 +103,32 @@ def _child(fn, rank, world, init_file, q, args):
         q.put((rank, "error", traceback.format_exc()))
 
 
-def start_method() -> str:
-    """fork when it is safe here (no other thread; GNU OpenMP's pool released, as tpprobe's own
-    launcher does): each rank then skips the interpreter start and the torch import; else spawn."""
-    import threading
-    from tpprobe.probe.launch import release_openmp
-    return "fork" if hasattr(os, "fork") and threading.active_count() == 1 and release_openmp() else "spawn"
+def context() -> mp.context.BaseContext:
+    """The fork server (module docstring), torch preloaded in it; spawn where there is no fork."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def stop(procs, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every rank still alive, SIGKILL `grace` seconds later, then reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
 
 
 def spawn(fn, world: int, *args, timeout: float = 120) -> dict:
     """Run fn(rank, world, *args) on `world` gloo ranks; return {rank: result}."""
-    ctx = mp.get_context(start_method())
+    ctx = context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "rdzv")
@@ -121,10 +155,10 @@ def spawn(fn, world: int, *args, timeout: float = 120) -> dict:
                     break
                 results[rank] = torch.load(io.BytesIO(value), weights_only=True)
         finally:
-            for p in procs:
-                p.join(timeout=5 if not errors else 0.5)
-                if p.is_alive():
-                    p.terminate()
+            if not errors:          # every result is in: the ranks are leaving by themselves
+                for p in procs:
+                    p.join(timeout=5)
+            stop(procs)
         if errors:
             rank, tb = next(iter(errors.items()))
             raise AssertionError(f"rank {rank} failed:\n{tb}")

@@ -11,6 +11,9 @@ local port. Two ways to start them, one contract:
   never takes the store with it. GNU OpenMP's thread pool does not survive a fork (a rank's first
   parallel op would hang): the launcher releases it first (`omp_pause_resource_all`), and spawns
   when it cannot, or when a thread of its own runs beside it.
+  torch's own intra-op pool (pthreadpool) is marked leaked by a fork and rebuilt by the next
+  `set_num_threads`: a rank rebuilds it first, on its only thread, so a model factory whose threads
+  all start parallel ops at once (transformers' weight loader) never races over the rebuild.
 - **spawn** through PyTorch's elastic agent (NCCL ranks, which need a fresh CUDA; or
   TPPROBE_RANK_START=spawn).
 
@@ -28,7 +31,7 @@ import threading
 import time
 import uuid
 
-STOP_GRACE_S = 30      # the elastic agent's: SIGTERM, then SIGKILL this long after
+STOP_GRACE_S = 30      # the elastic agent's: SIGTERM, then SIGKILL this long after (TPPROBE_STOP_GRACE_S)
 
 
 def _quiet_agent() -> None:
@@ -138,6 +141,7 @@ def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socke
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         _die_with_launcher(launcher)
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        fresh_pools()
         _entry()(list(argv))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -153,6 +157,12 @@ def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socke
             except Exception:
                 pass
         os._exit(code)
+
+
+def fresh_pools() -> None:
+    """A forked rank's intra-op pool, rebuilt now on its only thread (module docstring)."""
+    import torch
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def _die_with_launcher(launcher: int) -> None:
@@ -216,7 +226,9 @@ def _launch_forked(nproc: int, argv: list[str]) -> int:
 
 def _wait_ranks(ranks: dict[int, int]) -> list[int]:
     """Every rank's exit code (a signal: its negative number). After the first failure the others
-    get SIGTERM, and SIGKILL STOP_GRACE_S later."""
+    get SIGTERM, and SIGKILL the grace later (TPPROBE_STOP_GRACE_S, default STOP_GRACE_S)."""
+    from ..config.knobs import knob
+    grace = float(knob("TPPROBE_STOP_GRACE_S") or STOP_GRACE_S)
     codes: dict[int, int] = {}
     kill_at = None
     while len(codes) < len(ranks):
@@ -232,7 +244,7 @@ def _wait_ranks(ranks: dict[int, int]) -> list[int]:
         codes[pid] = os.waitstatus_to_exitcode(status)
         if codes[pid] != 0 and kill_at is None:
             _kill({p: r for p, r in ranks.items() if p not in codes}, signal.SIGTERM)
-            kill_at = time.time() + STOP_GRACE_S
+            kill_at = time.time() + grace
     return [codes[p] for p in sorted(ranks, key=ranks.get)]
 
 
