@@ -170,6 +170,10 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     s = settings()
     if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    from tpprobe.engines.sglang import draft_input
+    if draft_input.is_eagle3_draft(self):     # LlamaForCausalLMEagle3 inherits the wrapped forward
+        return draft_input.around_draft(original_fn, s, _say, self, input_ids, positions, forward_batch, *args,
+                                        **kwargs)
     mode = _mode_name(forward_batch)
     step = _STEPS["n"]
     _STEPS["n"] += 1
@@ -209,6 +213,9 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     t_forward = time.time() - t0
     if write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget):
         _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
+    else:       # the draft's forward that follows reads this forward's aux: checked against these streams
+        draft_input.remember_target(tap=tap, step=step, mode=mode, input_ids=input_ids, model=self,
+                                    aux=_aux(result, int(input_ids.shape[0]))[0])
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
         # their collectives with no Python of tpprobe's (capture/audit/recorder.py: release)
@@ -252,8 +259,10 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
                              "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
                              "aux_note": aux_note, "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
     slots = slots_from_layers_to_capture(ltc, len(tap.layer_indices)) if aux is not None else ([], [])
+    from tpprobe.engines.sglang.draft_input import target_expectation
+    slots, basis = target_expectation(slots, aux is not None)
     return record, step_settings(record, model, backend="sglang (live server, plugin)", tokens=tokens, mode=mode,
-                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc)})
+                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc), **basis})
 
 
 def step_name(step: int, mode: str) -> str:

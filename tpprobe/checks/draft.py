@@ -1,0 +1,59 @@
+"""What the slot check was against: the draft's training, its config, or only the engine's own capture list.
+
+A live plugin writes `draft_basis` into a step's settings (tpprobe/engines/draft_training.py):
+`trained` (the user said what the draft was trained on: the slots are checked against that), `config`
+(the draft's config under the engine's rule only) or `engine` (the engine's own capture list only). Only
+`trained` can make a step HEALTHY for the draft; the other two add a `draft-unverified` warning saying what
+the slots were checked against. When the draft was trained on other tensors than its config selects and
+the engine captured exactly what the config says (catalogue F32), the slot finding says so, with the
+trained and captured hidden_states of each slot and the ids that would fix the config.
+"""
+from __future__ import annotations
+
+from .findings import WARNING, Finding
+
+
+def _hs(p):
+    if p is None:
+        return None
+    if p == "embed.out":
+        return 0
+    parts = str(p).split(".")
+    return int(parts[1]) + 1 if len(parts) == 3 and parts[0] == "layer" and parts[2] == "out" else None
+
+
+def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) -> list:
+    """Adds to `slot_findings` (in place) what F32 says about them; returns the basis warning, if any."""
+    basis = settings.get("draft_basis")
+    if basis is None or not rows:
+        return []
+    captured = [_hs(r.get("matched")) for r in rows]
+    if basis == "trained":
+        rule = settings.get("draft_rule_hs")
+        trained = settings.get("draft_trained_hs")
+        if slot_findings and rule is not None and captured == list(rule) and trained != rule:
+            ids = settings.get("draft_config_ids")
+            fix = settings.get("draft_fix")
+            per = "; ".join(f"slot {i}: captured hidden_states[{c}], trained on hidden_states[{t}]"
+                            for i, (c, t) in enumerate(zip(captured, trained or [])) if c != t)
+            for f in slot_findings:
+                f.detail = (f"{f.detail} — F32: the engine captures exactly what the draft's config says (ids {ids} "
+                            f"-> hidden_states {rule}) and the config is not what the draft was trained on "
+                            f"(hidden_states {trained}, {settings.get('draft_training_from')}): {per}"
+                            + (f"; {fix}" if fix else ""))
+                f.evidence = {**f.evidence, "class": "F32", "captured_hs": captured, "trained_hs": trained,
+                              "config_ids": ids}
+        return []
+    if basis == "config":
+        text = (f"the aux slots were checked against the draft's config only (ids {settings.get('draft_config_ids')} "
+                f"under the engine's rule: hidden_states {settings.get('draft_rule_hs')}); what the draft was trained on "
+                f"is unknown, so agreeing slots are no evidence the draft gets its training's tensors: set "
+                f"TPPROBE_DRAFT_CONVENTION=output|before or TPPROBE_DRAFT_HIDDEN_STATES=i,j,k and capture again")
+    else:
+        text = (f"the aux slots were checked against the engine's own capture list only "
+                f"({settings.get('sglang layers_to_capture') or settings.get('engine_capture') or '?'}): the engine "
+                f"agreeing with itself, no evidence about the draft; the draft's own input is checked in the "
+                f"step-N-draft_input folders, against its training when TPPROBE_DRAFT_HIDDEN_STATES or "
+                f"TPPROBE_DRAFT_CONVENTION is set")
+    return [Finding("draft-unverified", "aux slots", list(live), severity=WARNING, detail=text,
+                    evidence={"all_ranks": True, "basis": basis})]
