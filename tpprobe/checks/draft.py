@@ -47,7 +47,8 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
     if basis == "config":
         text = (f"the aux slots were checked against the draft's config only (ids "
                 f"{settings.get('draft_config_ids')} under the engine's rule: hidden_states "
-                f"{settings.get('draft_rule_hs')}); what the draft was trained on is unknown, so agreeing slots are no evidence the draft gets its training's tensors: set "
+                f"{settings.get('draft_rule_hs')}); what the draft was trained on is unknown, so agreeing slots are "
+                f"no evidence the draft gets its training's tensors: set "
                 f"TPPROBE_DRAFT_CONVENTION=output|before or TPPROBE_DRAFT_HIDDEN_STATES=i,j,k and capture again")
     else:
         text = (f"the aux slots were checked against the engine's own capture list only "
