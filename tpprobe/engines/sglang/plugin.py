@@ -108,7 +108,10 @@ def register() -> None:
 
         for target in s["targets"]:
             HookRegistry.register(target, _around_forward, HookType.AROUND)
-        _say(f"plugin registered: will wrap {', '.join(s['targets'])}; capture dir {s['dir']}, "
+        from tpprobe.engines.sglang import acceptance
+        acceptance.register(s, _say)      # SGLang's own spec-decode accept counts -> acceptance.json
+        _say(f"plugin registered: will wrap {', '.join(s['targets'])} and read {acceptance.TARGET}; "
+             f"capture dir {s['dir']}, "
              f"first {s['max_steps']} step(s) in modes {sorted(s['modes'])}, <= {s['max_bytes']} bytes/rank")
     except Exception as e:  # noqa: BLE001 - SGLang would swallow it silently
         _say(f"plugin FAILED to register: {type(e).__name__}: {e}")
