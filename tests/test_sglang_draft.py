@@ -53,7 +53,19 @@ def worker(ctx):
         nxt = res.next_token_logits.argmax(-1)
         tiny_draft.draft_extend_for_prefill(draft, seqs, aux, nxt)
         received.append(aux.clone())
-    return {"aux": received}
+    # after a verify, _draft_extend_for_decode hands the draft num_draft_tokens rows per request, of which
+    # num_accept_tokens (accept_lens, the bonus included) were accepted: the rest are rejected rows
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+
+    from tpprobe.engines.sglang.draft_input import requests
+
+    verify = EagleDraftExtendInput(hidden_states=torch.zeros(8, 3 * 64), num_accept_tokens=torch.tensor([3, 1]),
+                                   num_correct_drafts=torch.tensor([2, 0]), num_tokens_per_req=4,
+                                   num_tokens_for_logprob_per_req=4)
+    rows = requests(SimpleNamespace(rids=["a", "b"]), verify, 8)
+    return {"aux": received, "verify_rows": rows}
 
 
 def _report(path):
@@ -88,6 +100,8 @@ def test_draft_input_checked_against_training(tmp_path):
                                             {"rid": "1", "first_row": 2, "rows": 4, "accepted_rows": 4}]
             assert rec.meta["slot_match"] == ["layer.0.out", "layer.1.out", "layer.2.out"]
         assert torch.equal(run.records[0].tensors["aux.packed"], run.records[1].tensors["aux.packed"])
+    assert res[0]["verify_rows"] == [{"rid": "a", "first_row": 0, "rows": 4, "accepted_rows": 3},
+                                     {"rid": "b", "first_row": 4, "rows": 4, "accepted_rows": 1}]
 
     # the training given and met: zero findings, every point and all L layers covered, every slot as trained
     for step in ("step-000000-draft_input", "step-000000-extend"):
