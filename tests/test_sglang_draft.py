@@ -116,6 +116,7 @@ def test_draft_input_checked_against_training(tmp_path):
     f = rep["findings"][0]
     assert f["evidence"]["class"] == "F32"
     assert (f["evidence"]["captured_hs"], f["evidence"]["trained_hs"]) == ([1, 2, 3], [0, 1, 2])
+    assert "one layer late — F32: the engine captures exactly what the draft's config says" in f["detail"]
     assert "slot 0: captured hidden_states[1], trained on hidden_states[0]" in f["detail"]
     assert "slot 2: captured hidden_states[3], trained on hidden_states[2]" in f["detail"]
     assert "set eagle_config.eagle_aux_hidden_state_layer_ids to [-1, 0, 1]" in f["detail"]

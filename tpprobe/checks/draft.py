@@ -37,12 +37,19 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
             per = "; ".join(f"slot {i}: captured hidden_states[{c}], trained on hidden_states[{t}]"
                             for i, (c, t) in enumerate(zip(captured, trained or [])) if c != t)
             for f in slot_findings:
+                # the engine applied its rule right: the shift is between the config and the training
+                for guess in (" (the EAGLE-3 +1 was applied twice)", " (the EAGLE-3 +1 was not applied)"):
+                    f.detail = f.detail.replace(guess, "")
                 f.detail = (f"{f.detail} — F32: the engine captures exactly what the draft's config says (ids {ids} "
                             f"-> hidden_states {rule}) and the config is not what the draft was trained on "
                             f"(hidden_states {trained}, {settings.get('draft_training_from')}): {per}"
                             + (f"; {fix}" if fix else ""))
                 f.evidence = {**f.evidence, "class": "F32", "captured_hs": captured, "trained_hs": trained,
-                              "config_ids": ids}
+                              "config_ids": ids,
+                              "explain": "the engine captures what the draft's config says, and the config's ids are "
+                                         "not the tensors the draft was trained on (catalogue F32): change the ids "
+                                         "in the draft's config (the fix named) or retrain the draft on what the "
+                                         "engine captures"}
         return []
     if basis == "config":
         text = (f"the aux slots were checked against the draft's config only (ids "

@@ -24,7 +24,7 @@ or top level, under SGLang's rule for the target's architecture) and, when the u
 draft was trained on (tpprobe/engines/draft_training.py).
 
 Under CUDA graphs (a GPU server), the draft-extend after a verify replays a graph
-(`cuda_graph_runner_for_draft_extend.execute`, eagle_worker_v2.py:1203-1206) and runs no Python of the
+(`cuda_graph_runner_for_draft_extend.execute`, eagle_worker_v2.py:1203-1210) and runs no Python of the
 model's: only prefill draft-extends, which run eagerly, are captured (docs/acceptance-sglang.md).
 """
 from __future__ import annotations
