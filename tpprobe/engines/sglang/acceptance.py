@@ -33,11 +33,13 @@ EXACT_DRAFTS = 256      # until this many drafts are counted, the file is rewrit
 _STATE: dict = {}
 
 
-def register(s: dict, say) -> None:
+def register(s: dict, say, parallel_ranks, forward_index) -> None:
+    """Hook SGLang's count; `parallel_ranks()` and `forward_index()` are the plugin's (passed in: the plugin
+    imports this module)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, _after_count, HookType.AFTER)
-    _STATE.update(dir=s["dir"], say=say)
+    _STATE.update(dir=s["dir"], say=say, parallel_ranks=parallel_ranks, forward_index=forward_index)
 
 
 def drafts_per_verify():
@@ -67,10 +69,9 @@ def _after_count(result, req, num_correct_drafts, *args, **kwargs):
 
 
 def _count(req, accepted: int) -> None:
-    from tpprobe.engines.sglang import plugin
     from tpprobe.formats import acceptance as fmt
 
-    par = plugin.parallel_ranks()
+    par = _STATE["parallel_ranks"]()
     if par["tp_rank"] != 0:
         return
     acc = _STATE.get("acc")
@@ -78,7 +79,7 @@ def _count(req, accepted: int) -> None:
         acc = _STATE["acc"] = fmt.Acceptance(f"sglang {SGLANG_VERSION}", COUNTED_AT, drafts_per_verify())
         _STATE["folder"] = Path(_STATE["dir"]) / f"dp{par['dp_rank']}-pp{par['pp_rank']}"
         _STATE["flushed"] = 0.0
-    forward = max(plugin._STEPS["n"] - 1, 0)
+    forward = max(_STATE["forward_index"]() - 1, 0)
     pending = _STATE.setdefault("pending", {"forward": forward, "rows": []})
     rid = str(req.rid)
     # a new verify (the previous one is complete): another forward, or a request counted again

@@ -30,12 +30,26 @@ model's: only prefill draft-extends, which run eagerly, are captured (docs/accep
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 # process-wide by nature: the last captured target forward of this SGLang worker, awaiting its draft
 _LAST: dict = {}
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the plugin (tpprobe/engines/sglang/plugin.py) lends this module: its TP group, ranks, byte
+    budget, step writer, mode names, step state and log line (passed in: the plugin imports this module)."""
+    tp: Callable
+    parallel_ranks: Callable
+    budget: Callable
+    write_step: Callable
+    mode_name: Callable
+    steps: dict
+    say: Callable
 
 
 def is_eagle3_draft(model) -> bool:
@@ -117,7 +131,7 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
     return (exp, [ids[i] if ids and i < len(ids) else None for i in range(len(exp))]), st
 
 
-def around_draft(original_fn, s: dict, say, model, input_ids, positions, forward_batch, *args, **kwargs):
+def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, forward_batch, *args, **kwargs):
     """The draft's forward, with its input written first when it is the captured target forward's aux."""
     spec = getattr(forward_batch, "spec_info", None)
     h = getattr(spec, "hidden_states", None)
@@ -127,10 +141,8 @@ def around_draft(original_fn, s: dict, say, model, input_ids, positions, forward
             and last["rows"] == h.shape[0]):
         return original_fn(model, input_ids, positions, forward_batch, *args, **kwargs)
     _LAST.clear()
-    from tpprobe.engines.sglang import plugin
-
-    rank, world, tp_group = plugin._tp()
-    budget = plugin.Budget(s)
+    rank, world, tp_group = host.tp()
+    budget = host.budget(s)
     t0 = time.time()
     try:
         reqs = requests(forward_batch, spec, int(h.shape[0]))
@@ -145,13 +157,13 @@ def around_draft(original_fn, s: dict, say, model, input_ids, positions, forward
     def record(s_, step, mode_, rank_, world_, tap, ids_, result, model_, t_forward, budget_):
         from tpprobe.engines.step import step_record, step_settings
 
-        par = plugin.parallel_ranks()
+        par = host.parallel_ranks()
         rec = step_record(tap, model=target, rank=rank_, world=world_, input_ids=ids_, aux=h, budget=budget_,
                           t_forward=t_forward, extra={
                               "source": "sglang-plugin (draft input)", "step": step, "forward_mode": mode_,
                               "target_forward_mode": last["mode"], "model": type(target).__name__,
                               "draft_model": type(model).__name__,
-                              "draft_forward_mode": plugin._mode_name(forward_batch), "parallel": par,
+                              "draft_forward_mode": host.mode_name(forward_batch), "parallel": par,
                               "draft_input": "forward_batch.spec_info.hidden_states (models/llama_eagle3.py:237)",
                               "spec_info": type(spec).__name__, "requests": reqs,
                               "kept_rows": tap.sample_rows, "budget_refused": budget_.refused})
@@ -160,13 +172,13 @@ def around_draft(original_fn, s: dict, say, model, input_ids, positions, forward
         return rec, step_settings(rec, target, backend="sglang (live server, plugin: the draft's input)",
                                   tokens=int(h.shape[0]), mode=mode_, step=step, par=par, slots=slots, extra=extra)
 
-    errors = plugin.write_step(s, last["step"], mode, rank, world, tp_group, last["tap"], last["input_ids"], None,
+    errors = host.write_step(s, last["step"], mode, rank, world, tp_group, last["tap"], last["input_ids"], None,
                                target, time.time() - t0, budget, record=record, error=err,
                                source="sglang-plugin (draft input)")
     if errors:
-        plugin._STEPS["failed"] = True      # every rank of the TP group saw the same errors: they stop together
+        host.steps["failed"] = True      # every rank of the TP group saw the same errors: they stop together
     if errors and rank == 0:
-        say(f"the draft's input at step {last['step']} was not written: {errors[0][1]}")
+        host.say(f"the draft's input at step {last['step']} was not written: {errors[0][1]}")
     return original_fn(model, input_ids, positions, forward_batch, *args, **kwargs)
 
 

@@ -116,7 +116,7 @@ def register() -> None:
         for target in s["targets"]:
             HookRegistry.register(target, _around_forward, HookType.AROUND)
         from tpprobe.engines.sglang import acceptance
-        acceptance.register(s, _say)      # SGLang's own spec-decode accept counts -> acceptance.json
+        acceptance.register(s, _say, parallel_ranks, lambda: _STEPS["n"])   # SGLang's accept counts
         _say(f"plugin registered: will wrap {', '.join(s['targets'])} and read {acceptance.TARGET}; "
              f"capture dir {s['dir']}, "
              f"first {s['max_steps']} step(s) in modes {sorted(s['modes'])}, <= {s['max_bytes']} bytes/rank")
@@ -182,7 +182,9 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     from tpprobe.engines.sglang import draft_input
     if draft_input.is_eagle3_draft(self):     # LlamaForCausalLMEagle3 inherits the wrapped forward
-        return draft_input.around_draft(original_fn, s, _say, self, input_ids, positions, forward_batch, *args,
+        host = draft_input.Host(tp=_tp, parallel_ranks=parallel_ranks, budget=Budget, write_step=write_step,
+                                mode_name=_mode_name, steps=_STEPS, say=_say)
+        return draft_input.around_draft(original_fn, s, host, self, input_ids, positions, forward_batch, *args,
                                         **kwargs)
     mode = _mode_name(forward_batch)
     step = _STEPS["n"]

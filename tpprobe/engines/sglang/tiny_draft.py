@@ -74,11 +74,14 @@ def draft_extend_for_prefill(draft, seqs: list, aux: torch.Tensor, next_tokens: 
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
 
-    from tpprobe.engines.sglang.tiny import _Runtime, extend_batch
+    from types import SimpleNamespace
+
+    from tpprobe.engines.sglang.tiny import extend_batch
 
     rotated = [torch.cat((s[1:], next_tokens[i].reshape(1).to(s.dtype))) for i, s in enumerate(seqs)]
-    rt = _Runtime(model=draft, config=draft.config, ids=torch.cat(rotated), dtype=aux.dtype, mla=False,
-                  capture=False)
+    # what extend_batch reads of a runtime: the draft's one attention layer sizes its KV pool
+    rt = SimpleNamespace(model=draft, config=draft.config, ids=torch.cat(rotated), dtype=aux.dtype, mla=False,
+                         capture=False, attn_dp=1)
     fb, backend = extend_batch(rt, rotated)
     fb.spec_info = EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
     fb.capture_hidden_mode = CaptureHiddenMode.LAST
