@@ -71,11 +71,11 @@ def test_sglang_acceptance_in_the_report(tmp_path):
     assert res[0] == [(3, 4, [1, 1, 0, 1]), (3, 2, [2, 0, 1])]
     assert [p.name for p in tmp_path.iterdir()] == ["dp0-pp0"]      # TP rank 0 alone writes
     doc = json.loads((tmp_path / "dp0-pp0" / "acceptance.json").read_text())
-    assert doc["engine"] == "sglang 0.5.23" and doc["num_spec_tokens"] == K
-    assert doc["run"] == {"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 6,
-                          "num_accepted_tokens_per_pos": [3, 2, 1], "acceptance_rate": 6 / 18,
-                          "mean_acceptance_length": 2.0}
-    assert [(s["num_drafts"], s["num_accepted_tokens_per_pos"]) for s in doc["steps"]] == \
+    assert (doc["source"], doc["engine"], doc["num_spec_tokens"]) == ("sglang-plugin", "sglang 0.5.23", K)
+    # the keys the vLLM plugin writes: drafts, draft tokens, accepted, accepted per position, verifies
+    assert {k: doc[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "verify_steps")} == \
+        {"drafts": 6, "draft_tokens": 18, "accepted": 6, "accepted_per_pos": [3, 2, 1], "verify_steps": 3}
+    assert [(s["drafts"], s["accepted_per_pos"]) for s in doc["steps"]] == \
         [(2, [1, 1, 1]), (2, [2, 1, 0]), (2, [0, 0, 0])]
     assert doc["steps"][0]["requests"] == [{"rid": "req-0", "accepted": 3}, {"rid": "req-1", "accepted": 0}]
 
@@ -87,7 +87,10 @@ def test_sglang_acceptance_in_the_report(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(tmp_path), "--json"], capture_output=True,
                        text=True, timeout=120)
     rep = json.loads(p.stdout)
-    assert rep["acceptance"]["run"] == doc["run"] and rep["settings"]["engine acceptance"].startswith(line)
+    acc = rep["acceptance"]
+    assert (acc["drafts"], acc["accepted"], acc["rate"], acc["mean_acceptance_length"], acc["rate_per_pos"]) == \
+        (6, 6, 6 / 18, 2.0, [3 / 6, 2 / 6, 1 / 6])
+    assert rep["settings"]["engine acceptance"].startswith(line)
     html, md = tmp_path / "r.html", tmp_path / "r.md"
     p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(tmp_path), "--html", str(html),
                         "--markdown", str(md)], capture_output=True, text=True, timeout=120)

@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.sglang,
 L, TOKENS, SEED = 4, 6, 5
 IDS = [0, 1, 2]          # the draft's config: SGLang-Llama +1 -> HF hidden_states [1, 2, 3]
 # what the draft was trained on, one phase (a target prefill and the draft's extend) each
-PHASES = [{"TPPROBE_DRAFT_HIDDEN_STATES": "1,2,3"},      # the config is the training: healthy
-          {"TPPROBE_DRAFT_CONVENTION": "before"},         # trained on hidden_states [0, 1, 2]: the seed's bug
+PHASES = [{"TPPROBE_DRAFT_TRAINED": "ids:1,2,3"},          # the config is the training: healthy
+          {"TPPROBE_DRAFT_TRAINED": "convention:before"},  # trained on hidden_states [0, 1, 2]: the seed's bug
           {}]                                              # training unknown
 
 
@@ -45,8 +45,7 @@ def worker(ctx):
     seqs = [t.input_ids[:2], t.input_ids[2:]]        # two requests in one prefill batch
     received = []
     for env in PHASES:
-        for k in ("TPPROBE_DRAFT_HIDDEN_STATES", "TPPROBE_DRAFT_CONVENTION"):
-            os.environ.pop(k, None)
+        os.environ.pop("TPPROBE_DRAFT_TRAINED", None)
         os.environ.update(env)
         res = t.forward_batch(seqs)
         aux = packed_aux(res)

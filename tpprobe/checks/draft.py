@@ -56,12 +56,12 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
                 f"{settings.get('draft_config_ids')} under the engine's rule: hidden_states "
                 f"{settings.get('draft_rule_hs')}); what the draft was trained on is unknown, so agreeing slots are "
                 f"no evidence the draft gets its training's tensors: set "
-                f"TPPROBE_DRAFT_CONVENTION=output|before or TPPROBE_DRAFT_HIDDEN_STATES=i,j,k and capture again")
+                f"TPPROBE_DRAFT_TRAINED=ids:A,B,C (the HF hidden_states it was trained on) or "
+                f"convention:output|before|vllm and capture again")
     else:
         text = (f"the aux slots were checked against the engine's own capture list only "
                 f"({settings.get('sglang layers_to_capture') or settings.get('engine_capture') or '?'}): the engine "
                 f"agreeing with itself, no evidence about the draft; the draft's own input is checked in the "
-                f"step-N-draft_input folders, against its training when TPPROBE_DRAFT_HIDDEN_STATES or "
-                f"TPPROBE_DRAFT_CONVENTION is set")
+                f"step-N-draft_input folders, against its training when TPPROBE_DRAFT_TRAINED is set")
     return [Finding("draft-unverified", "aux slots", list(live), severity=WARNING, detail=text,
                     evidence={"all_ranks": True, "basis": basis})]

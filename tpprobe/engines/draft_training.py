@@ -2,19 +2,20 @@
 
 A live capture can prove that the engine captures what the draft's config says (the engine's rule applied
 to `eagle_aux_hidden_state_layer_ids`); only what the draft was trained on can prove the config right
-(catalogue F32: every check healthy, the config not what the draft was trained on). The user says it with
-one of (environment of the engine's plugin; the same names on every engine):
+(catalogue F32: every check healthy, the config not what the draft was trained on). The user says it in the
+engine plugin's environment, with the grammar of the vLLM side (tpprobe/engines/vllm/acceptance.py):
 
-  TPPROBE_DRAFT_HIDDEN_STATES  the HF `hidden_states` indices the draft was trained on, in slot order
-                               (0 = the embedding output, k = layer k-1's output), e.g. "0,2,3"
-  TPPROBE_DRAFT_CONVENTION     the convention of the draft config's own ids at training time: `output`
-                               (SpecForge's: id k = layer k's output = hidden_states[k+1]) or `before`
-                               (id k = the input of layer k = hidden_states[k]); slots in the ids' written
-                               order (the words of `tpprobe layers --draft-convention`)
+  TPPROBE_DRAFT_TRAINED=ids:A,B,C          the HF `hidden_states` indices the draft was trained on, in slot order
+                                           (0 = the embedding output, k = layer k-1's output); `A,B,C` alone too
+  TPPROBE_DRAFT_TRAINED=convention:NAME    the draft config's own ids read in a training convention, slots in
+                                           the ids' written order: `output` (SpecForge's: id k = layer k's
+                                           output = hidden_states[k+1]), `before` (id k = the input of layer k
+                                           = hidden_states[k]), `vllm` (vLLM's rule: id k = hidden_states[k],
+                                           sorted, each once)
 
-Neither given: the expected slots are the draft config's ids under the engine's rule, and the report says
-the draft was checked against its config only (kind `draft-unverified`, a warning): never HEALTHY for the
-draft from the engine agreeing with itself.
+Not given: the expected slots are the draft config's ids under the engine's rule, and the report says the
+draft was checked against its config only (kind `draft-unverified`, a warning): never HEALTHY for the draft
+from the engine agreeing with itself.
 """
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ from typing import Callable, Optional
 from ..capture.points import EMBED_OUT, layer_out
 from ..core.errors import UsageError
 
-ENV_HIDDEN_STATES = "TPPROBE_DRAFT_HIDDEN_STATES"
-ENV_CONVENTION = "TPPROBE_DRAFT_CONVENTION"
-CONVENTIONS = ("output", "before")
+ENV = "TPPROBE_DRAFT_TRAINED"
+CONVENTIONS = ("output", "before", "vllm")
 
 
 def hs_point(h: Optional[int]) -> Optional[str]:
@@ -46,26 +46,37 @@ def hs_of_point(p: Optional[str]) -> Optional[int]:
     return None
 
 
-def from_env(env=None) -> Optional[dict]:
-    """The training the user declared: {"hidden_states": [...]} or {"convention": ...}; None when neither.
-    Bad text: UsageError (one line: what is wrong, what to write)."""
-    env = os.environ if env is None else env
-    hs, conv = (env.get(ENV_HIDDEN_STATES) or "").strip(), (env.get(ENV_CONVENTION) or "").strip().lower()
-    if hs:
+def parse(spec: Optional[str]) -> Optional[dict]:
+    """The training a TPPROBE_DRAFT_TRAINED value says: {"hidden_states": [...]} or {"convention": ...}, with
+    "from"; None when empty. Bad text: UsageError (one line: what is wrong, what to write)."""
+    spec = (spec or "").strip()
+    if not spec:
+        return None
+    kind, _, val = spec.partition(":")
+    if not val:
+        kind, val = "ids", spec
+    kind = kind.strip().lower()
+    if kind == "ids":
         try:
-            vals = [int(x) for x in hs.split(",") if x.strip()]
+            vals = [int(x) for x in val.split(",") if x.strip()]
         except ValueError:
-            raise UsageError(f"{ENV_HIDDEN_STATES}={hs!r}: write the HF hidden_states indices the draft was trained "
-                             f"on, comma-separated, e.g. 0,2,3") from None
+            raise UsageError(f"{ENV}={spec!r}: ids:A,B,C takes integers (the HF hidden_states indices the draft was "
+                             f"trained on, in slot order)") from None
         if not vals or min(vals) < 0:
-            raise UsageError(f"{ENV_HIDDEN_STATES}={hs!r}: indices are >= 0 (0 = the embedding output)")
-        return {"hidden_states": vals, "from": f"{ENV_HIDDEN_STATES}={hs}"}
-    if conv:
+            raise UsageError(f"{ENV}={spec!r}: hidden_states indices are >= 0 (0 = the embedding output)")
+        return {"hidden_states": vals, "from": f"{ENV}={spec}"}
+    if kind == "convention":
+        conv = val.strip().lower()
         if conv not in CONVENTIONS:
-            raise UsageError(f"{ENV_CONVENTION}={conv!r}: use output (SpecForge's: id k = layer k's output) "
-                             f"or before (id k = the input of layer k)")
-        return {"convention": conv, "from": f"{ENV_CONVENTION}={conv}"}
-    return None
+            raise UsageError(f"{ENV}={spec!r}: conventions are {', '.join(CONVENTIONS)}")
+        return {"convention": conv, "from": f"{ENV}={spec}"}
+    raise UsageError(f"{ENV}={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order) or "
+                     f"convention:{'|'.join(CONVENTIONS)}")
+
+
+def from_env(env=None) -> Optional[dict]:
+    """`parse` of TPPROBE_DRAFT_TRAINED in `env` (default: this process's environment)."""
+    return parse((os.environ if env is None else env).get(ENV))
 
 
 def trained_hidden_states(training: Optional[dict], config_ids: Optional[list[int]]) -> Optional[list[int]]:
@@ -76,6 +87,8 @@ def trained_hidden_states(training: Optional[dict], config_ids: Optional[list[in
         return list(training["hidden_states"])
     if config_ids is None:
         return None
+    if training["convention"] == "vllm":
+        return sorted({int(i) for i in config_ids})
     shift = 1 if training["convention"] == "output" else 0
     return [int(i) + shift for i in config_ids]
 

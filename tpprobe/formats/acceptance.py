@@ -1,26 +1,31 @@
 """The engine's own speculative-decoding acceptance, as a live plugin writes it beside its captures.
 
-One file per TP group, DIR/dp{D}-pp{P}/acceptance.json (written by TP rank 0, replaced atomically as the run
-goes on), schema `tpprobe.acceptance/1`. The counts are the engine's own, under the names of vLLM's
-`SpecDecodingStats` so both engines read alike:
+One file per TP group, DIR/dp{D}-pp{P}/acceptance.json, written by TP rank 0 and replaced atomically as the
+run goes on. The keys are the ones the vLLM plugin writes (tpprobe/engines/vllm/drafter.py), so one reader
+serves both engines:
 
-  engine                      "sglang 0.5.23", "vllm 0.32.0", ...
-  counted_at                  where the engine counts them (a file:line of the engine)
-  num_spec_tokens             draft tokens proposed per draft (per request and verify); None if unknown
-  run                         the run so far: num_drafts (one per request per verify), num_draft_tokens,
-                              num_accepted_tokens, num_accepted_tokens_per_pos [k], acceptance_rate
-                              (accepted / draft tokens), mean_acceptance_length (1 + accepted / drafts: the
-                              tokens each verify commits, the bonus token included)
-  steps                       the first MAX_STEPS verifies: {forward, num_drafts, num_accepted_tokens,
-                              num_accepted_tokens_per_pos, requests: [{rid, accepted}]}; `forward` is the
-                              plugin's forward index when counted (the captures' step-N)
+  source                  "sglang-plugin" (the vLLM plugin's: "vllm-plugin")
+  counted_at              where the engine counts them (a file:line of the engine)
+  updated                 time.time() of the write
+  drafts                  drafts verified (one per request per verify)
+  draft_tokens            draft tokens proposed (drafts x tokens per draft; None if the engine's setting is unknown)
+  accepted                draft tokens accepted (the bonus token not counted)
+  accepted_per_pos        accepted drafts per position [k]
+  verify_steps            verifies counted
+  engine, num_spec_tokens "sglang 0.5.23", draft tokens per draft (this plugin's additions)
+  steps                   the first MAX_STEPS verifies: {forward, drafts, accepted, accepted_per_pos, requests:
+                          [{rid, accepted}]}; `forward` is the plugin's forward index when counted
 
-`tpprobe report DIR` reads every acceptance.json under DIR (`read_all`) and shows the sum beside the verdict.
+The derived numbers (`rates`): rate = accepted / draft_tokens, mean_acceptance_length = 1 + accepted / drafts
+(the tokens each verify commits, the bonus included), rate_per_pos = accepted_per_pos / drafts.
+`tpprobe report DIR` reads every SGLang acceptance.json under DIR (`read_all`) and shows the sum beside the
+verdict (the vLLM plugin's files are shown by its drafter section).
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -32,9 +37,9 @@ MAX_STEPS = 256
 class Acceptance:
     """Counts of one TP group: `add(forward, [(rid, accepted drafts)])` per verify."""
 
-    def __init__(self, engine: str, counted_at: str, num_spec_tokens: Optional[int]):
-        self.engine, self.counted_at, self.k = engine, counted_at, num_spec_tokens
-        self.drafts = self.accepted = 0
+    def __init__(self, engine: str, counted_at: str, num_spec_tokens: Optional[int], source: str):
+        self.engine, self.counted_at, self.k, self.source = engine, counted_at, num_spec_tokens, source
+        self.drafts = self.accepted = self.verifies = 0
         self.per_pos: list[int] = [0] * (num_spec_tokens or 0)
         self.steps: list[dict] = []
 
@@ -49,22 +54,25 @@ class Acceptance:
             self.per_pos[j] += n
         self.drafts += len(accepted)
         self.accepted += sum(a for _, a in accepted)
+        self.verifies += 1
         if len(self.steps) < MAX_STEPS:
-            self.steps.append({"forward": forward, "num_drafts": len(accepted),
-                               "num_accepted_tokens": sum(a for _, a in accepted), "num_accepted_tokens_per_pos": per,
-                               "requests": [{"rid": r, "accepted": a} for r, a in accepted]})
+            self.steps.append({"forward": forward, "drafts": len(accepted), "accepted": sum(a for _, a in accepted),
+                               "accepted_per_pos": per, "requests": [{"rid": r, "accepted": a} for r, a in accepted]})
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, "engine": self.engine, "counted_at": self.counted_at, "num_spec_tokens": self.k,
-                "run": totals(self.drafts, self.accepted, self.per_pos, self.k), "steps": self.steps}
+        return {"source": self.source, "counted_at": self.counted_at, "updated": time.time(),
+                "drafts": self.drafts, "draft_tokens": self.drafts * self.k if self.k else None,
+                "accepted": self.accepted, "accepted_per_pos": list(self.per_pos), "verify_steps": self.verifies,
+                "engine": self.engine, "num_spec_tokens": self.k, "steps": self.steps}
 
 
-def totals(drafts: int, accepted: int, per_pos: list, k: Optional[int]) -> dict:
-    draft_tokens = drafts * k if k else None
-    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-            "num_accepted_tokens_per_pos": list(per_pos),
-            "acceptance_rate": (accepted / draft_tokens) if draft_tokens else None,
-            "mean_acceptance_length": (1 + accepted / drafts) if drafts else None}
+def rates(acc: dict) -> dict:
+    """The counts with the rate, mean acceptance length and per-position rates (the vLLM side's definitions)."""
+    drafts, tokens, accepted = acc.get("drafts", 0), acc.get("draft_tokens"), acc.get("accepted", 0)
+    per = list(acc.get("accepted_per_pos") or [])
+    return {**acc, "rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "rate_per_pos": [x / drafts for x in per] if drafts else []}
 
 
 def write(folder: Path, doc: dict) -> Path:
@@ -77,49 +85,52 @@ def write(folder: Path, doc: dict) -> Path:
     return path
 
 
-def read_all(root: Path) -> Optional[dict]:
-    """Every acceptance.json under `root` (or beside it: a step folder's TP group), summed; None when none.
-    A file that cannot be read is named in `unreadable`, never a crash."""
+def read_all(root: Path, source: str = "sglang-plugin") -> Optional[dict]:
+    """Every acceptance.json of `source` under `root` (or beside it: a step folder's TP group), summed, with
+    `rates`; None when none. A file that cannot be read is named in `unreadable`, never a crash."""
     root = Path(root)
     files = sorted(root.rglob(FILE)) if root.is_dir() else []
     if not files and (root.parent / FILE).exists():
         files = [root.parent / FILE]
-    if not files:
-        return None
     docs, bad = [], []
     for f in files:
         try:
             d = json.loads(f.read_text())
-            if d.get("schema") != SCHEMA:
-                raise ValueError(f"schema {d.get('schema')!r}")
-            docs.append((f, d))
+            if not isinstance(d, dict) or not isinstance(d.get("drafts"), int):
+                raise ValueError("no drafts count")
         except Exception as e:  # noqa: BLE001 - a damaged file is named, the report goes on
             bad.append(f"{f}: {type(e).__name__}: {e}")
+            continue
+        if d.get("source") == source:
+            docs.append((f, d))
     if not docs:
-        return {"unreadable": bad}
+        return {"unreadable": bad} if bad else None
     ks = {d.get("num_spec_tokens") for _, d in docs}
     k = ks.pop() if len(ks) == 1 else None
-    drafts = sum(d["run"]["num_drafts"] for _, d in docs)
-    accepted = sum(d["run"]["num_accepted_tokens"] for _, d in docs)
-    n = max(len(d["run"]["num_accepted_tokens_per_pos"]) for _, d in docs)
-    per = [sum((d["run"]["num_accepted_tokens_per_pos"] + [0] * n)[j] for _, d in docs) for j in range(n)]
-    return {"engine": docs[0][1].get("engine"), "counted_at": docs[0][1].get("counted_at"), "num_spec_tokens": k,
-            "files": [str(f) for f, _ in docs], "run": totals(drafts, accepted, per, k),
-            "steps": [s for _, d in docs for s in d.get("steps", [])][:MAX_STEPS], "unreadable": bad}
+    n = max(len(d.get("accepted_per_pos") or []) for _, d in docs)
+    tokens = [d.get("draft_tokens") for _, d in docs]
+    out = {"source": source, "engine": docs[0][1].get("engine"), "counted_at": docs[0][1].get("counted_at"),
+           "num_spec_tokens": k, "files": [str(f) for f, _ in docs],
+           "drafts": sum(d["drafts"] for _, d in docs), "accepted": sum(d.get("accepted", 0) for _, d in docs),
+           "draft_tokens": None if None in tokens else sum(tokens),
+           "accepted_per_pos": [sum(((d.get("accepted_per_pos") or []) + [0] * n)[j] for _, d in docs)
+                                for j in range(n)],
+           "verify_steps": sum(d.get("verify_steps", 0) for _, d in docs),
+           "steps": [s for _, d in docs for s in d.get("steps", [])][:MAX_STEPS], "unreadable": bad}
+    return rates(out)
 
 
 def summary(acc: dict) -> str:
     """One line: the engine's acceptance over the run."""
-    if not acc.get("run"):
+    if "drafts" not in acc:
         return "unreadable: " + "; ".join(acc.get("unreadable") or [])
-    r = acc["run"]
-    if not r["num_drafts"]:
+    if not acc["drafts"]:
         return f"no verify counted yet ({acc.get('engine')})"
-    rate = "?" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-    pos = ", ".join(f"{n / r['num_drafts']:.2f}" for n in r["num_accepted_tokens_per_pos"])
-    return (f"{acc.get('engine')}: {r['num_drafts']} drafts of {acc.get('num_spec_tokens') or '?'} tokens, "
-            f"{r['num_accepted_tokens']} accepted: acceptance rate {rate}, mean acceptance length "
-            f"{r['mean_acceptance_length']:.2f}; per position [{pos}] (counted at {acc.get('counted_at')})")
+    rate = "?" if acc["rate"] is None else f"{acc['rate']:.2f}"
+    pos = ", ".join(f"{x:.2f}" for x in acc["rate_per_pos"])
+    return (f"{acc.get('engine')}: {acc['drafts']} drafts of {acc.get('num_spec_tokens') or '?'} tokens, "
+            f"{acc['accepted']} accepted: acceptance rate {rate}, mean acceptance length "
+            f"{acc['mean_acceptance_length']:.2f}; per position [{pos}] (counted at {acc.get('counted_at')})")
 
 
 def attach(rep: dict, path: Path) -> None:

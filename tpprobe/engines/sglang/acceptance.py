@@ -76,7 +76,8 @@ def _count(req, accepted: int) -> None:
         return
     acc = _STATE.get("acc")
     if acc is None:
-        acc = _STATE["acc"] = fmt.Acceptance(f"sglang {SGLANG_VERSION}", COUNTED_AT, drafts_per_verify())
+        acc = _STATE["acc"] = fmt.Acceptance(f"sglang {SGLANG_VERSION}", COUNTED_AT, drafts_per_verify(),
+                                             "sglang-plugin")
         _STATE["folder"] = Path(_STATE["dir"]) / f"dp{par['dp_rank']}-pp{par['pp_rank']}"
         _STATE["flushed"] = 0.0
     forward = max(_STATE["forward_index"]() - 1, 0)
@@ -103,8 +104,9 @@ def flush() -> None:
     pending = _STATE.get("pending") or {"forward": 0, "rows": []}
     doc = acc.to_json()
     if pending["rows"]:
-        tmp = fmt.Acceptance(acc.engine, acc.counted_at, acc.k)
-        tmp.drafts, tmp.accepted, tmp.per_pos, tmp.steps = acc.drafts, acc.accepted, list(acc.per_pos), list(acc.steps)
+        tmp = fmt.Acceptance(acc.engine, acc.counted_at, acc.k, acc.source)
+        tmp.drafts, tmp.accepted, tmp.verifies = acc.drafts, acc.accepted, acc.verifies
+        tmp.per_pos, tmp.steps = list(acc.per_pos), list(acc.steps)
         tmp.add(pending["forward"], pending["rows"])
         doc = tmp.to_json()
     fmt.write(_STATE["folder"], doc)

@@ -184,7 +184,7 @@ def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, 
 
 def target_expectation(slots: tuple, has_aux: bool) -> tuple[tuple, dict]:
     """The target forward's expected slots: what the draft was trained on when the user gave its
-    hidden_states indices (TPPROBE_DRAFT_HIDDEN_STATES), else SGLang's own `layers_to_capture` (`slots`),
+    hidden_states indices (TPPROBE_DRAFT_TRAINED=ids:...), else SGLang's own `layers_to_capture` (`slots`),
     labelled as the engine agreeing with itself (`draft_basis` engine)."""
     if not has_aux:
         return slots, {}

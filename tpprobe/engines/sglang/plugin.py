@@ -20,8 +20,9 @@ Settings (environment; declared once in tpprobe/engines/sglang/options.py Plugin
   TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
-  TPPROBE_DRAFT_HIDDEN_STATES / TPPROBE_DRAFT_CONVENTION  what the EAGLE-3 draft was trained on
-                         (tpprobe/engines/draft_training.py): the aux slots are checked against it
+  TPPROBE_DRAFT_TRAINED  what the EAGLE-3 draft was trained on, `ids:A,B,C` (HF hidden_states) or
+                         `convention:output|before|vllm` (tpprobe/engines/draft_training.py): the aux
+                         slots are checked against it
 
 The EAGLE-3 draft (`LlamaForCausalLMEagle3` inherits the wrapped forward) is not captured as a model: what
 it receives, `forward_batch.spec_info.hidden_states`, is written as step-{N:06d}-draft_input beside the
