@@ -123,6 +123,12 @@ def test_draft_input_checked_against_training(tmp_path):
     code, rep = _report(group / "step-000001-extend")
     assert code == 0 and [(x["kind"], x["severity"]) for x in rep["findings"]] == [("draft-unverified", "warning")]
 
+    # the whole run: the first step where the draft gets what it was not trained on
+    code, rep = _report(tmp_path)
+    assert code == 1 and rep["first_divergence"] == {
+        "group": "dp0-pp0", "step": 1, "forward_mode": "draft_input", "kind": "capture-offset",
+        "where": "aux slots [0, 1, 2]", "ranks": [0, 1]}
+
     # training unknown: checked against the draft's config only, never HEALTHY for the draft
     code, rep = _report(group / "step-000002-draft_input")
     assert code == 0 and [(x["kind"], x["where"], x["ranks"], x["severity"]) for x in rep["findings"]] == [
