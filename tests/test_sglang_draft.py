@@ -52,6 +52,14 @@ def worker(ctx):
         nxt = res.next_token_logits.argmax(-1)
         tiny_draft.draft_extend_for_prefill(draft, seqs, aux, nxt)
         received.append(aux.clone())
+    # F19: the draft's ids only at its config's top level; the target (8 layers) reads none and captures its
+    # default [2, 4, 5] = hidden_states [2, 4, 5]; the draft was trained on its ids' outputs [1, 2, 3]
+    os.environ["TPPROBE_DRAFT_TRAINED"] = "convention:output"
+    t8 = build_target(ctx, "llama", 8, TOKENS, SEED, torch.float32, None)
+    top = tiny_draft.build_draft(tiny_draft.draft_config(t8.model.config, IDS, top_level_only=True), SEED)
+    res = t8.forward_batch(seqs)
+    tiny_draft.draft_extend_for_prefill(top, seqs, packed_aux(res), res.next_token_logits.argmax(-1))
+
     # after a verify, _draft_extend_for_decode hands the draft num_draft_tokens rows per request, of which
     # num_accept_tokens (accept_lens, the bonus included) were accepted: the rest are rejected rows
     from types import SimpleNamespace
@@ -81,12 +89,12 @@ def _failures(rep):
 def test_draft_input_checked_against_training(tmp_path):
     from tpprobe.formats.capture_dir import load_run
 
-    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "3",
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "4",
            "TPPROBE_KEEP": "aux.packed"}
     res = run_ranks("test_sglang_draft:worker", 2, {}, env=env, timeout=300)
     group = tmp_path / "dp0-pp0"
     assert sorted(p.name for p in group.iterdir()) == [
-        f"step-00000{n}-{m}" for n in range(3) for m in ("draft_input", "extend")]
+        f"step-00000{n}-{m}" for n in range(4) for m in ("draft_input", "extend")]
     # what the draft received is the tensor the target packed, the same on both ranks, with each request's rows
     for n in range(3):
         run = load_run(group / f"step-00000{n}-draft_input")
@@ -134,6 +142,12 @@ def test_draft_input_checked_against_training(tmp_path):
     assert code == 0 and [(x["kind"], x["where"], x["ranks"], x["severity"]) for x in rep["findings"]] == [
         ("draft-unverified", "aux slots", [0, 1], "warning")]
     assert "checked against the draft's config only (ids [0, 1, 2]" in rep["findings"][0]["detail"]
+    # F19: the ids where the target side never reads them
+    code, rep = _report(group / "step-000003-draft_input")
+    assert code == 1 and _failures(rep) == [("id-contract", "aux slots [0, 1, 2]", [0, 1])], rep["findings"]
+    f = rep["findings"][0]
+    assert f["evidence"]["class"] == "F19" and f["evidence"]["captured_hs"] == [2, 4, 5]
+    assert "are at its config's top level" in f["detail"] and "fix: move the ids into eagle_config" in f["detail"]
     p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(group / "step-000002-draft_input")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "HEALTHY" not in p.stdout and "draft-unverified" in p.stdout, p.stdout[-2000:]

@@ -28,6 +28,16 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
     if basis is None or not rows:
         return []
     captured = [_hs(r.get("matched")) for r in rows]
+    if slot_findings and settings.get("draft_ids_from") == "top level":
+        # F19: the ids size the draft but the target never reads them: it captured its default list
+        for f in slot_findings:
+            f.kind = "id-contract"
+            f.detail = (f"F19: the draft's eagle_aux_hidden_state_layer_ids {settings.get('draft_config_ids')} are at "
+                        f"its config's top level, which sizes the draft's fc but which SGLang's target side never "
+                        f"reads (it reads eagle_config.eagle_aux_hidden_state_layer_ids only): the target captured "
+                        f"its default layers_to_capture {settings.get('sglang layers_to_capture')} = hidden_states "
+                        f"{captured}; fix: move the ids into eagle_config — {f.detail}")
+            f.evidence = {**f.evidence, "class": "F19", "captured_hs": captured}
     if basis == "trained":
         rule = settings.get("draft_rule_hs")
         trained = settings.get("draft_trained_hs")

@@ -65,14 +65,16 @@ def remember_target(*, tap, step: int, mode: str, input_ids, model, aux: Optiona
         _LAST.update(tap=tap, step=step, mode=mode, input_ids=input_ids, model=model, rows=int(aux.shape[0]))
 
 
-def draft_ids(config) -> Optional[list[int]]:
-    """The ids the draft declares (the nested `eagle_config` first, then the top level: the draft's own reader,
-    models/llama_eagle3.py:156-161, speculative/eagle_utils.py:261-276)."""
+def draft_ids(config) -> tuple[Optional[list[int]], Optional[str]]:
+    """The ids the draft declares and where: the nested `eagle_config` (where SGLang's target side reads them,
+    model_executor/model_runner_components/spec_aux_hidden_state.py:185-196) first, then the top level (read by
+    the draft alone to size its fc: models/llama_eagle3.py:156-161, speculative/eagle_utils.py:261-276)."""
     eagle = getattr(config, "eagle_config", None) or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    if ids is None:
-        ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
-    return [int(i) for i in ids] if ids else None
+    if ids:
+        return [int(i) for i in ids], "eagle_config"
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
+    return ([int(i) for i in ids], "top level") if ids else (None, None)
 
 
 def requests(forward_batch, spec_info, rows: int) -> list[dict]:
@@ -103,7 +105,7 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
     from tpprobe.engines.sglang import layer_ids as lid
 
     arch = str(getattr(getattr(target_model, "config", None), "model_type", "llama"))
-    ids = draft_ids(draft_config)
+    ids, ids_from = draft_ids(draft_config)
 
     def slots_for(cand):
         try:
@@ -115,7 +117,7 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
     p = lid.plan(arch, ids, num_layers)
     points, exp_ids = lid.expected_slots(p)
     rule_hs = p.slot_hf_indices
-    st = {"draft_config_ids": ids, "draft_rule_hs": rule_hs, "draft_rule": p.rule,
+    st = {"draft_config_ids": ids, "draft_ids_from": ids_from, "draft_rule_hs": rule_hs, "draft_rule": p.rule,
           "sglang layers_to_capture": str(list(getattr(getattr(target_model, "model", None), "layers_to_capture",
                                                        []) or []))}
     trained = dt.trained_hidden_states(training, ids)
