@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.sglang,
 
 L, TOKENS, SEED = 3, 6, 5
 IDS = {"llama": [0, 1], "deepseek_v2": [0, 2]}
+# what the drafts were trained on: Llama adds 1 to every id; DeepSeek not when the first id is not 1
+TRAINED = {"llama": "ids:1,2", "deepseek_v2": "ids:0,2"}
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
@@ -73,7 +75,9 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
 
     broken = arch == "llama"    # one process set per arch: llama also captures a broken step
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe",
-           "TPPROBE_MAX_STEPS": "2" if broken else "1"}
+           "TPPROBE_MAX_STEPS": "2" if broken else "1",
+           # what the draft was trained on (HF hidden_states indices): the slots are checked against it
+           "TPPROBE_DRAFT_TRAINED": TRAINED[arch]}
     if broken:
         env["TPPROBE_KEEP"] = "*"          # full tensors, to compare with HF
     else:                                  # fingerprints, plus a sample of rows under a budget

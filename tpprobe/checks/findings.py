@@ -59,6 +59,10 @@ EXPLAIN = {
                    "(sglang#25454, vllm#46788)",
     "dp-gather-group": "under DP attention the aux states were gathered or reduced over the wrong group (the TP "
                        "group instead of the attention-TP group; sglang PR #20492)",
+    "draft-unverified": "the aux slots were checked against the draft's config or the engine's own capture list, "
+                        "not against what the draft was trained on: a config that is not the draft's training "
+                        "(catalogue F32) would pass; say the training (TPPROBE_DRAFT_TRAINED=ids:A,B,C or "
+                        "convention:output|before|vllm)",
     "capture-file": "a capture file is missing, truncated, corrupted or not in the manifest: re-run the "
                     "probe or copy the folder again",
 }

@@ -25,6 +25,7 @@ from .allreduce import allreduce_audit
 from .collectives import sequence_mismatch
 from .coverage import adopt_owed_placements, coverage_findings, summary as coverage_summary
 from .crossrank import cross_rank, point_names, rounding_noise
+from .draft import draft_findings
 from .evidence import TensorEvidence
 from .findings import FAILURE, WARNING, Finding
 from .liveness import missing_rank_findings, rank_error_findings
@@ -103,6 +104,7 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
 
     # ---- slots: what the draft model receives --------------------------------------------------
     slot_findings, out["slots"] = check_slots(ev, records, live, settings) if complete else ([], [])
+    basis_findings = draft_findings(settings, slot_findings, out["slots"], live) if complete else []
     if complete and not roots and AUX_PACKED in point_stats and not slot_findings:
         bad = [r for r, s in point_stats[AUX_PACKED].items() if s["level"] in ("material", "shape")]
         if bad:
@@ -134,7 +136,7 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
             + " (" + "; ".join(dict.fromkeys(_UNCHECKED_HINT.get(w.split(" ", 1)[0] if w.startswith("op ") else w,
                                                                  "see the audit records in report.json")
                                              for w in unchecked)) + ")"), evidence={"all_ranks": True}))
-    findings += roots + wrong + slot_findings + set_findings + cov_findings
+    findings += roots + wrong + slot_findings + set_findings + cov_findings + basis_findings
     explained = {f.where for f in findings} | ({AUX_PACKED} if slot_findings else set())
     findings += rounding_noise(names, point_stats, explained)
     if references and complete and not any(f.severity == FAILURE for f in findings):

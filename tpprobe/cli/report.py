@@ -45,6 +45,8 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
         if find_steps(path):      # the SGLang plugin's run: many steps, maybe many TP groups
             return report_steps(path, check_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet)
     rep = check_dir(path)
+    from ..formats.acceptance import attach
+    attach(rep, path)       # the engine's own acceptance beside a step folder, when the plugin wrote it
     emit(probe_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return rep["exit_code"]
 

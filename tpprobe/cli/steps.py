@@ -70,6 +70,8 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
                        "step shown": f"{n} ({rep['settings'].get('forward_mode', '?')}) in {group}"
                                      + (" = the first step where ranks diverge" if first else "")}
     rep["steps"] = rows
+    from ..formats.acceptance import attach
+    attach(rep, root)       # the engine's own acceptance, when the plugin wrote it
     if first:
         f0 = next(f for f in rep["findings"] if f["severity"] == "failure")
         rep["first_divergence"] = {"group": group, "step": n, "forward_mode": rep["settings"].get("forward_mode"),

@@ -100,9 +100,16 @@ def _report(doc: dict, terminal: bool) -> Report:
     for s in drawn:
         s.media = TERMINAL
     return Report(SCHEMA, page_title(doc.get("settings") or {}), doc, verdict=verdict,
-                  sections=drawn + html_sections(doc) + markdown_sections(doc), settings=doc.get("settings") or {},
+                  sections=drawn + html_sections(doc) + markdown_sections(doc) + _acceptance(doc),
+                  settings=doc.get("settings") or {},
                   environment=doc.get("environment") or {}, findings=findings, exit_code=doc.get("exit_code", 0),
                   tool=doc.get("tool", "tpprobe"), page=True, max_lines=MAX_LINES)
+
+
+def _acceptance(doc: dict) -> list:
+    """The engine's own acceptance (formats/acceptance.py), on every sink, when the capture folder has it."""
+    line = (doc.get("settings") or {}).get("engine acceptance")
+    return [Text(f"engine acceptance: {line}", tag="p")] if line else []
 
 
 def render_html(doc: dict) -> str:

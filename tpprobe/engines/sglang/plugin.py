@@ -20,6 +20,14 @@ Settings (environment; declared once in tpprobe/engines/sglang/options.py Plugin
   TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
+  TPPROBE_DRAFT_TRAINED  what the EAGLE-3 draft was trained on, `ids:A,B,C` (HF hidden_states) or
+                         `convention:output|before|vllm` (tpprobe/engines/draft_training.py): the aux
+                         slots are checked against it
+
+The EAGLE-3 draft (`LlamaForCausalLMEagle3` inherits the wrapped forward) is not captured as a model: what
+it receives, `forward_batch.spec_info.hidden_states`, is written as step-{N:06d}-draft_input beside the
+target forward N that produced it (tpprobe/engines/sglang/draft_input.py). SGLang's own accept counts go
+to DIR/dp{D}-pp{P}/acceptance.json (tpprobe/engines/sglang/acceptance.py).
 
 Layout: DIR/dp{D}-pp{P}/step-{N:06d}-{mode}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP
 group, N the forward index of this process (every forward counts, captured or not, so steps line up
@@ -108,7 +116,10 @@ def register() -> None:
 
         for target in s["targets"]:
             HookRegistry.register(target, _around_forward, HookType.AROUND)
-        _say(f"plugin registered: will wrap {', '.join(s['targets'])}; capture dir {s['dir']}, "
+        from tpprobe.engines.sglang import acceptance
+        acceptance.register(s, _say, parallel_ranks, lambda: _STEPS["n"])   # SGLang's accept counts
+        _say(f"plugin registered: will wrap {', '.join(s['targets'])} and read {acceptance.TARGET}; "
+             f"capture dir {s['dir']}, "
              f"first {s['max_steps']} step(s) in modes {sorted(s['modes'])}, <= {s['max_bytes']} bytes/rank")
     except Exception as e:  # noqa: BLE001 - SGLang would swallow it silently
         _say(f"plugin FAILED to register: {type(e).__name__}: {e}")
@@ -170,6 +181,12 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     s = settings()
     if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    from tpprobe.engines.sglang import draft_input
+    if draft_input.is_eagle3_draft(self):     # LlamaForCausalLMEagle3 inherits the wrapped forward
+        host = draft_input.Host(tp=_tp, parallel_ranks=parallel_ranks, budget=Budget, write_step=write_step,
+                                mode_name=_mode_name, steps=_STEPS, say=_say)
+        return draft_input.around_draft(original_fn, s, host, self, input_ids, positions, forward_batch, *args,
+                                        **kwargs)
     mode = _mode_name(forward_batch)
     step = _STEPS["n"]
     _STEPS["n"] += 1
@@ -209,6 +226,9 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     t_forward = time.time() - t0
     if write_step(s, step, mode, rank, world, tp_group, tap, input_ids, result, self, t_forward, budget):
         _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
+    else:       # the draft's forward that follows reads this forward's aux: checked against these streams
+        draft_input.remember_target(tap=tap, step=step, mode=mode, input_ids=input_ids, model=self,
+                                    aux=_aux(result, int(input_ids.shape[0]))[0])
     if _STEPS["captured"] >= s["max_steps"]:
         # the last captured step: the audit's kernels come off, so the server's later forwards run
         # their collectives with no Python of tpprobe's (capture/audit/recorder.py: release)
@@ -252,8 +272,10 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
                              "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
                              "aux_note": aux_note, "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
     slots = slots_from_layers_to_capture(ltc, len(tap.layer_indices)) if aux is not None else ([], [])
+    from tpprobe.engines.sglang.draft_input import target_expectation
+    slots, basis = target_expectation(slots, aux is not None)
     return record, step_settings(record, model, backend="sglang (live server, plugin)", tokens=tokens, mode=mode,
-                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc)})
+                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc), **basis})
 
 
 def step_name(step: int, mode: str) -> str:

@@ -1,0 +1,200 @@
+"""The SGLang plugin's capture of what the EAGLE-3 draft receives, on every TP rank, per request.
+
+Where SGLang 0.5.23 hands it over (read in its code):
+- the target's forward packs the captured streams into `LogitsProcessorOutput.hidden_states`
+  (layers/logits_processor.py:869, `pack_aux_hidden_states`, layers/aux_hidden_states.py:97-102; the
+  target's batch runs with `CaptureHiddenMode.FULL` so every token's row is kept);
+- after a prefill, `EagleDraftWorker._draft_extend_for_prefill` (speculative/eagle_worker_v2.py:961) installs
+  `EagleDraftExtendInput(hidden_states=target_hidden_states)` (:1009-1014), `target_hidden_states` being
+  `batch_output.logits_output.hidden_states` (:1597); after a verify, `_draft_extend_for_decode` (:1110)
+  installs `EagleDraftExtendInput(hidden_states=batch_result.logits_output.hidden_states,
+  num_accept_tokens=accept_lens, num_tokens_per_req=num_draft_tokens)` (:1149-1157);
+- the draft reads it as `forward_batch.spec_info.hidden_states` (models/llama_eagle3.py:237) and projects it
+  with `fc` when it is wider than its hidden size (:238-247).
+
+`LlamaForCausalLMEagle3` inherits `LlamaForCausalLM.forward`, which the plugin wraps, so the plugin's wrapper
+sees the draft's forwards: `around_draft` takes `forward_batch.spec_info.hidden_states` there, when it is the
+target's packed aux (wider than the draft's hidden size; the draft's own multi-step decode feeds it its own
+hidden state, which is not captured) and the target forward that produced it was captured (the same row
+count). It writes DIR/dp{D}-pp{P}/step-{N:06d}-draft_input/ (N: that target forward's index) with the
+tensor as `aux.packed`, matched slot by slot on the rank against the target forward's streams, and the
+rows of each request (`requests`: rid, first row, rows, accepted rows after a verify; rejected rows are the
+rest). The expected slots come from the draft's own config (its `eagle_aux_hidden_state_layer_ids`, nested
+or top level, under SGLang's rule for the target's architecture) and, when the user says it, from what the
+draft was trained on (tpprobe/engines/draft_training.py).
+
+Under CUDA graphs (a GPU server), the draft-extend after a verify replays a graph
+(`cuda_graph_runner_for_draft_extend.execute`, eagle_worker_v2.py:1203-1210) and runs no Python of the
+model's: only prefill draft-extends, which run eagerly, are captured (docs/acceptance-sglang.md).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# process-wide by nature: the last captured target forward of this SGLang worker, awaiting its draft
+_LAST: dict = {}
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the plugin (tpprobe/engines/sglang/plugin.py) lends this module: its TP group, ranks, byte
+    budget, step writer, mode names, step state and log line (passed in: the plugin imports this module)."""
+    tp: Callable
+    parallel_ranks: Callable
+    budget: Callable
+    write_step: Callable
+    mode_name: Callable
+    steps: dict
+    say: Callable
+
+
+def is_eagle3_draft(model) -> bool:
+    """SGLang's EAGLE-3 draft models: an `fc` projection of the aux hidden states on the inner model."""
+    inner = getattr(model, "model", None)
+    return "Eagle3" in type(model).__name__ and isinstance(getattr(inner, "fc", None), torch.nn.Linear)
+
+
+def remember_target(*, tap, step: int, mode: str, input_ids, model, aux: Optional[torch.Tensor]) -> None:
+    """Called by the plugin after it captured a target forward whose output packs aux hidden states."""
+    _LAST.clear()
+    if aux is not None:
+        _LAST.update(tap=tap, step=step, mode=mode, input_ids=input_ids, model=model, rows=int(aux.shape[0]))
+
+
+def draft_ids(config) -> tuple[Optional[list[int]], Optional[str]]:
+    """The ids the draft declares and where: the nested `eagle_config` (where SGLang's target side reads them,
+    model_executor/model_runner_components/spec_aux_hidden_state.py:185-196) first, then the top level (read by
+    the draft alone to size its fc: models/llama_eagle3.py:156-161, speculative/eagle_utils.py:261-276)."""
+    eagle = getattr(config, "eagle_config", None) or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if ids:
+        return [int(i) for i in ids], "eagle_config"
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
+    return ([int(i) for i in ids], "top level") if ids else (None, None)
+
+
+def requests(forward_batch, spec_info, rows: int) -> list[dict]:
+    """Each request's rows of the draft's input: a prefill's extend lengths, or after a verify
+    `num_tokens_per_req` rows each of which the first `num_accept_tokens` were accepted."""
+    rids = list(getattr(forward_batch, "rids", None) or [])
+    per = getattr(spec_info, "num_tokens_per_req", -1)
+    accepted = getattr(spec_info, "num_accept_tokens_cpu", None)
+    if accepted is None and isinstance(getattr(spec_info, "num_accept_tokens", None), torch.Tensor):
+        accepted = spec_info.num_accept_tokens.tolist()
+    if accepted is not None and per and per > 1:
+        lens, acc = [per] * len(accepted), [int(a) for a in accepted]
+    else:
+        lens = list(getattr(forward_batch, "extend_seq_lens_cpu", None) or [rows])
+        acc = list(lens)
+    out, start = [], 0
+    for i, n in enumerate(lens):
+        out.append({"rid": str(rids[i]) if i < len(rids) else str(i), "first_row": start, "rows": int(n),
+                    "accepted_rows": int(acc[i]) if i < len(acc) else int(n)})
+        start += int(n)
+    return out
+
+
+def expectation(draft_config, target_model, num_layers: int, training: Optional[dict]) -> tuple[tuple, dict]:
+    """((expected points, ids), settings) of the draft's input: its config's ids under SGLang's rule for the
+    target's architecture, or what the draft was trained on when the user said it."""
+    from tpprobe.engines import draft_training as dt
+    from tpprobe.engines.sglang import layer_ids as lid
+
+    arch = str(getattr(getattr(target_model, "config", None), "model_type", "llama"))
+    ids, ids_from = draft_ids(draft_config)
+
+    def slots_for(cand):
+        try:
+            p = lid.plan(arch, cand, num_layers)
+        except Exception:  # noqa: BLE001 - an id list the rule rejects fits nothing
+            return None
+        return None if p.crash else p.slot_hf_indices
+
+    p = lid.plan(arch, ids, num_layers)
+    points, exp_ids = lid.expected_slots(p)
+    rule_hs = p.slot_hf_indices
+    st = {"draft_config_ids": ids, "draft_ids_from": ids_from, "draft_rule_hs": rule_hs, "draft_rule": p.rule,
+          "sglang layers_to_capture": str(list(getattr(getattr(target_model, "model", None), "layers_to_capture",
+                                                       []) or []))}
+    trained = dt.trained_hidden_states(training, ids)
+    if trained is None:
+        st["draft_basis"] = "config"
+        return (points, exp_ids), st
+    st.update(draft_basis="trained", draft_trained_hs=trained, draft_training_from=training["from"])
+    if trained != rule_hs:
+        fix, why = dt.propose_ids(trained, slots_for, num_layers)
+        st["draft_fix"] = (f"fix: set eagle_config.eagle_aux_hidden_state_layer_ids to {fix} ({why})" if fix
+                           else f"no id list fits: {why}")
+    exp = [dt.hs_point(h) for h in trained]
+    return (exp, [ids[i] if ids and i < len(ids) else None for i in range(len(exp))]), st
+
+
+def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, forward_batch, *args, **kwargs):
+    """The draft's forward, with its input written first when it is the captured target forward's aux."""
+    spec = getattr(forward_batch, "spec_info", None)
+    h = getattr(spec, "hidden_states", None)
+    hidden = int(getattr(model.config, "hidden_size", 0) or 0)
+    last = dict(_LAST)
+    if not (isinstance(h, torch.Tensor) and h.dim() == 2 and h.shape[-1] != hidden and last
+            and last["rows"] == h.shape[0]):
+        return original_fn(model, input_ids, positions, forward_batch, *args, **kwargs)
+    _LAST.clear()
+    rank, world, tp_group = host.tp()
+    budget = host.budget(s)
+    t0 = time.time()
+    try:
+        reqs = requests(forward_batch, spec, int(h.shape[0]))
+        from tpprobe.engines.draft_training import from_env
+        training = from_env()
+        err = None
+    except Exception as e:  # noqa: BLE001 - a bad setting is said once, every rank still joins the exchange
+        reqs, training, err = [], None, f"{type(e).__name__}: {e}"
+    target = last["model"]
+    mode = "draft_input"
+
+    def record(s_, step, mode_, rank_, world_, tap, ids_, result, model_, t_forward, budget_):
+        from tpprobe.engines.step import step_record, step_settings
+
+        par = host.parallel_ranks()
+        rec = step_record(tap, model=target, rank=rank_, world=world_, input_ids=ids_, aux=h, budget=budget_,
+                          t_forward=t_forward, extra={
+                              "source": "sglang-plugin (draft input)", "step": step, "forward_mode": mode_,
+                              "target_forward_mode": last["mode"], "model": type(target).__name__,
+                              "draft_model": type(model).__name__,
+                              "draft_forward_mode": host.mode_name(forward_batch), "parallel": par,
+                              "draft_input": "forward_batch.spec_info.hidden_states (models/llama_eagle3.py:237)",
+                              "spec_info": type(spec).__name__, "requests": reqs,
+                              "kept_rows": tap.sample_rows, "budget_refused": budget_.refused})
+        slots, extra = expectation(model.config, target, rec.layers_hooked, training)
+        extra["target step"] = f"step-{step:06d}-{last['mode']}"
+        return rec, step_settings(rec, target, backend="sglang (live server, plugin: the draft's input)",
+                                  tokens=int(h.shape[0]), mode=mode_, step=step, par=par, slots=slots, extra=extra)
+
+    errors = host.write_step(s, last["step"], mode, rank, world, tp_group, last["tap"], last["input_ids"], None,
+                               target, time.time() - t0, budget, record=record, error=err,
+                               source="sglang-plugin (draft input)")
+    if errors:
+        host.steps["failed"] = True      # every rank of the TP group saw the same errors: they stop together
+    if errors and rank == 0:
+        host.say(f"the draft's input at step {last['step']} was not written: {errors[0][1]}")
+    return original_fn(model, input_ids, positions, forward_batch, *args, **kwargs)
+
+
+def target_expectation(slots: tuple, has_aux: bool) -> tuple[tuple, dict]:
+    """The target forward's expected slots: what the draft was trained on when the user gave its
+    hidden_states indices (TPPROBE_DRAFT_TRAINED=ids:...), else SGLang's own `layers_to_capture` (`slots`),
+    labelled as the engine agreeing with itself (`draft_basis` engine)."""
+    if not has_aux:
+        return slots, {}
+    from tpprobe.engines import draft_training as dt
+
+    training = dt.from_env()
+    trained = dt.trained_hidden_states(training, None)
+    if trained is None:
+        return slots, {"draft_basis": "engine"}
+    return ([dt.hs_point(h) for h in trained], [h - 1 for h in trained]), {
+        "draft_basis": "trained", "draft_trained_hs": trained, "draft_training_from": training["from"]}
