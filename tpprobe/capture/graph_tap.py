@@ -121,6 +121,21 @@ class StaticFingerprints:
             self.tf.launch_one(p, st, self._ipart, self._fpart, self._flags, self.seed, self.k, self.knobs)
         return i
 
+    def fill(self, i: int, t: torch.Tensor, buf: torch.Tensor) -> None:
+        """Slot i's kernel on t, its partials written into ``buf`` at the slot's offsets: this buffer, or
+        the one a compiled graph hands its op (compiled_tap.py: ``tpprobe::fp_into``'s kernel)."""
+        p = self.plans[i] if 0 <= i < len(self.plans) else None
+        if p is None or p["shape"] != list(t.shape) or p["dtype"] != t.dtype or not self.tf.supported(t):
+            raise GraphTapMismatch(f"slot {i}: planned {p and p['shape']} {p and p['dtype']}, got {list(t.shape)} "
+                                   f"{t.dtype} (contiguous {t.is_contiguous()})")
+        ipart, fpart, flags = self.tf.split_buffer(buf, self._ioff, self._foff)
+        self.tf.launch_one(p, t, ipart, fpart, flags, self.seed, self.k, self.knobs)
+
+    def zero_flags(self, buf: torch.Tensor) -> None:
+        """The token-flag words of ``buf`` zeroed (``begin`` for a compiled graph's op)."""
+        if self._ntok:
+            self.tf.split_buffer(buf, self._ioff, self._foff)[2].zero_()
+
     def _stage(self, i: int, like: torch.Tensor) -> torch.Tensor:
         off, n = self.plans[i]["stage"]
         return self.staging[like.dtype][off:off + n].view(like.shape)
