@@ -39,7 +39,7 @@ def _result(case):
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         import torch.distributed as dist
-        from tpprobe.builtin.compiled import compiled_probe_rank
+        from tpprobe.builtin.graph import compiled_probe_rank
         from tpprobe.core.target import RankContext
         inject, tokens, backend = case[:3]
         if not dist.is_initialized():
