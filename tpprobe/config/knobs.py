@@ -6,6 +6,7 @@ reads it with `knob(NAME)`, never `os.environ` directly (tests/test_knobs.py hol
 README's table, `python scripts/knobs_table.py --write`, lists every one)."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -86,8 +87,10 @@ FAST_PATHS = {
 }
 
 
+@functools.lru_cache(maxsize=64)
 def release(version: str) -> tuple:
-    """(major, minor) of a version string ("2.13.0+cpu" -> (2, 13), "3.6.0rc1" -> (3, 6)); () when unreadable."""
+    """(major, minor) of a version string ("2.13.0+cpu" -> (2, 13), "3.6.0rc1" -> (3, 6)); () when unreadable.
+    Kept per string: every Tap asks for torch's at its enter."""
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else ()
 

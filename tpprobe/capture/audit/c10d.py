@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 _Work = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", None)
+_PG = getattr(dist, "ProcessGroup", None)
 
 
 def group_size_of(pg) -> int:
@@ -16,9 +17,27 @@ def group_size_of(pg) -> int:
         return -1
 
 
+# ProcessGroup object -> (it, size, its sub_ranks): asked at every collective of the doors' path, the
+# same answer for the group's life. Keyed by the object (held, so its id is not reused), never by a
+# group's name (names are given again after destroy_process_group); a few groups per process, bounded.
+_SUB: dict = {}
+
+
 def sub_ranks(pg, size: int) -> Optional[list]:
     """The global ranks of a sub-group collective (None for the whole world, or when unknown): the
     check sums over these ranks only. Asked only when the group is smaller than the world."""
+    hit = _SUB.get(id(pg))
+    if hit is not None and hit[0] is pg and hit[1] == size:
+        return hit[2]
+    got = _sub_ranks(pg, size)
+    if _PG is not None and isinstance(pg, _PG) and dist.is_initialized():
+        if len(_SUB) > 64:
+            _SUB.clear()
+        _SUB[id(pg)] = (pg, size, got)
+    return got
+
+
+def _sub_ranks(pg, size: int) -> Optional[list]:
     try:
         if size <= 0 or not dist.is_initialized() or size >= dist.get_world_size():
             return None
