@@ -1,4 +1,4 @@
-"""The probe's overhead at tp 2 over NCCL, measured side by side in one run (issue 14).
+"""The probe's overhead at tp 2 over NCCL, measured side by side in one run.
 
     python bench/nccl_overhead.py [--nproc 2] [--hidden 7168] [--num-layers 4] [--dtype bfloat16]
         [--prefill 8192] [--decode 1,8,64] [--iters 7] [--decode-iters 30] [--out DIR]
@@ -18,7 +18,7 @@ With --kernel, installed_kernel / fingerprint_kernel: the same with ProcessGroup
 (every collective through the audit's dispatcher kernel, as before the doors).
 Each timing runs from a synchronised start to the end of the forward's work on the device (and,
 for fingerprint, the host having its fingerprints).  Rank 0 writes nccl_overhead.json to --out.
-Targets (issue 14): fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode.
+Targets: fingerprint <= 1.05x off in prefill, <= 1.3x in eager decode.
 """
 import argparse
 import os

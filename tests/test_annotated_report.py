@@ -1,4 +1,4 @@
-"""The README's annotated report is a real run's output (issue 28 #4): scripts/annotated_report.py
+"""The README's annotated report is a real run's output: scripts/annotated_report.py
 runs the command and annotates it; the README's block must be exactly that."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Docs that cannot drift (issue 18): every guarantee in docs/guarantees.md names tests that exist.
+"""Docs that cannot drift: every guarantee in docs/guarantees.md names tests that exist.
 
 Static (ast over tests/, nothing run). A guarantee row must name at least one test function in
 full (`test_x`, `tests/file.py::test_x`, `tests/file.py::test_x[param]`); every name it gives in

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LAUNCHES, ranks_for
-from tests.ranks import failures
-from tests.ranks import probe as _probe
+from tests.helpers.ranks import failures
+from tests.helpers.ranks import probe as _probe
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fault_table", ROOT / "scripts" / "fault_table.py")
@@ -25,7 +25,7 @@ RUNS: dict = {}   # fault_table.key(inject, args) -> (exit code, report): every 
 
 
 def probe(out, *args, nproc: int = 2, **kw):
-    """tests.ranks.probe, remembering each --inject run on gloo via --nproc for the README table."""
+    """tests.helpers.ranks.probe, remembering each --inject run on gloo via --nproc for the README table."""
     rc, rep, cp = _probe(out, *args, nproc=nproc, **kw)
     if "--inject" in args and kw.get("backend", "gloo") in ("", "gloo") and not kw.get("torchrun"):
         rest = list(args)

@@ -1,4 +1,4 @@
-"""Every TPPROBE_* variable is declared once and documented (issue 28): the SGLang plugin's in
+"""Every TPPROBE_* variable is declared once and documented: the SGLang plugin's in
 engines/sglang/options.py PluginOptions, the rest in tpprobe/config/knobs.py; no module reads os.environ for one of them
 directly; the README's table is generated from the declarations (scripts/knobs_table.py)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 28, finding 6: `tpprobe layers` knows every SGLang architecture without SGLang, and is fast
+"""`tpprobe layers` knows every SGLang architecture without SGLang, and is fast
 with it.
 
 The rules are SGLang 0.5.23's own code, tabulated as data (tpprobe/engines/sglang/rules_table.py, written by

@@ -1,5 +1,5 @@
 """Installing tpprobe into an SGLang server's environment never changes the server's stack, and
-the plugin says which SGLang it found (issue 28).
+the plugin says which SGLang it found.
 
 The venv running these tests holds the SGLang CPU tier (sglang 0.5.23 and its pinned set): it
 stands for a server's environment. `pip install --dry-run -e .` there must install tpprobe alone."""

@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from tests.ranks import spawn
+from tests.helpers.ranks import spawn
 
 pytestmark = pytest.mark.tplibs
 

@@ -137,7 +137,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                         "code path, or a computation outside the audited collectives")})]
 
 
-# the partial-sum signature (point 3b of issue 29): ranks that hold shares of one sum hold distinct
+# the partial-sum signature: ranks that hold shares of one sum hold distinct
 # increments (pairwise cosine measured 0.01 (GPT-J block), 0.72 (tp 2), <= 0.81 (tp 4) on the zoo
 # and the built-in model); ranks that ran one computation and drifted on one rank (a nudged stream,
 # a stale norm weight) hold near-copies (cosine 1.00): below SHARE_COS they are shares
