@@ -220,13 +220,13 @@ def test_no_hand_written_module_is_over_500_lines():
     assert big == []
 
 
-def test_the_readmes_layout_is_the_tree():
-    """The README's Layout section is scripts/layout.py's output: every wing and module,
+def test_the_documented_layout_is_the_tree():
+    """docs/architecture.md's Layout section is scripts/layout.py's output: every wing and module,
     each with its docstring's first sentence; a module added or moved without `--write` fails here."""
     spec = importlib.util.spec_from_file_location("layout", ROOT / "scripts" / "layout.py")
     layout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(layout)
-    assert layout.readme_layout((ROOT / "README.md").read_text()) == layout.section(), \
+    assert layout.page_layout(layout.PAGE.read_text()) == layout.section(), \
         "run: python scripts/layout.py --write"
     assert all(import_graph.modules()[m].read_text().lstrip().startswith(('"""', 'r"""'))
                for m in import_graph.modules()), "every module opens with a docstring"

@@ -129,7 +129,7 @@ def test_the_tiny_deepseek_runs_at_tp_8(tmp_path):
 
 
 def test_a_user_model_without_layers_gets_ids_of_its_own_depth(tmp_path):
-    """The README's own 2-layer example (examples/my_model.py) without --layers: was refused ("--layers [3]
+    """The documented 2-layer example (examples/my_model.py) without --layers: was refused ("--layers [3]
     out of range ... (2 layers)"); now the default follows its depth, read on the ranks after the build."""
     rc, rep, cp = probe(tmp_path / "r", "--model", "examples.my_model:build")
     assert rc == 0, cp.stderr[-3000:]

@@ -55,5 +55,5 @@ def test_the_cpu_tier_pins_the_release_tpprobe_says_it_is_tested_with():
         re.findall(r"^\s*(\w+)\s*=\s*\[",
                    (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
                    .split("[project.scripts]")[0], re.M))
-    readme = (ROOT / "README.md").read_text()
-    assert f"SGLang {sg.SGLANG_VERSION}" in readme and "'.[sglang]'" not in readme
+    page = (ROOT / "docs" / "sglang.md").read_text()
+    assert f"SGLang {sg.SGLANG_VERSION}" in page and "'.[sglang]'" not in page

@@ -91,7 +91,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                f"all-reduce(s) ran in layer {layer}{others}{span}; from here on the stream holds "
                                f"each rank's partial sum",
                         # the data's signature beside it, in the evidence (the line and its why keep their
-                        # words: the README's fault table and annotated report are generated from them)
+                        # words: the fault table and the annotated report in docs/ are generated from them)
                         evidence={"unreduced": unreduced,
                                   "missing_allreduce": {"where": layer_place(layer), "module": mod},
                                   **({"partial_sum_signature": sig} if sig else {}),
