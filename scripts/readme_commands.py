@@ -53,7 +53,7 @@ RULES = [
      "a command's name in prose"),
     (r"^(PYTHONPATH=\S+ )?(\S*python|bash) bench/", "flags", "", ""),
     (r"^POLARS=", "skip", "", "installs polars into a temp folder for bench/dumper_vs_comparator.py"),
-    (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+ .*--out runs/\w+", "run", "slow", ""),
+    (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+ .*--out tpprobe-runs/\w+", "run", "slow", ""),
     (r"^tpprobe probe --exchange full( --tokens \d+)?$", "run", "fast", ""),
     (r"--backend sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
     (r"^TPPROBE_CAPTURE_DIR=\S+ .*vllm serve |^tpprobe report /tmp/cap(/dp0-pp0/step-\d+-\w+)?$", "skip", "",
