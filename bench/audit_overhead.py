@@ -1,4 +1,4 @@
-"""The collective audit's and the Tap install's cost on a decode forward, before / after (issue 14).
+"""The collective audit's and the Tap install's cost on a decode forward, before / after.
 
     .venv/bin/python bench/audit_overhead.py [--nproc 1] [--hidden 64] [--num-layers 4] [--tokens 1]
         [--iters 41] [--out DIR]

@@ -1,4 +1,4 @@
-"""Check cost: `--exchange fingerprint` vs `--exchange full` through the real CLI (issue 6, benchmarks 2, 3).
+"""Check cost: `--exchange fingerprint` vs `--exchange full` through the real CLI.
 
     .venv/bin/python bench/check_cost.py [--nprocs 2,4] [--hidden 1024] [--tokens 1024]
         [--num-layers 4] [--iters 3] [--inject rank-noise@1] [--out DIR]

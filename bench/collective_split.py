@@ -1,4 +1,4 @@
-"""Where the host time of ONE audited collective goes (diagnostic for issue 14, point 3).
+"""Where the host time of ONE audited collective goes.
 
     python bench/collective_split.py [--device cuda] [--hidden 7168] [--tokens 1] [--rounds 300]
 

@@ -1,4 +1,4 @@
-"""tpprobe vs SGLang's comparator on identical SGLang dumper folders (issue 17).
+"""tpprobe vs SGLang's comparator on identical SGLang dumper folders.
 
     PYTHONPATH=/tmp/polars .venv/bin/python bench/dumper_vs_comparator.py [--tokens 8192] [--hidden 7168]
         [--dir DIR] [--out DIR] [--skip-kimi] [--skip-verdicts] [--reuse] [--repeat 3] [--skip-comparator]
@@ -10,7 +10,7 @@ subprocess is given it):
     .venv/bin/python -m pip install --target /tmp/polars polars
 
 Dumps are written by SGLang's own dumper (`sglang.srt.debug_utils.dumper.dumper.dump`) on real gloo
-ranks with SGLang's parallel state published (tests/dumper_ranks.py for the verdict cases, `_kimi`
+ranks with SGLang's parallel state published (tests/helpers/dumper_ranks.py for the verdict cases, `_kimi`
 below for the large one): a baseline run at tp 1 and a target run at tp 2, the same tokens.
 
 1. Verdicts (16 tokens × 32, bf16):
@@ -41,7 +41,7 @@ below for the large one): a baseline run at tp 1 and a target run at tp 2, the s
    seconds (user + system: less sensitive to a busy machine), all as × the raw read of the same
    files (diff: both folders; report: the target's). --repeat N rounds (default 3), each side by
    side; the comparator (~1 min, 3.9 GB) runs in the first round only (--skip-comparator: never).
-   Targets (issue 17): tpprobe ≤ 1.2 × raw and ≤ 1 GB peak RSS, no false alarm on the noise.
+   Targets: tpprobe ≤ 1.2 × raw and ≤ 1 GB peak RSS, no false alarm on the noise.
 Writes dumper_vs_comparator.json to --out.
 """
 from __future__ import annotations
@@ -224,7 +224,7 @@ def main() -> None:
     cmp_env = {"PYTHONPATH": polars}
     tp_env = {"PYTHONPATH": str(ROOT)}
     base = Path(a.dir)
-    from sglang_ranks import run_ranks
+    from helpers.sglang_ranks import run_ranks
     results: dict = {"verdicts": {}, "kimi": None}
 
     # 1. verdicts
@@ -234,11 +234,11 @@ def main() -> None:
         pass
     elif not (a.reuse and tiny.exists()):
         shutil.rmtree(tiny, ignore_errors=True)
-        run_ranks("dumper_ranks:write", 2, {"base": str(tiny / "tp2"), "exps": {
+        run_ranks("helpers.dumper_ranks:write", 2, {"base": str(tiny / "tp2"), "exps": {
             "partial": [S(16, [("input_ids", "input_ids", None), ("embed", "embed_part", "t h # tp:replicated")])],
             "ulp": [S(16, [("input_ids", "input_ids", None), ("h", "ulp", "t h # tp:replicated")])],
             "ulp_bare": [S(16, [("input_ids", "input_ids", None), ("h", "ulp", None)])]}}, 300)
-        run_ranks("dumper_ranks:write", 1, {"base": str(tiny / "tp1"), "exps": {
+        run_ranks("helpers.dumper_ranks:write", 1, {"base": str(tiny / "tp1"), "exps": {
             "partial": [S(16, [("input_ids", "input_ids", None), ("embed", "embed", None)])],
             "ulp": [S(16, [("input_ids", "input_ids", None), ("h", "full", None)])],
             "ulp_bare": [S(16, [("input_ids", "input_ids", None), ("h", "full", None)])]}}, 300)
@@ -246,10 +246,10 @@ def main() -> None:
     bare = tiny / "bare"
     if not (a.reuse and bare.exists()):
         shutil.rmtree(bare, ignore_errors=True)
-        run_ranks("dumper_ranks:write", 2, {"base": str(bare / "tp2"), "exps": {"run": [S(16, [
+        run_ranks("helpers.dumper_ranks:write", 2, {"base": str(bare / "tp2"), "exps": {"run": [S(16, [
             ("input_ids", "input_ids", None), ("embed", "embed_part", None), ("o_proj", "row_part", None),
             ("qkv", "shard", None), ("h", "ulp", None)])]}}, 300)
-        run_ranks("dumper_ranks:write", 1, {"base": str(bare / "tp1"), "exps": {"run": [S(16, [
+        run_ranks("helpers.dumper_ranks:write", 1, {"base": str(bare / "tp1"), "exps": {"run": [S(16, [
             ("input_ids", "input_ids", None), ("embed", "embed", None), ("o_proj", "row_full", None),
             ("qkv", "full", None), ("h", "full", None)])]}}, 300)
     b, t = bare / "tp1" / "run", bare / "tp2" / "run"

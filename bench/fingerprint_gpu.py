@@ -1,4 +1,4 @@
-"""Fingerprint cost on GPU against the HBM floor (issue 6).
+"""Fingerprint cost on GPU against the HBM floor.
 
     python3 bench/fingerprint_gpu.py [--out DIR] [--iters 50] [--tune] [--ablate]
 

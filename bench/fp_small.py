@@ -1,4 +1,4 @@
-"""Host and device cost of the fingerprint path on small decode tensors (diagnostic, issue 14).
+"""Host and device cost of the fingerprint path on small decode tensors.
 
     python bench/fp_small.py [--rows 1] [--hidden 7168] [--n 7] [--iters 300] [--only device|host]
 

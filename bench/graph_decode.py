@@ -1,4 +1,4 @@
-"""Decode with CUDA graphs on: graph replay with and without the fingerprint taps (issue 16).
+"""Decode with CUDA graphs on: graph replay with and without the fingerprint taps.
 
     python bench/graph_decode.py --tp 1|2 [--hidden 7168] [--ffn 18432] [--num-layers 4]
         [--tokens 1,8,64] [--rounds 15] [--iters 50] [--out FILE.json]

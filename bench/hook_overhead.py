@@ -1,4 +1,4 @@
-"""Hook overhead of the probe on one forward (issue 6, benchmark 1).
+"""Hook overhead of the probe on one forward.
 
     .venv/bin/python bench/hook_overhead.py [--device cpu|cuda] [--dtype float32|bfloat16]
         [--hidden 4096] [--tokens 256] [--num-layers 4] [--ffn H] [--heads 32] [--iters 5] [--out DIR]

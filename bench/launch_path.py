@@ -1,5 +1,5 @@
 """Host us per fingerprint launch: Triton 3.6's C launch called directly (`launch_of`) against
-Triton's launcher object, side by side in one run (issue 14, point 3).
+Triton's launcher object, side by side in one run.
 
     python bench/launch_path.py [--rows 1] [--hidden 7168] [--per-forward 25] [--rounds 200]
 

@@ -1,4 +1,4 @@
-"""Offline `tpprobe report DIR` vs simply reading the capture files (issue 6, benchmark 4).
+"""Offline `tpprobe report DIR` vs simply reading the capture files.
 
     .venv/bin/python bench/offline_report.py [--dir DIR] [--hidden 2048] [--tokens 2048]
         [--num-layers 8] [--nproc 2] [--iters 3] [--out DIR]

@@ -1,4 +1,4 @@
-"""The SGLang plugin's cost per step on CPU (issue 16): time and bytes per captured forward.
+"""The SGLang plugin's cost per step on CPU: time and bytes per captured forward.
 
     PYTHONPATH=. python bench/plugin_step.py [--tokens 256] [--rounds 7] [--out FILE.json]
 
@@ -60,7 +60,7 @@ def main():
     a = ap.parse_args()
     from pathlib import Path
 
-    from sglang_ranks import run_ranks
+    from helpers.sglang_ranks import run_ranks
     with tempfile.TemporaryDirectory() as root:
         env = {"SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "1000", "TPPROBE_FORWARD_MODES": "all",
                "OMP_NUM_THREADS": "1",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmarks of issue 6, in sequence (they share the cores: never run them side by side).
+# The CPU benchmarks, in sequence (they share the cores: never run them side by side).
 #   bench/run_all.sh [OUTDIR]        (default bench-out/)
 # The GPU ones run on the lent H200 through `bash scripts/gpu.sh bench` (bench/README.md).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""The Tap's install and removal alone, per forward (diagnostic for issue 14, point 3).
+"""The Tap's install and removal alone, per forward.
 
     python bench/tap_enter.py [--device cuda|cpu] [--n 500] [--profile]
 

@@ -1,4 +1,4 @@
-"""Where the probe's host time goes in one eager decode forward, phase by phase (issue 14, point 3).
+"""Where the probe's host time goes in one eager decode forward, phase by phase.
 
     python bench/tap_phases.py [--device cuda|cpu] [--hidden 7168] [--num-layers 4] [--tokens 1]
         [--dtype bfloat16] [--rounds 60] [--out DIR]

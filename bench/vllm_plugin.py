@@ -1,4 +1,4 @@
-"""The vLLM plugin's cost in vLLM's own CPU engine (issue 33): tokens/s with and without it, side by side.
+"""The vLLM plugin's cost in vLLM's own CPU engine: tokens/s with and without it, side by side.
 
     PYTHONPATH=. .venv-vllm/bin/python bench/vllm_plugin.py [--rounds 10] [--tokens 16] [--out DIR]
 

@@ -1,12 +1,12 @@
-"""The README's annotated report, from a real run: `tpprobe probe --inject skip-allreduce@2` in a
+"""The annotated report of docs/report.md, from a real run: `tpprobe probe --inject skip-allreduce@2` in a
 scratch folder, its terminal output as printed (120 columns, as on any pipe), with what varies
 from run to run or machine to machine replaced by `…` (timings, the run folder, the versions and
 machine line) and the notes (`← ...`) added to the lines they explain.
 
   python scripts/annotated_report.py            # print it
-  python scripts/annotated_report.py --write    # replace the README's block (between the markers)
+  python scripts/annotated_report.py --write    # replace docs/report.md's block (between the markers)
 
-tests/test_annotated_report.py runs it and fails when the README's block differs."""
+tests/test_annotated_report.py runs it and fails when the page's block differs."""
 from __future__ import annotations
 
 import os
@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import readme_section  # noqa: E402
+PAGE = ROOT / "docs" / "report.md"
 COMMAND = ["probe", "--inject", "skip-allreduce@2"]
 BEGIN, END = "<!-- annotated:begin (python scripts/annotated_report.py --write) -->", "<!-- annotated:end -->"
 # a line that starts with (or, for "~", contains) the key gets the note
@@ -67,13 +68,13 @@ def block(text: str) -> str:
     return f"`tpprobe {' '.join(COMMAND)}` (the o_proj all-reduce of layer 2 never runs):\n\n```text\n{text}\n```"
 
 
-def readme_block(readme: str) -> str:
+def page_block(readme: str) -> str:
     return readme_section.section(readme, BEGIN, END)
 
 
 if __name__ == "__main__":
     got = block(annotate(run()))
     if "--write" in sys.argv:
-        readme_section.write(BEGIN, END, got)
+        readme_section.write(BEGIN, END, got, PAGE)
     else:
         print(got)

@@ -1,9 +1,9 @@
-"""The README's fault table, from real runs: `python scripts/fault_table.py [--write]`.
+"""The fault table of docs/faults.md, from real runs: `python scripts/fault_table.py [--write]`.
 
 Runs `tpprobe probe --inject FAULT` for every fault of the catalogue on the built-in model (CPU,
 gloo) and prints one Markdown row per fault with the verdict line tpprobe printed; `--write`
-puts the table into README.md. tests/test_faults.py builds the same table from the runs it makes
-anyway (this module's `table`) and fails when the README's differs, so the table cannot drift.
+puts the table into docs/faults.md. tests/test_faults.py builds the same table from the runs it makes
+anyway (this module's `table`) and fails when the page's differs, so the table cannot drift.
 
 What depends on timing is not in the table: a dead or hung rank's last heartbeat (which layer,
 how many seconds before the others gave up) is shown as "…".
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "faults.md"
 HEADER = "| catalogue | `--inject` | exit | verdict (first line of the report) |"
 
 RUNS = [  # (inject, extra args)
@@ -82,8 +82,8 @@ def table(results: dict) -> str:
     return "\n".join([HEADER, "|---|---|---|---|", *rows])
 
 
-def readme_table(text: str) -> str:
-    """The fault table as the README has it (the header, then every row up to the blank line)."""
+def page_table(text: str) -> str:
+    """The fault table as the page has it (the header, then every row up to the blank line)."""
     i = text.index(HEADER)
     j = text.find("\n\n", i)
     return text[i:j if j >= 0 else len(text)].strip()
@@ -97,8 +97,8 @@ def main() -> None:
         print(row(inject, extra, *results[key(inject, extra)]), file=sys.stderr, flush=True)
     t = table(results)
     if "--write" in sys.argv:
-        text = README.read_text()
-        README.write_text(text.replace(readme_table(text), t))
+        text = PAGE.read_text()
+        PAGE.write_text(text.replace(page_table(text), t))
     print(t)
 
 

@@ -14,11 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "tpprobe"
 
 
-# The floors, top to bottom (issue 31): a module imports only modules of its own wing or of a wing on a
+# The floors, top to bottom: a module imports only modules of its own wing or of a wing on a
 # lower floor, never one beside it or above it. A wing is the longest prefix named here (config.options is
 # a wing of its own). tests/test_house.py holds the code to them; scripts/layout.py lists the wings so.
 FLOORS = [
-    ["sglang"],                          # the plugin's old entry point only: tpprobe.sglang.plugin:register
     ["cli"],                             # one module per command
     ["invariance"],
     ["probe"],                           # the pipeline every rank runs

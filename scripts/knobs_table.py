@@ -1,10 +1,11 @@
-"""The README's table of every TPPROBE_* variable (the SGLang plugin's settings, then the rest),
-from their one declaration: `tpprobe/engines/sglang/options.py` PluginOptions and `tpprobe/config/knobs.py` KNOBS.
+"""The tables of every TPPROBE_* variable, from their one declaration: `tpprobe/engines/sglang/options.py`
+PluginOptions (the plugins' settings) and `tpprobe/config/knobs.py` KNOBS. A user's variables go to
+docs/configuration.md; those for diagnosing tpprobe, for its tests and its internal ones to docs/development.md.
 
-  python scripts/knobs_table.py            # print it
-  python scripts/knobs_table.py --write    # replace the README's table (between the markers)
+  python scripts/knobs_table.py            # print both
+  python scripts/knobs_table.py --write    # replace both pages' tables (between the markers)
 
-tests/test_knobs.py fails when the README's table differs from this."""
+tests/test_knobs.py fails when a page's table differs from this."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import readme_section  # noqa: E402
+
+USER_PAGE, DEV_PAGE = ROOT / "docs" / "configuration.md", ROOT / "docs" / "development.md"
 BEGIN, END = "<!-- knobs:begin (python scripts/knobs_table.py --write) -->", "<!-- knobs:end -->"
+DEV_BEGIN, DEV_END = "<!-- devknobs:begin (python scripts/knobs_table.py --write) -->", "<!-- devknobs:end -->"
+DEV_READERS = ("(diagnosis)", "(tests)", "internal")   # a `read by` naming one of these is a development variable
 
 
 def rows() -> list[tuple[str, str, str, str]]:
@@ -31,18 +36,23 @@ def rows() -> list[tuple[str, str, str, str]]:
     return out
 
 
-def table() -> str:
+def is_dev(who: str) -> bool:
+    return any(w in who for w in DEV_READERS)
+
+
+def table(dev: bool = False) -> str:
     lines = ["| variable | read by | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{n}` | {who} | {d} | {m.replace('|', '/')} |" for n, who, d, m in rows()]
+    lines += [f"| `{n}` | {who} | {d} | {m.replace('|', '/')} |" for n, who, d, m in rows() if is_dev(who) == dev]
     return "\n".join(lines)
 
 
-def readme_table(text: str) -> str:
-    return readme_section.section(text, BEGIN, END)
+def page_table(text: str, dev: bool = False) -> str:
+    return readme_section.section(text, *((DEV_BEGIN, DEV_END) if dev else (BEGIN, END)))
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        readme_section.write(BEGIN, END, table())
+        readme_section.write(BEGIN, END, table(), USER_PAGE)
+        readme_section.write(DEV_BEGIN, DEV_END, table(dev=True), DEV_PAGE)
     else:
-        print(table())
+        print(table(), table(dev=True), sep="\n\n")

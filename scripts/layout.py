@@ -1,10 +1,10 @@
-"""The README's Layout section, generated from the tree: every wing (subpackage) of tpprobe, top floor
+"""The Layout section of docs/architecture.md, generated from the tree: every wing (subpackage) of tpprobe, top floor
 first (import_graph.FLOORS), and every module in it with the first sentence of its docstring.
 
   python scripts/layout.py            # print it
-  python scripts/layout.py --write    # replace the README's section (between the markers)
+  python scripts/layout.py --write    # replace the page's section (between the markers)
 
-tests/test_house.py fails when the README's section differs from this, so a module added, moved or
+tests/test_house.py fails when the page's section differs from this, so a module added, moved or
 renamed without `--write` is caught, and so is a module without a docstring."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import import_graph  # noqa: E402
 import readme_section  # noqa: E402
 
+PAGE = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- layout:begin (python scripts/layout.py --write) -->", "<!-- layout:end -->"
 NAME = 24          # the width of the name column (a longer name keeps one space before its line)
 WIDTH = 120        # the widest line
@@ -61,12 +62,12 @@ def section() -> str:
     return "\n".join(["```", *out, "```"])
 
 
-def readme_layout(text: str) -> str:
+def page_layout(text: str) -> str:
     return readme_section.section(text, BEGIN, END)
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        readme_section.write(BEGIN, END, section())
+        readme_section.write(BEGIN, END, section(), PAGE)
     else:
         print(section())

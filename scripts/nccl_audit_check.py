@@ -1,7 +1,7 @@
 """Does the collective audit work on NCCL collectives?  World-1 NCCL group on one GPU (the only
 NCCL this one-GPU machine can run): all_reduce a CUDA tensor bare, under an Audit on its kernel
 path, under its dispatch-mode path, and under a Tap with fingerprints; each step prints how long it
-took, and faulthandler dumps every thread's stack if a step hangs (diagnosis for issue 14/20: the
+took, and faulthandler dumps every thread's stack if a step hangs (a diagnosis for the
 2-GPU invariance run whose NCCL ranks "wrote nothing", and bench/nccl_overhead.py --collectives
 that did not finish)."""
 import faulthandler

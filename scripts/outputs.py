@@ -1,5 +1,5 @@
 """Record what a set of tpprobe commands print, and compare two recordings: the house moves' proof that
-terminal and --json output did not change (issue 31: byte-identical after timings are masked).
+terminal and --json output did not change (byte-identical after timings are masked).
 
     PYTHONPATH=. .venv/bin/python scripts/outputs.py record /tmp/before      # on the old tree
     PYTHONPATH=. .venv/bin/python scripts/outputs.py record /tmp/before layers invariance   # only these
@@ -42,7 +42,7 @@ COMMANDS = {
     "layers": ["layers", "--arch", "llama", "--num-layers", "8"],
     "layers-json": ["layers", "--arch", "deepseek_v3", "--num-layers", "61", "--ids", "2,30,58", "--json"],
     "bad-usage": ["probe", "--nproc", "0"],
-    # issue 31 step 5 (one report model, one sink): the other commands' terminal and --json
+    # one report model, one sink: the other commands' terminal and --json
     "diff-self-json": ["diff", "--json", "{d}/healthy", "{d}/skip"],
     "probe-sglang": ["probe", "--backend", "sglang", "--arch", "llama", "--out", "{d}/sglang"],
     "layers-all": ["layers", "--arch", "all", "--num-layers", "8"],

@@ -1,10 +1,13 @@
-"""Every command the README shows, and what tests/test_readme.py does with it.
+"""Every command the README and the docs pages show, and what tests/test_readme.py does with it.
 
 `python scripts/readme_commands.py` lists them: each shell line of a ```bash block and each inline
-`tpprobe …` / `PYTHONPATH=. tpprobe …` / `bash …` / `pip …` command, with its class:
+`tpprobe …` / `PYTHONPATH=. tpprobe …` / `bash …` / `pip …` command of README.md and docs/*.md (the
+dated records under docs/results/ are history, not instructions), with its class:
 
   run     tests/test_readme.py runs it as written, in a fresh bash with the venv activated
           (the sweep tier runs the costly ones: `bash scripts/test.sh -m sweep`)
+  flags   a benchmark: too long for a test, so its script must exist and its `--help` name every
+          flag the command passes
   skip    not run, with the reason (installs, GPUs, a live server, placeholders like DIR)
 
 A command no rule classifies fails the test: a new README command needs a decision here.
@@ -15,10 +18,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def pages() -> list[Path]:
+    """The pages whose commands are checked: the README and every topic page of docs/."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 PLACEHOLDERS = re.compile(r"\b(DUMPDIR|B_DUMPDIR|T_DUMPDIR|DRAFT|DIR|BASELINE|TARGET|CAPTURE|OUT\.ckpt|NAME|"
-                          r"COMMAND|N|F)\b|pkg\.module|\[|\|")
+                          r"COMMAND|N|F|B|T|A|D|D\.json|T\.json)\b|pkg\.module|\.\.\.|\[|\|")
 
 # (pattern, class, cost, reason); first match wins. cost: "fast" runs in the default tier, "slow" in sweep
 RULES = [
@@ -35,8 +44,17 @@ RULES = [
      "run", "slow", ""),
     (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/test_reports.py renders the page"),
     (r"^pytest -m gpu", "skip", "", "needs a GPU"),
-    (r"^python scripts/fault_table\.py", "skip", "", "regenerates the fault table (tests/test_faults.py checks it)"),
-    (r"^python scripts/layout\.py", "skip", "", "regenerates the README's layout (tests/test_house.py checks it)"),
+    (r"^python scripts/(fault_table|layout|annotated_report|knobs_table)\.py --write$", "skip", "",
+     "regenerates a generated doc section (tests/test_faults.py, test_house.py, test_annotated_report.py, "
+     "test_knobs.py check it)"),
+    (r"^bash scripts/gpu\.sh", "skip", "", "needs a GPU (the GPU tier: docs/results/gpu.md)"),
+    (r"^(python -m )?pytest ", "skip", "", "a test run: scripts/test.sh runs the suite"),
+    (r"^(tpprobe (probe|report|diff|specforge|torchrun|invariance|accept|layers)|pip install|pytest -s)$", "skip", "",
+     "a command's name in prose"),
+    (r"^(PYTHONPATH=\S+ )?(\S*python|bash) bench/", "flags", "", ""),
+    (r"^POLARS=", "skip", "", "installs polars into a temp folder for bench/dumper_vs_comparator.py"),
+    (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+ .*--out tpprobe-runs/\w+", "run", "slow", ""),
+    (r"^tpprobe probe --exchange full( --tokens \d+)?$", "run", "fast", ""),
     (r"--backend sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
     (r"^TPPROBE_CAPTURE_DIR=\S+ .*vllm serve |^tpprobe report /tmp/cap(/dp0-pp0/step-\d+-\w+)?$", "skip", "",
      "a live vLLM server: tests/test_vllm_live.py runs vLLM's engine with the plugin under -m vllm_live"),
@@ -58,18 +76,28 @@ RULES = [
 ]
 
 
+def bench_flags(c: Command) -> tuple[Path, list[str]]:
+    """A benchmark command's script and the flags it passes."""
+    script = re.search(r"(bench/[\w./]+\.(?:py|sh))", c.text).group(1)
+    return ROOT / script, re.findall(r"(?<!\S)(--[a-z][\w-]*)", c.text.split(script, 1)[1])
+
+
 @dataclass
 class Command:
     text: str
-    where: str          # "block N" (commands of one block run in order, in one folder) or "inline"
+    where: str          # "PAGE block N" (commands of one block run in order, in one folder) or "PAGE inline"
     cls: str = ""
     cost: str = ""
     reason: str = ""
+    shown: str | None = None   # what the page shows the block printing (a ```text block marked as its output)
+
+
+OUTPUT_MARK = "<!-- output of the block above"
 
 
 def _classify(c: Command) -> Command:
     for pat, cls, cost, reason in RULES:
-        subject = f"{c.where}: {c.text}" if pat.startswith("^block") else c.text
+        subject = f"{c.where.split()[-2]} {c.where.split()[-1]}: {c.text}" if pat.startswith("^block") else c.text
         if re.search(pat, subject):
             if cls == "skip-if-placeholder":
                 if PLACEHOLDERS.search(c.text):
@@ -77,19 +105,24 @@ def _classify(c: Command) -> Command:
                     return c
                 continue
             c.cls, c.cost, c.reason = cls, cost, reason
+            if cls == "run" and PLACEHOLDERS.search(c.text):
+                c.cls, c.cost, c.reason = "skip", "", "a template with placeholders (DIR, N, …), not a command"
             return c
     c.cls = "unclassified"
     return c
 
 
-def commands(text: str | None = None) -> list[Command]:
-    text = README.read_text() if text is None else text
+def commands(text: str | None = None, page: str = "README.md") -> list[Command]:
+    """Every command of one page (`text`), or of every page when no text is given."""
+    if text is None:
+        return [c for p in pages() for c in commands(p.read_text(), str(p.relative_to(ROOT)))]
     out: list[Command] = []
-    for i, block in enumerate(re.findall(r"```bash\n(.*?)```", text, re.S)):
-        for line in block.splitlines():
+    shown_after = r"(\s*" + re.escape(OUTPUT_MARK) + r".*?-->\n```text\n(.*?)```)?"
+    for i, m in enumerate(re.finditer(r"```bash\n(.*?)```\n" + shown_after, text, re.S)):
+        for line in m.group(1).replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
             if line:
-                out.append(_classify(Command(line, f"block {i}")))
+                out.append(_classify(Command(" ".join(line.split()), f"{page} block {i}", shown=m.group(3))))
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     seen = {c.text for c in out}
     for span in re.findall(r"`([^`\n]+)`", prose):
@@ -98,10 +131,10 @@ def commands(text: str | None = None) -> list[Command]:
                     r"\.venv)", span) \
                 and span not in seen:
             seen.add(span)
-            out.append(_classify(Command(span, "inline")))
+            out.append(_classify(Command(span, f"{page} inline")))
     return out
 
 
 if __name__ == "__main__":
     for c in commands():
-        print(f"{c.cls:13} {c.cost:5} {c.text}" + (f"   ({c.reason})" if c.reason else ""))
+        print(f"{c.cls:13} {c.cost:5} {c.where.split()[0]:24} {c.text}" + (f"   ({c.reason})" if c.reason else ""))

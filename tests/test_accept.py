@@ -1,4 +1,4 @@
-"""`tpprobe accept`: the EAGLE-3 draft replayed on two feature sets (issue 22).
+"""`tpprobe accept`: the EAGLE-3 draft replayed on two feature sets.
 
 Start at `test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix`: a small
 draft head is trained (examples/accept_toy_draft.py), in seconds, on the built-in model's healthy aux
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from examples.accept_toy_draft import IDS, TOKENS, V, capture as _capture, probe_args, train as _train
-from tests.ranks import ROOT, probe, run_cli
+from tests.helpers.ranks import ROOT, probe, run_cli
 from tpprobe.eagle3.accept.score import accept_lengths, run_accept
 FAULTS = {  # --inject -> catalogue row (faults of the built-in model that change the aux input)
     "slice-capture": "F6", "capture-offset": "F7", "slot-order": "F8", "drop-embed-slot": "F8",
@@ -175,7 +175,7 @@ def test_sources_of_other_tokens_are_refused(runs, tmp_path):
     assert cp.returncode == 2 and "captured on other tokens" in cp.stderr, cp.stderr
 
 
-# ---- F16 and F18: serving faults on SGLang's own tiny Llama (issue 22 with h15's injections) -------
+# ---- F16 and F18: serving faults on SGLang's own tiny Llama -------
 SGLANG_FAULTS = {"fused-allreduce-capture": "F16", "capture-no-residual": "F18"}
 
 
@@ -207,7 +207,7 @@ def sglang_runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.sglang     # three SGLang probes started together and a draft: ~30 s of CI (issue 22 asks F16/F18 in CI)
+@pytest.mark.sglang     # three SGLang probes started together and a draft: ~30 s of CI
 def test_serving_faults_f16_f18_on_sglangs_llama_cost_accept_length(sglang_runs):
     costs = {}
     base = None
@@ -245,7 +245,7 @@ def test_bad_sources_are_refused_with_what_to_do(runs, tmp_path):
 
 
 def test_a_source_of_another_length_is_one_line_and_exit_2_from_the_cli(runs, tmp_path):
-    """Mismatched token counts through the real CLI (issue 22 point 3): one line, exit 2."""
+    """Mismatched token counts through the real CLI: one line, exit 2."""
     from safetensors.torch import save_file
     feats, _ = _capture(runs["healthy"])
     short = tmp_path / "short.safetensors"
@@ -256,7 +256,7 @@ def test_a_source_of_another_length_is_one_line_and_exit_2_from_the_cli(runs, tm
     assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr and not cp.stdout.strip()
 
 
-# ---- --device: the torch engine on a GPU (issue 22: "and on GPU when there is one") ---------------
+# ---- --device: the torch engine on a GPU ---------------
 @pytest.mark.parametrize("args, message", [
     (["--engine", "sglang", "--device", "cuda"], "SGLang's class runs on CPU in this tool; use --engine torch on GPU"),
     (["--device", "tpu"], "--device 'tpu': use auto, cpu, cuda or cuda:N"),

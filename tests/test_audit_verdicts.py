@@ -1,4 +1,4 @@
-"""The verdict listens to the audit (issue 29, catalogue rows F22-F25): start at `CASES`.
+"""The verdict listens to the audit (catalogue rows F22-F25): start at `CASES`.
 
 Each case runs `tpprobe probe` (real gloo ranks, real torch.distributed) with one fault of the
 catalogue and asserts the exact diagnosis (kind, place, ranks) in both exchange modes:
@@ -15,8 +15,8 @@ catalogue and asserts the exact diagnosis (kind, place, ranks) in both exchange 
        its path, never `subgroup-allreduce`
 
 The same verdict for a reduce-scatter (not its slice of the sum) and an all-gather (a block not
-what its rank sent) on tests/sp_model.py, and for MAX / MIN / PRODUCT (tests/amax_model.py) and an
-all-to-all (tests/a2a_model.py), each by its own definition. Each wrong rank's error (relative to
+what its rank sent) on tests/zoo/sp_comm.py, and for MAX / MIN / PRODUCT (tests/zoo/amax.py) and an
+all-to-all (tests/zoo/a2a.py), each by its own definition. Each wrong rank's error (relative to
 what a complete collective returns) is asserted where the injection implies it; in fingerprint mode
 no tensor moves beyond the diverging stream points' detail (none where the ranks agree).
 
@@ -34,7 +34,7 @@ import pytest
 import json
 from pathlib import Path
 
-from tests.ranks import failures, run_cli
+from tests.helpers.ranks import failures, run_cli
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 
@@ -175,7 +175,7 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
     assert says in f["detail"], f["line"]
     assert "weight shard" not in f["explain"] and f["explain"]
     if kind == "partial-allreduce" and not inject.startswith("skip-unreadable"):
-        # the data's own signature (point 3b) beside the structure's or the count's evidence
+        # the data's own signature beside the structure's or the count's evidence
         sig = f["evidence"]["partial_sum_signature"]
         assert sig["max_cosine"] < 0.95 and sig["ranks"] == list(range(nproc)), f["evidence"]
         # the o_proj reduce is followed by the MLP's in each layer, so the increments do not sum to the tp=1
@@ -338,9 +338,9 @@ def test_row_parallel_modules_are_recognised_from_their_attributes_and_shape_not
     assert not is_row_parallel(torch.nn.Linear(64, 64), hidden=64, world=2, shape=True)
 
 
-# ---- every op by its own definition (point 2) ---------------------------------------------------------
+# ---- every op by its own definition ----------------------------------------------------------------
 def test_max_min_and_product_reduces_are_checked_by_their_definition(tmp_path):
-    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:build", "--layers", "-1,1", nproc=2)
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.zoo.amax:build", "--layers", "-1,1", nproc=2)
     ops = [e["op"] for e in rep["allreduce"]["records"]]
     assert {"MAX", "MIN", "PRODUCT", "SUM"} <= set(ops), ops
     assert all(e["level"] in ("exact", "noise") for e in rep["allreduce"]["records"] if e["op"] != "CAT"), \
@@ -350,9 +350,9 @@ def test_max_min_and_product_reduces_are_checked_by_their_definition(tmp_path):
 
 
 def test_a_wrong_max_min_or_product_is_named_at_its_reduce_in_full_mode(tmp_path):
-    """tests/amax_model.py's `wrong`: layer 0's MAX on rank 1 returns rank 1's own amax, layer 1's MIN
+    """tests/zoo/amax.py's `wrong`: layer 0's MAX on rank 1 returns rank 1's own amax, layer 1's MIN
     rank 0's value on every rank, layer 2's PRODUCT the product x 2: each named, by its op."""
-    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:wrong", "--layers", "-1,1", nproc=2)
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.zoo.amax:wrong", "--layers", "-1,1", nproc=2)
     assert rc == 1, cp.stderr[-3000:]
     D = "layer {} (layers.{}.mlp.down_proj)"
     got = [(f["kind"], f["where"], f["ranks"], f["evidence"]["op"]) for f in failures(rep)]
@@ -364,7 +364,7 @@ def test_a_wrong_max_min_or_product_is_named_at_its_reduce_in_full_mode(tmp_path
     assert "not the MIN reduction of its inputs: on ranks [0, 1] it returned rank 0's input alone" in mn["detail"]
     assert "not the PRODUCT reduction of its inputs: on ranks [0, 1] it returned the PRODUCT reduction scaled by 2" \
         in pr["detail"]
-    assert "tests.amax_model.Sync.all_reduce+c10d.allreduce_" in mx["detail"]
+    assert "tests.zoo.amax.Sync.all_reduce+c10d.allreduce_" in mx["detail"]
     assert rep["allreduce"]["incomplete"] == 3 and rep["allreduce"]["unchecked"] == 0
     line = next(ln for ln in render(rep).splitlines() if ln.startswith("all-reduce audit:"))
     assert "(the MAX, MIN, PRODUCT ones by their own definition)" in line and "3 incomplete" in line
@@ -373,7 +373,7 @@ def test_a_wrong_max_min_or_product_is_named_at_its_reduce_in_full_mode(tmp_path
 def test_an_op_sketches_cannot_check_is_counted_unchecked_and_said(tmp_path):
     """The same broken MAX / MIN / PRODUCT in fingerprint mode: sketches cannot check them, so they are
     counted unchecked in coverage and on the audit line, never passed silently (and never HEALTHY)."""
-    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.amax_model:wrong", "--layers", "-1,1", "--exchange",
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.zoo.amax:wrong", "--layers", "-1,1", "--exchange",
                         "fingerprint", nproc=2)
     why = rep["allreduce"]["unchecked_why"]
     assert why == {"op MAX not checkable from sketches": 4, "op MIN not checkable from sketches": 4,
@@ -432,7 +432,7 @@ def test_avg_is_checked_by_its_definition_on_real_tensors():
         assert {p["level"] for p in bad["records"][0]["per_rank"].values()} == {"material"}
 
 
-# ---- all-to-all by its own definition (tests/a2a_model.py) -------------------------------------------
+# ---- all-to-all by its own definition (tests/zoo/a2a.py) -------------------------------------------
 A2A = [pytest.param("healthy", mode, id=f"healthy-{mode}", marks=() if mode == "full" else pytest.mark.sweep)
        for mode in ("full", "fingerprint")] + \
       [pytest.param("wrong", mode, id=f"wrong-{mode}", marks=() if mode == "fingerprint" else pytest.mark.sweep)
@@ -441,7 +441,7 @@ A2A = [pytest.param("healthy", mode, id=f"healthy-{mode}", marks=() if mode == "
 
 @pytest.mark.parametrize("factory,exchange", A2A)
 def test_an_all_to_all_is_checked_chunk_by_chunk(tmp_path, factory, exchange):
-    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.a2a_model:{factory}", "--exchange", exchange, nproc=2)
+    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.zoo.a2a:{factory}", "--exchange", exchange, nproc=2)
     a2a = [e for e in rep["allreduce"]["records"] if e["kind"] == "all_to_all"]
     assert len(a2a) == 3 and all(e["op"] == "PERMUTE" for e in a2a), rep["allreduce"]["records"]
     assert rep["allreduce"]["checked"] == 6 and rep["allreduce"]["unchecked"] == 0
@@ -455,11 +455,11 @@ def test_an_all_to_all_is_checked_chunk_by_chunk(tmp_path, factory, exchange):
     assert rc == 1, cp.stderr[-3000:]
     [f] = failures(rep)
     assert (f["kind"], f["where"], f["ranks"]) == ("allreduce-incomplete", "layer 1 (layers.1)", [1]), f["line"]
-    assert f["detail"].startswith("all-to-all #2 (tests.a2a_model.Comm.all_to_all+c10d.alltoall_base_, 2 ranks")
+    assert f["detail"].startswith("all-to-all #2 (tests.zoo.a2a.Comm.all_to_all+c10d.alltoall_base_, 2 ranks")
     assert "on rank 1 it returned wrong chunks from rank 0 (not what that rank sent it)" in f["detail"], f["line"]
 
 
-# ---- a reduce-scatter and an all-gather by their own definition (tests/sp_model.py) ---------------------
+# ---- a reduce-scatter and an all-gather by their own definition (tests/zoo/sp_comm.py) ---------------------
 # a sequence-parallel model whose reduce-scatter / all-gather go through a communicator above c10d
 # (`tap.collective`, as the F22 faults do), broken as a custom kernel breaks; layer k issues
 # reduce-scatter #(2k+1) and all-gather #(2k+2) (#0: the embedding's all-reduce)
@@ -501,7 +501,7 @@ def assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange
         [f["line"] for f in rep["findings"]]
     f = failures(rep)[0]
     c10d = "c10d._reduce_scatter_base_" if kind == "reduce_scatter" else "c10d._allgather_base_"
-    assert f["detail"].startswith(f"{collective} #{seq} (tests.sp_model.Comm.{kind}+{c10d}"), f["detail"]
+    assert f["detail"].startswith(f"{collective} #{seq} (tests.zoo.sp_comm.Comm.{kind}+{c10d}"), f["detail"]
     defn = "its slice of the sum" if kind == "reduce_scatter" else "the concatenation"
     assert f"ran, but its output is not {defn} of its inputs: " in f["detail"], f["detail"]
     assert says in f["detail"], f["detail"]
@@ -530,7 +530,7 @@ def assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange
 @pytest.mark.parametrize("fault,nproc,collective,layer,ranks,says,error,exchange", SP_PARAMS)
 def test_a_wrong_reduce_scatter_or_all_gather_is_named_exactly(tmp_path, fault, nproc, collective, layer, ranks,
                                                                says, error, exchange):
-    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.sp_model:wrong", "--exchange", exchange, nproc=nproc,
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.zoo.sp_comm:wrong", "--exchange", exchange, nproc=nproc,
                         env={"SP_FAULT": fault})
     assert rc == 1, cp.stderr[-3000:]
     f = assert_collective_named(rep, collective, layer, ranks, says, nproc, exchange, tmp_path / "r")
@@ -541,7 +541,7 @@ def test_a_wrong_reduce_scatter_or_all_gather_is_named_exactly(tmp_path, fault, 
 @pytest.mark.parametrize("exchange,nproc", [("full", 2), pytest.param("fingerprint", 4, marks=pytest.mark.sweep),
                                             pytest.param("full", 4, marks=pytest.mark.sweep), ("fingerprint", 2)])
 def test_a_healthy_reduce_scatter_and_all_gather_through_a_communicator_have_no_finding(tmp_path, exchange, nproc):
-    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.sp_model:healthy", "--exchange", exchange, nproc=nproc)
+    rc, rep, cp = probe(tmp_path / "r", "--model", "tests.zoo.sp_comm:healthy", "--exchange", exchange, nproc=nproc)
     assert rc == 0 and rep["findings"] == [], [f["line"] for f in rep["findings"]]
     ar = rep["allreduce"]
     assert [e["kind"] for e in ar["records"]] == ["all_reduce"] + ["reduce_scatter", "all_gather"] * 4
@@ -570,8 +570,8 @@ def test_a_dropped_id_whose_width_looks_like_a_tp_slice_is_named_missing(tmp_pat
     assert "maps to layer 1 = num_layers, past the last layer" in failures(rep)[0]["detail"]
 
 
-# ---- point 3: a missing reduce from positive evidence that does not depend on other layers ----------------
-# tests/block_model.py: GPT-J blocks that reduce their own sum, nothing row-parallel by structure, so only
+# ---- a missing reduce from positive evidence that does not depend on other layers ----------------
+# tests/zoo/blocks.py: GPT-J blocks that reduce their own sum, nothing row-parallel by structure, so only
 # the data (3b: the partial-sum signature) or another layer's count (3c) can name a missing reduce
 SHARES = "the ranks' increments are distinct shares of one sum"
 BLOCK = [  # (factory, nproc, exchange, [(kind, where, ranks)], what the first finding's detail says)
@@ -597,7 +597,7 @@ BLOCK_PARAMS = [pytest.param(*c, id=f"{c[0]}-tp{c[1]}-{c[2]}",
 
 @pytest.mark.parametrize("factory,nproc,exchange,want,says", BLOCK_PARAMS)
 def test_a_missing_reduce_is_named_from_the_partial_sum_signature(tmp_path, factory, nproc, exchange, want, says):
-    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.block_model:{factory}", "--exchange", exchange,
+    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.zoo.blocks:{factory}", "--exchange", exchange,
                         nproc=nproc)
     assert rc == 1, cp.stderr[-3000:]
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
@@ -612,7 +612,7 @@ def test_a_missing_reduce_is_named_from_the_partial_sum_signature(tmp_path, fact
         assert SHARES not in f["detail"] and "partial_sum_signature" not in f["evidence"]
 
 
-# tests/moe_kinds_model.py: a dense layer 0 (2 reduces) beside MoE layers (3: a shared expert reduced on its own)
+# tests/zoo/moe_kinds.py: a dense layer 0 (2 reduces) beside MoE layers (3: a shared expert reduced on its own)
 @pytest.mark.parametrize("factory,nproc,want", [
     ("healthy", 2, []),
     ("drop_shared", 2, [("partial-allreduce", "layer 2 (layers.2.mlp.shared)", [0, 1])]),
@@ -620,7 +620,7 @@ def test_a_missing_reduce_is_named_from_the_partial_sum_signature(tmp_path, fact
                  marks=pytest.mark.sweep),
 ])
 def test_reduce_counts_are_compared_within_a_layer_kind(tmp_path, factory, nproc, want):
-    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.moe_kinds_model:{factory}", "--layers", "-1,1",
+    rc, rep, cp = probe(tmp_path / "r", "--model", f"tests.zoo.moe_kinds:{factory}", "--layers", "-1,1",
                         nproc=nproc)
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
     assert got == want, [f["line"] for f in rep["findings"]]

@@ -1,5 +1,5 @@
 """The README's main command on a bare venv: only what `pip install -e .` declares, nothing the
-test venv adds (its extras pull numpy through matplotlib, which hid a missing dependency: issue 28).
+test venv adds (its extras pull numpy through matplotlib, which hid a missing dependency).
 
 The module fixture runs the README's set-up line itself (taken from the README, with its venv at
 .venv-bare in the checkout instead of .venv): a fresh venv, `pip install torch==2.13.0`, `pip

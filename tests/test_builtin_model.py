@@ -6,7 +6,7 @@ and 4, out-of-shard rows masked, every residual stream equal to reference_stream
 import pytest
 import torch
 
-from tests.ranks import spawn
+from tests.helpers.ranks import spawn
 from tpprobe.capture.hooks import Tap
 from tpprobe.builtin.model import BuiltinConfig, build_builtin, reference_streams
 from tpprobe.core.target import RankContext

@@ -8,7 +8,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from tests.ranks import ROOT, failures, probe, run_cli
+from tests.helpers.ranks import ROOT, failures, probe, run_cli
 from tpprobe.cli import app
 
 
@@ -58,7 +58,7 @@ def test_default_out_is_a_fresh_folder_under_the_working_directory(tmp_path):
 def test_layers_explains_deepseek_ids_without_running_a_model():
     cp = run_cli(["layers", "--arch", "deepseek_v2", "--ids", "-1,2,30", "--num-layers", "61"])
     text = " ".join(cp.stdout.split())
-    # the table shows a crash (id -1 is not the embedding for DeepSeek): exit 1 (issue 15)
+    # the table shows a crash (id -1 is not the embedding for DeepSeek): exit 1
     assert cp.returncode == 1 and "HF hidden_states[2]" in text and "crash" in text.lower()
 
 
@@ -71,7 +71,7 @@ def test_a_users_own_model_from_examples_is_probed_healthy(tmp_path):
 
 
 def test_the_example_factory_builds_and_runs_on_one_rank():
-    from tests.ranks import spawn
+    from tests.helpers.ranks import spawn
     assert spawn(_one, 1)[0] == (8, 32)
 
 

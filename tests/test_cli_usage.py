@@ -19,7 +19,7 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-M = "tests.test_robustness_models"
+M = "tests.zoo.disagree"
 
 
 CASES = {

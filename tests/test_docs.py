@@ -1,11 +1,12 @@
-"""Docs that cannot drift (issue 18): every guarantee in docs/guarantees.md names tests that exist.
+"""Docs that cannot drift: every guarantee in docs/guarantees.md names tests that exist, every test
+file the code and the docs cite exists, and every link between the pages leads somewhere.
 
 Static (ast over tests/, nothing run). A guarantee row must name at least one test function in
 full (`test_x`, `tests/file.py::test_x`, `tests/file.py::test_x[param]`); every name it gives in
 backticks that looks like a test or a test helper must be defined in tests/ (in the file named,
 when one is); a parametrized id must be one the file spells out; a row that says "xfail" must
-name a test that is one. The README's fault table is checked against real runs in
-tests/test_faults.py (the last test there).
+name a test that is one. docs/faults.md's table is checked against real runs in
+tests/test_faults.py (the last test there); the commands the pages show, in tests/test_readme.py.
 """
 import ast
 import re
@@ -83,9 +84,36 @@ def test_every_guarantee_names_tests_that_exist():
 def test_every_test_file_the_code_and_docs_cite_exists():
     """A module docstring or a doc citing tests/test_x.py (as layer_ids.py once cited a file that was
     never there) must point at a file that exists."""
-    texts = [*(ROOT / "tpprobe").rglob("*.py"), ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-             *(ROOT / "examples").glob("*.md")]
+    texts = [*(ROOT / "tpprobe").rglob("*.py"), *_pages()]
     cited = {(str(p.relative_to(ROOT)), m) for p in texts
              for m in re.findall(r"tests/[\w/]+\.py", p.read_text())}
     assert cited, "the scan finds citations"
     assert sorted((f, m) for f, m in cited if not (ROOT / m).is_file()) == []
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "tests" / "README.md", *(ROOT / "docs").rglob("*.md"),
+            *(ROOT / "examples").glob("*.md"), *(ROOT / "bench").glob("*.md")]
+
+
+# pages other branches add (the lead merges them): linked from the README already
+PAGES_BEING_ADDED = {"docs/acceptance.md", "docs/watch.md", "docs/gpu-server-recipe.md"}
+
+
+def test_every_link_between_the_pages_leads_to_a_file_and_heading_that_exist():
+    bad = []
+    for page in _pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target, anchor in re.findall(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([\w-]+))?\)", text):
+            path = (page.parent / target).resolve() if target else page
+            rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+            if not path.exists():
+                if rel not in PAGES_BEING_ADDED:
+                    bad.append(f"{page.relative_to(ROOT)}: {target} does not exist")
+                continue
+            if anchor and path.suffix == ".md":
+                heads = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                         for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+                if anchor not in heads:
+                    bad.append(f"{page.relative_to(ROOT)}: {target}#{anchor}: no such heading")
+    assert bad == []

@@ -1,7 +1,7 @@
 """`tpprobe report` / `tpprobe diff` / `--emit-dims` on folders written by SGLang's own dumper.
 
 The folders come from `sglang.srt.debug_utils.dumper.dumper` on real gloo ranks with SGLang's
-parallel state published (tests/dumper_ranks.py): a tp=2 run of several experiments and a tp=1
+parallel state published (tests/helpers/dumper_ranks.py): a tp=2 run of several experiments and a tp=1
 baseline, built once, concurrently. The CLI runs in this interpreter (main(), exit status caught).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_ranks import run_ranks  # noqa: E402
+from helpers.sglang_ranks import run_ranks  # noqa: E402
 
 pytest.importorskip("sglang.srt.debug_utils.dumper")
 
@@ -52,7 +52,7 @@ TP1 = {"base": [S(16, [("input_ids", "input_ids", None), ("embed", "embed", None
 def dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     with ThreadPoolExecutor(2) as ex:
-        jobs = [ex.submit(run_ranks, "dumper_ranks:write", w, {"base": str(root / f"tp{w}"), "exps": e}, 240)
+        jobs = [ex.submit(run_ranks, "helpers.dumper_ranks:write", w, {"base": str(root / f"tp{w}"), "exps": e}, 240)
                 for w, e in ((2, TP2), (1, TP1))]
         for j in jobs:
             j.result()
@@ -133,7 +133,7 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
     code, rep = report(dumps / "tp2" / "scale")
     assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
     assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
-    # a dump holds no parameters: its why never blames a weight shard (issue 29, point 3)
+    # a dump holds no parameters: its why never blames a weight shard
     why = rep["findings"][0]["explain"]
     assert "weight shard" not in why and "holds no parameters" in why, why
 
@@ -155,7 +155,7 @@ def test_emit_dims_is_sglangs_grammar(dumps):
     from sglang.srt.debug_utils.comparator.dims_spec.dims_parser import parse_dims
     code, out, err = cli("report", str(dumps / "tp2" / "tgt"), "--emit-dims")
     # the dims were asked for and written: exit 0 (`... > dims.yaml` succeeds); the undeclared partial
-    # embedding is still a finding, named on stderr (issue 28 #12)
+    # embedding is still a finding, named on stderr
     assert code == 0, err
     assert "the dump also has findings" in err
     dims = {}
@@ -181,7 +181,7 @@ def test_diff_tp1_vs_tp2_batched_differently(dumps):
     assert rows["o_proj"]["target_how"] == "Σ 2 ranks [dims]" and rows["o_proj"]["level"] in ("bitwise", "noise")
     assert rows["h"]["shape"] == [16, 32]
     # the embedding's ranks hold partial sums with no dims saying so: summed to compare, it matches,
-    # but diff names it as `report` does (issue 29: it used to be a MATCH, exit 0)
+    # but diff names it as `report` does (never a MATCH, exit 0)
     assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"]] == \
         [("partial-allreduce", "embed (step all, target)", [0, 1])]
 
@@ -224,7 +224,7 @@ def test_report_names_the_partial_embedding_diff_names(dumps):
 
 def test_diff_and_report_agree_on_a_partial_record_without_dims(dumps):
     """A record whose ranks each hold a partial sum, with no dims: `report` names it; `diff` never
-    sums it into a MATCH without saying so (issue 29, point 5)."""
+    sums it into a MATCH without saying so."""
     rc, rep = report(dumps / "tp2" / "pe_bare")
     assert rc == 1 and failures(rep) == [("partial-allreduce", "embed (step 0)", [0, 1])]
     code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "pe_bare"))
@@ -279,7 +279,7 @@ def test_load_maps_new_files_and_reads_old_ones_whole(tmp_path):
         assert str(new) in maps and str(old) not in maps
 
 
-# ---- one sink (issue 31 step 5): the dumper's report and diff write --html and --markdown like every command
+# ---- one sink: the dumper's report and diff write --html and --markdown like every command
 def test_report_and_diff_write_html_and_markdown(dumps, tmp_path):
     from test_sinks import assert_written
     code, out, err = cli("report", str(dumps / "tp2" / "row_sum"), "--html", str(tmp_path / "rep.html"),

@@ -6,7 +6,7 @@ passing in both files proves the two protocols name the same fault at the same p
 """
 import pytest
 
-from tests.ranks import failures, probe
+from tests.helpers.ranks import failures, probe
 from tests.test_faults import CASES
 
 
@@ -41,7 +41,7 @@ def test_healthy_fingerprint_exchange_moves_no_tensor_and_little_metadata(tmp_pa
 def test_offline_report_of_a_fingerprint_capture_names_the_same_fault(tmp_path, inject):
     import json
 
-    from tests.ranks import run_cli
+    from tests.helpers.ranks import run_cli
     rc, rep, _ = probe(tmp_path / "r", "--exchange", "fingerprint", "--inject", inject)
     cp = run_cli(["report", str(tmp_path / "r"), "--json"])
     assert cp.returncode == rc == 1

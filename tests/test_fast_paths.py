@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.ranks import ROOT, spawn
+from tests.helpers.ranks import ROOT, spawn
 from tpprobe.builtin.model import BuiltinConfig, build_builtin
 from tpprobe.capture.hooks import PLANS, REGISTRATIONS, Tap, fast
 from tpprobe.config.knobs import FAST_PATHS, release

@@ -2,7 +2,7 @@
 
 Each case asserts the exact diagnosis: one failure finding of the right kind, at the right
 place, on the right ranks, and the exit code. rank-noise must come out as info-level noise only.
-The last test builds the README's fault table from these same runs (scripts/fault_table.py's
+The last test builds docs/faults.md's fault table from these same runs (scripts/fault_table.py's
 `table`) and compares: the table cannot drift, and CI makes no extra runs for it.
 """
 import importlib.util
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LAUNCHES, ranks_for
-from tests.ranks import failures
-from tests.ranks import probe as _probe
+from tests.helpers.ranks import failures
+from tests.helpers.ranks import probe as _probe
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fault_table", ROOT / "scripts" / "fault_table.py")
@@ -25,7 +25,7 @@ RUNS: dict = {}   # fault_table.key(inject, args) -> (exit code, report): every 
 
 
 def probe(out, *args, nproc: int = 2, **kw):
-    """tests.ranks.probe, remembering each --inject run on gloo via --nproc for the README table."""
+    """tests.helpers.ranks.probe, remembering each --inject run on gloo via --nproc for the fault table."""
     rc, rep, cp = _probe(out, *args, nproc=nproc, **kw)
     if "--inject" in args and kw.get("backend", "gloo") in ("", "gloo") and not kw.get("torchrun"):
         rest = list(args)
@@ -132,7 +132,7 @@ def _noise_masked(table: str) -> str:
     return _NOISE_NUMBERS.sub("worst element N ULP, relative error E", table)
 
 
-def test_the_readme_fault_table_is_what_these_runs_print(tmp_path):
+def test_the_fault_table_in_the_docs_is_what_these_runs_print(tmp_path):
     """Runs here reuse every run above (a run missing, when this test is picked alone, is made)."""
     for inject, extra in fault_table.RUNS:
         k = fault_table.key(inject, extra)
@@ -141,7 +141,7 @@ def test_the_readme_fault_table_is_what_these_runs_print(tmp_path):
     # a rounding-noise row's worst ULP and relative error are the host's matmul kernels' rounding (2.0 ULP
     # on one CPU of this machine kind, 4.0 on another): compared as rounding, not digit for digit
     want, have = (_noise_masked(t) for t in (fault_table.table(RUNS),
-                                             fault_table.readme_table((ROOT / "README.md").read_text())))
+                                             fault_table.page_table(fault_table.PAGE.read_text())))
     differ = [(h, w) for h, w in zip(have.splitlines(), want.splitlines()) if h != w]
-    assert have == want, ("README's fault table differs from the runs (python scripts/fault_table.py --write): "
+    assert have == want, ("docs/faults.md's fault table differs from the runs (python scripts/fault_table.py --write): "
                           f"{differ[:3] or 'rows added or missing'}")

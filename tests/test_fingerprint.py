@@ -1,4 +1,4 @@
-"""Fingerprint layer (issue 6): exact bit hash, linear sketch, completeness rule.
+"""Fingerprint layer: exact bit hash, linear sketch, completeness rule.
 
 The default suite runs on CPU; the tests marked `gpu` compare the Triton kernels with the CUDA
 torch path on a GPU machine (`pytest -m gpu tests/test_fingerprint.py`)."""

@@ -4,7 +4,7 @@ time per launch (docs/benchmarks.md has the H200 numbers); and the same, bit for
 forward's partials are combined on the device (`_combine_kernel`) or on the host (`combine_many`,
 which a CUDA-graph tap uses after replay; bench/fp_small.py times both).
 
-Without a GPU the kernels run in Triton's CPU interpreter (tests/fp_interp.py, a subprocess:
+Without a GPU the kernels run in Triton's CPU interpreter (tests/helpers/fp_interp.py, a subprocess:
 TRITON_INTERPRET must be set before triton imports): every kernel branch at small shapes, each
 shape twice (the cached entry), buffers small enough that a batch spills into several, NaN / Inf.
 tests/test_kernel_compile.py checks that the direct launch hands Triton's launcher exactly what
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_batched_launches_equal_the_replaced_path_bit_for_bit_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is pinned in ci/sglang-cpu; CI installs it")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "fp_interp.py")], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "fp_interp.py")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

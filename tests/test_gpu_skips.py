@@ -1,4 +1,4 @@
-"""The GPU tier on a one-GPU machine (issue 28, finding 14): every case that runs NCCL over 2 ranks
+"""The GPU tier on a one-GPU machine: every case that runs NCCL over 2 ranks
 skips, saying it needs 2 GPUs, instead of failing with `--backend nccl needs one GPU per rank`.
 
 A pytest of the GPU tier runs in a subprocess with a plugin that makes torch report one CUDA device

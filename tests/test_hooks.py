@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import ROOT, spawn
+from tests.helpers.ranks import ROOT, spawn
 from tpprobe.capture.hooks import Tap
 from tpprobe.builtin.model import BuiltinConfig, build_builtin
 from tpprobe.core.target import RankContext

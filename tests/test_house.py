@@ -1,4 +1,4 @@
-"""The house plan holds (issue 18): the package's import graph, read with ast (nothing imported).
+"""The house plan holds: the package's import graph, read with ast (nothing imported).
 
 - no import cycles, lazy (function-level) imports included: a cycle held apart by a lazy import
   is still a cycle;
@@ -7,10 +7,9 @@
 - the renderers (terminal, html, markdown) never import each other, and the report model imports
   no renderer; they import only report.model and report.labels of tpprobe (and the standard library,
   rich, matplotlib/numpy for the images), and labels imports nothing of tpprobe: renderers lay sections
-  out and compute nothing about a run (issue 31);
-- dependencies point one way, floor by floor (`import_graph.FLOORS`, issue 31): a module imports only its own
-  wing and the wings on floors below; the package root holds only __init__ and __main__ (and the
-  `sglang/` shim that keeps the plugin's old entry point importable);
+  out and compute nothing about a run;
+- dependencies point one way, floor by floor (`import_graph.FLOORS`): a module imports only its own
+  wing and the wings on floors below; the package root holds only __init__ and __main__;
 - ruff finds nothing and no Python line is over 120 columns;
 - no hand-written module is over 500 lines (the generated rule tables are named as exempt).
 Start at scripts/import_graph.py, which builds the graph these tests read.
@@ -127,7 +126,7 @@ def test_the_invariance_package_points_one_way():
 
 def test_invariance_reads_collectives_from_the_audit_only():
     """No second collective recorder: nothing in invariance/ patches torch.distributed, hooks every
-    module or reads the Tap's private attributes (issue 31, point 3)."""
+    module or reads the Tap's private attributes."""
     bad = []
     for mod, path in MODS.items():
         if not mod.startswith("tpprobe.invariance"):
@@ -154,7 +153,6 @@ def test_invariance_reads_collectives_from_the_audit_only():
 
 def test_every_module_lives_in_a_wing_and_the_root_holds_only_init_and_main():
     assert sorted(p.name for p in (ROOT / "tpprobe").glob("*.py")) == ["__init__.py", "__main__.py"]
-    assert sorted(m for m in MODS if m.startswith("tpprobe.sglang")) == ["tpprobe.sglang", "tpprobe.sglang.plugin"]
     assert sorted(m for m in MODS if _room(m).startswith(".") or _room(m) == "") == ["tpprobe", "tpprobe.__main__"]
 
 
@@ -174,13 +172,12 @@ def test_dependencies_point_one_way_floor_by_floor():
     assert bad == []
 
 
-def test_the_plugin_entry_point_and_its_old_path_are_the_same_register():
-    """pyproject's entry point is the engine's plugin; a server config may still name the old path."""
+def test_the_plugin_entry_point_is_the_engines_register():
+    """pyproject's entry point is the engine's plugin (tpprobe was never released with another path)."""
     text = (ROOT / "pyproject.toml").read_text()
     assert '[project.entry-points."sglang.srt.plugins"]\ntpprobe = "tpprobe.engines.sglang.plugin:register"\n' in text
     from tpprobe.engines.sglang.plugin import register
-    from tpprobe.sglang.plugin import register as old_path
-    assert old_path is register
+    assert callable(register)
 
 
 def test_importing_tpprobe_or_its_cli_loads_no_torch():
@@ -193,7 +190,7 @@ def test_importing_tpprobe_or_its_cli_loads_no_torch():
 
 
 def test_ruff_finds_nothing_and_no_python_line_is_over_120_columns():
-    """`ruff check` with pyproject's [tool.ruff] (issue 31, point 5); ruff skips a line that is one long word,
+    """`ruff check` with pyproject's [tool.ruff]; ruff skips a line that is one long word,
     so the 120 columns are counted here too."""
     import subprocess
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
@@ -212,7 +209,7 @@ MAX_MODULE_LINES = 500
 
 
 def test_no_hand_written_module_is_over_500_lines():
-    """A module over ~500 lines holds more than one concern (issue 31, point 5): split it by concern. The
+    """A module over ~500 lines holds more than one concern: split it by concern. The
     generated tables are exempt, and each says in its docstring that it is generated, and by what."""
     for path, command in GENERATED.items():
         head = (ROOT / path).read_text(encoding="utf-8")[:400]
@@ -223,13 +220,13 @@ def test_no_hand_written_module_is_over_500_lines():
     assert big == []
 
 
-def test_the_readmes_layout_is_the_tree():
-    """The README's Layout section is scripts/layout.py's output (issue 31, point 7): every wing and module,
+def test_the_documented_layout_is_the_tree():
+    """docs/architecture.md's Layout section is scripts/layout.py's output: every wing and module,
     each with its docstring's first sentence; a module added or moved without `--write` fails here."""
     spec = importlib.util.spec_from_file_location("layout", ROOT / "scripts" / "layout.py")
     layout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(layout)
-    assert layout.readme_layout((ROOT / "README.md").read_text()) == layout.section(), \
+    assert layout.page_layout(layout.PAGE.read_text()) == layout.section(), \
         "run: python scripts/layout.py --write"
     assert all(import_graph.modules()[m].read_text().lstrip().startswith(('"""', 'r"""'))
                for m in import_graph.modules()), "every module opens with a docstring"

@@ -1,6 +1,6 @@
-"""A crash in tpprobe's own code is never a finding and never a wall of tracebacks (issue 28).
+"""A crash in tpprobe's own code is never a finding and never a wall of tracebacks.
 
-Each run is the real CLI starting two gloo ranks; tests/crash_models.py breaks one of tpprobe's
+Each run is the real CLI starting two gloo ranks; tests/zoo/crash.py breaks one of tpprobe's
 own steps on rank 1 (a name tpprobe calls made unusable, so the error is raised in tpprobe's frame).
 The run must end with exit 3 and one line `tpprobe: internal error on rank R in STEP: ...` (the
 --debug hint, how to report), and the live rank's report must name the rank and the step. A model
@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.ranks import run_cli
+from tests.helpers.ranks import run_cli
 
-MODELS = "tests.crash_models"
+MODELS = "tests.zoo.crash"
 RUNS = {"write": ["crash_in_write"], "forward": ["crash_in_forward"], "model": ["model_raises"],
         "debug": ["crash_in_write", "--debug"]}
 
@@ -77,7 +77,7 @@ def test_an_internal_error_in_an_offline_command_is_one_line_and_exit_3(runs):
     # `tpprobe report` with its reader broken the way a bug breaks it (the name it calls is unusable)
     import subprocess
     import sys
-    from tests.ranks import ROOT
+    from tests.helpers.ranks import ROOT
     out = runs["write"][0].args[runs["write"][0].args.index("--out") + 1]
     code = ("import sys, tpprobe.cli.report as o; o.report_dir = None; from tpprobe.cli import main; "
             f"main(['report', {out!r}])")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ranks import run_cli
+from tests.helpers.ranks import run_cli
 
 H, F32 = 64, 4            # the built-in model's hidden size, float32 bytes
 L = 6                     # its layers

@@ -1,6 +1,7 @@
-"""Every TPPROBE_* variable is declared once and documented (issue 28): the SGLang plugin's in
+"""Every TPPROBE_* variable is declared once and documented: the SGLang plugin's in
 engines/sglang/options.py PluginOptions, the rest in tpprobe/config/knobs.py; no module reads os.environ for one of them
-directly; the README's table is generated from the declarations (scripts/knobs_table.py)."""
+directly; the tables in docs/configuration.md (a user's) and docs/development.md (diagnosis, tests, internal) are
+generated from the declarations (scripts/knobs_table.py)."""
 from __future__ import annotations
 
 import ast
@@ -50,7 +51,11 @@ def test_no_module_reads_a_tpprobe_variable_from_the_environment_itself():
     assert bad == []
 
 
-def test_the_readmes_table_lists_every_variable_with_its_default_and_meaning():
-    text = (ROOT / "README.md").read_text()
-    assert knobs_table.readme_table(text) == knobs_table.table(), "run: python scripts/knobs_table.py --write"
+def test_the_docs_tables_list_every_variable_with_its_default_and_meaning():
+    user, dev = knobs_table.USER_PAGE.read_text(), knobs_table.DEV_PAGE.read_text()
+    assert knobs_table.page_table(user) == knobs_table.table(), "run: python scripts/knobs_table.py --write"
+    assert knobs_table.page_table(dev, dev=True) == knobs_table.table(dev=True), \
+        "run: python scripts/knobs_table.py --write"
     assert {n for n, *_ in knobs_table.rows()} == DECLARED
+    shown = set(re.findall(r"^\| `(TPPROBE_\w+)`", user + dev, re.M))
+    assert shown == DECLARED

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.ranks import ROOT, probe
+from tests.helpers.ranks import ROOT, probe
 
 BIG = ("--hidden", "512", "--tokens", "256")     # big enough that the ranks' ops run OpenMP parallel regions
 

@@ -1,11 +1,11 @@
-"""Issue 28, finding 6: `tpprobe layers` knows every SGLang architecture without SGLang, and is fast
+"""`tpprobe layers` knows every SGLang architecture without SGLang, and is fast
 with it.
 
 The rules are SGLang 0.5.23's own code, tabulated as data (tpprobe/engines/sglang/rules_table.py, written by
 `python -m tpprobe.engines.sglang.rules --write`). In the SGLang tier the table is regenerated from the
 installed SGLang and must equal the shipped file, and replaying it must equal running SGLang's own
 setter (`rules.derive`) on ids and depths the generator never saw, for every architecture and name.
-Without SGLang (a subprocess whose import path really lacks it) the README's draft/target example
+Without SGLang (a subprocess whose import path really lacks it) the documented draft/target example
 and every architecture answer; with SGLang 0.5.23 installed, `plan` imports no SGLang.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_layers_knows_every_architecture_without_sglang(tmp_path):
         return subprocess.run([*py, "-m", "tpprobe", "layers", *args], capture_output=True, text=True, env=env,
                               cwd=ROOT, timeout=120)
 
-    # the README's draft/target example: a real finding (exit 1), not "unknown SGLang arch"
+    # the documented draft/target example: a real finding (exit 1), not "unknown SGLang arch"
     p = layers("--draft-config", "examples/eagle3/draft_config.json",
                "--target-config", "examples/eagle3/target_config.json")
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]

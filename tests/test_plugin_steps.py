@@ -1,5 +1,5 @@
 """`tpprobe report DIR` over the plugins' step folders: the current names, `step-{N:06d}-{mode}`
-(the forward mode in the name, issue 33), and the old ones, `step-{N:06d}`, alike and mixed.
+(the forward mode in the name), and the old ones, `step-{N:06d}`, alike and mixed.
 
 Two real `tpprobe probe` runs (2 gloo ranks: one healthy, one with layer 1's attention all-reduce
 skipped) are laid out as a plugin's run of three forwards; the report must check every step, name

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.ranks import failures, probe, run_cli
+from tests.helpers.ranks import failures, probe, run_cli
 from tpprobe.formats.capture_dir import load_run
 from tpprobe.builtin.model import BuiltinConfig, reference_streams
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests import ranks
-from tests.ranks import probe, spawn
+from tests.helpers import ranks
+from tests.helpers.ranks import probe, spawn
 from tests.zoo import threads
 
 ROUNDS = 4           # in CI; the sweep runs ROUNDS_SWEEP

@@ -1,4 +1,4 @@
-"""Reports people would rather look at (issue 8): HTML, Markdown, environment header, progress.
+"""Reports people would rather look at: HTML, Markdown, environment header, progress.
 
 One real faulty run (2 ranks, the all-reduce of layer 2's attention skipped) feeds every test;
 the HTML is parsed (every cell and verdict present, images are matplotlib PNGs, nothing external),
@@ -479,7 +479,7 @@ def test_html_without_matplotlib_says_how_to_get_the_heatmaps(faulty, monkeypatc
 
 def test_every_level_and_severity_has_its_words_and_styles_declared_once():
     """core/noise.py declares the levels and their order, checks/findings.py the severities; report/labels.py
-    gives each its style in every renderer (issue 31: one declaration, read everywhere)."""
+    gives each its style in every renderer (one declaration, read everywhere)."""
     from tpprobe.checks.findings import SEVERITIES
     from tpprobe.core.noise import LEVEL_ORDER, LEVEL_RANK
     from tpprobe.invariance.levels import RANK

@@ -26,7 +26,7 @@ TIMEOUT = 8            # --timeout of the fault runs
 # ready to the verdict) < TIMEOUT + 6. The wall-clock bound only guards against a hang: it also holds the
 # launcher's and the ranks' interpreter + torch start-up, slow on a shared 2-core box.
 MARGIN = 60
-MODELS = "tests.test_robustness_models"
+MODELS = "tests.zoo.disagree"
 
 RUNS = {
     # name: (nproc, extra args); over NCCL a run gets at most one rank per GPU (kill4: 2 ranks,
@@ -36,7 +36,7 @@ RUNS = {
     "extra": (2, ["--inject", "extra-collective@1"]),
     "nan": (2, ["--inject", "nan@1"]),
     # rank 1 captures an extra point, a narrower one, a float64 one, and issues an all-reduce of
-    # another shape (tests/test_robustness_models.py:disagree)
+    # another shape (tests/zoo/disagree.py:disagree)
     "disagree": (2, ["--model", f"{MODELS}:disagree"]),
 }
 

@@ -1,5 +1,5 @@
 """Installing tpprobe into an SGLang server's environment never changes the server's stack, and
-the plugin says which SGLang it found (issue 28).
+the plugin says which SGLang it found.
 
 The venv running these tests holds the SGLang CPU tier (sglang 0.5.23 and its pinned set): it
 stands for a server's environment. `pip install --dry-run -e .` there must install tpprobe alone."""
@@ -55,5 +55,5 @@ def test_the_cpu_tier_pins_the_release_tpprobe_says_it_is_tested_with():
         re.findall(r"^\s*(\w+)\s*=\s*\[",
                    (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
                    .split("[project.scripts]")[0], re.M))
-    readme = (ROOT / "README.md").read_text()
-    assert f"SGLang {sg.SGLANG_VERSION}" in readme and "'.[sglang]'" not in readme
+    page = (ROOT / "docs" / "sglang.md").read_text()
+    assert f"SGLang {sg.SGLANG_VERSION}" in page and "'.[sglang]'" not in page

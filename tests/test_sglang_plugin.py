@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from sglang_ranks import run_ranks  # noqa: E402
+from helpers.sglang_ranks import run_ranks  # noqa: E402
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -184,7 +184,7 @@ def test_unwritable_capture_dir_is_logged_once_and_the_forwards_go_on(tmp_path):
     """The shared step writer (vLLM's plugin writes through it too): every rank's mkdir fails (the
     folder is under a regular file), the ranks learn it from the step's all-gather, TP rank 0 logs
     it in ONE line, every rank stops capturing, and every forward still returns."""
-    from sglang_ranks import LAST_LOGS
+    from helpers.sglang_ranks import LAST_LOGS
 
     (tmp_path / "a-file").write_text("not a folder")
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path / "a-file" / "cap"), "SGLANG_PLUGINS": "tpprobe",

@@ -1,6 +1,6 @@
 """SGLang as it serves, through the real CLI on real gloo ranks (SGLang's own classes on CPU):
 
-* the default command is healthy per architecture (the README's `--arch deepseek_v2` included):
+* the default command is healthy per architecture (the documented `--arch deepseek_v2` included):
   the default ids are valid under each architecture's rule, zero failures, every slot as expected;
 * the all-reduce audit at GroupCoordinator level counts each of SGLang's 2L+1 reduces once, with
   its group (a coordinator reduce ending in torch.distributed.all_reduce is not counted twice);

@@ -1,4 +1,4 @@
-"""One report model, one sink (issue 31 step 5): every command writes --html FILE and --markdown FILE the
+"""One report model, one sink: every command writes --html FILE and --markdown FILE the
 same way, each holding the command's verdict line and its table rows; the HTML is one self-contained file.
 
 Real runs only: two probe captures (healthy and a skipped all-reduce) feed probe, report and diff; one

@@ -1,5 +1,5 @@
 """The store protocol never reads a post as missing because the post landed between two reads
-(issue 28 #16: `rank 0 did not say where to write the capture` on a healthy run under load).
+(`rank 0 did not say where to write the capture` on a healthy run under load).
 
 Each test drives the real protocol functions over a real torch.distributed store (HashStore),
 with the interleaving that lost the post forced: the reader's first read finds nothing, and the

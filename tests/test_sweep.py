@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from tests.ranks import probe
+from tests.helpers.ranks import probe
 
 ID_SETS = ["-1,1,3", "-1,2,4", "0,2", "1", "-1,0,1,2,3,4", "-1,4"]
 TOKENS = [1, 3, 16, 64, 200, 512]
@@ -53,9 +53,9 @@ def test_healthy_sweep_has_zero_findings(tmp_path, cfg):
     _healthy(tmp_path, *cfg)
 
 
-# ---- wrong collectives (issue 29): both exchange modes give the same verdict ----------------------------
+# ---- wrong collectives: both exchange modes give the same verdict ----------------------------
 # seeded: the collective and its op (a SUM all-reduce on the built-in model; a reduce-scatter and an
-# all-gather on tests/sp_model.py; a MAX / MIN all-reduce on tests/amax_model.py: gloo has no AVG),
+# all-gather on tests/zoo/sp_comm.py; a MAX / MIN all-reduce on tests/zoo/amax.py: gloo has no AVG),
 # the mechanism (a wrong value on every rank / one rank's buffer handed to all / a stale output /
 # the sum skipped on one rank; a wrong slice, a stale or swapped block), the layer (for every
 # mechanism: the built-in one-rank fault hits the middle layer, so its model's depth is drawn), the
@@ -103,7 +103,7 @@ def wrong_configs():
                 rnd.choice([None, rnd.randrange(nproc)])
             fault = f"{mech}@{k}" + (f":{r}" if r is not None else "")
             ranks = [r] if r is not None else ranks
-            args = ["--model", "tests.sp_model:wrong"]
+            args = ["--model", "tests.zoo.sp_comm:wrong"]
             env.update(SP_FAULT=fault, SP_SCALE=str(scale), SP_DTYPE=dtype)
             want = ("allreduce-incomplete", f"layer {k} (blocks.{k})", ranks)
             name = f"{fault}-{dtype}"
@@ -112,7 +112,7 @@ def wrong_configs():
             r = rnd.randrange(nproc)
             fault = f"{op}:{how}@{k}" + (f":{r}" if how == "own" else "")
             ranks = [r] if how == "own" else ranks
-            args = ["--model", "tests.amax_model:drawn", "--layers", "-1,1"]
+            args = ["--model", "tests.zoo.amax:drawn", "--layers", "-1,1"]
             env["AMAX_FAULT"] = fault
             want = ("allreduce-incomplete", f"layer {k} (layers.{k}.mlp.down_proj)", ranks)
             name = fault.replace(":", "-")

@@ -19,7 +19,7 @@ and transformers' one SP style (`sequence_parallel` on the norms; 5.19 has no SP
 
 CI time: one set of gloo ranks per tp size runs all its cases (`tpprobe.probe.pipeline.run` exactly as a rank
 of `tpprobe probe` runs it, on a process group kept between cases); CI runs every fault at tp 2 in
-fp32 and tp 4 healthy cases, and the README's `tpprobe probe --model examples.X:build --nproc 2` once per
+fp32 and tp 4 healthy cases, and docs/tp-libraries.md's `tpprobe probe --model examples.X:build --nproc 2` once per
 library through the command line (its own launcher and ranks); the rest of the matrix (every fault in
 bf16 and at tp 4, every library healthy at tp 4 in both dtypes) is `-m sweep`.
 Needs the tier: `bash ci/tp-libs/install.sh .venv` (marker `tplibs`).
@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from tests.ranks import spawn
+from tests.helpers.ranks import spawn
 
 pytestmark = pytest.mark.tplibs
 
@@ -307,13 +307,13 @@ def test_each_library_is_healthy_at_tp4(tmp_path):
     assert_dtensor_sequence_parallel(res, 4)
 
 
-# the README's tp-2 example commands (scripts/readme_commands.py leaves them to the test below)
+# docs/tp-libraries.md's tp-2 example commands (scripts/readme_commands.py leaves them to the test below)
 CLI = r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build --nproc 2$"
 
 
 @pytest.mark.parametrize("lib", list(LIBS))
 def test_the_command_line_probes_each_library_healthy_at_tp2(tmp_path, lib):
-    """The path the issue's crash was on: the README's own `tpprobe probe --model examples.X:build
+    """The path the issue's crash was on: the documented `tpprobe probe --model examples.X:build
     --nproc 2`, run as written (a fresh bash with only the venv activated, in a folder holding the
     checkout, as tests/test_readme.py runs README commands): tpprobe's launcher starts the ranks, each
     imports the user's factory by name and builds the library's model. Exit 0, HEALTHY, and its
@@ -426,7 +426,7 @@ def test_sweep_every_fault_and_library_at_tp2_and_tp4_in_fp32_and_bf16(tmp_path,
 
 
 def test_the_documented_parameter_attributes_are_honoured_for_any_library():
-    """README, "Parameter attributes for every other library": `tp_sharded = True` is never compared
+    """docs/tp-libraries.md, "Parameter attributes for every other library": `tp_sharded = True` is never compared
     across ranks, `tp_replicated = True` always is (even inside a module whose class says sharded), an
     unmarked parameter of an unknown module is compared as unknown (None: stale only by a majority)."""
     import torch
@@ -454,5 +454,5 @@ def test_the_documented_parameter_attributes_are_honoured_for_any_library():
     model["b"].gain.tp_replicated = True
     hashes = replicated_param_hashes(model)
     assert {n: e["replicated"] for n, e in hashes.items()} == {"a.scale": True, "b.gain": True}
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    assert "p.tp_sharded = True" in readme and "p.tp_replicated = True" in readme
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tp-libraries.md")).read()
+    assert "p.tp_sharded = True" in page and "p.tp_replicated = True" in page

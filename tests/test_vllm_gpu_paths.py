@@ -1,10 +1,10 @@
-"""vLLM's GPU all-reduce paths through tpprobe's doors, on CPU (the vLLM tier; issue #32 point 2).
+"""vLLM's GPU all-reduce paths through tpprobe's doors, on CPU (the vLLM tier).
 
-One `tpprobe probe --model tests.vllm_gpu_paths:build` on 2 real gloo ranks: vLLM's own TP group, its
+One `tpprobe probe --model tests.zoo.vllm_gpu_paths:build` on 2 real gloo ranks: vLLM's own TP group, its
 `CudaCommunicator` choosing the path with its own code, one layer per path (custom all-reduce, torch symmetric
 memory, pynccl, torch.distributed, FlashInfer, the fused all-reduce + RMSNorm op, the custom op
 `torch.ops.vllm.all_reduce` as a compiled graph calls it); what cannot run on a CPU (each communicator's CUDA
-kernel) is substituted at its lowest point (tests/vllm_gpu_paths.py says what and why). Healthy: every reduce
+kernel) is substituted at its lowest point (tests/zoo/vllm_gpu_paths.py says what and why). Healthy: every reduce
 READ and complete, zero findings, full coverage, each path named. Wrong sums (the live failure: a custom
 all-reduce returning wrong data): each path's reduce named exactly, kind, layer and module, ranks.
 """
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.ranks import failures, run_cli
+from tests.helpers.ranks import failures, run_cli
 from tpprobe.engines.vllm import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.vllm]
@@ -49,7 +49,7 @@ def probe(out, factory, exchange):
     import json
     from pathlib import Path
 
-    cp = run_cli(["probe", "--model", f"tests.vllm_gpu_paths:{factory}", "--nproc", "2", "--out", str(out),
+    cp = run_cli(["probe", "--model", f"tests.zoo.vllm_gpu_paths:{factory}", "--nproc", "2", "--out", str(out),
                   "--exchange", exchange, "--quiet", "--timeout", "120"], timeout=300,
                  env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": "gloo", "VLLM_LOGGING_LEVEL": "ERROR"})
     rep = Path(out) / "report.json"

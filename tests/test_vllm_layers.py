@@ -1,4 +1,4 @@
-"""`tpprobe layers --engine vllm` and one draft against both engines (issue 32, point 3; catalogue F26).
+"""`tpprobe layers --engine vllm` and one draft against both engines (catalogue F26).
 
 vLLM's rule is vLLM 0.32.0's code, tabulated (tpprobe/engines/vllm/rules_table.py): the main venv
 (no vLLM) answers from it. In the vLLM tier (`-m vllm`, .venv-vllm) the table is regenerated from the

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ranks import failures, run_cli
+from tests.helpers.ranks import failures, run_cli
 from tpprobe.engines.vllm import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.vllm]

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.ranks import spawn
+from tests.helpers.ranks import spawn
 
 ALL = "all"
 DROPS = {  # model -> the module that issues layer 2's dropped reduce

@@ -6,8 +6,8 @@ safely) and `run_checks` (the checks, offline).
 
 The house: one wing (a subpackage) per concern, and imports point one way, down the floors that
 tests/test_house.py holds: cli -> invariance -> probe -> builtin, dumpdir, eagle3 -> report ->
-engines (sglang/) -> checks, exchange -> formats -> capture -> fingerprint -> config -> core. The
-README's Layout section lists every wing and module.
+engines (sglang/, vllm/) -> checks, exchange -> formats -> capture -> fingerprint -> config -> core. The
+layout in docs/architecture.md lists every wing and module.
 
 Names are imported on first use, so `tpprobe --help` and `tpprobe layers` do not load the
 hooks and checks (nor torch.distributed) they do not need.

@@ -10,7 +10,7 @@
 # can never replace the CPU torch with a CUDA one (accelerate and megatron-core declare torch). The
 # transformers pins are SGLang's (ci/sglang-cpu/requirements-nodeps.txt): one venv holds both
 # tiers, and a pin that differs from SGLang's is refused here. Re-running is a no-op (a few seconds).
-# Into a venv holding only torch it adds 248 MB in about 70 s (measured; README, TP-libraries section).
+# Into a venv holding only torch it adds 248 MB in about 70 s (measured: docs/development.md).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REQ="$HERE/requirements-nodeps.txt"

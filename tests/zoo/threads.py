@@ -42,7 +42,7 @@ def pool_loader(ctx: RankContext) -> ProbeTarget:
 
 
 def pool_loader_rank(rank: int, world: int) -> int:
-    """The same load inside a test-runner rank (tests.ranks.spawn); returns the thread count torch sees."""
+    """The same load inside a test-runner rank (tests.helpers.ranks.spawn); returns the thread count torch sees."""
     load_on_threads()
     torch.distributed.barrier()
     return torch.get_num_threads()

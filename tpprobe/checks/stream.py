@@ -91,7 +91,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                f"all-reduce(s) ran in layer {layer}{others}{span}; from here on the stream holds "
                                f"each rank's partial sum",
                         # the data's signature beside it, in the evidence (the line and its why keep their
-                        # words: the README's fault table and annotated report are generated from them)
+                        # words: the fault table and the annotated report in docs/ are generated from them)
                         evidence={"unreduced": unreduced,
                                   "missing_allreduce": {"where": layer_place(layer), "module": mod},
                                   **({"partial_sum_signature": sig} if sig else {}),
@@ -137,7 +137,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                         "code path, or a computation outside the audited collectives")})]
 
 
-# the partial-sum signature (point 3b of issue 29): ranks that hold shares of one sum hold distinct
+# the partial-sum signature: ranks that hold shares of one sum hold distinct
 # increments (pairwise cosine measured 0.01 (GPT-J block), 0.72 (tp 2), <= 0.81 (tp 4) on the zoo
 # and the built-in model); ranks that ran one computation and drifted on one rank (a nudged stream,
 # a stale norm weight) hold near-copies (cosine 1.00): below SHARE_COS they are shares

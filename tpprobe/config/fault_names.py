@@ -57,7 +57,7 @@ def inject_help() -> str:
     return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
             "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
             "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
-            "README 'The faults it names'. Faults:\n\n\b\n" + _lines(names, 44)
+            "docs/faults.md. Faults:\n\n\b\n" + _lines(names, 44)
             + "\n\n\b\nwith --backend sglang only:\n" + _lines(sglang, 44)
             + "\n\n\b\nwith --backend vllm only:\n" + _lines(vllm, 44))
 

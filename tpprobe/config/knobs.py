@@ -3,7 +3,7 @@
 The SGLang plugin's settings (TPPROBE_CAPTURE_DIR, TPPROBE_MAX_STEPS, ...) are declared with their
 parsing in `tpprobe/engines/sglang/options.py` (`PluginOptions`); everything else is here, and code
 reads it with `knob(NAME)`, never `os.environ` directly (tests/test_knobs.py holds that, and that the
-README's table, `python scripts/knobs_table.py --write`, lists every one)."""
+tables in docs/, written by `python scripts/knobs_table.py --write`, list every one)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,7 @@ from typing import Optional
 class Knob:
     default: Optional[str]      # None: unset
     meaning: str
-    who: str                    # who reads it, as the README's table says
+    who: str                    # who reads it, as the docs' tables say
 
 
 KNOBS = {

@@ -99,7 +99,7 @@ class Tap(Collectives):
         # at most `collectives` all-reduces behind it, waiting (polling an event) at most `seconds`.
         # NCCL never blocks the host, so without a bound a forward whose peer died keeps queueing
         # kernels behind the stuck collective until the launch queue is full and the host blocks
-        # in a kernel launch for good (seen on 2 H200s); with it the forward raises DeviceStalled,
+        # in a kernel launch for good (as a hung peer can); with it the forward raises DeviceStalled,
         # as a blocking backend's collective would, and the probe reports.
         self.device_lag = device_lag
         if device_lag is None:

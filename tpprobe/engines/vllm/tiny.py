@@ -10,8 +10,8 @@ FusedMoE block with a shared expert after a dense layer 0) on this rank the way 
 already-initialized gloo world (tpprobe.engines.vllm.cpu_mode, point 4). Every forward runs under
 vLLM's forward context, as its runner runs it (its MoE layers look themselves up there).
 
-Weights and shapes are the SGLang tier's (written once: tpprobe.sglang.tiny's `tiny_config` and
-`seeded_hf_model`, the HF model of the same config seeded the same on every rank), so both engines
+Weights and shapes are the SGLang tier's (written once: tpprobe.engines.sglang.tiny_archs's `tiny_config` and
+tiny_weights's `seeded_hf_model`, the HF model of the same config seeded the same on every rank), so both engines
 run the same checkpoint and `hf_reference` is HF's forward of it.
 
 The forward is one prefill of `tokens` tokens (`model(input_ids, positions)` then `compute_logits`, as
@@ -110,7 +110,7 @@ def hf_config(arch: str, num_layers: int, config_path: Optional[str] = None):
 
 
 def hf_reference(arch: str, num_layers: int, tokens: int, seed: int, config_path: Optional[str] = None):
-    """HF's forward on the same seeded weights and ids (tpprobe.sglang.tiny.hf_reference: hidden_states[0]
+    """HF's forward on the same seeded weights and ids (engines.sglang.tiny_weights.hf_reference: hidden_states[0]
     = embedding output, [k] = the stream entering layer k, the last one before the final norm)."""
     from tpprobe.engines.sglang.tiny_weights import hf_reference as ref
 
@@ -118,7 +118,7 @@ def hf_reference(arch: str, num_layers: int, tokens: int, seed: int, config_path
 
 
 def _input_ids(vocab: int, tokens: int, seed: int) -> torch.Tensor:
-    # the SGLang tier's ids for the same seed (tpprobe.sglang.tiny), so hf_reference runs the same prompt
+    # the SGLang tier's ids for the same seed (tiny_weights.seeded_input_ids), so hf_reference runs the same prompt
     return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed + 1))
 
 

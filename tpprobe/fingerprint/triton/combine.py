@@ -56,7 +56,7 @@ def combine_many(p: dict, hi, hf, hflag, ioffs, foffs, toffs, seed: int, k: int,
     lb = (np.bitwise_xor.reduce(ip[:, :, 1], axis=1) & fpdef.M32).tolist()
     nans, infs = ip[:, :, 2].sum(1).tolist(), ip[:, :, 3].sum(1).tolist()
     # in order, as the device adds: numpy reduces a middle axis row by row from 0.0 (out += row
-    # i); its pairwise sum is only along the innermost axis (tests/fp_interp.py: synthetic() sees
+    # i); its pairwise sum is only along the innermost axis (tests/helpers/fp_interp.py: synthetic() sees
     # a change of either)
     acc = fp[:, :, :kp + 1].sum(1)
     sk, sumsq, absmax = acc[:, :k].tolist(), acc[:, kp].tolist(), fp[:, :, kp + 1].max(1).tolist()

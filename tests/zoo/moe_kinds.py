@@ -4,7 +4,7 @@ router (`mlp.router`) and a shared expert (`mlp.shared`) whose partial sum is re
 issues 3 reduces where the dense one issues 2. Used by tests/test_audit_verdicts.py: reduce counts
 are compared within a layer kind (a dense layer is never held to the MoE layers' count).
 
-Factories (`tpprobe probe --model tests.moe_kinds_model:NAME`, from the repository root):
+Factories (`tpprobe probe --model tests.zoo.moe_kinds:NAME`, from the repository root):
 
   healthy      every reduce runs
   drop_shared  layer 2's shared-expert reduce never runs (nothing row-parallel by structure issues

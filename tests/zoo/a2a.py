@@ -4,7 +4,7 @@ the features, a row-parallel matmul on that slice is all-reduced, and a replicat
 the layer. Used by tests/test_audit_verdicts.py: the audit checks each all-to-all by its own
 definition (output chunk q, on rank r, is bit for bit rank q's input chunk r).
 
-Factories (`tpprobe probe --model tests.a2a_model:NAME`, from the repository root):
+Factories (`tpprobe probe --model tests.zoo.a2a:NAME`, from the repository root):
 
   healthy  the all-to-all through `torch.distributed.all_to_all_single` with explicit split sizes
   wrong    the all-to-all through a communicator above c10d that reports each call to the audit
@@ -19,7 +19,7 @@ from torch import nn
 from tpprobe import ProbeTarget, RankContext
 
 VOCAB, HIDDEN, TOKENS, LAYERS = 64, 32, 16, 3
-PATH = "tests.a2a_model.Comm.all_to_all"
+PATH = "tests.zoo.a2a.Comm.all_to_all"
 
 
 class Comm:

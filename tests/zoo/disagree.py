@@ -1,4 +1,4 @@
-"""`--model tests.test_robustness_models:NAME` factories whose ranks disagree on purpose.
+"""`--model tests.zoo.disagree:NAME` factories whose ranks disagree on purpose.
 
 Each builds the built-in TP model and adds one rank-dependent difference through a Tap extension
 (a forward hook on decoder layer 2), the way a user's model with a rank-dependent bug would:

@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 19): every message useful, every command as documented.
+"""The CLI's messages and commands as a first-time user meets them: every message useful, every command as documented.
 
 The CLI runs in-process through tpprobe.cli.main (the same argv handling and error printing as the
 console script) or typer's CliRunner; runs that start ranks go through the real launcher, whose
@@ -111,11 +111,11 @@ def test_layers_table_speaks_the_reports_vocabulary():
 # ---- a rank's error with --debug; failed runs leave no folder ----------------------------------
 def test_debug_shows_the_factorys_traceback_and_no_empty_run_folder(ranks_env, capfd):
     code, out, err = cli(["probe", "--nproc", "1", "--timeout", "20", "--model",
-                          "tests.test_robustness_models:raises", "--debug"], capfd)
+                          "tests.zoo.disagree:raises", "--debug"], capfd)
     assert code == 2, err
     assert "Traceback (most recent call last)" in err
-    assert re.search(r'File ".*test_robustness_models.py", line \d+, in raises', err), err
-    assert "tpprobe: error: --model tests.test_robustness_models:raises: the factory raised RuntimeError" in err
+    assert re.search(r'File ".*disagree.py", line \d+, in raises', err), err
+    assert "tpprobe: error: --model tests.zoo.disagree:raises: the factory raised RuntimeError" in err
     runs = ranks_env / "tpprobe-runs"
     assert runs.is_dir() and list(runs.iterdir()) == [], "the failed run's folder is removed again"
 

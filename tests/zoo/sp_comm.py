@@ -6,7 +6,7 @@ the all-reduce split in two. Used by tests/test_audit_verdicts.py and tests/test
 reduce-scatter (not the slice of the sum) and a wrong all-gather (not the concatenation) are named
 at their collective, by their own definition.
 
-Factories (`tpprobe probe --model tests.sp_model:NAME`, from the repository root):
+Factories (`tpprobe probe --model tests.zoo.sp_comm:NAME`, from the repository root):
 
   healthy  the communicator, nothing wrong
   wrong    the communicator broken as SP_FAULT says (MECH@K or MECH@K:R; SP_SCALE: the factor),
@@ -39,7 +39,7 @@ from torch import nn
 from tpprobe import ProbeTarget, RankContext
 
 VOCAB, HIDDEN, FFN, LAYERS, TOKENS = 96, 32, 64, 4, 8
-PATH = "tests.sp_model.Comm"
+PATH = "tests.zoo.sp_comm.Comm"
 
 
 def fault() -> tuple[str, int, Optional[int]]:

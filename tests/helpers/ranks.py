@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(args: list[str], timeout: float = 120, cwd=None, env=None, launcher=None) -> subprocess.CompletedProcess:

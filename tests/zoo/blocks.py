@@ -1,10 +1,10 @@
-"""A GPT-J-shaped TP model for the partial-sum signature (issue 29, point 3b): each block computes
+"""A GPT-J-shaped TP model for the partial-sum signature: each block computes
 attention and MLP from one norm, in parallel, on its shards, and reduces their SUM itself with
 `torch.distributed.all_reduce`. Nothing in it is row-parallel by structure (plain Parameters, no
 reduce flag, no `input_is_parallel`, no DTensor), so a reduce that never runs can be named only
 from the audit's count, where another layer vouches for it, or from the data.
 
-Factories (`tpprobe probe --model tests.block_model:NAME`, from the repository root):
+Factories (`tpprobe probe --model tests.zoo.blocks:NAME`, from the repository root):
 
   healthy      3 blocks, every reduce runs
   drop_all     3 blocks, no block reduces (the caller was meant to, and nobody does)

@@ -407,7 +407,7 @@ def build(ctx: RankContext) -> ProbeTarget:
     return ProbeTarget(model=model, forward=forward, input_ids=ids, num_layers=len(ROUTES), hidden_size=HIDDEN,
                        dtype=torch.float32, tap_extensions=vllm_extensions(),
                        info={"vllm device communicator": "CudaCommunicator, its GPU paths on CPU over gloo "
-                                                         "(tests/vllm_gpu_paths.py)",
+                                                         "(tests/zoo/vllm_gpu_paths.py)",
                              "vllm paths by layer": ",".join(ROUTES)})
 
 

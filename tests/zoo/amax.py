@@ -4,7 +4,7 @@ its amax over the TP ranks, then each rank's share of it with op=MIN and a produ
 factors with op=PRODUCT. Used by tests/test_audit_verdicts.py: the audit checks each op by its
 own definition, and says what an exchange mode cannot check.
 
-Factories (`tpprobe probe --model tests.amax_model:NAME`, from the repository root):
+Factories (`tpprobe probe --model tests.zoo.amax:NAME`, from the repository root):
 
   build   the syncs through `torch.distributed.all_reduce` (the c10d door)
   synced  the same syncs through a communicator above c10d that reports each call to the audit
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tpprobe import ProbeTarget, RankContext
 from tpprobe.builtin.model import BuiltinConfig, build_builtin
 
-PATH = "tests.amax_model.Sync.all_reduce"
+PATH = "tests.zoo.amax.Sync.all_reduce"
 # (layer, op) -> how that call goes wrong (the `wrong` factory)
 WRONG = {(0, "MAX"): "own", (1, "MIN"): "rank0", (2, "PRODUCT"): "scaled"}
 

@@ -1,12 +1,12 @@
-"""Issue 28, findings 5 and 15: the model's own size and shape decide, before any rank starts.
+"""The model's own size and shape decide, before any rank starts.
 
-15: the default --layers follows the model's depth (a 2-layer built-in model with no --layers runs
-    and captures -1,0; the 6-layer default stays -1,1,3).
-5:  `--backend sglang --config cfg.json` takes the config's num_hidden_layers and architecture;
-    built-in-only options (--heads, ...) with --backend sglang or --model are a one-line usage
-    error (exit 2), never ignored; shapes that do not split over the TP size are refused before
-    any rank starts, saying which --nproc works; the tiny SGLang models run at tp 8 (Kimi-K2's
-    serving shape).
+- the default --layers follows the model's depth (a 2-layer built-in model with no --layers runs
+  and captures -1,0; the 6-layer default stays -1,1,3).
+- `--backend sglang --config cfg.json` takes the config's num_hidden_layers and architecture;
+  built-in-only options (--heads, ...) with --backend sglang or --model are a one-line usage
+  error (exit 2), never ignored; shapes that do not split over the TP size are refused before
+  any rank starts, saying which --nproc works; the tiny SGLang models run at tp 8 (Kimi-K2's
+  serving shape).
 Every run is the real CLI with its own gloo ranks.
 """
 import json
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.ranks import probe, run_cli
+from tests.helpers.ranks import probe, run_cli
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 no_sglang = pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
@@ -26,7 +26,7 @@ def one_error_line(cp) -> str:
     return lines[0]
 
 
-# ---- 15: default layer ids follow the model's size -------------------------------------------
+# ---- default layer ids follow the model's size -------------------------------------------
 def test_the_default_ids_follow_the_builtin_models_depth():
     from tpprobe.config.options import builtin_layer_ids
     assert builtin_layer_ids(6) == [-1, 1, 3]              # today's default, kept for the 6-layer model
@@ -46,7 +46,7 @@ def test_the_help_says_the_default_for_small_models():
     assert "2: -1,0" in helps["layers"] and "1: -1" in helps["layers"]
 
 
-# ---- 5: built-in-only options, --config's own depth and arch, shapes before the build ----------
+# ---- built-in-only options, --config's own depth and arch, shapes before the build ----------
 @pytest.mark.parametrize("args,flag", [(["--backend", "sglang", "--heads", "4"], "--heads"),
                                        (["--backend", "sglang", "--arch", "qwen3", "--hidden", "128", "--ffn", "64"],
                                         "--hidden, --ffn"),
@@ -129,7 +129,7 @@ def test_the_tiny_deepseek_runs_at_tp_8(tmp_path):
 
 
 def test_a_user_model_without_layers_gets_ids_of_its_own_depth(tmp_path):
-    """The README's own 2-layer example (examples/my_model.py) without --layers: was refused ("--layers [3]
+    """The documented 2-layer example (examples/my_model.py) without --layers: was refused ("--layers [3]
     out of range ... (2 layers)"); now the default follows its depth, read on the ranks after the build."""
     rc, rep, cp = probe(tmp_path / "r", "--model", "examples.my_model:build")
     assert rc == 0, cp.stderr[-3000:]

@@ -1,7 +1,7 @@
-"""A newcomer's findings of issue 28, each fixed and held here (the real CLI, real gloo ranks):
-#1 default folders work anywhere; #2 nothing overwritten or mixed by accident; #3 a user's model
-with no `arch` is HEALTHY; #8 --help shows flags as flags, markup intact, defaults as written;
-#9 capture files readable like each other; #11 errors that say what is really wrong."""
+"""Run folders and first runs (the real CLI, real gloo ranks): default folders work anywhere;
+nothing is overwritten or mixed by accident; a user's model with no `arch` is HEALTHY; --help shows
+flags as flags, markup intact, defaults as written; capture files are readable like each other;
+errors say what is really wrong."""
 from __future__ import annotations
 
 import hashlib
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.ranks import probe, run_cli
+from tests.helpers.ranks import probe, run_cli
 
-MODELS = "tests.newcomer_models"
+MODELS = "tests.zoo.user_model"
 
 
 def test_the_readmes_own_model_snippet_with_no_arch_is_healthy_with_full_coverage(tmp_path):

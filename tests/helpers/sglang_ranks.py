@@ -19,7 +19,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+TESTS = os.path.dirname(HERE)     # "module:function" is looked up with tests/ on the path
+ROOT = os.path.dirname(TESTS)
 
 
 class RanksFailed(AssertionError):
@@ -38,7 +39,7 @@ def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 
         init = "file://" + os.path.join(tmp, "rendezvous")
         child_env = dict(os.environ)
         child_env.update(env or {})
-        child_env["PYTHONPATH"] = os.pathsep.join([HERE, ROOT, child_env.get("PYTHONPATH", "")])
+        child_env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT, child_env.get("PYTHONPATH", "")])
         child_env.setdefault("OMP_NUM_THREADS", "1")
         procs, logs = [], []
         fork = _fork_ok()
@@ -121,7 +122,7 @@ class _Forked:
                 sys.stdout = open(1, "w", closefd=False)
                 sys.stderr = open(2, "w", closefd=False)
                 os.environ.update(env)
-                sys.path[:0] = [HERE, ROOT]
+                sys.path[:0] = [TESTS, ROOT]
                 _child(argv[0], int(argv[1]), int(argv[2]), *argv[3:])
                 code = 0
             except BaseException:
