@@ -58,6 +58,9 @@ KNOBS = {
     "TPPROBE_RANK_START": Knob("auto", "how `tpprobe probe` starts its local ranks: auto (fork CPU gloo ranks from "
                                "the launcher, which has torch imported already; spawn them through PyTorch's "
                                "elastic agent otherwise), fork, or spawn", "probe"),
+    "TPPROBE_DRAFT_TRAINED": Knob(None, "what the EAGLE-3 draft was trained on: ids:A,B,C (the HF hidden_states "
+                                  "indices, in slot order) or convention:NAME; the draft's input is checked against "
+                                  "it (tpprobe.engines.draft_training)", "plugin, report"),
     "TPPROBE_STOP_GRACE_S": Knob("30", "seconds between the SIGTERM the launcher sends the other ranks when one "
                                  "fails and the SIGKILL that ends those still running", "probe"),
     "TPPROBE_DIST_BACKEND": Knob(None, "the launcher's one backend decision, passed to every rank (set by tpprobe "

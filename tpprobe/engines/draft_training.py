@@ -19,7 +19,6 @@ from the engine agreeing with itself.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 from ..capture.points import EMBED_OUT, layer_out
@@ -76,7 +75,10 @@ def parse(spec: Optional[str]) -> Optional[dict]:
 
 def from_env(env=None) -> Optional[dict]:
     """`parse` of TPPROBE_DRAFT_TRAINED in `env` (default: this process's environment)."""
-    return parse((os.environ if env is None else env).get(ENV))
+    if env is None:
+        from ..config.knobs import knob
+        return parse(knob(ENV))
+    return parse(env.get(ENV))
 
 
 def trained_hidden_states(training: Optional[dict], config_ids: Optional[list[int]]) -> Optional[list[int]]:
