@@ -201,15 +201,16 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
 
     if convention not in ("output", "before"):
         raise UsageError(f"--draft-convention {convention!r}: use output or before")
-    draft, target = _read(draft_path, "draft-config"), _read(target_path, "target-config")
-    archs = target.get("architectures") or []
-    if not archs or not isinstance(archs, list):
+    from tpprobe.config.hub import read_config
+
+    draft = _read(draft_path, "draft-config")
+    hub = read_config(target_path, "--target-config")      # a wrapper's text model under text_config too
+    if not hub.architecture:
         raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "
                          f"model's HF config.json")
-    text = target.get("text_config") if isinstance(target.get("text_config"), dict) else {}
-    L = target.get("num_hidden_layers", text.get("num_hidden_layers"))
-    if not isinstance(L, int) or L < 1:
-        raise UsageError(f"--target-config {target_path}: no num_hidden_layers")
+    L = hub.num_layers
+    if L is None:
+        raise UsageError(f"--target-config {target_path}: no num_hidden_layers (nor under text_config)")
     eagle = draft.get("eagle_config") if isinstance(draft.get("eagle_config"), dict) else None
     nested = _int_list((eagle or {}).get("eagle_aux_hidden_state_layer_ids"),
                        f"{draft_path}: eagle_config.eagle_aux_hidden_state_layer_ids")
@@ -235,7 +236,7 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     if nested is None and top is not None:
         notes.append(f"the draft's ids {top} are at the top level of its config: SGLang's target side reads only "
                      f"eagle_config.eagle_aux_hidden_state_layer_ids, so the target uses its default capture")
-    p = plan(archs[0], target_ids, L)
+    arch, p = engine_plan(plan, hub, target_ids, L)
     got = [] if p.crash else p.slot_hf_indices
     n = max(len(want), len(got))
     rows, differences = [], []
@@ -266,14 +267,32 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     from tpprobe.engines.ids_compare import compare
 
     try:
-        engines = compare(draft, archs[0], L, convention, vllm_runner)
+        engines = compare(draft, hub.architecture, L, convention, vllm_runner, text_arch=hub.text_architecture)
     except UsageError as e:      # an architecture one engine does not know: said in the engines' view
         engines = {"verdict": None, "error": str(e), "rows": [], "notes": [str(e)]}
-    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
+    if hub.wrapper:
+        notes.append(f"the target is {hub.describe()}: SGLang captures in that text model "
+                     f"({p.sglang_class}'s rule{'' if arch == hub.architecture else ', the wrapper delegating to it'})")
+    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": hub.architecture,
+            "target_text_arch": hub.text_architecture,
             "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
             "differences": differences, "verdict": verdict, "finding": "id-contract" if differences else None}
+
+
+def engine_plan(plan_fn, hub, ids, L: int):
+    """(architecture, plan) of the first of the target's classes the engine's rules know: the wrapper the
+    config names (SGLang's KimiK25ForConditionalGeneration delegates to its language model), else its
+    text model's class (under text_config)."""
+    names = [a for a in (hub.architecture, hub.text_architecture) if a]
+    for i, a in enumerate(names):
+        try:
+            return a, plan_fn(a, ids, L)
+        except UsageError:
+            if i == len(names) - 1:
+                raise
+    raise UsageError(f"--target-config {hub.path}: no architecture")
 
 
 def _hs(i: Optional[int], L: int) -> str:

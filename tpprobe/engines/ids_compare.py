@@ -34,7 +34,21 @@ def _slots(p) -> list[int]:
     return [] if p.crash else p.slot_hf_indices
 
 
-def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2") -> dict:
+def _plan(plan_fn, names: list, ids, N: int):
+    """(architecture, plan) for the first name the engine's rules know (a wrapper, then its text model)."""
+    from tpprobe.core.errors import UsageError
+
+    for i, a in enumerate(names):
+        try:
+            return a, plan_fn(a, ids, N)
+        except UsageError:
+            if i == len(names) - 1:
+                raise
+    raise UsageError("no architecture to look up")
+
+
+def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2",
+            text_arch: Optional[str] = None) -> dict:
     """Slot by slot, the HF hidden_states index each engine captures for this draft (and what the draft
     expects under `convention`); `verdict` is one line when the engines differ, else None."""
     from tpprobe.engines.sglang.layer_ids import plan as sglang_plan
@@ -46,7 +60,9 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     v_ids, v_from = config_ids(draft, runner)
     other = "v1" if runner == "v2" else "v2"
     o_ids, o_from = config_ids(draft, other)
-    sp, vp = sglang_plan(arch, s_ids, N), vllm_plan(arch, v_ids, N)
+    names = [a for a in dict.fromkeys((arch, text_arch)) if a]
+    s_arch, sp = _plan(sglang_plan, names, s_ids, N)
+    v_arch, vp = _plan(vllm_plan, names, v_ids, N)
     s_slots, v_slots = _slots(sp), _slots(vp)
     ids = draft_ids(draft)
     shift = 1 if convention == "output" else 0
@@ -62,6 +78,10 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     if o_ids != v_ids:
         notes.append(f"vLLM's {other} model runner reads other ids: {o_ids if o_ids else 'none'} ({o_from}); "
                      f"the table uses the {runner} runner ({v_from})")
+    for name, a in (("SGLang", s_arch), ("vLLM", v_arch)):
+        if a != arch:
+            notes.append(f"{name}: {arch} hands the ids to its text model {a} (under text_config): "
+                         f"{name}'s rule for {a}")
     for name, p in (("SGLang", sp), ("vLLM", vp)):
         if p.crash:
             notes.append(f"{name}: {p.crash}")
@@ -69,7 +89,8 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
             notes.append(f"{name}: {'; '.join(p.problems)}")
     differ = [r for r in rows if not r["same"]]
     verdict = _verdict(rows, differ, convention, want) if differ else None
-    return {"target_arch": arch, "num_layers": N, "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
+    return {"target_arch": arch, "sglang_arch": s_arch, "vllm_arch": v_arch, "num_layers": N,
+            "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
             "vllm_runner": runner, "sglang_ids": s_ids, "sglang_ids_from": s_from, "sglang_rule": sp.rule,
             "vllm_ids": v_ids, "vllm_ids_from": v_from, "vllm_rule": vp.rule, "rows": rows, "notes": notes,
             "differ": [r["slot"] for r in differ], "verdict": verdict,

@@ -40,8 +40,8 @@ _ALWAYS: dict = {"fn": None}       # a fault on every aux capture (dp-attention-
 
 
 def _layers(model):
-    inner = getattr(model, "model", model)
-    return list(getattr(inner, "layers", None) or [])
+    from tpprobe.engines.sglang.stream import decoder_layers
+    return decoder_layers(model)
 
 
 def _patch_collectors() -> None:

@@ -19,7 +19,9 @@ Settings (environment; declared once in tpprobe/engines/sglang/options.py Plugin
                          the module that takes the input ids and returns [tokens, hidden])
   TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
-                         LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
+                         LlamaForCausalLM, DeepseekV2ForCausalLM (DeepseekV3 inherits it) and
+                         KimiK25ForConditionalGeneration, whose DeepseekV3 `language_model` runs inside
+                         its forward: a wrapped model inside another is captured once, as the outer one)
 
 Layout: DIR/dp{D}-pp{P}/step-{N:06d}-{mode}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP
 group, N the forward index of this process (every forward counts, captured or not, so steps line up
@@ -167,6 +169,16 @@ class Budget:
 
 
 def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
+    if getattr(_state, "inside", False):     # a wrapped model inside another (Kimi-K2.5's language model)
+        return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    _state.inside = True
+    try:
+        return _capture_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs)
+    finally:
+        _state.inside = False
+
+
+def _capture_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
     s = settings()
     if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
@@ -180,11 +192,12 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     from tpprobe.capture.hooks import Tap
     from tpprobe.capture.record import resolve_summaries
     from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, Deferred
-    from tpprobe.engines.sglang.stream import decoder_layers, sglang_extensions
+    from tpprobe.engines.sglang.stream import decoder_layers, sglang_extensions, text_model
 
     rank, world, tp_group = _tp()
     budget = Budget(s)
-    layers = decoder_layers(self)
+    text, where = text_model(self)
+    layers = decoder_layers(text)
     if not _STEPS["announced"]:
         _STEPS["announced"] = True
         _say(f"tp_rank {rank}/{world}: hooking {type(self).__name__} (VocabParallelEmbedding, "
@@ -197,7 +210,8 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     fps = Deferred(PROBE_SEED, PROBE_K)
     try:
         with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
-                                  embed=s["embed"], layers=s["layer_list"],
+                                  embed=s["embed"] or (f"{where}model.embed_tokens" if where else None),
+                                  layers=s["layer_list"] or (f"{where}model.layers" if where else None),
                                   keep=lambda n: budget.match(n), admit=budget.admit,
                                   sample_rows=s["keep_tokens"], keep_allreduce_tensors=False,
                                   summarize=fps) as tap:
@@ -243,7 +257,8 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
 
     tokens = int(input_ids.shape[0])
     aux, aux_note = _aux(result, tokens)
-    ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
+    from tpprobe.engines.sglang.stream import text_model
+    ltc = list(getattr(getattr(text_model(model)[0], "model", None), "layers_to_capture", []) or [])
     par = parallel_ranks()
     record = step_record(tap, model=model, rank=rank, world=world, input_ids=input_ids, aux=aux, budget=budget,
                          t_forward=t_forward, extra={
