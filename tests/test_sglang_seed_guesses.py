@@ -27,7 +27,7 @@ GUESSES = [
     pytest.param("skip-embed-allreduce", "partial-allreduce", "embedding (model.embed_tokens)",
                  "no all-reduce ran in the embedding", marks=[*needs_sglang, pytest.mark.sweep]),
     pytest.param("embed-after-layer0", "transformed-capture", "aux slot 0",
-                 "the \"embedding\" is taken after the first decoder layer ran, a transformed capture one layer late",
+                 "the \"embedding\" is taken after the first decoder layer ran: a transformed capture, one layer late",
                  marks=needs_sglang),
     pytest.param("capture-no-residual", "capture-no-residual", "aux slot 1", "without the residual",
                  marks=[*needs_sglang, pytest.mark.sweep]),

@@ -121,12 +121,10 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
     if emb is not None and not every:
         # the embedding's slot alone holds something after it: a transform (layer 0's input norm) or the
         # first decoder layer's output, one layer late; the other slots are right, so no id rule shifted them
-        what = ("layer 0's input norm: the capture is taken after a transform" if match[emb] == in_norm(0) else
-                "the stream after layer 0: the \"embedding\" is taken after the first decoder layer ran, a "
-                "transformed capture one layer late")
-        return ("transformed-capture", f"aux slot {emb}", f"slot {emb} (id {ids[emb] if emb < len(ids) else '?'}) "
-                                                          f"equals {lab(match[emb])}, expected the raw embedding; "
-                                                          f"it holds {what}")
+        what = ("the capture is taken after a transform" if match[emb] == in_norm(0) else
+                "the \"embedding\" is taken after the first decoder layer ran: a transformed capture, one layer late")
+        return ("transformed-capture", f"aux slot {emb}", f"slot {emb} equals {lab(match[emb])}, expected the raw "
+                                                          f"embedding ({what})")
     if len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0):
         d = next(iter(deltas))
         why = ""
