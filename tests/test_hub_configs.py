@@ -96,7 +96,8 @@ def test_the_contract_reads_the_wrapper_and_names_the_text_architecture(tmp_path
     eng = res["engines"]
     assert "error" not in eng and (eng["sglang_arch"], eng["vllm_arch"]) == \
         ("KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM")
-    assert any("hands the ids to its text model DeepseekV3ForCausalLM" in n for n in eng["notes"])
+    assert any("KimiK25ForConditionalGeneration hands the ids to its text model DeepseekV3ForCausalLM" in n
+               for n in eng["notes"])
     assert "unknown vLLM arch" not in cp.stdout + cp.stderr
 
 

@@ -236,7 +236,7 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     if nested is None and top is not None:
         notes.append(f"the draft's ids {top} are at the top level of its config: SGLang's target side reads only "
                      f"eagle_config.eagle_aux_hidden_state_layer_ids, so the target uses its default capture")
-    arch, p = engine_plan(plan, hub, target_ids, L)
+    p = plan(hub.architecture, target_ids, L)     # SGLang's rules know the wrappers it serves
     got = [] if p.crash else p.slot_hf_indices
     n = max(len(want), len(got))
     rows, differences = [], []
@@ -271,28 +271,14 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     except UsageError as e:      # an architecture one engine does not know: said in the engines' view
         engines = {"verdict": None, "error": str(e), "rows": [], "notes": [str(e)]}
     if hub.wrapper:
-        notes.append(f"the target is {hub.describe()}: SGLang captures in that text model "
-                     f"({p.sglang_class}'s rule{'' if arch == hub.architecture else ', the wrapper delegating to it'})")
+        notes.append(f"the target is {hub.describe()}: the EAGLE-3 states are that text model's "
+                     f"(SGLang's rule: {p.sglang_class}'s)")
     return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": hub.architecture,
             "target_text_arch": hub.text_architecture,
             "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
             "differences": differences, "verdict": verdict, "finding": "id-contract" if differences else None}
-
-
-def engine_plan(plan_fn, hub, ids, L: int):
-    """(architecture, plan) of the first of the target's classes the engine's rules know: the wrapper the
-    config names (SGLang's KimiK25ForConditionalGeneration delegates to its language model), else its
-    text model's class (under text_config)."""
-    names = [a for a in (hub.architecture, hub.text_architecture) if a]
-    for i, a in enumerate(names):
-        try:
-            return a, plan_fn(a, ids, L)
-        except UsageError:
-            if i == len(names) - 1:
-                raise
-    raise UsageError(f"--target-config {hub.path}: no architecture")
 
 
 def _hs(i: Optional[int], L: int) -> str:
