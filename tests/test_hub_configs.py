@@ -42,6 +42,34 @@ def test_the_hub_kimi_config_is_read_through_its_text_model():
     assert config_arch_and_layers(str(KIMI)) == ("deepseek_v2", 61)
 
 
+@pytest.mark.parametrize("raw,text_arch,L", [
+    ({"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+      "text_config": {"model_type": "qwen3_vl_text", "num_hidden_layers": 36}}, "Qwen3ForCausalLM", 36),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+      "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 62}}, "Gemma3ForCausalLM", 62),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+      "hidden_size": 7168}, "DeepseekV3ForCausalLM", 61),
+])
+def test_other_wrappers_and_plain_configs_name_their_text_model(raw, text_arch, L):
+    from tpprobe.config.hub import parse
+
+    hub = parse(raw)
+    assert (hub.architecture, hub.text_architecture, hub.num_layers) == (raw["architectures"][0], text_arch, L)
+    assert (hub.wrapper is None) == ("text_config" not in raw)
+
+
+def test_a_wrapper_whose_text_model_the_backend_does_not_build_is_said_before_the_engine(tmp_path):
+    from tpprobe.core.errors import UsageError
+    from tpprobe.engines.sglang.tiny_archs import config_arch_and_layers
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+                               "text_config": {"model_type": "qwen3_vl_text", "num_hidden_layers": 36}}))
+    with pytest.raises(UsageError, match="Qwen3VLForConditionalGeneration \\(its text model Qwen3ForCausalLM, under "
+                                         "text_config\\) model, text model_type 'qwen3_vl_text'"):
+        config_arch_and_layers(str(cfg))
+
+
 def test_the_shrink_options_keep_the_tp_structure():
     pytest.importorskip("transformers")
     from tpprobe.engines.sglang.tiny_archs import load_config

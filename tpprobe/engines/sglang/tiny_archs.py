@@ -44,10 +44,14 @@ def config_arch_and_layers(config_path: str) -> tuple[Optional[str], Optional[in
     UsageError for a file that is no JSON config, or an architecture the SGLang backend does not build."""
     hub = read_config(config_path)
     L = hub.num_layers
+    mt = hub.model_type
+    if hub.wrapper and mt not in _MODEL_TYPES:
+        raise UsageError(f"--config {config_path} is a {hub.describe()} model, text model_type {mt!r}; the SGLang "
+                         f"backend builds the text models {', '.join(sorted(_MODEL_TYPES))} (`tpprobe layers --arch "
+                         f"{hub.architecture}` says what its EAGLE-3 ids capture)")
     for a in (hub.text_architecture, hub.architecture):
         if isinstance(a, str) and canonical_arch(a) in ARCHES:
             return canonical_arch(a), L
-    mt = hub.model_type
     if mt in _MODEL_TYPES:
         return _MODEL_TYPES[mt], L
     if hub.architecture or mt:
