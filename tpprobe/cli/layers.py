@@ -173,16 +173,9 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
 
 # ---- the draft / target contract (F19) ---------------------------------------------------
 def _read(path: Path, what: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--{what} {path}: cannot read a JSON config ({e})") from None
-    if not isinstance(d, dict):
-        raise UsageError(f"--{what} {path}: not a JSON object; expected a HF config.json")
-    return d
+    """A config.json's dict, read by the one reader (tpprobe.config.hub): one line when it cannot be read."""
+    from tpprobe.config.hub import read_config
+    return read_config(path, f"--{what}").raw
 
 
 def _int_list(v, where: str) -> Optional[list[int]]:
