@@ -79,3 +79,19 @@ def test_the_plugin_captures_sglangs_kimi_wrapper_with_its_embedding(tmp_path):
     rep = json.loads(p.stdout)
     assert rep["findings"] == [] and rep["slots"] and all(s["ok"] for s in rep["slots"])
     assert "language_model.model.embed_tokens" in json.dumps(rep["coverage"])
+
+
+def test_an_eagle3_drafts_forward_passes_through_uncounted(tmp_path, monkeypatch):
+    """SGLang's EAGLE-3 draft class inherits LlamaForCausalLM.forward (which the default list wraps) and runs in
+    the target's worker: the plugin hands its forwards straight to SGLang, no step counted, no Tap."""
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+    from tpprobe.engines.sglang import plugin
+
+    monkeypatch.setenv("TPPROBE_CAPTURE_DIR", str(tmp_path))
+    monkeypatch.setitem(plugin._STEPS, "n", 0)
+    draft = LlamaForCausalLMEagle3.__new__(LlamaForCausalLMEagle3)     # SGLang's class, not built: not called
+    calls = []
+    out = plugin._around_forward(lambda self, *a, **k: calls.append(a) or "draft-out", draft, "ids", "pos", "fb")
+    assert (out, calls, plugin._STEPS["n"]) == ("draft-out", [("ids", "pos", "fb")], 0)
+    assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,8 @@ Settings (environment; declared once in tpprobe/engines/sglang/options.py Plugin
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
                          LlamaForCausalLM, DeepseekV2ForCausalLM (DeepseekV3 inherits it) and
                          KimiK25ForConditionalGeneration, whose DeepseekV3 `language_model` runs inside
-                         its forward: a wrapped model inside another is captured once, as the outer one)
+                         its forward: a wrapped model inside another is captured once, as the outer one;
+                         a speculative draft's class, e.g. LlamaForCausalLMEagle3, passes through uncounted)
 
 Layout: DIR/dp{D}-pp{P}/step-{N:06d}-{mode}/rank-{tp:03d}.{safetensors,json} + manifest.json per TP
 group, N the forward index of this process (every forward counts, captured or not, so steps line up
@@ -168,8 +169,14 @@ class Budget:
         return True
 
 
+# the speculative drafts' model files: their classes inherit a wrapped forward (LlamaForCausalLMEagle3 is a
+# LlamaForCausalLM) but a draft is not the TP target the plugin probes; its forwards pass through uncounted
+DRAFT_MODULES = ("_eagle", "_eagle3", "_nextn", "_mtp")
+
+
 def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
-    if getattr(_state, "inside", False):     # a wrapped model inside another (Kimi-K2.5's language model)
+    if getattr(_state, "inside", False) or type(self).__module__.endswith(DRAFT_MODULES):
+        # a wrapped model inside another (Kimi-K2.5's language model), or an EAGLE-3 / MTP draft
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     _state.inside = True
     try:
