@@ -20,7 +20,10 @@ from tpprobe.config.hub import HubConfig
 from tpprobe.core.errors import UsageError
 
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-ENGINE_BASE = 1.0e9          # one rank's engine import, its buffers and the forward's activations (measured < 1 GB)
+# one rank's engine import, buffers and forward: with it the Kimi-K2.5 shrink of docs/gpu-server-recipe.md
+# (tp 2, 2 layers, 2 experts, vocab 1024, float32) is estimated at 5.5 GB a rank; measured peaks 5.0 GB
+# (SGLang) and 5.5 GB (vLLM)
+ENGINE_BASE = 1.0e9
 
 
 @dataclass
