@@ -20,7 +20,7 @@ from ..core.errors import UsageError
 from ..config.knobs import knob
 from ..core.target import ProbeTarget, RankContext
 
-from ..config.fault_names import BOTH, FAULTS, SGLANG_ONLY, VLLM
+from ..config.fault_names import BOTH, FAULTS, SGLANG_ONLY, SGLANG_TOO, VLLM
 from ..engines.fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
 
 
@@ -28,13 +28,14 @@ def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
     """Built-in faults need the built-in model; the serving faults need SGLang's (UsageError)."""
     names = [s.partition("@")[0] for s in specs or []]
     serving = [n for n in names if n in SGLANG_ONLY]
-    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY + VLLM + BOTH]
+    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY + VLLM + BOTH
+               and not (backend == "sglang" and n in SGLANG_TOO)]
     vllm_only = [n for n in names if n in VLLM]
     if model and names:
         raise UsageError("--inject works on the built-in model and on --backend sglang, not on --model")
     if backend in ("sglang", "vllm") and builtin:
         raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend {backend} inject "
-                         f"{', '.join((SGLANG_ONLY if backend == 'sglang' else VLLM) + BOTH)}")
+                         f"{', '.join((SGLANG_ONLY + SGLANG_TOO if backend == 'sglang' else VLLM) + BOTH)}")
     if backend != "sglang" and serving:
         raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
     if backend != "vllm" and vllm_only:
@@ -111,7 +112,7 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
         for f in faults:
             vllm_inject(f.name, model, f.arg, ctx)
         return
-    if all(f.name in SGLANG_ONLY + BOTH for f in faults) and not isinstance(model, TPModel):
+    if all(f.name in SGLANG_ONLY + SGLANG_TOO + BOTH for f in faults) and not isinstance(model, TPModel):
         from ..engines.sglang.faults import inject
         for f in faults:
             inject(f.name, model, f.arg, ctx)

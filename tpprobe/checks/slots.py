@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..capture.points import EMBED_OUT, id_point, in_norm, point_label, point_position
+from ..capture.points import EMBED_OUT, id_point, in_norm, layer_out, point_label, point_position
 from .findings import Finding
 from .layout import layout_verdict
 from ..core.noise import dtype_from_str
@@ -112,16 +112,27 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
         same = [i for i, m in enumerate(match) if m == last]
         return ("aliased-capture", f"aux slots {same}", f"slots {same} all hold {lab(last)}: captured without clone() "
                                           f"from a buffer that later layers overwrote")
-    if any(expected[i] == EMBED_OUT and match[i] == in_norm(0) for i in wrong):
-        i = next(i for i in wrong if expected[i] == EMBED_OUT)
-        return ("transformed-capture", f"aux slot {i}", f"slot {i} equals {lab(match[i])}, expected the raw "
-                                                        f"embedding (the capture is taken after a transform)")
     deltas = {(point_position(match[i]) - point_position(expected[i]))
               if match[i] and point_position(match[i]) is not None else None for i in wrong}
+    # every slot but the embedding's shifted alike: the id rule (the embedding's id -1 has no +1 to get wrong)
+    every = len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0) and \
+        all(i in wrong for i, e in enumerate(expected) if e != EMBED_OUT) and len(wrong) > 1
+    emb = next((i for i in wrong if expected[i] == EMBED_OUT and match[i] in (in_norm(0), layer_out(0))), None)
+    if emb is not None and not every:
+        # the embedding's slot alone holds something after it: a transform (layer 0's input norm) or the
+        # first decoder layer's output, one layer late; the other slots are right, so no id rule shifted them
+        what = ("the capture is taken after a transform" if match[emb] == in_norm(0) else
+                "the \"embedding\" is taken after the first decoder layer ran: a transformed capture, one layer late")
+        return ("transformed-capture", f"aux slot {emb}", f"slot {emb} equals {lab(match[emb])}, expected the raw "
+                                                          f"embedding ({what})")
     if len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0):
         d = next(iter(deltas))
-        return ("capture-offset", where, f"{text}: one layer {'early' if d < 0 else 'late'} "
-                                         f"(the EAGLE-3 +1 was {'not applied' if d < 0 else 'applied twice'})")
+        why = ""
+        if every and offset_rule:     # every slot shifted alike: the id rule, not one capture
+            why = f" (the EAGLE-3 +1 was {'not applied' if d < 0 else 'applied twice'})"
+        elif every:
+            why = " (the ids are read in the other convention: output-of-layer vs capture-before)"
+        return ("capture-offset", where, f"{text}: one layer {'early' if d < 0 else 'late'}{why}")
     if set(match) == set(expected) and None not in match and \
             match == sorted(expected, key=lambda p: point_position(p) if point_position(p) is not None else 1e9):
         return ("slot-mismatch", where, f"the ids {ids} are not in layer order, but the model appends each "

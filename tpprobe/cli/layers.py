@@ -173,16 +173,9 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
 
 # ---- the draft / target contract (F19) ---------------------------------------------------
 def _read(path: Path, what: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--{what} {path}: cannot read a JSON config ({e})") from None
-    if not isinstance(d, dict):
-        raise UsageError(f"--{what} {path}: not a JSON object; expected a HF config.json")
-    return d
+    """A config.json's dict, read by the one reader (tpprobe.config.hub): one line when it cannot be read."""
+    from tpprobe.config.hub import read_config
+    return read_config(path, f"--{what}").raw
 
 
 def _int_list(v, where: str) -> Optional[list[int]]:
@@ -201,15 +194,16 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
 
     if convention not in ("output", "before"):
         raise UsageError(f"--draft-convention {convention!r}: use output or before")
-    draft, target = _read(draft_path, "draft-config"), _read(target_path, "target-config")
-    archs = target.get("architectures") or []
-    if not archs or not isinstance(archs, list):
+    from tpprobe.config.hub import read_config
+
+    draft = _read(draft_path, "draft-config")
+    hub = read_config(target_path, "--target-config")      # a wrapper's text model under text_config too
+    if not hub.architecture:
         raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "
                          f"model's HF config.json")
-    text = target.get("text_config") if isinstance(target.get("text_config"), dict) else {}
-    L = target.get("num_hidden_layers", text.get("num_hidden_layers"))
-    if not isinstance(L, int) or L < 1:
-        raise UsageError(f"--target-config {target_path}: no num_hidden_layers")
+    L = hub.num_layers
+    if L is None:
+        raise UsageError(f"--target-config {target_path}: no num_hidden_layers (nor under text_config)")
     eagle = draft.get("eagle_config") if isinstance(draft.get("eagle_config"), dict) else None
     nested = _int_list((eagle or {}).get("eagle_aux_hidden_state_layer_ids"),
                        f"{draft_path}: eagle_config.eagle_aux_hidden_state_layer_ids")
@@ -235,7 +229,7 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     if nested is None and top is not None:
         notes.append(f"the draft's ids {top} are at the top level of its config: SGLang's target side reads only "
                      f"eagle_config.eagle_aux_hidden_state_layer_ids, so the target uses its default capture")
-    p = plan(archs[0], target_ids, L)
+    p = plan(hub.architecture, target_ids, L)     # SGLang's rules know the wrappers it serves
     got = [] if p.crash else p.slot_hf_indices
     n = max(len(want), len(got))
     rows, differences = [], []
@@ -266,10 +260,14 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     from tpprobe.engines.ids_compare import compare
 
     try:
-        engines = compare(draft, archs[0], L, convention, vllm_runner)
+        engines = compare(draft, hub.architecture, L, convention, vllm_runner, text_arch=hub.text_architecture)
     except UsageError as e:      # an architecture one engine does not know: said in the engines' view
         engines = {"verdict": None, "error": str(e), "rows": [], "notes": [str(e)]}
-    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": archs[0],
+    if hub.wrapper:
+        notes.append(f"the target is {hub.describe()}: the EAGLE-3 states are that text model's "
+                     f"(SGLang's rule: {p.sglang_class}'s)")
+    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": hub.architecture,
+            "target_text_arch": hub.text_architecture,
             "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,

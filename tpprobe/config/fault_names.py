@@ -34,12 +34,16 @@ FAULTS = {
     "fused-allreduce-capture": ("F16", None, False),
     "dp-attention-gather": ("F17", None, False),
     "capture-no-residual": ("F18", None, False),
+    "embed-after-layer0": ("F13", None, False),
     # vLLM's own model only (--backend vllm): tpprobe/engines/vllm/faults.py
     "drop-final-id": ("F29", None, False),
     "aux-no-residual": ("F27", None, False),
     "deferred-reduce-capture": ("F28", "layer", True),
 }
-SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual")
+SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-residual", "embed-after-layer0")
+# the built-in model's faults SGLang's own models make too, the way its code would be wrong
+# (tpprobe/engines/sglang/faults.py): a TP-sliced capture, an embedding without its all-reduce
+SGLANG_TOO = ("slice-capture", "skip-embed-allreduce")
 # vLLM's own model only (--backend vllm), beside the reduce faults below (tpprobe/engines/vllm/faults.py)
 VLLM = ("drop-final-id", "aux-no-residual", "deferred-reduce-capture")
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
@@ -54,11 +58,12 @@ def inject_help() -> str:
         arg = {"layer": "@K", "rank": "@R"}.get(kind, "")
         shown = name + (arg if required else f"(optional {arg})" if arg else "")
         (sglang if name in SGLANG_ONLY else vllm if name in VLLM else names).append(shown)
+    sglang += list(SGLANG_TOO)
     return ("break the built-in model on purpose, repeatable: NAME, NAME@K (K a layer) or NAME@R (R a rank), "
             "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
             "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
             "docs/faults.md. Faults:\n\n\b\n" + _lines(names, 44)
-            + "\n\n\b\nwith --backend sglang only:\n" + _lines(sglang, 44)
+            + "\n\n\b\nwith --backend sglang (the last two on the built-in model too):\n" + _lines(sglang, 44)
             + "\n\n\b\nwith --backend vllm only:\n" + _lines(vllm, 44))
 
 

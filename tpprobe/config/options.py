@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
-from pathlib import Path
 from typing import Any, Optional
 
 from ..core.errors import UsageError
@@ -100,6 +99,13 @@ class ProbeOptions:
     num_layers: int = opt("--num-layers", BUILTIN["num_layers"], "decoder layers of the built-in (or SGLang) model "
                           "(default 6; with --backend sglang --config, the config's num_hidden_layers)",
                           cli_default=None)
+    num_experts: Optional[int] = opt("--num-experts", None, "with --backend sglang|vllm --config: routed experts "
+                                     "per MoE layer (default: the config's); shrinks a model too big for this "
+                                     "machine without changing what TP splits (hidden size, heads, MLA ranks, "
+                                     "the dense/MoE layer pattern stay)", cli_type=Optional[int])
+    vocab_size: Optional[int] = opt("--vocab-size", None, "with --backend sglang|vllm --config: the vocabulary "
+                                    "(default: the config's); shrinks it as --num-experts does",
+                                    cli_type=Optional[int])
     hidden: int = opt("--hidden", BUILTIN["hidden"], "built-in model: hidden size (a multiple of --heads; default 64)",
                       cli_default=None)
     heads: int = opt("--heads", BUILTIN["heads"], "built-in model: attention heads (divisible by the ranks; default 8)",
@@ -178,7 +184,18 @@ class ProbeOptions:
         if given and (sglang or kw["model"] or kw["backend"] == "vllm"):
             whose = (f"--model {kw['model']} builds its own model" if kw["model"] else
                      f"with --backend {kw['backend']} the shape comes from --arch or --config (a config.json)")
-            raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}")
+            shrink = " (--num-experts / --vocab-size / --num-layers shrink a --config model)" \
+                if kw["config"] and not kw["model"] else ""
+            raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}"
+                             f"{shrink}")
+        for n, flag in (("num_experts", "--num-experts"), ("vocab_size", "--vocab-size")):
+            if kw.get(n) is not None:
+                if not ((sglang or vllm) and kw["config"]):
+                    other = "the built-in model takes --vocab" if n == "vocab_size" else "the built-in has no experts"
+                    raise UsageError(f"{flag} shrinks a --config model (--backend sglang or vllm --config "
+                                     f"config.json); {other}")
+                if kw[n] < 1:
+                    raise UsageError(f"{flag} must be >= 1 (got {kw[n]})")
         for n in ("num_layers", *BUILTIN_ONLY):
             if kw.get(n) is None and not (n == "num_layers" and (sglang or vllm) and kw["config"]):
                 kw[n] = BUILTIN[n]
@@ -244,17 +261,10 @@ def typer_parameters(cls=ProbeOptions) -> list[tuple[str, Any, Any, str, str]]:
 
 
 def config_dtype(path: str) -> str:
-    """The dtype a --config asks for (its torch_dtype, or dtype in newer configs): the probe's dtype
-    unless --dtype says otherwise. float32 when it names none (or "auto"), or cannot be read here
-    (building the model then says what is wrong with the file)."""
-    import json
-    p = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return "float32"
-    want = str(d.get("torch_dtype") or d.get("dtype") or "float32").removeprefix("torch.") \
-        if isinstance(d, dict) else ""
+    """The dtype a --config asks for (its text model's torch_dtype, or dtype in newer configs; read through
+    tpprobe.config.hub): the probe's dtype unless --dtype says otherwise. float32 when it names none (or
+    "auto"), or cannot be read here (the option parsing then says what is wrong with the file)."""
+    from .hub import try_read
+    hub = try_read(path)
+    want = (hub.dtype or "float32") if hub is not None else "float32"
     return want if want in DTYPE_NAMES else "float32"
-
-

@@ -34,7 +34,8 @@ def _slots(p) -> list[int]:
     return [] if p.crash else p.slot_hf_indices
 
 
-def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2") -> dict:
+def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2",
+            text_arch: Optional[str] = None) -> dict:
     """Slot by slot, the HF hidden_states index each engine captures for this draft (and what the draft
     expects under `convention`); `verdict` is one line when the engines differ, else None."""
     from tpprobe.engines.sglang.layer_ids import plan as sglang_plan
@@ -46,6 +47,8 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     v_ids, v_from = config_ids(draft, runner)
     other = "v1" if runner == "v2" else "v2"
     o_ids, o_from = config_ids(draft, other)
+    # each engine's rules know the wrappers it serves (SGLang's KimiK25ForConditionalGeneration delegates in its
+    # table; vLLM's resolves to the text model it hands the ids to): the wrapper is looked up, never guessed
     sp, vp = sglang_plan(arch, s_ids, N), vllm_plan(arch, v_ids, N)
     s_slots, v_slots = _slots(sp), _slots(vp)
     ids = draft_ids(draft)
@@ -62,6 +65,10 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     if o_ids != v_ids:
         notes.append(f"vLLM's {other} model runner reads other ids: {o_ids if o_ids else 'none'} ({o_from}); "
                      f"the table uses the {runner} runner ({v_from})")
+    if vp.sglang_class != arch:
+        notes.append(f"vLLM: {arch} hands the ids to its text model {vp.sglang_class}"
+                     f"{f' ({text_arch}, under text_config)' if text_arch and text_arch != vp.sglang_class else ''}: "
+                     f"vLLM's rule for {vp.sglang_class}")
     for name, p in (("SGLang", sp), ("vLLM", vp)):
         if p.crash:
             notes.append(f"{name}: {p.crash}")
@@ -69,7 +76,8 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
             notes.append(f"{name}: {'; '.join(p.problems)}")
     differ = [r for r in rows if not r["same"]]
     verdict = _verdict(rows, differ, convention, want) if differ else None
-    return {"target_arch": arch, "num_layers": N, "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
+    return {"target_arch": arch, "sglang_arch": sp.sglang_class, "vllm_arch": vp.sglang_class, "num_layers": N,
+            "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
             "vllm_runner": runner, "sglang_ids": s_ids, "sglang_ids_from": s_from, "sglang_rule": sp.rule,
             "vllm_ids": v_ids, "vllm_ids_from": v_from, "vllm_rule": vp.rule, "rows": rows, "notes": notes,
             "differ": [r["slot"] for r in differ], "verdict": verdict,

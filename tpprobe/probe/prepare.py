@@ -63,8 +63,28 @@ def validate(opts: ProbeOptions, world: int) -> None:
     _validate_dp_attention(opts, world)
     if opts.backend == "sglang" and opts.model is None:   # shapes before any rank starts, not after a build
         from ..engines.sglang.tiny_archs import check_tp
-        check_tp(canonical_arch(opts.arch), opts.config, world, opts.dp_attention)
+        check_tp(canonical_arch(opts.arch), opts.config, world, opts.dp_attention, opts.num_experts)
     parse_faults(opts.inject, world, opts.num_layers, ids)
+    if opts.config and opts.backend in ("sglang", "vllm") and opts.model is None:
+        check_memory(opts, world)
+
+
+def check_memory(opts: ProbeOptions, world: int) -> None:
+    """Refuse, before any rank starts, a --config model this machine cannot hold (tpprobe.engines.footprint):
+    in the launcher, for every rank it is about to start; under torchrun, on each node's local rank 0
+    for the node's ranks."""
+    import os
+
+    from ..config.hub import read_config
+    from ..engines.footprint import check
+    from ..engines.sglang.tiny_archs import canonical_arch
+    from ..exchange.dist import BACKEND_ENV, env_rank
+
+    if env_rank() is not None and (BACKEND_ENV in os.environ or os.environ.get("LOCAL_RANK", "0") != "0"):
+        return      # tpprobe's own launcher checked before starting the ranks (it passes BACKEND_ENV)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if env_rank() is not None else world
+    check(read_config(opts.config), canonical_arch(opts.arch), opts.num_layers, world, opts.dtype, ranks,
+          opts.num_experts, opts.vocab_size)
 
 
 def _validate_vllm(opts: ProbeOptions, world: int) -> None:
@@ -73,7 +93,7 @@ def _validate_vllm(opts: ProbeOptions, world: int) -> None:
     if opts.model is not None:
         raise UsageError("--backend vllm builds vLLM's tiny models; with --model your factory builds the model: "
                          "drop --backend vllm")
-    check_tp(check_arch(opts.arch), world, opts.config)
+    check_tp(check_arch(opts.arch), world, opts.config, opts.num_experts)
 
 
 def _validate_dp_attention(opts: ProbeOptions, world: int) -> None:
@@ -101,11 +121,12 @@ def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> 
         from ..engines.sglang.tiny import build_target as sglang_target
         return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
                              dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
-                             attn_dp=opts.dp_attention)
+                             attn_dp=opts.dp_attention, num_experts=opts.num_experts, vocab=opts.vocab_size)
     if opts.backend == "vllm":
         from ..engines.vllm.tiny import build_target as vllm_target
         return vllm_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                           dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config)
+                           dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
+                           num_experts=opts.num_experts, vocab=opts.vocab_size)
     from ..builtin.model import build_builtin
     return build_builtin(ctx, BuiltinConfig.from_options(opts, layer_ids))
 
@@ -117,7 +138,15 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     flt = faults.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
     layer_ids = faults.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
     groups = faults.prepare_groups(flt, ctx)
-    target = build_target(ctx, opts, layer_ids)
+    try:
+        target = build_target(ctx, opts, layer_ids)
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
+            raise
+        # a resource limit is bad input: what would not fit and how to shrink it (tpprobe.engines.footprint)
+        raise UsageError(f"rank {ctx.rank} ran out of memory building the model ({str(e).splitlines()[0][:120]}); "
+                         f"shrink it: --num-experts, --vocab-size, --num-layers (the TP structure stays), or "
+                         f"fewer --nproc") from None
     if opts.model:   # a user's model: its own depth bounds the ids
         L = target.num_layers
         if not opts.layers_given:      # the default ids follow the depth, known only now

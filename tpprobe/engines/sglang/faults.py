@@ -13,6 +13,15 @@ what tpprobe observes of the residual stream: the probe must find it on its own.
   capture-no-residual (F18)      the aux capture stores the previous layer's output alone (the
       reduced delta, `hidden_states`) instead of the stream (hidden + residual): SpecForge#431,
       sglang#39286.
+  embed-after-layer0 (F13)       the build's capture rule puts the embedding's slot at capture point 1,
+      the stream after the first (dense) decoder layer, instead of 0: the "embedding" the draft gets
+      is layer 0's output, one layer late (the seed's third guess about its hand-patched id -1).
+  slice-capture (F6)             the aux capture stores this rank's hidden/tp slice of the stream (as a
+      capture reading a reduce-scattered stream would), so the packed aux is K × hidden/tp wide and
+      every rank holds a different slice.
+  skip-embed-allreduce (F1)      SGLang's VocabParallelEmbedding returns each rank's partial rows: its
+      forward sees the attention-TP input-scattered flag (the mode in which SGLang itself skips the
+      reduce), scoped to the embedding call only, while the layers run their gathered path.
 
 How: the capturing layers' `attn_boundary.prepare` is wrapped to note, before SGLang completes
 the owed sum, the rank-local partial and the residual; SGLang's aux collectors
@@ -27,8 +36,10 @@ from typing import Optional
 import torch
 
 from ...config.knobs import knob
+from ...core.errors import UsageError
 
-SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather")
+SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather", "embed-after-layer0",
+                 "slice-capture", "skip-embed-allreduce")
 # F22-F25 through SGLang's own all-reduce (GroupCoordinator.all_reduce): see reduce_fault below
 REDUCE_FAULTS = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
                  "skip-unreadable-allreduce", "skip-allreduce")
@@ -40,8 +51,8 @@ _ALWAYS: dict = {"fn": None}       # a fault on every aux capture (dp-attention-
 
 
 def _layers(model):
-    inner = getattr(model, "model", model)
-    return list(getattr(inner, "layers", None) or [])
+    from tpprobe.engines.sglang.stream import decoder_layers
+    return decoder_layers(model)
 
 
 def _patch_collectors() -> None:
@@ -69,9 +80,18 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     if name in REDUCE_FAULTS:
         reduce_fault(name, model, arg, ctx)
         return
+    if name == "skip-embed-allreduce":
+        skip_embed_reduce(model)
+        return
+    if name == "embed-after-layer0":
+        embed_after_layer0(model)
+        return
     _patch_collectors()
     if name == "dp-attention-gather":
         _ALWAYS["fn"] = gather_over_tp_group
+        return
+    if name == "slice-capture":
+        _ALWAYS["fn"] = tp_slice
         return
     for i, layer in enumerate(_layers(model)):
         if i == 0:
@@ -100,6 +120,52 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
                 _pending.fn = None
 
         b.prepare = prepare
+
+
+def tp_slice(value: torch.Tensor) -> torch.Tensor:
+    """F6: this TP rank's hidden/tp slice of the captured stream (a copy, owned by the collector)."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return value.tensor_split(tp.world_size, dim=-1)[tp.rank_in_group].contiguous()
+
+
+def _text_model(model):
+    from tpprobe.engines.sglang.stream import text_model
+    return text_model(model)[0]
+
+
+def skip_embed_reduce(model) -> None:
+    """F1 the way SGLang itself skips it: VocabParallelEmbedding.forward returns the rank's partial rows
+    when `get_attn_tp_context().input_scattered` holds; the flag is set for the embedding call only."""
+    from sglang.srt.runtime_context import get_forward
+
+    emb = _text_model(model).model.embed_tokens
+    orig = emb.forward
+
+    def forward(input_, _orig=orig):
+        with get_forward().scoped(attn_input_scattered=True):
+            return _orig(input_)
+
+    emb.forward = forward
+
+
+def embed_after_layer0(model) -> None:
+    """F13: the capture rule maps the embedding's slot (capture point 0) to capture point 1, the stream
+    after the first decoder layer; every other id keeps its point (the model's layers_to_capture, which
+    its forward loop reads, is rewritten after set_eagle3_layers_to_capture)."""
+    inner = _text_model(model).model
+    ltc = list(getattr(inner, "layers_to_capture", []) or [])
+    if 0 not in ltc:
+        raise UsageError("--inject embed-after-layer0 needs an id that captures the embedding (capture point 0: "
+                         "id 0 under DeepSeek's rule, -1 under Llama's)")
+    if 1 in ltc:
+        raise UsageError("--inject embed-after-layer0 moves the embedding's capture to point 1, which these ids "
+                         "capture already: choose ids without capture point 1 (e.g. 0,2 on DeepSeek)")
+    inner.layers_to_capture = sorted(1 if p == 0 else p for p in ltc)
+    for i, layer in enumerate(inner.layers):            # the Qwen-MoE family's per-layer flag, where present
+        if hasattr(layer, "_is_layer_to_capture"):
+            layer._is_layer_to_capture = i in inner.layers_to_capture
 
 
 def gather_over_tp_group(value: torch.Tensor) -> torch.Tensor:

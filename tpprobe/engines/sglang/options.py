@@ -12,6 +12,10 @@ from tpprobe.config.fields import opt
 DEFAULT_TARGETS = (
     "sglang.srt.models.llama.LlamaForCausalLM.forward",
     "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward",
+    # Kimi-K2.5 (hub architecture): the wrapper's forward embeds the prompt (general_mm_embed_routine) and
+    # hands its DeepseekV3 `language_model` the embeddings (`input_embeds`); wrapped here so the embedding
+    # is seen, the language model's own forward then runs inside it unwrapped (plugin.py: one capture a forward)
+    "sglang.srt.models.kimi_k25.KimiK25ForConditionalGeneration.forward",
 )
 
 
@@ -42,7 +46,8 @@ class PluginOptions:
                                     "(default: the longest list)", env="TPPROBE_LAYER_LIST",
                                     parse=lambda s: s or None)
     targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
-                        "LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)",
+                        "LlamaForCausalLM, DeepseekV2ForCausalLM (DeepseekV3 inherits it) and "
+                        "KimiK25ForConditionalGeneration)",
                         env="TPPROBE_SGLANG_MODELS", parse=lambda s: _csv(s) or list(DEFAULT_TARGETS))
 
     @classmethod

@@ -19,7 +19,9 @@ Settings (environment; declared once in tpprobe/engines/sglang/options.py Plugin
                          the module that takes the input ids and returns [tokens, hidden])
   TPPROBE_LAYER_LIST     the decoder layers' ModuleList path or class glob (default: the longest list)
   TPPROBE_SGLANG_MODELS  comma list of dotted `Class.forward` targets to wrap (default: SGLang's
-                         LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)
+                         LlamaForCausalLM, DeepseekV2ForCausalLM (DeepseekV3 inherits it) and
+                         KimiK25ForConditionalGeneration, whose DeepseekV3 `language_model` runs inside
+                         its forward: a wrapped model inside another is captured once, as the outer one)
   TPPROBE_DRAFT_TRAINED  what the EAGLE-3 draft was trained on, `ids:A,B,C` (HF hidden_states) or
                          `convention:output|before|vllm` (tpprobe/engines/draft_training.py): the aux
                          slots are checked against it
@@ -177,7 +179,26 @@ class Budget:
         return True
 
 
+# the speculative drafts' model files: their classes inherit a wrapped forward (LlamaForCausalLMEagle3 is a
+# LlamaForCausalLM) but a draft is not the TP target the plugin probes: an EAGLE-3 draft's input is captured
+# (draft_input), every other draft's forwards pass through uncounted
+DRAFT_MODULES = ("_eagle", "_eagle3", "_nextn", "_mtp")
+
+
 def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
+    from tpprobe.engines.sglang import draft_input
+    if getattr(_state, "inside", False) or (type(self).__module__.endswith(DRAFT_MODULES)
+                                            and not draft_input.is_eagle3_draft(self)):
+        # a wrapped model inside another (Kimi-K2.5's language model), or an MTP / EAGLE (not 3) draft
+        return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
+    _state.inside = True
+    try:
+        return _capture_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs)
+    finally:
+        _state.inside = False
+
+
+def _capture_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
     s = settings()
     if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
@@ -197,11 +218,12 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     from tpprobe.capture.hooks import Tap
     from tpprobe.capture.record import resolve_summaries
     from tpprobe.fingerprint.reference import PROBE_K, PROBE_SEED, Deferred
-    from tpprobe.engines.sglang.stream import decoder_layers, sglang_extensions
+    from tpprobe.engines.sglang.stream import decoder_layers, sglang_extensions, text_model
 
     rank, world, tp_group = _tp()
     budget = Budget(s)
-    layers = decoder_layers(self)
+    text, where = text_model(self)
+    layers = decoder_layers(text)
     if not _STEPS["announced"]:
         _STEPS["announced"] = True
         _say(f"tp_rank {rank}/{world}: hooking {type(self).__name__} (VocabParallelEmbedding, "
@@ -214,7 +236,8 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
     fps = Deferred(PROBE_SEED, PROBE_K)
     try:
         with torch.no_grad(), Tap(self, extensions=sglang_extensions(), input_ids=input_ids,
-                                  embed=s["embed"], layers=s["layer_list"],
+                                  embed=s["embed"] or (f"{where}model.embed_tokens" if where else None),
+                                  layers=s["layer_list"] or (f"{where}model.layers" if where else None),
                                   keep=lambda n: budget.match(n), admit=budget.admit,
                                   sample_rows=s["keep_tokens"], keep_allreduce_tensors=False,
                                   summarize=fps) as tap:
@@ -263,7 +286,8 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
 
     tokens = int(input_ids.shape[0])
     aux, aux_note = _aux(result, tokens)
-    ltc = list(getattr(getattr(model, "model", None), "layers_to_capture", []) or [])
+    from tpprobe.engines.sglang.stream import text_model
+    ltc = list(getattr(getattr(text_model(model)[0], "model", None), "layers_to_capture", []) or [])
     par = parallel_ranks()
     record = step_record(tap, model=model, rank=rank, world=world, input_ids=input_ids, aux=aux, budget=budget,
                          t_forward=t_forward, extra={

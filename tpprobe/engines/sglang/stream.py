@@ -40,9 +40,19 @@ class _Undo:
             fn()
 
 
+def text_model(model):
+    """(the *ForCausalLM that holds the decoder layers, its path prefix): a wrapper's `language_model`
+    (KimiK25ForConditionalGeneration's DeepseekV3ForCausalLM, "language_model.") or the model itself ("")."""
+    inner = getattr(model, "language_model", None)
+    if isinstance(inner, torch.nn.Module):
+        return inner, "language_model."
+    return model, ""
+
+
 def decoder_layers(model) -> list:
-    """SGLang's decoder layers of a *ForCausalLM (model.model.layers), or []."""
-    inner = getattr(model, "model", model)
+    """SGLang's decoder layers of a *ForCausalLM (model.model.layers; a wrapper's language model's), or []."""
+    tm = text_model(model)[0]
+    inner = getattr(tm, "model", tm)
     return list(getattr(inner, "layers", None) or [])
 
 
@@ -80,7 +90,8 @@ def wrap_boundary_captures(layers, record: Callable[[int, torch.Tensor], None]) 
 
 def hook_final_norm(model, record: Callable[[torch.Tensor], None]) -> list:
     """Forward hook on the final norm: record the stream leaving the last layer."""
-    norm = getattr(getattr(model, "model", model), "norm", None)
+    tm = text_model(model)[0]
+    norm = getattr(getattr(tm, "model", tm), "norm", None)
     if not isinstance(norm, torch.nn.Module):
         return []
 

@@ -169,7 +169,8 @@ def preload(arch: Optional[str]) -> None:
 
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
                  dtype: torch.dtype, layer_ids: Optional[list[int]],
-                 config_path: Optional[str] = None, moe: bool = True, attn_dp: int = 1) -> ProbeTarget:
+                 config_path: Optional[str] = None, moe: bool = True, attn_dp: int = 1,
+                 num_experts: Optional[int] = None, vocab: Optional[int] = None) -> ProbeTarget:
     """A tiny SGLang model on this rank, ready for the probe (see the module docstring).
 
     Needs torch.distributed already initialized with world size = tp (ctx.world_size).
@@ -180,7 +181,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
                          f"(float32, bfloat16, float16)")
     if tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {tokens}")
-    config = config_for(arch, num_layers, config_path, moe)
+    config = config_for(arch, num_layers, config_path, moe, num_experts, vocab)
     arch = arch_of(config)
     capture = layer_ids is None or len(layer_ids) > 0
     plan = lid.plan(arch, layer_ids, num_layers) if capture else None
@@ -188,7 +189,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         given = "default" if layer_ids is None else ",".join(map(str, layer_ids))
         raise UsageError(f"layer ids {given} crash SGLang's {arch} forward ({plan.crash}); see "
                          f"`tpprobe layers --arch {arch} --ids {given} --num-layers {num_layers}`")
-    check_tp(arch, config_path, ctx.world_size, attn_dp)     # validate() said it before any rank started
+    check_tp(arch, config_path, ctx.world_size, attn_dp, num_experts)     # validate() said it before any rank
 
     from tpprobe.engines.sglang import cpu_mode
 
@@ -213,7 +214,11 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
     import importlib
 
     module, cls_name = SGLANG_CLASSES[arch]
-    Cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls_name)
+    mod = importlib.import_module(f"sglang.srt.models.{module}")
+    named = (getattr(config, "architectures", None) or [None])[0]
+    # the class the config names when that module has it (DeepseekV3ForCausalLM for a DeepSeek-V3 / Kimi text model)
+    Cls = getattr(mod, named) if isinstance(named, str) and isinstance(getattr(mod, named, None), type) \
+        else getattr(mod, cls_name)
     with set_default_torch_dtype(dtype):
         model = Cls(config).eval()
     model.load_weights(weights)
@@ -223,10 +228,15 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
     rt = _Runtime(model=model, config=config, ids=seeded_input_ids(vocab, tokens, seed), dtype=dtype,
                   mla=arch == "deepseek_v2", capture=capture, attn_dp=attn_dp)
     mlps = [type(layer.mlp).__name__ for layer in model.model.layers]
+    wrapper = None
+    if config_path:
+        from tpprobe.config.hub import try_read
+        hub = try_read(config_path)
+        wrapper = hub.wrapper if hub is not None else None
     info = {
         "backend": f"sglang {SGLANG_VERSION} (CPU test mode, torch_native attention, EXTEND)",
         "model": f"{type(model).__name__} ({'config ' + config_path if config_path else 'tiny'}, "
-                 f"random weights, seed {seed})",
+                 f"random weights, seed {seed})" + (f", the text model of {wrapper}" if wrapper else ""),
         "vocab": vocab,
         "mlp per layer": ",".join(mlps),
         "sglang layers_to_capture": list(model.model.layers_to_capture) if capture else "off",

@@ -5,10 +5,9 @@ itself is built by tiny.py, its weights by tiny_weights.py.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional
 
+from tpprobe.config.hub import read_config, try_read
 from tpprobe.core.errors import UsageError
 from tpprobe.engines.sglang import layer_ids as lid
 
@@ -38,38 +37,28 @@ def canonical_arch(arch: Optional[str]) -> Optional[str]:
     return ARCH_ALIASES.get(a, a)
 
 
-def _read_config(config_path: str) -> Optional[dict]:
-    path = os.path.join(config_path, "config.json") if os.path.isdir(config_path) else config_path
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
-
-
 def config_arch_and_layers(config_path: str) -> tuple[Optional[str], Optional[int]]:
-    """(tiny-model arch, num_hidden_layers) a config.json names: the arch from its `architectures`
-    (DeepseekV3ForCausalLM -> deepseek_v2) or its model_type; None for what it does not name (or a
-    file that cannot be read: building the model then says what is wrong with it). UsageError for
-    an architecture the SGLang backend does not build."""
-    d = _read_config(config_path)
-    if d is None:
-        return None, None
-    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
-    L = d.get("num_hidden_layers", text.get("num_hidden_layers"))
-    L = L if isinstance(L, int) and not isinstance(L, bool) and L >= 1 else None
-    archs = d.get("architectures") if isinstance(d.get("architectures"), list) else []
-    for a in archs:
+    """(tiny-model arch, num_hidden_layers) a config.json names, read through tpprobe.config.hub (a
+    wrapper's text model under `text_config`: Kimi-K2.5's DeepSeek-V3): the arch from the text model's
+    class (DeepseekV3ForCausalLM -> deepseek_v2) or model_type; None for what it does not name.
+    UsageError for a file that is no JSON config, or an architecture the SGLang backend does not build."""
+    hub = read_config(config_path)
+    L = hub.num_layers
+    mt = hub.model_type
+    if hub.wrapper and mt not in _MODEL_TYPES:
+        raise UsageError(f"--config {config_path} is a {hub.describe()} model, text model_type {mt!r}; the SGLang "
+                         f"backend builds the text models {', '.join(sorted(_MODEL_TYPES))} (`tpprobe layers --arch "
+                         f"{hub.architecture}` says what its EAGLE-3 ids capture)")
+    for a in (hub.text_architecture, hub.architecture):
         if isinstance(a, str) and canonical_arch(a) in ARCHES:
             return canonical_arch(a), L
-    mt = d.get("model_type")
     if mt in _MODEL_TYPES:
         return _MODEL_TYPES[mt], L
-    if archs or mt:
-        named = archs[0] if archs else mt
-        raise UsageError(f"--config {config_path} is a {named} model (model_type {mt!r}); the SGLang backend builds "
-                         f"{', '.join(ARCHES)} (`tpprobe layers --arch {named}` says what its EAGLE-3 ids capture)")
+    if hub.architecture or mt:
+        named = hub.text_architecture or hub.architecture or mt
+        raise UsageError(f"--config {config_path} is a {hub.describe()} model (model_type {mt!r}); the SGLang "
+                         f"backend builds {', '.join(ARCHES)} (`tpprobe layers --arch {named}` says what its "
+                         f"EAGLE-3 ids capture)")
     return None, L
 
 
@@ -86,13 +75,16 @@ TINY_SHAPES = {
 }
 
 
-def shape_of(arch: str, config_path: Optional[str] = None) -> dict:
-    """The sizes tensor parallelism splits, for the tiny model of `arch` or a config.json."""
+def shape_of(arch: str, config_path: Optional[str] = None, num_experts: Optional[int] = None) -> dict:
+    """The sizes tensor parallelism splits, for the tiny model of `arch` or a config.json (its text
+    model's; `num_experts` as --num-experts shrinks them)."""
     if not config_path:
-        return dict(TINY_SHAPES[arch])
-    d = _read_config(config_path) or {}
-    if isinstance(d.get("text_config"), dict):
-        d = {**d["text_config"], **d}
+        out = dict(TINY_SHAPES[arch])
+        if num_experts and "experts" in out:
+            out["experts"] = num_experts
+        return out
+    hub = try_read(config_path)
+    d = hub.text if hub is not None else {}
     out = {}
     for key, names in (("heads", ("num_attention_heads",)), ("kv_heads", ("num_key_value_heads",)),
                        ("ffn", ("intermediate_size",)), ("moe_ffn", ("moe_intermediate_size",)),
@@ -102,13 +94,16 @@ def shape_of(arch: str, config_path: Optional[str] = None) -> dict:
             out[key] = v
     if arch == "deepseek_v2":
         out.pop("kv_heads", None)        # MLA: the latent KV is not split over ranks
+    if num_experts and "experts" in out:
+        out["experts"] = num_experts
     return out
 
 
-def check_tp(arch: str, config_path: Optional[str], tp: int, attn_dp: int = 1) -> None:
+def check_tp(arch: str, config_path: Optional[str], tp: int, attn_dp: int = 1,
+             num_experts: Optional[int] = None) -> None:
     """UsageError (one line, what to pass) when the model's heads / KV heads / MLP widths do not
     split over `tp` ranks (attention over tp / attn_dp); runs before any rank starts."""
-    shape = shape_of(arch, config_path)
+    shape = shape_of(arch, config_path, num_experts)
     attn_tp = max(tp // max(attn_dp, 1), 1)
 
     def fits(t: int, a: int) -> list[str]:
@@ -208,30 +203,43 @@ def _first_dense(num_layers: int, moe: bool) -> int:
     return (1 if num_layers >= 2 else 0) if moe else num_layers
 
 
-def load_config(arch: Optional[str], config_path: str, num_layers: int, moe: bool = True):
-    """A user's config.json (file or its folder) cut to `num_layers` layers, for random weights."""
-    path = config_path
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--config {config_path}: cannot read a JSON config ({e})") from None
-    if not isinstance(d, dict) or "model_type" not in d:
+def load_config(arch: Optional[str], config_path: str, num_layers: int, moe: bool = True,
+                num_experts: Optional[int] = None, vocab: Optional[int] = None):
+    """A user's config.json (file or its folder; a wrapper's text model under `text_config`) cut to
+    `num_layers` layers, for random weights; `num_experts` / `vocab` shrink what tensor parallelism
+    splits the same way at any size (routed experts, vocabulary): hidden size, heads, MLA ranks and
+    the dense/MoE layer pattern stay the config's."""
+    hub = read_config(config_path)
+    d = dict(hub.text)
+    if "model_type" not in d:
         raise UsageError(f"--config {config_path}: no 'model_type' in it; expected a HF config.json")
     mt = d["model_type"]
     if mt not in _MODEL_TYPES:
-        raise UsageError(f"--config {config_path}: model_type {mt!r} is not supported by the SGLang "
-                         f"backend (supported: {', '.join(sorted(_MODEL_TYPES))})")
+        raise UsageError(f"--config {config_path}: {hub.describe()}, model_type {mt!r}, is not built by the "
+                         f"SGLang backend (supported: {', '.join(sorted(_MODEL_TYPES))})")
     if arch is not None and _MODEL_TYPES[mt] != arch:
         raise UsageError(f"--config {config_path} is a {mt} model but --arch is {arch}: "
                          f"use --arch {_MODEL_TYPES[mt]}")
     for drop in ("quantization_config", "auto_map", "_name_or_path"):
         d.pop(drop, None)  # random weights in the probe dtype; never run remote code
+    if hub.dtype and "torch_dtype" not in d and "dtype" not in d:
+        d["torch_dtype"] = hub.dtype
     if mt == "kimi_k2":
         mt = d["model_type"] = "deepseek_v3"
     d["num_hidden_layers"] = num_layers
+    if num_experts:
+        for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+            if key in d:
+                d[key] = num_experts
+        if isinstance(d.get("num_experts_per_tok"), int):
+            d["num_experts_per_tok"] = min(d["num_experts_per_tok"], num_experts)
+        if isinstance(d.get("n_group"), int) and d["n_group"] > 1 and num_experts % d["n_group"]:
+            d["n_group"] = d["topk_group"] = 1          # grouped routing needs experts in whole groups
+    if vocab:
+        d["vocab_size"] = vocab
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(d.get(key), int) and d[key] >= vocab:
+                d[key] = vocab - 1
     if _MODEL_TYPES[mt] == "deepseek_v2":
         d["first_k_dense_replace"] = min(int(d.get("first_k_dense_replace", 0)),
                                          _first_dense(num_layers, moe))
@@ -243,6 +251,8 @@ def load_config(arch: Optional[str], config_path: str, num_layers: int, moe: boo
     except Exception as e:  # noqa: BLE001 - transformers' own validation, one line for the user
         raise UsageError(f"--config {config_path}: transformers rejects it: {e}") from None
     c.num_hidden_layers = num_layers
+    if hub.text_architecture:
+        c.architectures = [hub.text_architecture]     # the text model's class (vLLM resolves its model by it)
     return c
 
 
@@ -250,7 +260,8 @@ def arch_of(config) -> str:
     return _MODEL_TYPES[config.model_type]
 
 
-def config_for(arch, num_layers, config_path, moe):
+def config_for(arch, num_layers, config_path, moe, num_experts: Optional[int] = None,
+               vocab: Optional[int] = None):
     arch = canonical_arch(arch)
     if arch is not None and arch not in ARCHES:
         raise UsageError(f"--arch {arch!r} is not supported by the SGLang backend: "
@@ -258,7 +269,7 @@ def config_for(arch, num_layers, config_path, moe):
     if num_layers < 1:
         raise UsageError(f"--num-layers must be >= 1, got {num_layers}")
     if config_path:
-        config = load_config(arch, config_path, num_layers, moe)
+        config = load_config(arch, config_path, num_layers, moe, num_experts, vocab)
     else:
         if arch is None:
             raise UsageError("--arch or --config is needed for the SGLang backend")

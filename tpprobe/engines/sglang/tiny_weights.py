@@ -43,7 +43,8 @@ def seeded_input_ids(vocab: int, tokens: int, seed: int) -> torch.Tensor:
 
 
 def hf_reference(arch: str, num_layers: int, tokens: int, seed: int,
-                 config_path: Optional[str] = None, moe: bool = True, prenorm_last: bool = False):
+                 config_path: Optional[str] = None, moe: bool = True, prenorm_last: bool = False,
+                 num_experts: Optional[int] = None, vocab: Optional[int] = None):
     """HF transformers' forward on the same seeded weights and input ids as `build_target`.
 
     Returns (input_ids [tokens], hidden_states: list of L+1 tensors [tokens, hidden] with
@@ -52,7 +53,7 @@ def hf_reference(arch: str, num_layers: int, tokens: int, seed: int,
     stream leaving the last layer BEFORE the final norm, i.e. what tpprobe's layer.{L-1}.out is),
     logits [tokens, vocab]); all float32.
     """
-    config = config_for(arch, num_layers, config_path, moe)
+    config = config_for(arch, num_layers, config_path, moe, num_experts, vocab)
     hf = seeded_hf_model(config, seed)
     ids = seeded_input_ids(config.vocab_size, tokens, seed)
     grabbed = {}

@@ -113,13 +113,21 @@ def version() -> str:
     return _table()["VLLM_VERSION"]
 
 
+# wrappers whose EAGLE-3 setter hands the ids to their text model, read in vLLM 0.32.0's code
+# (kimi_k25.py: set_aux_hidden_state_layers -> self.language_model, a DeepseekV3ForCausalLM)
+DELEGATES = {"KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM"}
+
+
 def resolve(name: str, tab: Optional[dict] = None) -> str:
     """An architecture name (the class in config.json's `architectures`, vLLM's model file, or a HF
-    model_type) -> the table's key. UsageError when vLLM has no EAGLE-3 capture for it."""
+    model_type) -> the table's key (a wrapper that hands its ids to its text model: the text model's).
+    UsageError when vLLM has no EAGLE-3 capture for it."""
     tab = tab or _table()
     raw = name.strip()
     if raw in tab["CLASSES"]:
         return raw
+    if raw in DELEGATES and DELEGATES[raw] in tab["CLASSES"]:
+        return DELEGATES[raw]
     low = raw.lower().replace("-", "_")
     if low in tab["ALIASES"]:
         return tab["ALIASES"][low]

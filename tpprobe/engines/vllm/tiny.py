@@ -68,12 +68,12 @@ def check_arch(arch: Optional[str]) -> str:
     return a
 
 
-def check_tp(arch: str, tp: int, config_path: Optional[str] = None) -> None:
+def check_tp(arch: str, tp: int, config_path: Optional[str] = None, num_experts: Optional[int] = None) -> None:
     """UsageError (one line) when the model's heads / KV heads / MLP widths do not split over tp ranks (the
     tiny model's shapes, or a --config's: tpprobe.engines.sglang.tiny_archs.shape_of, written once)."""
     from tpprobe.engines.sglang.tiny_archs import shape_of
 
-    s = shape_of(arch, config_path)
+    s = shape_of(arch, config_path, num_experts)
 
     def fits(t: int) -> list[str]:
         bad = []
@@ -95,13 +95,15 @@ def check_tp(arch: str, tp: int, config_path: Optional[str] = None) -> None:
                          f"{', '.join(map(str, ok)) or '1'}")
 
 
-def hf_config(arch: str, num_layers: int, config_path: Optional[str] = None):
+def hf_config(arch: str, num_layers: int, config_path: Optional[str] = None, num_experts: Optional[int] = None,
+              vocab: Optional[int] = None):
     """The HF config of the tiny model, or of a user's config.json cut to `num_layers` layers (random
     weights, quantization dropped, no remote code): the SGLang tier's, written once."""
     from tpprobe.engines.sglang.cpu_mode import fill_deepseek_config
     from tpprobe.engines.sglang.tiny_archs import load_config, tiny_config
 
-    config = load_config(arch, config_path, num_layers) if config_path else tiny_config(arch, num_layers)
+    config = load_config(arch, config_path, num_layers, num_experts=num_experts, vocab=vocab) if config_path \
+        else tiny_config(arch, num_layers)
     if arch == "deepseek_v2":
         # DeepSeek-V3's router (sigmoid scores, noaux_tc correction bias) as HF's DeepseekV3 runs it:
         # vLLM reads topk_method / scoring_func, which transformers' DeepseekV3Config lacks
@@ -143,14 +145,14 @@ def preload(arch: Optional[str] = None) -> None:
 
 
 def build_model(ctx: RankContext, arch: str, num_layers: int, seed: int, dtype: torch.dtype, max_len: int,
-                config_path: Optional[str] = None):
+                config_path: Optional[str] = None, num_experts: Optional[int] = None, vocab: Optional[int] = None):
     """vLLM's own model of the tiny config on this rank, loaded as vLLM's loader loads it. Returns
     (model, vllm_config, hf_config, the all-reduce path vLLM's TP group took)."""
     from tpprobe.engines.vllm import cpu_mode
     from tpprobe.engines.sglang.tiny_weights import seeded_hf_model, unfuse_experts
 
     cpu_mode.enable()
-    config = hf_config(arch, num_layers, config_path)
+    config = hf_config(arch, num_layers, config_path, num_experts, vocab)
     folder = tempfile.mkdtemp(prefix=f"tpprobe-vllm-{arch}-")
     config.save_pretrained(folder)          # vLLM's ModelConfig reads a local config folder
     vc = cpu_mode.make_config(folder, ctx.world_size, dtype, max_len)
@@ -218,7 +220,8 @@ def packed_aux(result):
 
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
                  dtype: torch.dtype, layer_ids: Optional[list[int]] = None,
-                 config_path: Optional[str] = None) -> ProbeTarget:
+                 config_path: Optional[str] = None, num_experts: Optional[int] = None,
+                 vocab: Optional[int] = None) -> ProbeTarget:
     """A tiny vLLM model on this rank, ready for the probe (see the module docstring).
 
     Needs torch.distributed already initialized with world size = tp (ctx.world_size)."""
@@ -228,8 +231,9 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         raise UsageError(f"--dtype {dtype} is not supported by the vLLM backend (float32, bfloat16, float16)")
     if tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {tokens}")
-    check_tp(arch, ctx.world_size, config_path)
-    model, vc, config, path = build_model(ctx, arch, num_layers, seed, dtype, max(64, tokens), config_path)
+    check_tp(arch, ctx.world_size, config_path, num_experts)
+    model, vc, config, path = build_model(ctx, arch, num_layers, seed, dtype, max(64, tokens), config_path,
+                                          num_experts, vocab)
     capture = bool(layer_ids)
     if capture:
         model.set_aux_hidden_state_layers(vllm_ids(layer_ids))     # vLLM's SupportsEagle3

@@ -177,6 +177,10 @@ def _forward(model, inner, args, kwargs):
     step = _STEPS["n"]
     _STEPS["n"] += 1
     # the same on every rank of the TP group (forward index and mode), never rank-local state
+    if input_ids is None and kwargs.get("inputs_embeds") is not None and not _STEPS.get("embeds_said"):
+        _STEPS["embeds_said"] = True      # a multimodal model (Kimi-K2.5): the runner embeds outside the model
+        say("forwards with inputs_embeds and no input_ids are not captured (vLLM embeds the prompt outside a "
+            "multimodal model's forward): serve with --language-model-only to capture the text model")
     if input_ids is None or not _wanted(s, mode):
         return inner(*args, **kwargs)
     _STEPS["captured"] += 1
