@@ -180,6 +180,7 @@ def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None
         if len(set(ids)) != len(ids):
             continue
         cost = sum(1 for a, b in zip(ids, prefer or []) if a != b) if prefer and len(prefer) == len(ids) else 0
+        cost += 0 if list(ids) == sorted(ids) else 10       # ids in layer order: what the engine does anyway
         if best_cost is not None and cost >= best_cost:
             continue
         if rule.slots(list(ids)) == list(hfs):
@@ -234,16 +235,15 @@ def candidates(written: list[int], current: Optional[list[int]], L: int, trained
     k = len(written)
     bases: list[tuple[list[int], str]] = []
     if current is not None and len(current) == k:
-        bases.append((list(current), "the engine's capture now"))
+        bases.append((list(current), "the engine's now"))
     out_w = [i + 1 for i in written]
     before_w = list(written)
-    for hf, what in ((out_w, "the ids as layer outputs (id k = HF hidden_states[k+1])"),
-                     (before_w, "the ids as layer inputs (id k = HF hidden_states[k])")):
-        bases.append((hf, what + ", written order"))
+    for hf, what in ((out_w, "ids as outputs (k = hs[k+1])"), (before_w, "ids as inputs (k = hs[k])")):
+        bases.append((hf, what))
         if sorted(hf) != hf:
-            bases.append((sorted(hf), what + ", layer order"))
+            bases.append((sorted(hf), what + " in layer order"))
     if trained is not None:
-        bases.insert(0, (list(trained), "the training sample's slots"))
+        bases.insert(0, (list(trained), "the training sample"))
     seen: dict[tuple, Candidate] = {}
 
     def add(hf, label):
@@ -256,14 +256,14 @@ def candidates(written: list[int], current: Optional[list[int]], L: int, trained
     for hf, label in bases:
         for delta in itertools.product((-1, 0, 1), repeat=k):
             if any(delta):
-                moved = ", ".join(f"slot {i} {d:+d}" for i, d in enumerate(delta) if d)
+                moved = " ".join(f"slot {i} {d:+d}" for i, d in enumerate(delta) if d)
                 add([h + d for h, d in zip(hf, delta)], f"{label}, {moved}")
     for c in list(seen.values()):
         lo = c.streams.index(min(c.streams))
         if 0 not in c.streams:
-            add([0 if i == lo else h for i, h in enumerate(c.streams)], f"{c.label}, slot {lo} = the embedding")
+            add([0 if i == lo else h for i, h in enumerate(c.streams)], f"{c.label}, slot {lo} = embedding")
         else:
-            add([1 if h == 0 else h for h in c.streams], f"{c.label}, without the embedding (layer 0's output)")
+            add([1 if h == 0 else h for h in c.streams], f"{c.label}, no embedding (layer 0's output)")
     return list(seen.values())
 
 
@@ -352,7 +352,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
         c.score = replay(draft, streams, c.streams, chain, eng)
         c.moved = len(c.streams) if now is None else sum(a != b for a, b in zip(c.streams, now))
     if cur is None:       # the engine crashes, drops an id, or gives a slot count the draft cannot take
-        cur = Candidate(list(now or []), "the engine's capture now", Score(0.0, 1.0, chain, [0.0] * chain))
+        cur = Candidate(list(now or []), "the engine's now", Score(0.0, 1.0, chain, [0.0] * chain))
     cands.sort(key=_order_key)
     best = cands[0]
     for c in cands[:5]:
