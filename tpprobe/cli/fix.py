@@ -22,7 +22,7 @@ def fix_command(
                                                             "the target (tpprobe probe, or a plugin step folder)")],
     engine: Annotated[str, typer.Option("--engine", help="whose capture rule: sglang | vllm")] = "sglang",
     arch: Annotated[Optional[str], typer.Option("--arch", help="the target's architecture as in its config.json "
-                                                               "(DeepseekV3ForCausalLM, LlamaForCausalLM, ...)")] = None,
+                                                               "(DeepseekV3ForCausalLM, LlamaForCausalLM)")] = None,
     target_config: Annotated[Optional[Path], typer.Option("--target-config", help="the target's config.json "
                                                                                   "(its architecture)")] = None,
     ids: Annotated[Optional[str], typer.Option("--ids", help="the ids served (default: the draft config's "
@@ -103,8 +103,8 @@ def fix_report(rep: dict):
               [Column("slots = HF hidden_states"), Column("ids on this engine"),
                Column("first-position", justify="right"), Column(f"accept length (chain of {chain})",
                                                                  justify="right"), Column("candidate")], rows,
-              caption=(f"now: ids {rep['written_ids']} -> HF hidden_states{cur['streams']} ({s(cur)[0]} first-position, "
-                       f"accept length {s(cur)[1]})" if cur["streams"] else
+              caption=(f"now: ids {rep['written_ids']} -> HF hidden_states{cur['streams']} ({s(cur)[0]} "
+                       f"first-position, accept length {s(cur)[1]})" if cur["streams"] else
                        f"now: ids {rep['written_ids']} are not served as they are (see the note): nothing accepted"))
     head = (f"{'SGLang' if rep['engine'] == 'sglang' else 'vLLM'} {rep['arch']}, {rep['num_layers']} layers"
             + (f", your build: {rep['id_rule']}" if rep["id_rule"] else "") + f" · draft {rep['draft']}")

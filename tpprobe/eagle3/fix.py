@@ -51,6 +51,10 @@ from typing import Optional
 import torch
 
 from ..core.errors import UsageError
+from ..engines.capture_rule import EngineRule, ids_for, unreachable
+
+__all__ = ["Streams", "streams_from_tensors", "streams_from_capture", "EngineRule", "ids_for", "replay", "Score",
+           "Candidate", "candidates", "match_trained", "Proposal", "propose", "run_fix"]
 
 SCHEMA = "tpprobe.fix/1"
 FIELD = "eagle_aux_hidden_state_layer_ids"
@@ -123,69 +127,6 @@ def streams_from_capture(path, rank: int = 0) -> Streams:
         raise CaptureError(f"{path}: the streams of HF hidden_states {have} only, expected 0..{L} (the embedding "
                            f"and every layer's output); capture every layer (tpprobe probe keeps them by default)")
     return streams_from_tensors(t[INPUT_IDS], by, L, str(path))
-
-
-# ---- the engine's rule ------------------------------------------------------------------------------
-@dataclass
-class EngineRule:
-    """An engine's capture rule for one target: ids -> the streams in each slot (slot order)."""
-    engine: str                   # sglang | vllm
-    arch: str
-    num_layers: int
-    id_rule: dict = field(default_factory=dict)      # a patched build: id -> HF index (engines.capture_rule)
-    _seen: dict = field(default_factory=dict, repr=False, compare=False)   # ids -> slots, this rule's answers
-
-    def plan(self, ids):
-        from ..engines.capture_rule import plan_for
-        return plan_for(self.engine, self.arch, list(ids), self.num_layers, self.id_rule or None)
-
-    def slots(self, ids) -> Optional[list[int]]:
-        """The HF index in each slot, or None when the engine crashes or drops an id with these ids."""
-        key = tuple(ids)
-        if key not in self._seen:
-            p = self.plan(ids)
-            self._seen[key] = None if p.crash or p.problems else [
-                r.hf_index for r in sorted((r for r in p.rows if r.slot is not None), key=lambda r: r.slot)]
-        return None if self._seen[key] is None else list(self._seen[key])
-
-    def name(self) -> str:
-        from ..engines.capture_rule import rule_text
-        return f"{'SGLang' if self.engine == 'sglang' else 'vLLM'} {self.arch}" + (
-            f" (patched: {rule_text(self.id_rule)})" if self.id_rule else "")
-
-    def patch_point(self) -> str:
-        """The engine function that decides what an id captures (what a code change would patch)."""
-        p = self.plan([2])
-        if self.engine == "sglang":
-            return (f"{p.sglang_class}.set_eagle3_layers_to_capture and the decoder loop it feeds "
-                    f"({p.rule.split('(')[1].split(')')[0] if '(' in p.rule else 'SGLang'})")
-        from ..engines.vllm import layer_ids as v
-        tab = v._table()
-        r = tab["CLASSES"][v.resolve(self.arch, tab)]
-        if r["kind"] == "hf-recorder":
-            return f"{r['cls']}.set_aux_hidden_state_layers ({r['setter_at']})"
-        return f"{r['holder']}.forward ({r['capture_at']}), which offers the loop points to the aux capture"
-
-
-def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None) -> Optional[list[int]]:
-    """Ids that make `rule`'s engine put exactly `hfs` in its slots (in that order), preferring the
-    fewest ids changed from `prefer`; None when no id list does."""
-    L = rule.num_layers
-    opts = []
-    for h in hfs:
-        o = {h - 2, h - 1, h, h + 1} | {i for i, v in rule.id_rule.items() if v == h}
-        opts.append(sorted(i for i in o if -2 <= i <= L + 1))
-    best, best_cost = None, None
-    for ids in itertools.product(*opts):
-        if len(set(ids)) != len(ids):
-            continue
-        cost = sum(1 for a, b in zip(ids, prefer or []) if a != b) if prefer and len(prefer) == len(ids) else 0
-        cost += 0 if list(ids) == sorted(ids) else 10       # ids in layer order: what the engine does anyway
-        if best_cost is not None and cost >= best_cost:
-            continue
-        if rule.slots(list(ids)) == list(hfs):
-            best, best_cost = list(ids), cost
-    return best
 
 
 # ---- replay --------------------------------------------------------------------------------------------
@@ -384,12 +325,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
             why.append(f"the draft reads its slots in the order HF hidden_states{best.streams}, and this engine "
                        f"fills slots in ascending layer order ({_slot_moves(best.streams)}): permute the column "
                        f"blocks of the draft's fc.weight to layer order, or patch {rule.patch_point()}")
-        missing = [h for h in best.streams if not any(rule.slots([i]) == [h] for i in range(-2, L + 2))]
-        for h in missing:
-            what = ("the embedding" if h == 0 else f"the last layer's output (HF hidden_states[{L}])" if h == L
-                    else f"HF hidden_states[{h}]")
-            why.append(f"no id list gives {what} on this engine: patch {rule.patch_point()} (or describe a "
-                       f"patched build with --id-rule)")
+        why += [f"{w} (or describe a patched build with --id-rule)" for w in unreachable(rule, best.streams)]
         if not why:
             why.append(f"no id list gives HF hidden_states{best.streams} in this order on this engine: patch "
                        f"{rule.patch_point()}")

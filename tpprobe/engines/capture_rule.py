@@ -23,9 +23,10 @@ captured nothing is gone.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from tpprobe.core.errors import UsageError
@@ -141,3 +142,77 @@ def apply_id_rule(p, rule: dict[int, int]):
     q = replace(p, rows=rows, crash=crash,
                 rule=p.rule + f"; your build: {describe_rule({i: rule[i] for i in rule if i in (p.ids or [])}, L)}")
     return q
+
+
+# ---- the rule as an object, and inverted: which ids give a list of streams ---------------------------
+@dataclass
+class EngineRule:
+    """An engine's capture rule for one target: ids -> the streams in each slot (slot order)."""
+    engine: str                   # sglang | vllm
+    arch: str
+    num_layers: int
+    id_rule: dict = field(default_factory=dict)      # a patched build: id -> HF index (engines.capture_rule)
+    _seen: dict = field(default_factory=dict, repr=False, compare=False)   # ids -> slots, this rule's answers
+
+    def plan(self, ids):
+        return plan_for(self.engine, self.arch, list(ids), self.num_layers, self.id_rule or None)
+
+    def slots(self, ids) -> Optional[list[int]]:
+        """The HF index in each slot, or None when the engine crashes or drops an id with these ids."""
+        key = tuple(ids)
+        if key not in self._seen:
+            p = self.plan(ids)
+            self._seen[key] = None if p.crash or p.problems else [
+                r.hf_index for r in sorted((r for r in p.rows if r.slot is not None), key=lambda r: r.slot)]
+        return None if self._seen[key] is None else list(self._seen[key])
+
+    def name(self) -> str:
+        return f"{'SGLang' if self.engine == 'sglang' else 'vLLM'} {self.arch}" + (
+            f" (patched: {rule_text(self.id_rule)})" if self.id_rule else "")
+
+    def patch_point(self) -> str:
+        """The engine function that decides what an id captures (what a code change would patch)."""
+        p = self.plan([2])
+        if self.engine == "sglang":
+            return (f"{p.sglang_class}.set_eagle3_layers_to_capture and the decoder loop it feeds "
+                    f"({p.rule.split('(')[1].split(')')[0] if '(' in p.rule else 'SGLang'})")
+        from tpprobe.engines.vllm import layer_ids as v
+        tab = v._table()
+        r = tab["CLASSES"][v.resolve(self.arch, tab)]
+        if r["kind"] == "hf-recorder":
+            return f"{r['cls']}.set_aux_hidden_state_layers ({r['setter_at']})"
+        return f"{r['holder']}.forward ({r['capture_at']}), which offers the loop points to the aux capture"
+
+
+def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None) -> Optional[list[int]]:
+    """Ids that make `rule`'s engine put exactly `hfs` in its slots (in that order), preferring the
+    fewest ids changed from `prefer`; None when no id list does."""
+    L = rule.num_layers
+    opts = []
+    for h in hfs:
+        o = {h - 2, h - 1, h, h + 1} | {i for i, v in rule.id_rule.items() if v == h}
+        opts.append(sorted(i for i in o if -2 <= i <= L + 1))
+    best, best_cost = None, None
+    for ids in itertools.product(*opts):
+        if len(set(ids)) != len(ids):
+            continue
+        cost = sum(1 for a, b in zip(ids, prefer or []) if a != b) if prefer and len(prefer) == len(ids) else 0
+        cost += 0 if list(ids) == sorted(ids) else 10       # ids in layer order: what the engine does anyway
+        if best_cost is not None and cost >= best_cost:
+            continue
+        if rule.slots(list(ids)) == list(hfs):
+            best, best_cost = list(ids), cost
+    return best
+
+
+def unreachable(rule: EngineRule, hfs: list[int]) -> list[str]:
+    """Why no id list gives `hfs` (one line per stream no single id reaches), naming what to patch."""
+    L = rule.num_layers
+    out = []
+    for h in hfs:
+        if any(rule.slots([i]) == [h] for i in range(-2, L + 2)) or any(v == h for v in rule.id_rule.values()):
+            continue
+        what = ("the embedding" if h == 0 else f"the last layer's output (HF hidden_states[{L}])" if h == L
+                else f"HF hidden_states[{h}]")
+        out.append(f"no id list gives {what} on this engine: patch {rule.patch_point()}")
+    return out

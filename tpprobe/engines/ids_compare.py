@@ -34,19 +34,21 @@ def _slots(p) -> list[int]:
     return [] if p.crash else p.slot_hf_indices
 
 
-def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2") -> dict:
+def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2",
+            id_rules: Optional[dict] = None) -> dict:
     """Slot by slot, the HF hidden_states index each engine captures for this draft (and what the draft
     expects under `convention`); `verdict` is one line when the engines differ, else None."""
-    from tpprobe.engines.sglang.layer_ids import plan as sglang_plan
+    from tpprobe.engines.capture_rule import plan_for
     from tpprobe.engines.vllm.layer_ids import config_ids
-    from tpprobe.engines.vllm.layer_ids import plan as vllm_plan
 
     N = int(num_layers)
     s_ids, s_from = sglang_config_ids(draft)
     v_ids, v_from = config_ids(draft, runner)
     other = "v1" if runner == "v2" else "v2"
     o_ids, o_from = config_ids(draft, other)
-    sp, vp = sglang_plan(arch, s_ids, N), vllm_plan(arch, v_ids, N)
+    rules = id_rules or {}      # a patched build's capture of some ids, per engine (engines.capture_rule)
+    sp = plan_for("sglang", arch, s_ids, N, rules.get("sglang"))
+    vp = plan_for("vllm", arch, v_ids, N, rules.get("vllm"))
     s_slots, v_slots = _slots(sp), _slots(vp)
     ids = draft_ids(draft)
     shift = 1 if convention == "output" else 0
