@@ -117,7 +117,8 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
         return ("transformed-capture", f"aux slot {i}", f"slot {i} equals {lab(match[i])}, expected the raw "
                                                         f"embedding (the capture is taken after a transform)")
     deltas = {(point_position(match[i]) - point_position(expected[i]))
-              if match[i] and point_position(match[i]) is not None else None for i in wrong}
+              if match[i] and point_position(match[i]) is not None and i < len(expected) and expected[i]
+              and point_position(expected[i]) is not None else None for i in wrong}
     if len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0):
         d = next(iter(deltas))
         return ("capture-offset", where, f"{text}: one layer {'early' if d < 0 else 'late'} "
