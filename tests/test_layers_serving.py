@@ -134,3 +134,26 @@ def test_the_cli_prints_f30_and_f31_with_exit_1(tmp_path):
     assert "FAILURE ids-out-of-order (F30): vLLM (v1 and v2 model runners): ids [4, 1, 5]" in text
     assert ("FAILURE id-beyond-last-layer (F31): vLLM (v1 and v2 model runners): id 5 (eagle_aux_hidden_state_layer_"
             "ids) is beyond the last layer of this 4-layer target") in text
+
+
+def test_the_plugins_slot_expectations_go_through_the_same_rule(monkeypatch):
+    """SGLang's plugin reads a live model's layers_to_capture; with TPPROBE_ID_RULE the ids are recovered
+    through the architecture's own setter rule and the build's rule applied; without it, the stock reading."""
+    from tpprobe.engines.capture_rule import sglang_live_slots, vllm_knob_slots
+    from tpprobe.engines.sglang.layer_ids import slots_from_layers_to_capture
+    monkeypatch.delenv("TPPROBE_ID_RULE", raising=False)
+    stock = slots_from_layers_to_capture([-1, 2, 30], 61)
+    assert sglang_live_slots("DeepseekV2ForCausalLM", [-1, 2, 30], 61) == (stock, "")
+    monkeypatch.setenv("TPPROBE_ID_RULE", "-1=embed")
+    (points, ids), note = sglang_live_slots("DeepseekV2ForCausalLM", [-1, 2, 30], 61)
+    assert (points, ids) == (["embed.out", "layer.1.out", "layer.29.out"], [-1, 2, 30])
+    assert note == ("your build (TPPROBE_ID_RULE=-1=embed): id -1 = embedding output (= HF hidden_states[0])")
+    # Llama's +1: layers_to_capture [0, 3, 31] came from ids [-1, 2, 30]; the rule names no captured id's change
+    assert sglang_live_slots("LlamaForCausalLM", [0, 3, 31], 61)[0] == (
+        ["embed.out", "layer.2.out", "layer.30.out"], [-1, 2, 30])
+    monkeypatch.setenv("TPPROBE_ID_RULE", "-1=emb")
+    assert sglang_live_slots("DeepseekV2ForCausalLM", [-1, 2, 30], 61)[0] == stock
+    # vLLM's knob (tpprobe ids i -> vLLM ids i + 1), the rule keyed by vLLM's ids
+    assert vllm_knob_slots([1, 4], {5: 0}) == ((["embed.out", "layer.1.out"], [4, 1]),
+                                               "your build (TPPROBE_ID_RULE=5=embed), keyed by vLLM's ids")
+    assert vllm_knob_slots([1, 4], {}) == ((["layer.1.out", "layer.4.out"], [1, 4]), "")

@@ -216,3 +216,66 @@ def unreachable(rule: EngineRule, hfs: list[int]) -> list[str]:
                 else f"HF hidden_states[{h}]")
         out.append(f"no id list gives {what} on this engine: patch {rule.patch_point()}")
     return out
+
+
+# ---- the plugins' slot expectations: the same rule, from what a live model holds ----------------------
+def expected_slots(p) -> tuple[list, list]:
+    """(points, ids) for each slot of the packed aux, in slot order: the capture point it must equal and
+    the id that asked for it; then one None point per id that captures nothing (so the slot check names
+    it as missing). From a plan of `plan_for` (stock or with a build's id rule)."""
+    from tpprobe.engines.sglang.layer_ids import layer_point
+    held = sorted((r for r in p.rows if r.slot is not None), key=lambda r: r.slot)
+    points: list = [layer_point(r.hf_index) for r in held]
+    ids: list = [r.requested for r in held]
+    for r in p.rows:
+        if r.status in ("dropped", "crash") and r.slot is None and not r.captured:
+            points.append(None)
+            ids.append(r.requested)
+    return points, ids
+
+
+def sglang_live_slots(model_class: str, layers_to_capture, num_layers: int, rule: Optional[dict] = None):
+    """The SGLang plugin's slot expectations from a live model's `layers_to_capture`: the stock reading
+    (tpprobe.engines.sglang.layer_ids.slots_from_layers_to_capture) unless a build's id rule is given
+    (default: TPPROBE_ID_RULE); then the ids are recovered by running the architecture's own setter rule
+    backwards (ids = layers_to_capture, or each minus the +1) and the rule applied through `plan_for`.
+    Returns ((points, ids), note); a bad rule or an architecture the rules do not know keeps the stock
+    reading and says why in `note` (a plugin never stops the engine)."""
+    from tpprobe.engines.sglang.layer_ids import slots_from_layers_to_capture
+    stock = slots_from_layers_to_capture(layers_to_capture, num_layers)
+    try:
+        rule = env_id_rule() if rule is None else rule
+    except UsageError as e:
+        return stock, f"{e}: the stock rule is used"
+    if not rule:
+        return stock, ""
+    ltc = [int(c) for c in layers_to_capture]
+    for ids in (ltc, [c - 1 for c in ltc]):
+        try:
+            p = stock_plan("sglang", model_class, ids, num_layers)
+        except UsageError as e:
+            return stock, f"{ENV} not applied: {e}"
+        if list(p.layers_to_capture) == ltc:
+            return expected_slots(plan_for("sglang", model_class, ids, num_layers, rule)), \
+                f"your build ({ENV}={rule_text(rule)}): {describe_rule(rule, num_layers)}"
+    return stock, f"{ENV} not applied: no ids give layers_to_capture {ltc} under {model_class}'s rule"
+
+
+def vllm_knob_slots(layer_ids: list[int], rule: Optional[dict] = None):
+    """The vLLM worker's slot expectations for its aux knob (tpprobe ids i, vLLM ids i + 1), through the
+    same rule: the stock reading (ascending id, a duplicate once) unless a build's rule (default:
+    TPPROBE_ID_RULE, keyed by vLLM's ids) names some ids. Returns ((points, ids), note)."""
+    from tpprobe.capture.points import id_point
+    from tpprobe.engines.sglang.layer_ids import layer_point
+    try:
+        rule = env_id_rule() if rule is None else rule
+    except UsageError as e:
+        rule, note = {}, f"{e}: the stock rule is used"
+    else:
+        note = ""
+    ids = sorted(set(int(i) for i in layer_ids))
+    if not rule or not any(i + 1 in rule for i in ids):
+        return ([id_point(i) for i in ids], ids), note
+    held = sorted(((rule.get(i + 1, i + 1), i) for i in ids))
+    return ([layer_point(hf) for hf, _ in held], [i for _, i in held]), \
+        f"your build ({ENV}={rule_text(rule)}), keyed by vLLM's ids"
