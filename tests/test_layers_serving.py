@@ -157,3 +157,22 @@ def test_the_plugins_slot_expectations_go_through_the_same_rule(monkeypatch):
     assert vllm_knob_slots([1, 4], {5: 0}) == ((["embed.out", "layer.1.out"], [4, 1]),
                                                "your build (TPPROBE_ID_RULE=5=embed), keyed by vLLM's ids")
     assert vllm_knob_slots([1, 4], {}) == ((["layer.1.out", "layer.4.out"], [1, 4]), "")
+
+
+def test_sglangs_deepseek_rule_reads_the_lists_order_so_the_ids_to_write_may_be_out_of_order(tmp_path):
+    """The example draft expects hidden_states[1, 30, 58] on a DeepSeek-V3 target: [1, 30, 58] would make
+    SGLang add 1 to every id (its first id is 1); [30, 1, 58] gives exactly the slots the draft expects."""
+    draft = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                                                           [0, 29, 57]}}
+    target = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168}
+    res = contract(_write(tmp_path, "draft", draft), _write(tmp_path, "target", target))
+    assert res["proposal"]["ids"] == [30, 1, 58]
+    assert res["proposal"]["line"].endswith(
+        "(in this order on purpose: [1, 30, 58] would give HF hidden_states[2, 31, 59], since the rule reads the "
+        "list's order; the slots come out in layer order either way)")
+    f = findings({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [30, 1, 58]}}, "DeepseekV3ForCausalLM", 61,
+                 7168)
+    assert f[0]["who"] == "SGLang" and f[0]["line"].endswith(
+        "unless the draft was trained in layer order: this engine's rule reads the list's order (written as [1, 30, "
+        "58] the ids give HF hidden_states[2, 31, 59]), so the order may be on purpose; `tpprobe fix` tells which "
+        "from the draft's weights")

@@ -332,9 +332,14 @@ def _proposal(engine: str, arch: str, L: int, want: list[int], draft_ids, id_rul
     who = ("SGLang" if engine == "sglang" else "vLLM") + (" (your build)" if id_rule else "")
     ids = ids_for(rule, want, draft_ids)
     if ids is not None:
+        alt = rule.slots(sorted(ids))
+        why = "" if ids == sorted(ids) else (
+            f" (in this order on purpose: {sorted(ids)} would give "
+            f"{'HF hidden_states' + str(alt) if alt else 'a crash or a dropped id'}, since the rule reads the "
+            f"list's order; the slots come out in layer order either way)")
         return {"ids": ids, "field": field,
                 "line": f"write {field} = {ids} for this draft on {who}: it then captures HF hidden_states{want}, "
-                        f"what the draft expects"}
+                        f"what the draft expects{why}"}
     why = unreachable(rule, want)
     if sorted(want) != want:
         why.insert(0, f"the draft expects its slots in the order HF hidden_states{want}, and {who} fills them in "

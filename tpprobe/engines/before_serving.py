@@ -54,12 +54,21 @@ def findings(draft: dict, arch: str, num_layers: int, hidden: Optional[int] = No
                      f"{b.requested}'s (HF hidden_states[{b.hf_index}])" for j, (a, b) in enumerate(zip(in_slots, held))
                      if a is not b]
             order = sorted(ids)
+            now = [r.hf_index for r in in_slots]
+            q = plan_for(engine, arch, order, N, id_rule if rule_engines is None or engine in rule_engines else None)
+            alt = None if q.crash or q.problems else q.slot_hf_indices
+            if alt == now:
+                tail = (f"write {order} and permute the draft's fc.weight column blocks the same way (or just {order} "
+                        f"if it was trained in layer order)")
+            else:
+                tail = (f"unless the draft was trained in layer order: this engine's rule reads the list's order "
+                        f"(written as {order} the ids give "
+                        f"{'HF hidden_states' + str(alt) if alt else 'a crash or a dropped id'}), so the order may be "
+                        f"on purpose; `tpprobe fix` tells which from the draft's weights")
             out.append({"engine": engine, "who": who, "fault": "F30", "kind": "ids-out-of-order", "ids": ids,
                         "line": f"{who}: ids {ids} ({where}) are not in layer order: the engine fills the slots in "
                                 f"ascending layer order, so {'; '.join(parts)}; a draft trained with the slots in the "
-                                f"written order accepts almost nothing, with no error — write {order} and permute "
-                                f"the draft's fc.weight column blocks the same way (or just {order} if it was "
-                                f"trained in layer order)"})
+                                f"written order accepts almost nothing, with no error — {tail}"})
         limit = N if engine == "vllm" else N - 1      # the last capture point each engine's loop reaches
         for r in rows:
             if r.status not in ("dropped", "crash") or r.layer is None or r.layer <= limit:

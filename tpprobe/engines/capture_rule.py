@@ -185,23 +185,33 @@ class EngineRule:
 
 
 def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None) -> Optional[list[int]]:
-    """Ids that make `rule`'s engine put exactly `hfs` in its slots (in that order), preferring the
-    fewest ids changed from `prefer`; None when no id list does."""
+    """Ids that make `rule`'s engine put exactly `hfs` in its slots (in that order), preferring ids in
+    layer order and the fewest changed from `prefer`; None when no id list does. Ids out of layer order
+    are tried last: a rule may read the list's order (SGLang's DeepSeek adds 1 to every id only when the
+    first is 1) although the slots come out in layer order either way."""
     L = rule.num_layers
     opts = []
     for h in hfs:
         o = {h - 2, h - 1, h, h + 1} | {i for i, v in rule.id_rule.items() if v == h}
         opts.append(sorted(i for i in o if -2 <= i <= L + 1))
+    found = _search(rule, hfs, opts, prefer, False)
+    if found is None and len(hfs) <= 4:
+        found = _search(rule, hfs, opts, prefer, True)
+    return found
+
+
+def _search(rule: EngineRule, hfs, opts, prefer, permute: bool) -> Optional[list[int]]:
     best, best_cost = None, None
-    for ids in itertools.product(*opts):
-        if len(set(ids)) != len(ids):
+    for base in itertools.product(*opts):
+        if len(set(base)) != len(base):
             continue
-        cost = sum(1 for a, b in zip(ids, prefer or []) if a != b) if prefer and len(prefer) == len(ids) else 0
-        cost += 0 if list(ids) == sorted(ids) else 10       # ids in layer order: what the engine does anyway
-        if best_cost is not None and cost >= best_cost:
-            continue
-        if rule.slots(list(ids)) == list(hfs):
-            best, best_cost = list(ids), cost
+        for ids in (itertools.permutations(base) if permute else (base,)):
+            cost = sum(1 for a, b in zip(ids, prefer or []) if a != b) if prefer and len(prefer) == len(ids) else 0
+            cost += 0 if list(ids) == sorted(ids) else 10       # ids in layer order: what the engine does anyway
+            if best_cost is not None and cost >= best_cost:
+                continue
+            if rule.slots(list(ids)) == list(hfs):
+                best, best_cost = list(ids), cost
     return best
 
 
