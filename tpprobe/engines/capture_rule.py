@@ -177,8 +177,7 @@ class EngineRule:
             return (f"{p.sglang_class}.set_eagle3_layers_to_capture and the decoder loop it feeds "
                     f"({p.rule.split('(')[1].split(')')[0] if '(' in p.rule else 'SGLang'})")
         from tpprobe.engines.vllm import layer_ids as v
-        tab = v._table()
-        r = tab["CLASSES"][v.resolve(self.arch, tab)]
+        r = v.rule_of(self.arch)
         if r["kind"] == "hf-recorder":
             return f"{r['cls']}.set_aux_hidden_state_layers ({r['setter_at']})"
         return f"{r['holder']}.forward ({r['capture_at']}), which offers the loop points to the aux capture"
