@@ -28,7 +28,8 @@ def fix_command(
     ids: Annotated[Optional[str], typer.Option("--ids", help="the ids served (default: the draft config's "
                                                              "eagle_aux_hidden_state_layer_ids)")] = None,
     id_rule: Annotated[Optional[str], typer.Option("--id-rule", help="your build's capture rule for some ids, e.g. "
-                                                                     "-1=embed (see tpprobe layers --help)")] = None,
+                                                                     "-1=embed (default: TPPROBE_ID_RULE; see "
+                                                                     "tpprobe layers --help)")] = None,
     trained_on: Annotated[Optional[Path], typer.Option("--trained-on", help="a training sample (SpecForge) of the "
                                                                             "same tokens: its slots become a "
                                                                             "candidate")] = None,
@@ -41,7 +42,7 @@ def fix_command(
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
 ) -> None:
     """Which EAGLE-3 ids to write: the draft replayed on candidate captures of the target's streams."""
-    from tpprobe.engines.capture_rule import parse_id_rule
+    from tpprobe.engines.capture_rule import env_id_rule, parse_id_rule
     from tpprobe.engines.sglang.layer_ids import parse_ids
     from tpprobe.formats.capture_dir import check_file_path
     from tpprobe.report.emit import Flags, emit
@@ -53,7 +54,7 @@ def fix_command(
         raise UsageError(f"--engine {engine!r}: use sglang or vllm")
     if chain < 1:
         raise UsageError(f"--chain {chain}: give the drafted tokens per step, at least 1")
-    rule = parse_id_rule(id_rule)
+    rule = parse_id_rule(id_rule) if id_rule is not None else env_id_rule()
     num_layers = None
     if target_config is not None:
         arch, num_layers = _target(target_config, arch)

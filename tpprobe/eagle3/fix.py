@@ -38,7 +38,9 @@ API (every function takes in-memory objects; the `*_from_*` helpers read files, 
     prop.as_dict()       # JSON-ready (schema tpprobe.fix/1)
     run_fix(draft_dir, capture, engine, arch=None, ...)        # the command's data from paths
 
-`replay(draft, streams, stream_list)` scores one stream list; `ids_for(rule, stream_list)` inverts an
+`engine=` takes the draft forward to use (default: tpprobe.eagle3.accept's `Eagle3Forward(draft)` on
+CPU; pass `Eagle3Forward(draft, torch.device("cuda"))` on a GPU). `replay(draft, streams, stream_list)`
+scores one stream list; `ids_for(rule, stream_list)` inverts an
 engine's rule (None when no id list gives those slots in that order).
 """
 from __future__ import annotations
