@@ -108,3 +108,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, extra, message):
     r = run_cli(args + (["--arch", "LlamaForCausalLM"] if extra and extra[0] != "--arch" else []) + extra)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_training_sample_finds_streams_no_neighbourhood_of_the_config_reaches(tmp_path):
+    """The config says [-1, 2, 4]; the draft was trained on hidden_states[0, 6, 11]: none of the candidates
+    around the config reaches it, the training sample (SpecForge's file, same tokens) does."""
+    from tpprobe.eagle3.diff.load import load_side
+    from tpprobe.formats.specforge import write_sample
+    s = planted_streams(12)
+    d = load_draft(hand_draft(s, [0, 6, 11], tmp_path / "d", [-1, 2, 4]))
+    rule = EngineRule("vllm", "LlamaForCausalLM", 12)
+    blind = propose(d, s, rule)
+    assert blind.best.streams != [0, 6, 11] and blind.best.score.first_position < 0.9
+    sample = write_sample(tmp_path / "data_0.ckpt", s.input_ids, s.packed([0, 6, 11]))
+    p = propose(d, s, rule, trained_on=load_side("trained-on", sample).packed)
+    assert p.best.label == "the training sample" and p.fix_ids == [0, 6, 11]
+    assert p.line.startswith("set `eagle_aux_hidden_state_layer_ids` to [0, 6, 11]: replayed first-position "
+                             "acceptance ") and p.line.endswith("-> 1.00 (accept length, chain of 5: "
+                                                                f"{p.current.score.accept_length:.2f} -> 6.00)")
