@@ -302,7 +302,8 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
                            "detail": v[2] + " (besides the crash)"}
     if p.crash:
         differences.insert(0, f"the target crashes with these ids: {p.crash}")
-    proposal = _proposal(engine, archs[0], L, want, draft_ids, id_rule, p) if differences else None
+    from tpprobe.engines.capture_rule import ids_to_write
+    proposal = ids_to_write(engine, archs[0], L, want, draft_ids, id_rule) if differences else None
     from tpprobe.engines.ids_compare import compare
 
     try:
@@ -319,34 +320,6 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
             "differences": differences, "verdict": verdict, "finding": "id-contract" if differences else None}
-
-
-def _proposal(engine: str, arch: str, L: int, want: list[int], draft_ids, id_rule, p) -> Optional[dict]:
-    """The ids to write so that `engine` gives the draft what it expects, or why none do and what to patch."""
-    from tpprobe.engines.capture_rule import EngineRule, ids_for, unreachable
-    if not want or not all(0 <= w <= L for w in want):
-        return None
-    rule = EngineRule(engine, arch, L, dict(id_rule or {}))
-    field = ("eagle_config.eagle_aux_hidden_state_layer_ids" if engine == "sglang" else
-             "eagle_aux_hidden_state_layer_ids")
-    who = ("SGLang" if engine == "sglang" else "vLLM") + (" (your build)" if id_rule else "")
-    ids = ids_for(rule, want, draft_ids)
-    if ids is not None:
-        alt = rule.slots(sorted(ids))
-        why = "" if ids == sorted(ids) else (
-            f" (in this order on purpose: {sorted(ids)} would give "
-            f"{'HF hidden_states' + str(alt) if alt else 'a crash or a dropped id'}, since the rule reads the "
-            f"list's order; the slots come out in layer order either way)")
-        return {"ids": ids, "field": field,
-                "line": f"write {field} = {ids} for this draft on {who}: it then captures HF hidden_states{want}, "
-                        f"what the draft expects{why}"}
-    why = unreachable(rule, want)
-    if sorted(want) != want:
-        why.insert(0, f"the draft expects its slots in the order HF hidden_states{want}, and {who} fills them in "
-                      f"ascending layer order: permute the draft's fc.weight column blocks to layer order")
-    if not why:
-        why = [f"no id list gives HF hidden_states{want} on {who}: patch {rule.patch_point()}"]
-    return {"ids": None, "field": field, "line": "; ".join(why)}
 
 
 def _hs(i: Optional[int], L: int) -> str:

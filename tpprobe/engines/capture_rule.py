@@ -15,6 +15,11 @@ patched so that id -1 is the embedding output. Its text form (the CLI's `--id-ru
     7=in:7            id 7 captures the stream entering layer 7    (HF hidden_states[7])
     9=hs:12           id 9 captures HF hidden_states[12]
 
+Also here: `EngineRule` (the rule as an object: ids -> the HF index in each slot, and the engine
+function a code change would patch), `ids_for` (the rule inverted), `ids_to_write` (the ids to write
+for a draft, or why none do), `expected_slots` / `sglang_live_slots` / `vllm_knob_slots` (the
+plugins' slot expectations through the same rule).
+
 Every other id keeps the stock rule of the engine, computed on the whole list (so SGLang's DeepSeek
 "+1 only when the first id is 1" still looks at the list as written). The named ids always capture
 (the build was patched to make them), slots still come out in ascending layer order (both engines
@@ -288,3 +293,34 @@ def vllm_knob_slots(layer_ids: list[int], rule: Optional[dict] = None):
     held = sorted(((rule.get(i + 1, i + 1), i) for i in ids))
     return ([layer_point(hf) for hf, _ in held], [i for _, i in held]), \
         f"your build ({ENV}={rule_text(rule)}), keyed by vLLM's ids"
+
+
+def ids_to_write(engine: str, arch: str, L: int, want: list[int], draft_ids: Optional[list[int]] = None,
+                 id_rule: Optional[dict] = None) -> Optional[dict]:
+    """The ids to write so that `engine` puts HF hidden_states `want` (what the draft was trained on, slot
+    by slot) in its slots, preferring the fewest changed from `draft_ids`: {"ids", "field", "line"}, with
+    ids None and the line saying why no id list does and what to patch. None when `want` names a stream
+    the model does not have. `tpprobe layers` shows it beside the contract."""
+    if not want or not all(0 <= w <= L for w in want):
+        return None
+    rule = EngineRule(engine, arch, L, dict(id_rule or {}))
+    key = ("eagle_config.eagle_aux_hidden_state_layer_ids" if engine == "sglang" else
+             "eagle_aux_hidden_state_layer_ids")
+    who = ("SGLang" if engine == "sglang" else "vLLM") + (" (your build)" if id_rule else "")
+    ids = ids_for(rule, want, draft_ids)
+    if ids is not None:
+        alt = rule.slots(sorted(ids))
+        why = "" if ids == sorted(ids) else (
+            f" (in this order on purpose: {sorted(ids)} would give "
+            f"{'HF hidden_states' + str(alt) if alt else 'a crash or a dropped id'}, since the rule reads the "
+            f"list's order; the slots come out in layer order either way)")
+        return {"ids": ids, "field": key,
+                "line": f"write {key} = {ids} for this draft on {who}: it then captures HF hidden_states{want}, "
+                        f"what the draft expects{why}"}
+    why = unreachable(rule, want)
+    if sorted(want) != want:
+        why.insert(0, f"the draft expects its slots in the order HF hidden_states{want}, and {who} fills them in "
+                      f"ascending layer order: permute the draft's fc.weight column blocks to layer order")
+    if not why:
+        why = [f"no id list gives HF hidden_states{want} on {who}: patch {rule.patch_point()}"]
+    return {"ids": None, "field": key, "line": "; ".join(why)}
