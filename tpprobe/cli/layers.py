@@ -6,7 +6,13 @@ tabulated from its code (tpprobe/engines/sglang/rules_table.py); with another SG
 are derived from that release's code (tpprobe.engines.sglang.rules).
 
 Exit codes: 0 every id captures one slot the draft can use / draft and target agree; 1 a crash,
-a dropped or duplicate id, or (contract) any slot that differs; 2 bad input.
+a dropped or duplicate id, or (contract) any slot that differs, ids out of layer order (F30) or an id
+beyond the last layer (F31) on either engine (tpprobe.engines.before_serving); 2 bad input.
+
+With a contract that differs, the ids to write for this draft on this engine (or why no id list
+gives what it expects, and which engine function to patch): tpprobe.engines.capture_rule.ids_to_write.
+`--id-rule` (default: TPPROBE_ID_RULE) describes a patched build, e.g. `-1=embed`; every rule goes
+through tpprobe.engines.capture_rule.plan_for.
 
 The contract (catalogue F19). SGLang's target side reads the layer ids ONLY from the draft's
 `eagle_config.eagle_aux_hidden_state_layer_ids` (spec_aux_hidden_state.py
