@@ -30,7 +30,7 @@ def test_the_seeds_draft_on_stock_sglang_gets_ids_that_give_the_embedding(seed):
     s, d = seed
     p = propose(d, s, EngineRule("sglang", DS, 61))
     assert p.fix_ids == [0, 3, 31] and p.no_fix is None
-    assert p.line == ("set `eagle_aux_hidden_state_layer_ids` to [0, 3, 31]: replayed first-position acceptance "
+    assert p.line == ("set eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position acceptance "
                       "0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00)")
     assert p.notes == ["the engine does not serve these ids as they are: id -1: crash"]
     assert p.best.streams == [0, 3, 31] and p.best.score.per_position == [1.0] * 5
@@ -41,7 +41,7 @@ def test_the_seeds_draft_on_the_patched_sglang_moves_ids_2_and_30_one_layer(seed
     p = propose(d, s, EngineRule("sglang", DS, 61, {-1: 0}))
     assert p.current.streams == [0, 2, 30]          # the patch gives the embedding; 2 and 30 read one layer early
     assert p.fix_ids == [-1, 3, 31]
-    assert p.line == ("set `eagle_aux_hidden_state_layer_ids` to [-1, 3, 31]: replayed first-position acceptance "
+    assert p.line == ("set eagle_aux_hidden_state_layer_ids to [-1, 3, 31]: replayed first-position acceptance "
                       "0.35 -> 1.00 (accept length, chain of 5: 1.50 -> 6.00)")
 
 
@@ -54,10 +54,10 @@ def test_a_draft_trained_on_the_last_layers_output_has_no_id_list_on_sglang_and_
                         "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture and the decoder loop it feeds "
                         "(sglang/srt/models/deepseek_v2.py:3458) (or describe a patched build with --id-rule)")
     assert p.reachable is not None and p.reachable.score.first_position < 1.0
-    assert "; the best this engine can give: set `eagle_aux_hidden_state_layer_ids` to " in p.line
+    assert "; the best this engine can give: set eagle_aux_hidden_state_layer_ids to " in p.line
     v = propose(d, s, EngineRule("vllm", DS, 12))
     assert v.fix_ids == [0, 6, 12] and v.line.startswith(
-        "set `eagle_aux_hidden_state_layer_ids` to [0, 6, 12]: replayed first-position acceptance 0.00 -> 1.00")
+        "set eagle_aux_hidden_state_layer_ids to [0, 6, 12]: replayed first-position acceptance 0.00 -> 1.00")
 
 
 def test_a_draft_trained_with_slots_out_of_layer_order_names_the_slots_and_the_fc_permutation(tmp_path):
@@ -85,13 +85,13 @@ def test_the_cli_on_a_real_probe_capture_keeps_sglangs_ids_and_fixes_vllms(tmp_p
     args = ["fix", "--draft", str(draft), "--streams", str(run), "--arch", "LlamaForCausalLM"]
     r = run_cli([*args, "--engine", "sglang"])
     assert r.returncode == 0, r.stderr
-    assert ("OK: keep `eagle_aux_hidden_state_layer_ids` [-1, 1, 3]: no candidate capture replays better than the "
+    assert ("OK: keep eagle_aux_hidden_state_layer_ids [-1, 1, 3]: no candidate capture replays better than the "
             "engine's (1.00 first-position acceptance, accept length 6.00, chain of 5)") in " ".join(r.stdout.split())
     r = run_cli([*args, "--engine", "vllm", "--chain", "3", "--json"])
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
     assert doc["schema"] == "tpprobe.fix/1" and doc["fix_ids"] == [0, 2, 4] and doc["written_ids"] == [-1, 1, 3]
-    assert doc["line"] == ("set `eagle_aux_hidden_state_layer_ids` to [0, 2, 4]: replayed first-position acceptance "
+    assert doc["line"] == ("set eagle_aux_hidden_state_layer_ids to [0, 2, 4]: replayed first-position acceptance "
                            "0.00 -> 1.00 (accept length, chain of 3: 1.00 -> 4.00)")
     assert doc["notes"] == ["the engine does not serve these ids as they are: id -1: dropped"]
 
@@ -123,6 +123,6 @@ def test_a_training_sample_finds_streams_no_neighbourhood_of_the_config_reaches(
     sample = write_sample(tmp_path / "data_0.ckpt", s.input_ids, s.packed([0, 6, 11]))
     p = propose(d, s, rule, trained_on=load_side("trained-on", sample).packed)
     assert p.best.label == "the training sample" and p.fix_ids == [0, 6, 11]
-    assert p.line.startswith("set `eagle_aux_hidden_state_layer_ids` to [0, 6, 11]: replayed first-position "
+    assert p.line.startswith("set eagle_aux_hidden_state_layer_ids to [0, 6, 11]: replayed first-position "
                              "acceptance ") and p.line.endswith("-> 1.00 (accept length, chain of 5: "
                                                                 f"{p.current.score.accept_length:.2f} -> 6.00)")

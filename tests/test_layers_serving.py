@@ -174,5 +174,5 @@ def test_sglangs_deepseek_rule_reads_the_lists_order_so_the_ids_to_write_may_be_
                  7168)
     assert f[0]["who"] == "SGLang" and f[0]["line"].endswith(
         "unless the draft was trained in layer order: this engine's rule reads the list's order (written as [1, 30, "
-        "58] the ids give HF hidden_states[2, 31, 59]), so the order may be on purpose; `tpprobe fix` tells which "
+        "58] the ids give HF hidden_states[2, 31, 59]), so the order may be on purpose; tpprobe fix tells which "
         "from the draft's weights")

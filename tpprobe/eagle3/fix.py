@@ -28,7 +28,7 @@ API (every function takes in-memory objects; the `*_from_*` helpers read files, 
     draft   = load_draft(DRAFT_DIR)                            # tpprobe.eagle3.accept.draft (safetensors)
     rule    = EngineRule("sglang" | "vllm", arch, num_layers, id_rule={-1: 0})   # id_rule: a patched build
     prop    = propose(draft, streams, rule, ids=None, chain=5, trained_on=None, engine="torch")
-    prop.line            # "set `eagle_aux_hidden_state_layer_ids` to [0, 3, 31]: replayed first-position
+    prop.line            # "set eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position
                          #  acceptance 0.02 -> 1.00 (accept length, chain of 5: 1.02 -> 6.00)"
     prop.fix_ids         # [0, 3, 31], or None when no id list gives the best candidate
     prop.no_fix          # None, or why no id list fits and what to patch
@@ -299,7 +299,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     cands.sort(key=_order_key)
     best = cands[0]
     for c in cands[:5]:
-        c.ids = ids_for(rule, c.streams, written)
+        c.ids = ids_for(rule, c.streams, written, any_order=c is best)
     best_ids = best.ids
     reachable = None
     no_fix = None
@@ -307,20 +307,20 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     head = (f"replayed first-position acceptance {cs.first_position:.2f} -> {bs.first_position:.2f} (accept "
             f"length, chain of {chain}: {cs.accept_length:.2f} -> {bs.accept_length:.2f})")
     if best.streams == (now or []) and now is not None:
-        line = (f"keep `{FIELD}` {written}: no candidate capture replays better than the engine's "
+        line = (f"keep {FIELD} {written}: no candidate capture replays better than the engine's "
                 f"({cs.first_position:.2f} first-position acceptance, accept length {cs.accept_length:.2f}, chain "
                 f"of {chain})")
         fix_ids = None
     elif best_ids is not None:
         fix_ids = best_ids
-        line = f"set `{FIELD}` to {best_ids}: {head}"
+        line = f"set {FIELD} to {best_ids}: {head}"
     else:
         fix_ids = None
         reachable = next((c for c in cands if c.ids is not None), None)
-        for c in cands[5:60]:
+        for c in cands[5:30]:
             if reachable is not None:
                 break
-            c.ids = ids_for(rule, c.streams, written)
+            c.ids = ids_for(rule, c.streams, written, any_order=False)
             reachable = c if c.ids is not None else None
         why = []
         if sorted(best.streams) != best.streams:
@@ -335,7 +335,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
         line = f"the draft replays best on HF hidden_states{best.streams} ({head}), but {no_fix}"
         if reachable is not None and reachable.streams != (now or []):
             rs = reachable.score
-            line += (f"; the best this engine can give: set `{FIELD}` to {reachable.ids} (first-position acceptance "
+            line += (f"; the best this engine can give: set {FIELD} to {reachable.ids} (first-position acceptance "
                      f"{rs.first_position:.2f}, accept length {rs.accept_length:.2f})")
     return Proposal(rule, written, cur, best, cands, fix_ids, no_fix, line, reachable, notes)
 

@@ -64,7 +64,7 @@ def findings(draft: dict, arch: str, num_layers: int, hidden: Optional[int] = No
                 tail = (f"unless the draft was trained in layer order: this engine's rule reads the list's order "
                         f"(written as {order} the ids give "
                         f"{'HF hidden_states' + str(alt) if alt else 'a crash or a dropped id'}), so the order may be "
-                        f"on purpose; `tpprobe fix` tells which from the draft's weights")
+                        f"on purpose; tpprobe fix tells which from the draft's weights")
             out.append({"engine": engine, "who": who, "fault": "F30", "kind": "ids-out-of-order", "ids": ids,
                         "line": f"{who}: ids {ids} ({where}) are not in layer order: the engine fills the slots in "
                                 f"ascending layer order, so {'; '.join(parts)}; a draft trained with the slots in the "

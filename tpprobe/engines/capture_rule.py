@@ -188,7 +188,8 @@ class EngineRule:
         return f"{r['holder']}.forward ({r['capture_at']}), which offers the loop points to the aux capture"
 
 
-def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None) -> Optional[list[int]]:
+def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None, any_order: bool = True
+            ) -> Optional[list[int]]:
     """Ids that make `rule`'s engine put exactly `hfs` in its slots (in that order), preferring ids in
     layer order and the fewest changed from `prefer`; None when no id list does. Ids out of layer order
     are tried last: a rule may read the list's order (SGLang's DeepSeek adds 1 to every id only when the
@@ -199,7 +200,7 @@ def ids_for(rule: EngineRule, hfs: list[int], prefer: Optional[list[int]] = None
         o = {h - 2, h - 1, h, h + 1} | {i for i, v in rule.id_rule.items() if v == h}
         opts.append(sorted(i for i in o if -2 <= i <= L + 1))
     found = _search(rule, hfs, opts, prefer, False)
-    if found is None and len(hfs) <= 4:
+    if found is None and any_order and len(hfs) <= 4:
         found = _search(rule, hfs, opts, prefer, True)
     return found
 
