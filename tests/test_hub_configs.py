@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ranks import run_cli
+from tests.helpers.ranks import run_cli
 
 KIMI = Path(__file__).resolve().parent / "assets" / "kimi-k2.5" / "config.json"
 

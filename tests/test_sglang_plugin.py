@@ -197,3 +197,22 @@ def test_unwritable_capture_dir_is_logged_once_and_the_forwards_go_on(tmp_path):
     assert "the plugin stops capturing, the engine goes on" in lines[0]
     ours = [x for log in LAST_LOGS for x in log.splitlines() if x.startswith("[tpprobe pid=")]
     assert not [x for x in ours if " wrote " in x or "step 1" in x or "step 2" in x], ours
+
+
+def test_a_described_build_sets_the_slots_the_plugin_expects(tmp_path):
+    """TPPROBE_ID_RULE goes through the plugin's slot expectations (tpprobe.engines.capture_rule): SGLang's
+    DeepSeek as shipped captures HF hidden_states[2] for id 2; described as a build where id 2 is layer 2's
+    output (hidden_states[3]), the same capture reads one layer early at aux slot 1."""
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "1",
+           "TPPROBE_KEEP": "*", "TPPROBE_ID_RULE": "2=out:2"}
+    run_ranks("test_sglang_plugin:worker", 2, dict(arch="deepseek_v2", broken_step=False), env=env, timeout=240)
+    from tpprobe.formats.capture_dir import load_run
+    step = tmp_path / "dp0-pp0" / "step-000000-extend"
+    code, failures, rep = _report(step)
+    assert code == 1 and [(f["kind"], f["where"], f["ranks"]) for f in failures] == \
+        [("capture-offset", "aux slot 1", [0, 1])], failures
+    assert failures[0]["detail"] == ("slot 1 (id 2) equals layer 1's output, expected layer 2's output: one layer "
+                                     "early (the EAGLE-3 +1 was not applied)")
+    assert load_run(step).manifest["settings"]["id rule"] == \
+        "your build (TPPROBE_ID_RULE=2=hs:3): id 2 = residual stream leaving the last layer, before the final norm " \
+        "(HF hidden_states[3] is after it)"      # the tiny model has 3 layers: layer 2 is the last

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_ranks import run_ranks  # noqa: E402
+from helpers.sglang_ranks import run_ranks  # noqa: E402
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,

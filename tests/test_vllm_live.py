@@ -178,6 +178,17 @@ def test_draft_capture_without_residual_is_named(checkpoint, tmp_path):
     assert "holds the output of all-reduce #2 (model.layers.0.mlp.down_proj, layer 0" in failures[0]["detail"], failures
 
 
+def test_a_described_build_sets_the_slots_the_worker_expects(checkpoint, tmp_path):
+    """TPPROBE_ID_RULE (keyed by vLLM's ids) goes through the worker's slot expectations
+    (tpprobe.engines.capture_rule): vLLM as shipped captures HF hidden_states[2] for its id 2; described as a
+    build where id 2 is layer 2's output (hidden_states[3]), the same capture reads one layer early at slot 1."""
+    res, cap, log = serve(tmp_path, checkpoint, tokens=2, TPPROBE_VLLM_AUX_LAYERS=AUX, TPPROBE_ID_RULE="2=out:2")
+    rc, failures, rep = report(cap / "dp0-pp0" / "step-000000-extend")
+    assert rc == 1 and [(f["kind"], f["where"], f["ranks"]) for f in failures] == \
+        [("capture-offset", "aux slot 1", [0, 1])], json.dumps(rep)[:4000]
+    assert [s["ok"] for s in rep["slots"]] == [True, False, True], rep["slots"]
+
+
 _PLAIN: dict = {}
 
 

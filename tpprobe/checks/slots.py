@@ -113,7 +113,8 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
         return ("aliased-capture", f"aux slots {same}", f"slots {same} all hold {lab(last)}: captured without clone() "
                                           f"from a buffer that later layers overwrote")
     deltas = {(point_position(match[i]) - point_position(expected[i]))
-              if match[i] and point_position(match[i]) is not None else None for i in wrong}
+              if match[i] and point_position(match[i]) is not None and i < len(expected) and expected[i]
+              and point_position(expected[i]) is not None else None for i in wrong}
     # every slot but the embedding's shifted alike: the id rule (the embedding's id -1 has no +1 to get wrong)
     every = len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0) and \
         all(i in wrong for i, e in enumerate(expected) if e != EMBED_OUT) and len(wrong) > 1

@@ -1,4 +1,4 @@
-"""The command line: `tpprobe probe | report | diff | layers | invariance`.
+"""The command line: `tpprobe probe | report | diff | layers | fix | invariance`.
 
 Exit codes: 0 healthy (rounding noise allowed), 1 findings, 2 bad usage or unreadable input,
 3 an internal error (a bug in tpprobe: one line naming the rank and step, the traceback with --debug).
@@ -277,6 +277,8 @@ def accept(
 # in cli/layers.py, which imports no torch and no sglang until it runs
 from .layers import layers_command  # noqa: E402
 app.command("layers")(layers_command)
+from .fix import fix_command  # noqa: E402
+app.command("fix")(fix_command)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

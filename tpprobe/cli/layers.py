@@ -6,7 +6,13 @@ tabulated from its code (tpprobe/engines/sglang/rules_table.py); with another SG
 are derived from that release's code (tpprobe.engines.sglang.rules).
 
 Exit codes: 0 every id captures one slot the draft can use / draft and target agree; 1 a crash,
-a dropped or duplicate id, or (contract) any slot that differs; 2 bad input.
+a dropped or duplicate id, or (contract) any slot that differs, ids out of layer order (F30) or an id
+beyond the last layer (F31) on either engine (tpprobe.engines.before_serving); 2 bad input.
+
+With a contract that differs, the ids to write for this draft on this engine (or why no id list
+gives what it expects, and which engine function to patch): tpprobe.engines.capture_rule.ids_to_write.
+`--id-rule` (default: TPPROBE_ID_RULE) describes a patched build, e.g. `-1=embed`; every rule goes
+through tpprobe.engines.capture_rule.plan_for.
 
 The contract (catalogue F19). SGLang's target side reads the layer ids ONLY from the draft's
 `eagle_config.eagle_aux_hidden_state_layer_ids` (spec_aux_hidden_state.py
@@ -34,6 +40,12 @@ ARCH_HELP = ("SGLang architecture: the class in config.json's `architectures` (L
              "kimi_k2, kimi); `all` = one line per architecture")
 
 
+ID_RULE_HELP = ("your build's capture of some ids, on top of --engine's stock rule: ID=WHAT, comma-separated, WHAT "
+                "= embed | out:K (layer K's output) | in:K (the stream entering layer K) | hs:N (HF hidden_states[N]); "
+                "e.g. -1=embed for an SGLang patched so that id -1 is the embedding output (default: the "
+                "TPPROBE_ID_RULE environment variable, which the plugins read too)")
+
+
 def layers_command(
     arch: Annotated[str, typer.Option("--arch", help=ARCH_HELP)] = "llama",
     ids: Annotated[Optional[str],
@@ -59,6 +71,7 @@ def layers_command(
                     typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
                                                                        "to this file")] = None,
+    id_rule: Annotated[Optional[str], typer.Option("--id-rule", help=ID_RULE_HELP)] = None,
 ) -> None:
     """What each EAGLE-3 layer id really captures under SGLang's (or vLLM's) rules (no model is run)."""
     from tpprobe.engines.sglang.layer_ids import parse_ids
@@ -73,10 +86,12 @@ def layers_command(
         raise UsageError(f"--engine {engine!r}: use sglang or vllm")
     if vllm_runner not in ("v1", "v2"):
         raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
+    from tpprobe.engines.capture_rule import env_id_rule, parse_id_rule
+    rule = parse_id_rule(id_rule) if id_rule is not None else env_id_rule()
     if draft_config is not None or target_config is not None:
         if draft_config is None or target_config is None:
             raise UsageError("--draft-config and --target-config go together: give both config.json files")
-        rep = contract_report(contract(draft_config, target_config, draft_convention, vllm_runner))
+        rep = contract_report(contract(draft_config, target_config, draft_convention, vllm_runner, engine, rule))
     elif arch.strip().lower() == "all":
         if engine == "vllm":
             from tpprobe.engines.vllm import layer_ids as v
@@ -85,7 +100,7 @@ def layers_command(
             rows = all_rows(parse_ids(ids), num_layers)
         rep = all_report(rows, parse_ids(ids), num_layers, engine)
     else:
-        rep = plan_report(arch, parse_ids(ids), num_layers, engine)
+        rep = plan_report(arch, parse_ids(ids), num_layers, engine, rule)
     emit(rep, None, flags)
     raise typer.Exit(rep.exit_code)
 
@@ -95,19 +110,20 @@ def _json(doc) -> str:
 
 
 # ---- one architecture --------------------------------------------------------------------
-def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: str = "sglang"):
+def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: str = "sglang",
+                id_rule: Optional[dict] = None):
     """What SGLang's (or vLLM's) rule for `arch` makes of `ids`: the plan's table and its problems."""
     from tpprobe.report.model import Cell, Report, Text
 
     if engine == "vllm":
-        from tpprobe.engines.vllm import layer_ids as v
+        from tpprobe.engines.capture_rule import plan_for
         from tpprobe.report.vllm_plan import vllm_plan_table
-        p = v.plan(arch, ids, num_layers)
+        p = plan_for("vllm", arch, ids, num_layers, id_rule)
         table = vllm_plan_table(p)
     else:
-        from tpprobe.engines.sglang.layer_ids import plan
+        from tpprobe.engines.capture_rule import plan_for
         from tpprobe.report.sglang_plan import plan_table
-        p = plan(arch, ids, num_layers)
+        p = plan_for("sglang", arch, ids, num_layers, id_rule)
         table = plan_table(p)
     doc = {"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
            "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
@@ -186,11 +202,14 @@ def _int_list(v, where: str) -> Optional[list[int]]:
     return list(v)
 
 
-def contract(draft_path: Path, target_path: Path, convention: str = "output", vllm_runner: str = "v2") -> dict:
-    """Slot by slot: what the draft was configured to receive vs what the target captures."""
+def contract(draft_path: Path, target_path: Path, convention: str = "output", vllm_runner: str = "v2",
+             engine: str = "sglang", id_rule: Optional[dict] = None) -> dict:
+    """Slot by slot: what the draft was configured to receive vs what the target captures on `engine`
+    (with `id_rule`: a patched build's capture of some ids, tpprobe.engines.capture_rule)."""
     from tpprobe.capture.points import point_label
     from tpprobe.checks.slots import slot_verdict
-    from tpprobe.engines.sglang.layer_ids import layer_point, plan
+    from tpprobe.engines.capture_rule import plan_for
+    from tpprobe.engines.sglang.layer_ids import layer_point
 
     if convention not in ("output", "before"):
         raise UsageError(f"--draft-convention {convention!r}: use output or before")
@@ -224,50 +243,84 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     if isinstance(k_draft, int) and k_draft != len(want):
         notes.append(f"the draft's num_aux_hidden_states is {k_draft} but its ids name {len(want)} slots: its fc "
                      f"layer takes {k_draft} × hidden")
-    # the target side reads only the nested ids (spec_aux_hidden_state.py)
+    # the target side reads only the nested ids (spec_aux_hidden_state.py); vLLM: its model runner's reader
     target_ids = nested if (eagle is not None and use_aux) else None
-    if nested is None and top is not None:
+    if engine == "vllm":
+        from tpprobe.engines.vllm.layer_ids import config_ids
+        target_ids = config_ids(draft, vllm_runner)[0]
+    elif nested is None and top is not None:
         notes.append(f"the draft's ids {top} are at the top level of its config: SGLang's target side reads only "
                      f"eagle_config.eagle_aux_hidden_state_layer_ids, so the target uses its default capture")
-    p = plan(hub.architecture, target_ids, L)     # SGLang's rules know the wrappers it serves
-    got = [] if p.crash else p.slot_hf_indices
-    n = max(len(want), len(got))
+    p = plan_for(engine, hub.architecture, target_ids, L, id_rule)     # the rules know the wrappers they serve
+    per_id = bool(p.crash) and target_ids is not None and draft_ids is not None and list(target_ids) == draft_ids
     rows, differences = [], []
-    for i in range(n):
-        w = want[i] if i < len(want) else None
-        g = got[i] if i < len(got) else None
-        wp = layer_point(w) if w is not None and 0 <= w <= L else None
-        gp = layer_point(g) if g is not None else None
-        ok = w is not None and g is not None and w == g and 0 <= w <= L
-        row = {"slot": i, "draft_id": draft_ids[i] if draft_ids and i < len(draft_ids) else None,
-               "draft_expects": _hs(w, L), "draft_expects_point": wp,
-               "target_captures": _hs(g, L) if g is not None else "nothing",
-               "target_point": gp, "ok": ok}
-        rows.append(row)
-        if not ok:
-            differences.append(f"slot {i}: the draft expects {row['draft_expects']} "
-                               f"({point_label(wp) if wp else 'nothing the target has'}), the target captures "
-                               f"{row['target_captures']}" + (f" ({point_label(gp)})" if gp else ""))
+    if per_id:     # the engine crashes: what every id would capture, so the other ids' shifts stay visible
+        for i, (w, r) in enumerate(zip(want, p.rows)):
+            g = r.hf_index if r.captured else None
+            wp = layer_point(w) if 0 <= w <= L else None
+            gp = layer_point(g) if g is not None and 0 <= g < L else None
+            ok = g is not None and g == w
+            row = {"slot": "-" if r.slot is None else r.slot, "draft_id": draft_ids[i], "draft_expects": _hs(w, L),
+                   "draft_expects_point": wp, "target_point": gp, "ok": ok,
+                   "target_captures": _hs(g, L) if g is not None else "nothing: the engine crashes"}
+            rows.append(row)
+            if not ok:
+                differences.append(f"id {draft_ids[i]}: the draft expects {row['draft_expects']} "
+                                   f"({point_label(wp) if wp else 'nothing the target has'}), the target captures "
+                                   f"{row['target_captures']}" + (f" ({point_label(gp)})" if gp else ""))
+    else:
+        got = [] if p.crash else p.slot_hf_indices
+        for i in range(max(len(want), len(got))):
+            w = want[i] if i < len(want) else None
+            g = got[i] if i < len(got) else None
+            wp = layer_point(w) if w is not None and 0 <= w <= L else None
+            gp = layer_point(g) if g is not None else None
+            ok = w is not None and g is not None and w == g and 0 <= w <= L
+            row = {"slot": i, "draft_id": draft_ids[i] if draft_ids and i < len(draft_ids) else None,
+                   "draft_expects": _hs(w, L), "draft_expects_point": wp,
+                   "target_captures": _hs(g, L) if g is not None else "nothing",
+                   "target_point": gp, "ok": ok}
+            rows.append(row)
+            if not ok:
+                differences.append(f"slot {i}: the draft expects {row['draft_expects']} "
+                                   f"({point_label(wp) if wp else 'nothing the target has'}), the target captures "
+                                   f"{row['target_captures']}" + (f" ({point_label(gp)})" if gp else ""))
     verdict = None
     if differences and not p.crash:
         ids_for = [r["draft_id"] for r in rows]
         v = slot_verdict(ids_for, [r["draft_expects_point"] for r in rows][:len(want)],
-                          [r["target_point"] for r in rows if r["target_point"]], L)
+                          [r["target_point"] for r in rows if r["target_point"]], L, offset_rule=engine == "sglang")
         if v:
             verdict = {"kind": v[0], "where": v[1], "detail": v[2]}
+    elif differences and per_id:
+        both = [r for r in rows if r["target_point"] and r["draft_expects_point"]]
+        if both:
+            v = slot_verdict([r["draft_id"] for r in both], [r["draft_expects_point"] for r in both],
+                             [r["target_point"] for r in both], L, offset_rule=engine == "sglang")
+            if v:
+                verdict = {"kind": v[0], "where": "ids " + ", ".join(str(r["draft_id"]) for r in both),
+                           "detail": v[2] + " (besides the crash)"}
     if p.crash:
         differences.insert(0, f"the target crashes with these ids: {p.crash}")
+    from tpprobe.engines.capture_rule import ids_to_write
+    proposal = ids_to_write(engine, hub.architecture, L, want, draft_ids, id_rule) if differences else None
     from tpprobe.engines.ids_compare import compare
 
     try:
-        engines = compare(draft, hub.architecture, L, convention, vllm_runner, text_arch=hub.text_architecture)
+        engines = compare(draft, hub.architecture, L, convention, vllm_runner, text_arch=hub.text_architecture,
+                          id_rules={engine: id_rule} if id_rule else None)
     except UsageError as e:      # an architecture one engine does not know: said in the engines' view
         engines = {"verdict": None, "error": str(e), "rows": [], "notes": [str(e)]}
     if hub.wrapper:
         notes.append(f"the target is {hub.describe()}: the EAGLE-3 states are that text model's "
                      f"(SGLang's rule: {p.sglang_class}'s)")
-    return {"engines": engines, "draft": str(draft_path), "target": str(target_path), "target_arch": hub.architecture,
-            "target_text_arch": hub.text_architecture,
+    from tpprobe.engines.before_serving import findings
+    hidden = hub.get("hidden_size")
+    serving = findings(draft, hub.architecture, L, hidden if isinstance(hidden, int) else None, id_rule,
+                       {engine} if id_rule else None)
+    return {"engines": engines, "before_serving": serving, "proposal": proposal, "engine": engine,
+            "id_rule": id_rule or {}, "draft": str(draft_path), "target": str(target_path),
+            "target_arch": hub.architecture, "target_text_arch": hub.text_architecture,
             "target_class": p.sglang_class, "num_layers": L, "draft_ids": draft_ids,
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
@@ -311,7 +364,17 @@ def contract_report(res: dict):
     sections += engines_sections(eng)
     verdict = [line] + ([Cell(f"FAILURE engine-id-mismatch: {eng['verdict']}", "failure")]
                         if eng.get("verdict") else [])
+    prop = res.get("proposal")
+    if prop:
+        word = "FIX" if prop["ids"] is not None else "NO ID LIST FITS"
+        sections.append(Text(parts=[Cell(word, "failure"), Cell(f": {prop['line']}")]))
+        verdict.append(Cell(f"{word}: {prop['line']}", "failure"))
+    for f in res.get("before_serving") or []:
+        head = f"FAILURE {f['kind']} ({f['fault']})"
+        sections.append(Text(parts=[Cell(head, "failure"), Cell(f": {f['line']}")]))
+        verdict.append(Cell(f"{head}: {f['line']}", "failure"))
     return Report("tpprobe.layers/1", f"tpprobe layers: EAGLE-3 contract of {res['draft']} and {res['target']}", res,
                   verdict=verdict, sections=sections,
                   settings={"draft": res["draft"], "target": res["target"], "convention": res["draft_convention"]},
-                  exit_code=1 if res["differences"] or eng.get("verdict") else 0, to_json=_json)
+                  exit_code=1 if res["differences"] or eng.get("verdict") or res.get("before_serving") else 0,
+                  to_json=_json)

@@ -35,12 +35,11 @@ def _slots(p) -> list[int]:
 
 
 def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2",
-            text_arch: Optional[str] = None) -> dict:
+            text_arch: Optional[str] = None, id_rules: Optional[dict] = None) -> dict:
     """Slot by slot, the HF hidden_states index each engine captures for this draft (and what the draft
     expects under `convention`); `verdict` is one line when the engines differ, else None."""
-    from tpprobe.engines.sglang.layer_ids import plan as sglang_plan
+    from tpprobe.engines.capture_rule import plan_for
     from tpprobe.engines.vllm.layer_ids import config_ids
-    from tpprobe.engines.vllm.layer_ids import plan as vllm_plan
 
     N = int(num_layers)
     s_ids, s_from = sglang_config_ids(draft)
@@ -49,7 +48,9 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     o_ids, o_from = config_ids(draft, other)
     # each engine's rules know the wrappers it serves (SGLang's KimiK25ForConditionalGeneration delegates in its
     # table; vLLM's resolves to the text model it hands the ids to): the wrapper is looked up, never guessed
-    sp, vp = sglang_plan(arch, s_ids, N), vllm_plan(arch, v_ids, N)
+    rules = id_rules or {}      # a patched build's capture of some ids, per engine (engines.capture_rule)
+    sp = plan_for("sglang", arch, s_ids, N, rules.get("sglang"))
+    vp = plan_for("vllm", arch, v_ids, N, rules.get("vllm"))
     s_slots, v_slots = _slots(sp), _slots(vp)
     ids = draft_ids(draft)
     shift = 1 if convention == "output" else 0

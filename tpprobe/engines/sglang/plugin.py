@@ -281,7 +281,7 @@ def _aux(result, tokens: int):
 def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_forward, budget):
     """This rank's record (the one rank record `tpprobe probe` writes too, with every point's fingerprint
     and each all-reduce's in_fp / out_fp, its kept tensors under the byte budget) and run settings."""
-    from tpprobe.engines.sglang.layer_ids import slots_from_layers_to_capture
+    from tpprobe.engines.capture_rule import sglang_live_slots
     from tpprobe.engines.step import step_record, step_settings
 
     tokens = int(input_ids.shape[0])
@@ -295,11 +295,15 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
                              "source": "sglang-plugin", "step": step, "forward_mode": mode,
                              "model": type(model).__name__, "parallel": par, "layers_to_capture": ltc,
                              "aux_note": aux_note, "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
-    slots = slots_from_layers_to_capture(ltc, len(tap.layer_indices)) if aux is not None else ([], [])
+    # the rule every reader goes through (tpprobe.engines.capture_rule); TPPROBE_ID_RULE describes a patched build
+    slots, rule_note = sglang_live_slots(type(model).__name__, ltc, len(tap.layer_indices)) if aux is not None \
+        else (([], []), "")
     from tpprobe.engines.sglang.draft_input import target_expectation
     slots, basis = target_expectation(slots, aux is not None)
     return record, step_settings(record, model, backend="sglang (live server, plugin)", tokens=tokens, mode=mode,
-                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc), **basis})
+                                 step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc), **basis,
+                                                                         **({"id rule": rule_note} if rule_note
+                                                                            else {})})
 
 
 def step_name(step: int, mode: str) -> str:

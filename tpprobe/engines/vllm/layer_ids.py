@@ -142,6 +142,12 @@ def resolve(name: str, tab: Optional[dict] = None) -> str:
                      f"--arch all` lists them){hint}")
 
 
+def rule_of(arch: str) -> dict:
+    """The tabulated (or derived) capture rule of one architecture (UsageError when vLLM has none)."""
+    tab = _table()
+    return tab["CLASSES"][resolve(arch, tab)]
+
+
 def offered_points(rule: dict, N: int) -> list[int]:
     """The loop points (0..N) the forward offers to the capture."""
     pts: set[int] = set()

@@ -274,7 +274,7 @@ def parallel_ranks() -> dict:
 def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, budget, par):
     """This rank's record and run settings (tpprobe/engines/step.py, as the SGLang plugin writes them)."""
     from tpprobe.engines.step import step_record, step_settings
-    from tpprobe.engines.vllm.tiny import expected_slots
+    from tpprobe.engines.capture_rule import vllm_knob_slots
 
     aux = _AUX["last"] if _AUX["ids"] is not None else None
     if aux is not None and (aux.dim() != 2 or aux.shape[0] != input_ids.shape[0]):
@@ -284,7 +284,7 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, b
                              "source": "vllm-plugin", "step": step, "forward_mode": mode,
                              "model": type(model).__name__, "parallel": par,
                              "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
-    slots = expected_slots(_AUX["ids"]) if aux is not None else ([], [])
+    slots = vllm_knob_slots(_AUX["ids"])[0] if aux is not None else ([], [])    # TPPROBE_ID_RULE: a patched build
     return record, step_settings(record, model, backend="vllm (live engine, plugin)",
                                  tokens=int(input_ids.shape[0]), mode=mode, step=step, par=par, slots=slots)
 

@@ -1,0 +1,128 @@
+"""`tpprobe fix` and tpprobe.eagle3.fix: the draft replayed on candidate captures of the target's streams,
+the best turned into ids for the engine's rule, or what to patch when no id list gives it.
+
+The drafts are built by hand (tests/zoo/drafts.py): each reads exactly the streams it was built on,
+in that order, so the right capture replays at 1.00 and the proposal can be asserted exactly. The
+seed's case is a DeepSeek-V3 target of 61 layers (Kimi-K2.5's text model) and a draft whose config
+says [-1, 2, 30] and that was trained on cat([embedding, hidden_states[3], hidden_states[31]]).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.zoo.drafts import hand_draft, planted_streams
+from tests.helpers.ranks import run_cli
+from tpprobe.eagle3.accept.draft import load_draft
+from tpprobe.eagle3.fix import EngineRule, propose, streams_from_capture
+
+DS = "DeepseekV3ForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    s = planted_streams(61)
+    return s, load_draft(hand_draft(s, [0, 3, 31], tmp_path_factory.mktemp("seed") / "draft", [-1, 2, 30]))
+
+
+def test_the_seeds_draft_on_stock_sglang_gets_ids_that_give_the_embedding(seed):
+    s, d = seed
+    p = propose(d, s, EngineRule("sglang", DS, 61))
+    assert p.fix_ids == [0, 3, 31] and p.no_fix is None
+    assert p.line == ("set eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position acceptance "
+                      "0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00)")
+    assert p.notes == ["the engine does not serve these ids as they are: id -1: crash"]
+    assert p.best.streams == [0, 3, 31] and p.best.score.per_position == [1.0] * 5
+
+
+def test_the_seeds_draft_on_the_patched_sglang_moves_ids_2_and_30_one_layer(seed):
+    s, d = seed
+    p = propose(d, s, EngineRule("sglang", DS, 61, {-1: 0}))
+    assert p.current.streams == [0, 2, 30]          # the patch gives the embedding; 2 and 30 read one layer early
+    assert p.fix_ids == [-1, 3, 31]
+    assert p.line == ("set eagle_aux_hidden_state_layer_ids to [-1, 3, 31]: replayed first-position acceptance "
+                      "0.35 -> 1.00 (accept length, chain of 5: 1.50 -> 6.00)")
+
+
+def test_a_draft_trained_on_the_last_layers_output_has_no_id_list_on_sglang_and_one_on_vllm(tmp_path):
+    s = planted_streams(12)
+    d = load_draft(hand_draft(s, [0, 6, 12], tmp_path / "d", [-1, 5, 11]))
+    p = propose(d, s, EngineRule("sglang", DS, 12))
+    assert p.fix_ids is None and p.best.streams == [0, 6, 12]
+    assert p.no_fix == ("no id list gives the last layer's output (HF hidden_states[12]) on this engine: patch "
+                        "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture and the decoder loop it feeds "
+                        "(sglang/srt/models/deepseek_v2.py:3458) (or describe a patched build with --id-rule)")
+    assert p.reachable is not None and p.reachable.score.first_position < 1.0
+    assert "; the best this engine can give: set eagle_aux_hidden_state_layer_ids to " in p.line
+    v = propose(d, s, EngineRule("vllm", DS, 12))
+    assert v.fix_ids == [0, 6, 12] and v.line.startswith(
+        "set eagle_aux_hidden_state_layer_ids to [0, 6, 12]: replayed first-position acceptance 0.00 -> 1.00")
+
+
+def test_a_draft_trained_with_slots_out_of_layer_order_names_the_slots_and_the_fc_permutation(tmp_path):
+    s = planted_streams(12)
+    d = load_draft(hand_draft(s, [3, 0, 7], tmp_path / "d", [2, -1, 6]))
+    p = propose(d, s, EngineRule("vllm", "LlamaForCausalLM", 12))
+    assert p.fix_ids is None and p.best.streams == [3, 0, 7]
+    assert p.no_fix.startswith(
+        "the draft reads its slots in the order HF hidden_states[3, 0, 7], and this engine fills slots in ascending "
+        "layer order (slot 0 would hold HF hidden_states[0] instead of [3], slot 1 would hold HF hidden_states[3] "
+        "instead of [0]): permute the column blocks of the draft's fc.weight to layer order, or patch LlamaModel."
+        "forward (vllm/model_executor/models/llama.py:")
+
+
+def test_the_cli_on_a_real_probe_capture_keeps_sglangs_ids_and_fixes_vllms(tmp_path):
+    """A real 2-rank probe of the built-in model (6 layers, every layer's stream kept), a draft built on
+    its streams [0, 2, 4] with SpecForge's ids [-1, 1, 3]: SGLang's +1 gives exactly those; vLLM drops -1."""
+    from tests.helpers.ranks import probe
+    run = tmp_path / "cap"
+    code, _, cp = probe(run, "--tokens", "48", "--vocab", "16", "--layers", "-1,1,3", "--embed-std", "0.01")
+    assert code == 0, cp.stderr[-2000:]
+    s = streams_from_capture(run)
+    assert s.num_layers == 6 and sorted(s.by_hf) == list(range(7))
+    draft = hand_draft(s, [0, 2, 4], tmp_path / "draft", [-1, 1, 3])
+    args = ["fix", "--draft", str(draft), "--streams", str(run), "--arch", "LlamaForCausalLM"]
+    r = run_cli([*args, "--engine", "sglang"])
+    assert r.returncode == 0, r.stderr
+    assert ("OK: keep eagle_aux_hidden_state_layer_ids [-1, 1, 3]: no candidate capture replays better than the "
+            "engine's (1.00 first-position acceptance, accept length 6.00, chain of 5)") in " ".join(r.stdout.split())
+    r = run_cli([*args, "--engine", "vllm", "--chain", "3", "--json"])
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "tpprobe.fix/1" and doc["fix_ids"] == [0, 2, 4] and doc["written_ids"] == [-1, 1, 3]
+    assert doc["line"] == ("set eagle_aux_hidden_state_layer_ids to [0, 2, 4]: replayed first-position acceptance "
+                           "0.00 -> 1.00 (accept length, chain of 3: 1.00 -> 4.00)")
+    assert doc["notes"] == ["the engine does not serve these ids as they are: id -1: dropped"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--engine", "trt"], "--engine 'trt': use sglang or vllm"),
+    (["--id-rule", "-1=embedd"], "--id-rule '-1=embedd': write ID=WHAT with WHAT one of embed"),
+    ([], "--arch or --target-config: give the target's architecture"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, extra, message):
+    s = planted_streams(4, tokens=8)
+    draft = hand_draft(s, [0, 1, 2], tmp_path / "d", [-1, 0, 1])
+    args = ["fix", "--draft", str(draft), "--streams", str(tmp_path)]
+    r = run_cli(args + (["--arch", "LlamaForCausalLM"] if extra and extra[0] != "--arch" else []) + extra)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_training_sample_finds_streams_no_neighbourhood_of_the_config_reaches(tmp_path):
+    """The config says [-1, 2, 4]; the draft was trained on hidden_states[0, 6, 11]: none of the candidates
+    around the config reaches it, the training sample (SpecForge's file, same tokens) does."""
+    from tpprobe.eagle3.diff.load import load_side
+    from tpprobe.formats.specforge import write_sample
+    s = planted_streams(12)
+    d = load_draft(hand_draft(s, [0, 6, 11], tmp_path / "d", [-1, 2, 4]))
+    rule = EngineRule("vllm", "LlamaForCausalLM", 12)
+    blind = propose(d, s, rule)
+    assert blind.best.streams != [0, 6, 11] and blind.best.score.first_position < 0.9
+    sample = write_sample(tmp_path / "data_0.ckpt", s.input_ids, s.packed([0, 6, 11]))
+    p = propose(d, s, rule, trained_on=load_side("trained-on", sample).packed)
+    assert p.best.label == "the training sample" and p.fix_ids == [0, 6, 11]
+    assert p.line.startswith("set eagle_aux_hidden_state_layer_ids to [0, 6, 11]: replayed first-position "
+                             "acceptance ") and p.line.endswith("-> 1.00 (accept length, chain of 5: "
+                                                                f"{p.current.score.accept_length:.2f} -> 6.00)")
