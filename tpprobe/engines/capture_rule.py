@@ -29,7 +29,6 @@ captured nothing is gone.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -79,7 +78,8 @@ def parse_id_rule(text: Optional[str], where: str = "--id-rule") -> dict[int, in
 def env_id_rule() -> dict[int, int]:
     """The rule in TPPROBE_ID_RULE (the plugins' way to describe a patched build); a bad value raises
     UsageError naming the variable."""
-    return parse_id_rule(os.environ.get(ENV), ENV)
+    from ..config.knobs import knob
+    return parse_id_rule(knob(ENV), ENV)
 
 
 def rule_text(rule: dict[int, int]) -> str:
