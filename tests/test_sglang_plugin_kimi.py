@@ -57,7 +57,10 @@ def worker(ctx):
 def test_the_plugin_captures_sglangs_kimi_wrapper_with_its_embedding(tmp_path):
     from tpprobe.formats.capture_dir import load_run
 
-    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_KEEP": "*"}
+    # the draft was trained on the embedding and layer 1's output (HF hidden_states 0 and 2): said, so the
+    # slots are checked against the training, not only against the engine's own ids
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_KEEP": "*",
+           "TPPROBE_DRAFT_TRAINED": "ids:0,2"}
     res = run_ranks("test_sglang_plugin_kimi:worker", 2, {}, env=env, timeout=300)
     assert res[0]["inner"] == "DeepseekV3ForCausalLM"
     group = tmp_path / "dp0-pp0"
@@ -74,8 +77,8 @@ def test_the_plugin_captures_sglangs_kimi_wrapper_with_its_embedding(tmp_path):
         assert torch.equal(rec.tensors["aux.packed"], res[rank]["aux"])
         assert torch.allclose(rec.tensors["aux.packed"], torch.cat([hs[0], hs[2]], -1), atol=1e-4)
     p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(group / "step-000000-extend"), "--json"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads(p.stdout)
     assert rep["findings"] == [] and rep["slots"] and all(s["ok"] for s in rep["slots"])
     assert "language_model.model.embed_tokens" in json.dumps(rep["coverage"])
