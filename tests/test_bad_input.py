@@ -122,3 +122,91 @@ def test_an_offline_report_never_points_at_the_folders_own_report_json(capture, 
     flat = " ".join(out.split())
     assert "captures and report.json" not in flat
     assert f"captures: {capture} (this report is read from them and not saved)" in flat
+
+
+# ---- ids and configs: never silently changed, never the wrong file taken for the right one ----------
+@pytest.mark.parametrize("args, says", [
+    (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),
+    (["layers", "--ids", "1,2,"], "--ids '1,2,' has an empty entry"),
+    (["probe", "--layers", "1,,2"], "--layers '1,,2' has an empty entry: give comma-separated integers like -1,1,3"),
+    (["probe", "--layers", ","], "--layers ',' has an empty entry"),
+])
+def test_an_id_list_with_an_empty_entry_is_refused_not_shortened(tmp_path, monkeypatch, capsys, args, says):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(args, capsys)
+    assert code == 2 and says in one_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_target_config_given_as_the_draft_config_is_refused(tmp_path, capsys):
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}))
+    copy = tmp_path / "also_target.json"
+    copy.write_text(target.read_text())
+    code, out, err = cli(["layers", "--draft-config", copy, "--target-config", target], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err).startswith(f"tpprobe: error: --draft-config {copy} is a DeepseekV3ForCausalLM model of 61 "
+                                    f"layers, not an EAGLE-3 draft's config")
+    code, out, err = cli(["layers", "--draft-config", target, "--target-config", target], capsys)
+    assert code == 2 and f"--draft-config {target} is the --target-config itself" in one_line(err)
+    # a draft with no ids of its own is still a draft: it expects SGLang's default capture
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                                 "draft_vocab_size": 32000}))
+    code, out, err = cli(["layers", "--draft-config", draft, "--target-config", target], capsys)
+    assert code == 0 and "agree on every slot" in " ".join(out.split()), out + err
+
+
+def test_an_unreadable_config_is_said_before_any_engine_is_imported(tmp_path):
+    bad = tmp_path / "notjson.json"
+    bad.write_text("not json")
+    code = ("import sys\nfrom tpprobe.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'sglang' in sys.modules, 'vllm' in sys.modules)\n")
+    for backend in ("sglang", "vllm"):
+        cp = subprocess.run([sys.executable, "-c", code, "probe", "--backend", backend, "--config", str(bad),
+                             "--out", str(tmp_path / backend)], capture_output=True, text=True, cwd=ROOT,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+        assert cp.stdout.split() == ["exit", "2", "False", "False"], cp.stdout + cp.stderr
+        assert one_line(cp.stderr) == (f"tpprobe: error: --config {bad}: cannot read a JSON config (Expecting value: "
+                                       f"line 1 column 1 (char 0)); give a HF config.json")
+
+
+# ---- the default ids fitted to a shallow model are said ----------------------------------------------
+def test_default_ids_cut_by_a_shallow_model_are_said_and_given_ids_are_not(tmp_path):
+    cp = run_cli(["probe", "--num-layers", "2", "--out", str(tmp_path / "two"), "--quiet"], timeout=300)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    assert cp.stderr.strip().splitlines()[0] == (
+        "tpprobe: note: a 2-layer model: the default ids are -1,0 (2 slots), not -1,1,3 (3 slots): fitted to this "
+        "depth; give --layers to choose")
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["settings"]["layer_ids"] == [-1, 0]
+    cp = run_cli(["probe", "--num-layers", "2", "--layers", "-1,0", "--out", str(tmp_path / "given"), "--quiet"],
+                 timeout=300)
+    assert cp.returncode == 0 and "note" not in cp.stderr, cp.stderr[-2000:]
+
+
+def test_the_sglang_default_ids_of_a_shallow_model_are_said_before_anything_starts():
+    from tpprobe.config.options import ProbeOptions
+    from tpprobe.probe.before_start import default_ids_note
+    opts = ProbeOptions.from_cli(num_layers=2, backend="sglang", nproc=2, inject=[], layers=None)
+    assert opts.layers == [-1]
+    assert default_ids_note(opts) == ("tpprobe: note: a 2-layer model: the default ids are -1 (1 slot), not -1,1,3 "
+                                      "(3 slots): fitted to this depth; give --layers to choose")
+    assert default_ids_note(ProbeOptions.from_cli(num_layers=6, backend="sglang", nproc=2, inject=[])) is None
+
+
+def test_the_vllm_runner_note_is_for_who_serves_vllm(tmp_path, capsys):
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}))
+    draft = tmp_path / "draft.json"       # nested ids only: vLLM's v1 runner reads them, its v2 runner does not
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    args = ["layers", "--draft-config", draft, "--target-config", target]
+    note = "vLLM's v1 model runner reads other ids"
+    code, out, err = cli(args, capsys)
+    flat = " ".join(out.split())
+    assert code == 0 and "the draft and the target agree on every slot" in flat and note not in flat, out + err
+    for more in (["--engine", "vllm"], ["--vllm-runner", "v2"]):
+        code, out, err = cli(args + more, capsys)
+        assert note in " ".join(out.split()), more
+    code, out, err = cli(args + ["--json"], capsys)
+    assert note in json.loads(out)["engines"]["notes"][0]

@@ -38,6 +38,8 @@ def validate(opts: ProbeOptions, world: int) -> None:
     if opts.config is not None and opts.backend not in ("sglang", "vllm"):
         raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
                          f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
+    from .before_start import check_config_file
+    check_config_file(opts.config)          # before any engine is imported (seconds, not tens of them)
     if opts.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
     if opts.num_layers < 1:
