@@ -210,3 +210,33 @@ def test_the_vllm_runner_note_is_for_who_serves_vllm(tmp_path, capsys):
         assert note in " ".join(out.split()), more
     code, out, err = cli(args + ["--json"], capsys)
     assert note in json.loads(out)["engines"]["notes"][0]
+
+
+# ---- a .pt file that would run code: one clean line, torch's own essay left out --------------------------
+class _Runs:
+    """Unpickling this would call Path.write_text (a weights-only load never does)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "executed"))
+
+
+def test_a_pickle_that_would_run_code_is_refused_in_one_clean_line(tmp_path, capsys):
+    import torch
+
+    from tpprobe.core.errors import CaptureError
+    from tpprobe.formats.capture_dir import safe_torch_load
+    marker = tmp_path / "MARKER"
+    evil = tmp_path / "evil.pt"
+    torch.save({"aux_hidden_state": torch.ones(2), "x": _Runs(marker)}, evil)
+    code, out, err = cli(["diff", evil, evil], capsys)
+    assert code == 2 and not marker.exists()
+    assert one_line(err) == (f"tpprobe: error: {evil}: refused: loading it would call getattr; "
+                             f"tpprobe loads .pt files with torch.load(weights_only=True) only: tensors and plain "
+                             f"containers, never code")
+    with pytest.raises(CaptureError) as e:
+        safe_torch_load(evil)
+    assert str(e.value).startswith(f"{evil}: refused to load: loading it would call getattr;")
+    assert "PyTorch 2.6" not in str(e.value) and len(str(e.value)) - len(str(evil)) < 160 and not marker.exists()

@@ -261,9 +261,8 @@ def safe_torch_load(path) -> object:
     try:
         return torch_load(p)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CaptureError(f"{p}: refused to load: the file holds more than tensors (it would run code "
-                           f"on load: {first[:160]}); tpprobe reads .pt files with weights_only=True only")
+        from .safe_load import refusal
+        raise CaptureError(refusal(p, e, "refused to load"))
     except Exception as e:   # truncated zip, not a torch file, ...: unreadable, never executed
         raise CaptureError(f"{p}: not a readable .pt file ({type(e).__name__}: {str(e)[:120]})")
 
