@@ -240,3 +240,19 @@ def test_a_pickle_that_would_run_code_is_refused_in_one_clean_line(tmp_path, cap
         safe_torch_load(evil)
     assert str(e.value).startswith(f"{evil}: refused to load: loading it would call getattr;")
     assert "PyTorch 2.6" not in str(e.value) and len(str(e.value)) - len(str(evil)) < 160 and not marker.exists()
+
+
+# ---- the same guess on every model that can show it ------------------------------------------------------
+@pytest.mark.parametrize("exchange", ["full", "fingerprint"])
+def test_capture_no_residual_is_made_and_named_on_the_built_in_model(tmp_path, exchange):
+    code, rep, cp = probe(tmp_path / "r", "--inject", "capture-no-residual", "--exchange", exchange)
+    assert code == 1, cp.stderr[-2000:]
+    failures = [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"]
+    assert failures == [("capture-no-residual", "aux slot 1", [0, 1])], rep["findings"]
+
+
+def test_capture_no_residual_on_vllm_is_pointed_at_its_name_there(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(["probe", "--backend", "vllm", "--inject", "capture-no-residual"], capsys)
+    assert code == 2 and one_line(err) == ("tpprobe: error: --inject capture-no-residual is named aux-no-residual "
+                                           "on vLLM's model: --backend vllm --inject aux-no-residual")
