@@ -52,9 +52,10 @@ def layers_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     engine: Annotated[str, typer.Option("--engine", help="whose capture rule: sglang | vllm (vLLM's ids are used "
                                                          "as written: id k = HF hidden_states[k])")] = "sglang",
-    vllm_runner: Annotated[Optional[str], typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner "
-                                                                   "that reads the draft's ids: v2 (GPU default) "
-                                                                   "| v1 (CPU); default v2")] = None,
+    vllm_runner: Annotated[Optional[str],
+                           typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner that reads "
+                                                              "the draft's ids: v2 (GPU default) | v1 (CPU); default "
+                                                              "v2")] = None,
     html: Annotated[Optional[str],
                     typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "

@@ -62,7 +62,8 @@ def inject_help() -> str:
             "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
             "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
             "README 'The faults it names'. Faults:\n\n\b\n" + _lines(names, 44)
-            + "\n\n\b\nwith --backend sglang (capture-no-residual on the built-in model too):\n" + _lines(sglang, 44)
+            + "\n\n\b\nwith --backend sglang (and capture-no-residual\non the built-in model too):\n"
+            + _lines(sglang, 44)
             + "\n\n\b\nwith --backend vllm only:\n" + _lines(vllm, 44))
 
 
