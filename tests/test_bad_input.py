@@ -186,7 +186,7 @@ def test_default_ids_cut_by_a_shallow_model_are_said_and_given_ids_are_not(tmp_p
 
 def test_the_sglang_default_ids_of_a_shallow_model_are_said_before_anything_starts():
     from tpprobe.config.options import ProbeOptions
-    from tpprobe.probe.before_start import default_ids_note
+    from tpprobe.probe.prepare import default_ids_note
     opts = ProbeOptions.from_cli(num_layers=2, backend="sglang", nproc=2, inject=[], layers=None)
     assert opts.layers == [-1]
     assert default_ids_note(opts) == ("tpprobe: note: a 2-layer model: the default ids are -1 (1 slot), not -1,1,3 "

@@ -84,7 +84,7 @@ def probe(**kw) -> None:
             raise
         raise typer.Exit(code)
     validate(opts, opts.nproc)
-    from ..probe.before_start import default_ids_note
+    from ..probe.prepare import default_ids_note
     if (note := default_ids_note(opts)) and not opts.json_out:
         print(note, file=sys.stderr)
     if opts.out is None:
