@@ -1,8 +1,9 @@
 """SGLang targets broken on purpose, for `tpprobe probe --model sglang_faults:FACTORY`.
 
-`--inject` works on the built-in model only; with SGLang's own layers a fault is a `--model`
-factory: build the tiny SGLang target (tpprobe.engines.sglang.tiny.build_target, as `--backend sglang`
-does) and change it the way the real bug does. Run from the repository root:
+`--inject` with `--backend sglang` makes the faults tpprobe knows on SGLang's own model (`tpprobe probe
+--help` lists them); a fault of your own is a `--model` factory: build the tiny SGLang target
+(tpprobe.engines.sglang.tiny.build_target, as `--backend sglang` does) and change it the way the real bug
+does. Run from the repository root:
 
     PYTHONPATH=examples tpprobe probe --model sglang_faults:llama_skip_embed_reduce \\
         --num-layers 4 --tokens 7 --layers -1,0,2 --nproc 2

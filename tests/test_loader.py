@@ -100,7 +100,7 @@ def test_broken_file_is_named_and_the_other_rank_reported(run_dir, capsys, how, 
     else:
         p.write_bytes(b"{not json" + b"x" * (len(data) - 9))   # same size, wrong content
     rc, rep = report(run_dir, capsys)
-    assert rc == 1, rep
+    assert rc == 2, rep      # damaged input: exit 2, the readable rank still in --json
     ff = file_findings(rep)
     assert which in ff and ff[which]["ranks"] == [1] and ff[which]["severity"] == "failure"
     run = load_run(run_dir)
@@ -203,7 +203,7 @@ def test_pickle_disguised_as_a_capture_is_never_run(run_dir, capsys):
             e["sha256"] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
     (run_dir / MANIFEST).write_text(json.dumps(m))
     rc, rep = report(run_dir, capsys)
-    assert rc == 1 and name in file_findings(rep)
+    assert rc == 2 and name in file_findings(rep)
     assert not marker.exists()
 
 

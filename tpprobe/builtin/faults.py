@@ -20,14 +20,14 @@ from ..core.errors import UsageError
 from ..config.knobs import knob
 from ..core.target import ProbeTarget, RankContext
 
-from ..config.fault_names import BOTH, FAULTS, SGLANG_ONLY, SGLANG_TOO, VLLM
+from ..config.fault_names import BOTH, BUILTIN_TOO, FAULTS, SGLANG_ONLY, SGLANG_TOO, VLLM
 from ..engines.fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
 
 
 def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
     """Built-in faults need the built-in model; the serving faults need SGLang's (UsageError)."""
     names = [s.partition("@")[0] for s in specs or []]
-    serving = [n for n in names if n in SGLANG_ONLY]
+    serving = [n for n in names if n in SGLANG_ONLY and not (backend not in ("sglang", "vllm") and n in BUILTIN_TOO)]
     builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY + VLLM + BOTH
                and not (backend == "sglang" and n in SGLANG_TOO)]
     vllm_only = [n for n in names if n in VLLM]
@@ -36,6 +36,9 @@ def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
     if backend in ("sglang", "vllm") and builtin:
         raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend {backend} inject "
                          f"{', '.join((SGLANG_ONLY + SGLANG_TOO if backend == 'sglang' else VLLM) + BOTH)}")
+    if backend == "vllm" and "capture-no-residual" in serving:
+        raise UsageError("--inject capture-no-residual is named aux-no-residual on vLLM's model: --backend vllm "
+                         "--inject aux-no-residual")
     if backend != "sglang" and serving:
         raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
     if backend != "vllm" and vllm_only:
@@ -166,6 +169,8 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
             model.capture_fn = aliased
         elif n == "nan" and mine:
             model.layers[mid].register_forward_hook(_poison)
+        elif n == "capture-no-residual":      # F18 (SpecForge#431): the layer's output alone, not the stream
+            model.capture_fn = lambda i, h, res: h.clone()
         elif n == "capture-dtype" and mine:
             other = torch.float32 if target.dtype != torch.float32 else torch.bfloat16
             model.capture_fn = lambda i, h, res, o=other: (h if res is None else h + res).to(o)

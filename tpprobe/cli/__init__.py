@@ -84,6 +84,9 @@ def probe(**kw) -> None:
             raise
         raise typer.Exit(code)
     validate(opts, opts.nproc)
+    from ..probe.prepare import default_ids_note
+    if (note := default_ids_note(opts)) and not opts.json_out:
+        print(note, file=sys.stderr)
     if opts.out is None:
         from ..formats.capture_dir import default_out_dir
         opts.out = default_out_dir()

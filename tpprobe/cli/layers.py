@@ -64,9 +64,10 @@ def layers_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     engine: Annotated[str, typer.Option("--engine", help="whose capture rule: sglang | vllm (vLLM's ids are used "
                                                          "as written: id k = HF hidden_states[k])")] = "sglang",
-    vllm_runner: Annotated[str, typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner "
-                                                                   "that reads the draft's ids: v2 (GPU default) "
-                                                                   "| v1 (CPU)")] = "v2",
+    vllm_runner: Annotated[Optional[str],
+                           typer.Option("--vllm-runner", help="with --draft-config: the vLLM model runner that reads "
+                                                              "the draft's ids: v2 (GPU default) | v1 (CPU); default "
+                                                              "v2")] = None,
     html: Annotated[Optional[str],
                     typer.Option("--html", help="also write a self-contained HTML report to this file")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary (for an issue) "
@@ -84,6 +85,8 @@ def layers_command(
     flags = Flags(json_out=json_out, html=html, markdown=markdown)
     if engine not in ("sglang", "vllm"):
         raise UsageError(f"--engine {engine!r}: use sglang or vllm")
+    serves_vllm = engine == "vllm" or vllm_runner is not None     # the vLLM runner's note is for them
+    vllm_runner = vllm_runner or "v2"
     if vllm_runner not in ("v1", "v2"):
         raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
     from tpprobe.engines.capture_rule import env_id_rule, parse_id_rule
@@ -91,7 +94,9 @@ def layers_command(
     if draft_config is not None or target_config is not None:
         if draft_config is None or target_config is None:
             raise UsageError("--draft-config and --target-config go together: give both config.json files")
-        rep = contract_report(contract(draft_config, target_config, draft_convention, vllm_runner, engine, rule))
+        res = contract(draft_config, target_config, draft_convention, vllm_runner, engine, rule)
+        res["engines"]["serves_vllm"] = serves_vllm
+        rep = contract_report(res)
     elif arch.strip().lower() == "all":
         if engine == "vllm":
             from tpprobe.engines.vllm import layer_ids as v
@@ -216,6 +221,7 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     from tpprobe.config.hub import read_config
 
     draft = _read(draft_path, "draft-config")
+    check_is_draft(draft, draft_path, target_path)
     hub = read_config(target_path, "--target-config")      # a wrapper's text model under text_config too
     if not hub.architecture:
         raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "
@@ -325,6 +331,24 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
             "draft_convention": conv, "target_ids": target_ids, "target_rule": p.rule,
             "target_layers_to_capture": p.layers_to_capture, "rows": rows, "notes": notes,
             "differences": differences, "verdict": verdict, "finding": "id-contract" if differences else None}
+
+
+def check_is_draft(draft: dict, draft_path: Path, target_path: Path) -> None:
+    """UsageError when --draft-config is not an EAGLE-3 draft's config: the target's own file, or a model's
+    config with no trace of a draft (no Eagle class, no eagle_config or aux ids, no draft_vocab_size, more
+    than the draft's one decoder layer), whose contract would be SGLang's default against itself."""
+    same = Path(draft_path).resolve() == Path(target_path).resolve()
+    archs = [a for a in draft.get("architectures") or [] if isinstance(a, str)]
+    drafty = any("eagle" in a.lower() for a in archs) or any(
+        k in draft for k in ("eagle_config", "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states",
+                             "draft_vocab_size"))
+    L = draft.get("num_hidden_layers")
+    if same or not (drafty or L in (None, 1)):
+        what = f"{archs[0] if archs else 'a'} model" + (f" of {L} layers" if isinstance(L, int) else "")
+        raise UsageError(f"--draft-config {draft_path} is {'the --target-config itself' if same else 'a ' + what}, "
+                         f"not an EAGLE-3 draft's config (an Eagle3 class of one layer, with eagle_config or its "
+                         f"aux layer ids): give the draft's config.json as --draft-config and the target's as "
+                         f"--target-config")
 
 
 def _hs(i: Optional[int], L: int) -> str:

@@ -45,10 +45,33 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
         if find_steps(path):      # the SGLang plugin's run: many steps, maybe many TP groups
             return report_steps(path, check_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet)
     rep = check_dir(path)
+    damaged = damaged_files(rep)
+    if damaged:
+        # a folder with damaged files is unreadable input: its checks would compare what is left and its
+        # own report.json speaks of the run before the damage. One line; --json still gives the rest.
+        rep["exit_code"] = 2
+        if json_out:
+            emit(probe_report(rep), None, Flags(json_out=True))
+            return 2
+        from ..core.errors import CaptureError
+        readable = sorted({int(r) for p in rep["points"] for r in p.get("per_rank", {})})
+        shown = "; ".join(damaged[:4]) + (f"; and {len(damaged) - 4} more" if len(damaged) > 4 else "")
+        kept = (f"rank {readable[0]} is" if len(readable) == 1 else f"ranks {', '.join(map(str, readable))} are") \
+            + " still readable (--json shows them); " if readable else ""
+        raise CaptureError(f"{path}: damaged capture folder, nothing compared: {shown}; {kept}re-run the probe "
+                           f"or copy the folder again")
     from ..formats.acceptance import attach
     attach(rep, path)       # the engine's own acceptance beside a step folder, when the plugin wrote it
     emit(probe_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return rep["exit_code"]
+
+
+def damaged_files(rep: dict) -> list[str]:
+    """`rank-001.safetensors (rank 1): missing` for each file of the folder that is missing, truncated or
+    unreadable (an extra file is a warning, not damage)."""
+    return [f"{f['where']}" + (f" (rank {f['ranks'][0]})" if f["ranks"] and f"rank {f['ranks'][0]}" != f["where"]
+                               else "") + f": {f['detail']}"
+            for f in rep["findings"] if f["kind"] == "capture-file" and f["severity"] == FAILURE]
 
 
 def check_dir(path: Path) -> dict:

@@ -51,6 +51,10 @@ BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduc
         "skip-unreadable-allreduce", "skip-allreduce")
 
 
+# SGLang's serving faults the built-in model makes too (the same wrong capture, in its own capture code)
+BUILTIN_TOO = ("capture-no-residual",)
+
+
 def inject_help() -> str:
     """--inject's help: every fault, and which take @K (a layer) or @R (a rank)."""
     names, sglang, vllm = [], [], []
@@ -63,7 +67,8 @@ def inject_help() -> str:
             "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
             "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
             "docs/faults.md. Faults:\n\n\b\n" + _lines(names, 44)
-            + "\n\n\b\nwith --backend sglang (the last two on the built-in model too):\n" + _lines(sglang, 44)
+            + "\n\n\b\nwith --backend sglang (capture-no-residual on the built-in model too; the last two\n"
+              "are built-in faults SGLang's models make too):\n" + _lines(sglang, 44)
             + "\n\n\b\nwith --backend vllm only:\n" + _lines(vllm, 44))
 
 

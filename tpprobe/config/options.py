@@ -74,8 +74,11 @@ class Exchange(str, Enum):
 
 
 def _ids(text: str) -> list[int]:
+    parts = str(text).replace(" ", "").split(",")
+    if "" in parts and str(text).strip():
+        raise UsageError(f"--layers {text!r} has an empty entry: give comma-separated integers like -1,1,3")
     try:
-        return [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+        return [int(x) for x in parts if x != ""]
     except ValueError:
         raise UsageError(f"--layers {text!r}: expected comma-separated integers like -1,1,3")
 

@@ -63,9 +63,11 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
         rows.append({"slot": j, "draft_id": ids[j] if ids and j < len(ids) else None, "draft_expects": w,
                      "sglang": s, "vllm": v, "same": s == v and s is not None})
     notes = []
+    runner_note = None        # for who serves vLLM: the terminal shows it with --engine vllm / --vllm-runner
     if o_ids != v_ids:
-        notes.append(f"vLLM's {other} model runner reads other ids: {o_ids if o_ids else 'none'} ({o_from}); "
-                     f"the table uses the {runner} runner ({v_from})")
+        runner_note = (f"vLLM's {other} model runner reads other ids: {o_ids if o_ids else 'none'} ({o_from}); "
+                       f"the table uses the {runner} runner ({v_from})")
+        notes.append(runner_note)
     if vp.sglang_class != arch:
         notes.append(f"vLLM: {arch} hands the ids to its text model {vp.sglang_class}"
                      f"{f' ({text_arch}, under text_config)' if text_arch and text_arch != vp.sglang_class else ''}: "
@@ -81,7 +83,7 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
             "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
             "vllm_runner": runner, "sglang_ids": s_ids, "sglang_ids_from": s_from, "sglang_rule": sp.rule,
             "vllm_ids": v_ids, "vllm_ids_from": v_from, "vllm_rule": vp.rule, "rows": rows, "notes": notes,
-            "differ": [r["slot"] for r in differ], "verdict": verdict,
+            "runner_note": runner_note, "differ": [r["slot"] for r in differ], "verdict": verdict,
             "finding": "engine-id-mismatch" if differ else None}
 
 

@@ -47,12 +47,18 @@ def sha256_file(path: Path) -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary beside it, renamed over it; the temporary is
+    removed when anything fails (no `.NAME.tmp-PID` is left behind)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _umask() -> int:
@@ -70,11 +76,15 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
             v = v.clone()
         seen.add(v.untyped_storage().data_ptr())
         cpu[k] = v
-    save_file(cpu, str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o666 & ~_umask())   # safetensors writes 0600: readable like the .json beside it
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        save_file(cpu, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())   # safetensors writes 0600: readable like the .json beside it
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def file_entry(out: Path, name: str, rank: Optional[int]) -> dict:
@@ -143,6 +153,9 @@ def check_parent_exists(path: Path, flag: str) -> None:
 
 def check_file_path(path: Path, flag: str) -> None:
     """A file tpprobe writes may go into a new folder, but only one: that folder's parent must exist."""
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give a file name, e.g. {flag} "
+                         f"{Path(path) / ('report.md' if flag == '--markdown' else 'report.html')}")
     folder = Path(path).absolute().parent
     for f in (folder.parent, folder):
         if f.exists() and not f.is_dir():
@@ -248,9 +261,8 @@ def safe_torch_load(path) -> object:
     try:
         return torch_load(p)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CaptureError(f"{p}: refused to load: the file holds more than tensors (it would run code "
-                           f"on load: {first[:160]}); tpprobe reads .pt files with weights_only=True only")
+        from .safe_load import refusal
+        raise CaptureError(refusal(p, e, "refused to load"))
     except Exception as e:   # truncated zip, not a torch file, ...: unreadable, never executed
         raise CaptureError(f"{p}: not a readable .pt file ({type(e).__name__}: {str(e)[:120]})")
 

@@ -22,3 +22,23 @@ def torch_load(src, mmap: bool = False, quiet: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.load(src, map_location="cpu", weights_only=True, **kw)
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """What a weights-only load refused, in a few words, from torch's long UnpicklingError text:
+    `loading it would call posix.system` (the global the file names), else the instruction it met."""
+    import re
+    text = str(exc)
+    m = re.search(r"GLOBAL ([\w.]+)", text)
+    if m:
+        return f"loading it would call {m.group(1)}"
+    m = re.search(r"Unsupported operand (\d+)", text)
+    if m:
+        return f"it holds a pickle instruction a weights-only load never runs (opcode {m.group(1)})"
+    return "it holds objects a weights-only load does not build"
+
+
+def refusal(path, exc: BaseException, verb: str = "refused") -> str:
+    """The one line for a .pt file a weights-only load refused: the file, what it would do, the rule."""
+    return (f"{path}: {verb}: {refusal_reason(exc)}; tpprobe loads .pt files with torch.load(weights_only=True) "
+            f"only: tensors and plain containers, never code")

@@ -158,10 +158,8 @@ def load(f: DumpFile) -> tuple:
         except Exception:      # not mappable (an old format, a pipe): read it whole; its errors are said below
             data = torch_load(str(path), quiet=True)
     except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CaptureError(f"{path}: refused: it holds pickled objects other than tensors and plain containers, "
-                           f"which only an unsafe load would build (torch.load weights_only=True: {first[:140]}); "
-                           f"expected a dumper file holding {{'value': tensor, 'meta': dict}}")
+        from .safe_load import refusal
+        raise CaptureError(refusal(path, e))
     except (OSError, EOFError, RuntimeError, ValueError, zipfile.BadZipFile, KeyError, AttributeError,
             TypeError, IndexError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

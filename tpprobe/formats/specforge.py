@@ -43,10 +43,8 @@ def safe_torch_load(path: Path):
             src = str(path)
         return torch_load(src, quiet=True)      # torch warns on legacy pickles; the error below says it all
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(f"{path}: refused: the file holds pickled objects other than tensors and plain "
-                           f"containers, which only an unsafe load would build (torch.load weights_only=True: "
-                           f"{first[:160]}); expected {EXPECTED}")
+        from .safe_load import refusal
+        raise CaptureError(refusal(path, e))
     except (OSError, EOFError, RuntimeError, ValueError, zipfile.BadZipFile, gzip.BadGzipFile, KeyError,
             AttributeError, TypeError, IndexError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -259,6 +259,31 @@ def _kill(ranks: dict[int, int], sig: int) -> None:
 COMMANDS = ("probe",)   # what `tpprobe torchrun` may start on the ranks
 
 
+def _check_command_args(args: list[str]) -> None:
+    """The command's options that mean nothing under torchrun, refused before anything starts."""
+    from ..core.errors import UsageError
+    given = [a.split("=", 1)[0] for a in args[1:]]
+    if "--nproc" in given:
+        raise UsageError(f"tpprobe torchrun: {args[0]} --nproc starts ranks itself; under torchrun the ranks are "
+                         f"torchrun's: put --nproc-per-node N before {args[0]} (tpprobe torchrun --nproc-per-node 4 "
+                         f"{args[0]} ...)")
+
+
+def _check_nproc_per_node(value) -> None:
+    """torchrun's --nproc-per-node: a count >= 1, or auto / cpu / gpu (torch.distributed.run's own words)."""
+    from ..core.errors import UsageError
+    text = str(value).strip()
+    if text in ("auto", "cpu", "gpu", "xpu"):
+        return
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise UsageError(f"tpprobe torchrun: --nproc-per-node {text!r}: give the ranks per node, a number >= 1 "
+                         f"(or auto, cpu, gpu), e.g. tpprobe torchrun --nproc-per-node 4 probe")
+
+
 def torchrun(argv: list[str]) -> int:
     """`torchrun [its options] -m tpprobe COMMAND [options]`, with torchrun's own parser and launch,
     ending like a tpprobe command: 0 healthy, 1 findings, 2 bad usage, and no ChildFailedError
@@ -269,17 +294,22 @@ def torchrun(argv: list[str]) -> int:
     if cut is None:
         raise UsageError("tpprobe torchrun: name the command after torchrun's options, e.g. "
                          "tpprobe torchrun --nproc-per-node 4 probe --layers -1,1,3")
+    _check_command_args(argv[cut:])
     from torch.distributed.run import parse_args, run
     import contextlib
     import io
     said = io.StringIO()
     try:
+        # torchrun's parser reads torchrun's options only: the command's own (`probe --nproc 2`) would
+        # otherwise be matched against torchrun's as abbreviations (`--nproc` -> --nproc-per-node?)
         with contextlib.redirect_stderr(said):
-            args = parse_args([*argv[:cut], "-m", "tpprobe", *argv[cut:]])
+            args = parse_args([*argv[:cut], "-m", "tpprobe"])
     except SystemExit as e:      # argparse's usage block: keep its last line, the reason
         why = (said.getvalue().strip().splitlines() or ["bad options"])[-1].split("error: ", 1)[-1]
         raise UsageError(f"tpprobe torchrun: torchrun's options: {why} "
                          f"(python -m torch.distributed.run --help lists them)") from e
+    args.training_script_args = list(argv[cut:])
+    _check_nproc_per_node(args.nproc_per_node)
     _quiet_agent()
     try:
         run(args)

@@ -195,8 +195,10 @@ def _slots(doc: dict) -> Block:
 
 
 def _kv(d: dict, css: str) -> KeyValue:
+    """The known entries of `d` (a value not recorded, None, is left out rather than shown as `None`)."""
     return KeyValue(None, [(str(k), _fmt(v) if not isinstance(v, (list, dict)) else str(v))
-                           for k, v in d.items() if k not in ("gpus", "topology")], css=css, bare=True)
+                           for k, v in d.items() if k not in ("gpus", "topology") and v is not None],
+                    css=css, bare=True)
 
 
 def _settings_env(doc: dict) -> Block:
@@ -292,15 +294,15 @@ def markdown_sections(doc: dict) -> list:
     return out
 
 
-def _md_points(doc: dict, world: int, budget: int) -> Table:
+def _md_points(doc: dict, world: int, budget: int):
+    """The capture points that are not bitwise on every rank, one row each (as many as fit); the quiet
+    ones (bitwise, own shares) folded into one line that names them."""
     points = doc.get("points") or []
     missing = set(doc.get("ranks_missing") or [])
     interesting = [p for p in points if p.get("level") not in QUIET]
     keep = set(id(p) for p in interesting[:max(budget, 0)])
-    for p in points:
-        if len(keep) >= budget:
-            break
-        keep.add(id(p))
+    if not keep:
+        return Text(_folded_caption(points, keep) if points else "No capture points recorded.", tag="p")
     rows = []
     for p in points:
         if id(p) not in keep:
@@ -310,11 +312,16 @@ def _md_points(doc: dict, world: int, budget: int) -> Table:
             s = (p.get("per_rank") or {}).get(str(r))
             row.append(Cell(cell_label(s), s.get("level")) if s else ("missing" if r in missing else "—"))
         rows.append(row)
-    dropped = len(points) - len(keep)
-    caption = None
-    if dropped > 0:
-        quiet = all(p.get("level") in QUIET for p in points if id(p) not in keep)
-        caption = (f"{dropped} more capture points{', all bitwise or own shares' if quiet else ''}: "
-                   f"see the HTML report or report.json")
+    caption = _folded_caption(points, keep) if len(points) > len(keep) else None
     return Table(None, [Column("capture point")] + [Column(f"rank {r}") for r in range(world)], rows,
                  caption=caption, media=FILES)
+
+
+def _folded_caption(points: list, keep: set, names: int = 40) -> str:
+    """`12 more capture points, all bitwise or own shares: `a`, `b`, ...: see the HTML report or report.json`."""
+    rest = [p for p in points if id(p) not in keep]
+    quiet = all(p.get("level") in QUIET for p in rest)
+    shown = ", ".join(f"`{p['name']}`" for p in rest[:names]) + (", …" if len(rest) > names else "")
+    more = "more " if keep else ""
+    return (f"{len(rest)} {more}capture points{', all bitwise or own shares' if quiet else ''}: {shown} "
+            f"(see the HTML report or report.json)")

@@ -4,7 +4,9 @@ the built-in one)."""
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -38,6 +40,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
     if opts.config is not None and opts.backend not in ("sglang", "vllm"):
         raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
                          f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
+    check_config_file(opts.config)          # before any engine is imported (seconds, not tens of them)
     if opts.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
     if opts.num_layers < 1:
@@ -229,3 +232,48 @@ def probe_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, la
         inject=list(opts.inject), exchange=opts.exchange, timeout_s=opts.timeout,
         model_packs_aux=target.packed_aux is not None, seed=opts.seed, slots=slots,
         extra={k: v for k, v in target.info.items() if isinstance(v, (int, float, str))})
+
+
+# ---- said by the launcher before any rank starts and before any engine is imported (SGLang and vLLM take
+# tens of seconds to import): a --config that is no JSON config, a default id list the depth shortened
+def check_config_file(path: Optional[str]) -> None:
+    """--config: a readable JSON object (a HF config.json or its folder), else UsageError in one line."""
+    if path is None:
+        return
+    p = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror or e}); give a HF config.json or its "
+                         f"folder") from None
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--config {path}: cannot read a JSON config ({e}); give a HF config.json") from None
+    if not isinstance(d, dict):
+        raise UsageError(f"--config {path}: not a JSON object; expected a HF config.json")
+
+
+def full_default_ids(opts) -> list[int]:
+    """The default ids of a deep model of this arch (what a user reads in --help: -1,1,3 or 0,2,4)."""
+    from ..config.options import builtin_layer_ids
+    if opts.backend == "sglang" or (opts.backend == "vllm" and opts.arch in ("deepseek_v2", "deepseek_v3",
+                                                                             "kimi_k2")):
+        from ..engines.sglang.tiny_archs import default_layer_ids
+        return default_layer_ids(opts.arch, 64)
+    return builtin_layer_ids(64)
+
+
+def default_ids_note(opts) -> Optional[str]:
+    """One line when the default ids were cut to fit the model's depth, else None (ids given, or a
+    --model factory, whose depth the ranks learn)."""
+    if opts.layers_given or opts.model:
+        return None
+    full = full_default_ids(opts)
+    got = list(opts.layers)
+    if got == full:
+        return None
+    n = len(got)
+    return (f"tpprobe: note: a {opts.num_layers}-layer model: the default ids are {','.join(map(str, got))} "
+            f"({n} slot{'s' if n != 1 else ''}), not {','.join(map(str, full))} ({len(full)} slots): fitted to "
+            f"this depth; give --layers to choose")

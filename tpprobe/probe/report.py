@@ -79,8 +79,11 @@ def sections(doc: dict) -> list:
                     + timing_text(doc), style="dim"))
     if doc.get("out"):
         wrote = (doc.get("exchange") or {}).get("captured_bytes_per_rank")
-        out.append(Text(f"captures and report.json: {doc['out']}"
-                        + (f" ({wrote / 1e6:.2f} MB per rank)" if wrote else ""), style="dim"))
+        if doc.get("offline"):     # read back: the folder's report.json is the live run's, not this one
+            out.append(Text(f"captures: {doc['out']} (this report is read from them and not saved)", style="dim"))
+        else:
+            out.append(Text(f"captures and report.json: {doc['out']}"
+                            + (f" ({wrote / 1e6:.2f} MB per rank)" if wrote else ""), style="dim"))
     return out
 
 

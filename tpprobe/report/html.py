@@ -112,6 +112,8 @@ def _heatmaps(s: Heatmaps) -> str:
         import matplotlib  # noqa: F401
         import numpy  # noqa: F401
     except ImportError:   # an extra: a serving environment need not carry matplotlib
+        if not s.maps:    # nothing differs: the line says so, and no picture is missed
+            return "".join(out + [f"<p>{_e(s.empty)}</p>", "</div>"])
         return "".join(out + [f'<p class="missing-heatmaps">{_e(HEATMAPS_MISSING)}</p>', "</div>"])
     out += [_heatmap(h) for h in s.maps]
     if not s.maps:

@@ -42,7 +42,8 @@ def engines_sections(res: dict) -> list:
                 Cell("same", "ok") if r["same"] else Cell("DIFFERS", "failure")] for r in res["rows"]],
               caption=f"SGLang ids {res['sglang_ids']} ({res['sglang_ids_from']}); vLLM ids {res['vllm_ids']} "
                       f"({res['vllm_ids_from']}); draft trained with {res['draft_convention']}")
-    out: list = [t] + [Text(f"note: {n}") for n in res["notes"]]
+    shown = [n for n in res["notes"] if n != res.get("runner_note") or res.get("serves_vllm")]
+    out: list = [t] + [Text(f"note: {n}") for n in shown]
     if res["verdict"]:
         out.append(Text(parts=[Cell("FAILURE engine-id-mismatch", "failure"), Cell(f": {res['verdict']}")]))
     else:

@@ -290,8 +290,11 @@ def parse_ids(text: Optional[str]) -> Optional[list[int]]:
     """'-1,2,30' -> [-1, 2, 30]; '' or None -> None (SGLang's default). Bad text -> UsageError."""
     if text is None or not text.strip():
         return None
+    parts = [x.strip() for x in text.split(",")]
+    if "" in parts:
+        raise UsageError(f"--ids {text!r} has an empty entry: give comma-separated integers like -1,2,30")
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in parts]
     except ValueError:
         raise UsageError(f"--ids must be comma-separated integers like -1,2,30, got {text!r}") from None
 

@@ -1,0 +1,258 @@
+"""Bad input ends in one line that says what is wrong and what to do, exit 2, nothing left behind;
+and what a command prints never misleads: no silent change of what was asked, no stale verdict.
+
+Every case is the real CLI: `tpprobe.cli.main` in this process (the console script's own argv
+handling and error printing), or `python -m tpprobe` where ranks or a clean interpreter are needed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.ranks import ROOT, probe, run_cli
+from tpprobe.cli import main
+
+
+def cli(args: list[str], cap) -> tuple[int, str, str]:
+    """main(args) in this process: (exit code, stdout, stderr)."""
+    cap.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = cap.readouterr()
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tpprobe: error: "), err
+    assert "Traceback" not in err and "internal error" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory) -> Path:
+    """One healthy 2-rank capture of the built-in model (the real CLI, gloo)."""
+    out = tmp_path_factory.mktemp("bad_input") / "run"
+    code, rep, cp = probe(out)
+    assert code == 0, cp.stderr[-2000:]
+    return out
+
+
+# ---- tpprobe torchrun: its own options checked before torchrun starts anything --------------------
+@pytest.mark.parametrize("args, says", [
+    (["--nproc-per-node", "0", "probe"], "--nproc-per-node '0': give the ranks per node, a number >= 1"),
+    (["--nproc-per-node", "abc", "probe"], "--nproc-per-node 'abc': give the ranks per node, a number >= 1"),
+    (["--nproc-per-node=-2", "probe"], "--nproc-per-node '-2': give the ranks per node, a number >= 1"),
+    # probe's own --nproc after the command: never matched against torchrun's option names
+    (["probe", "--nproc", "0"], "probe --nproc starts ranks itself; under torchrun the ranks are torchrun's: "
+                                "put --nproc-per-node N before probe"),
+    (["--nproc-per-node", "2", "probe", "--nproc=4"], "probe --nproc starts ranks itself"),
+])
+def test_torchrun_options_that_cannot_work_are_one_line_exit_2(capsys, args, says):
+    code, out, err = cli(["torchrun", *args], capsys)
+    assert code == 2, err
+    assert says in one_line(err)
+    assert "ambiguous" not in err
+
+
+# ---- report sinks: a folder given for a file -------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--markdown", "--html"])
+def test_report_sink_that_is_a_folder_is_refused_and_leaves_no_temporary(capture, tmp_path, monkeypatch, capsys,
+                                                                          flag):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sink").mkdir()
+    code, out, err = cli(["report", capture, flag, "sink"], capsys)
+    assert code == 2, err
+    name = "report.md" if flag == "--markdown" else "report.html"
+    assert one_line(err) == f"tpprobe: error: {flag} sink is a folder; give a file name, e.g. {flag} sink/{name}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sink"] and not list((tmp_path / "sink").iterdir())
+
+
+def test_a_write_that_fails_leaves_no_temporary_beside_its_target(tmp_path):
+    from tpprobe.formats.capture_dir import atomic_write_bytes
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OSError):
+        atomic_write_bytes(tmp_path / "taken", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+# ---- a damaged capture folder: what is damaged, in one line; never the folder's old verdict ---------
+def _damage(d: Path, how: str) -> str:
+    if how == "truncated":
+        p = d / "rank-001.safetensors"
+        p.write_bytes(p.read_bytes()[:1000])
+        return "rank-001.safetensors (rank 1): size 1000 bytes, manifest says"
+    if how == "missing":
+        (d / "rank-001.safetensors").unlink()
+        return "rank-001.safetensors (rank 1): missing"
+    p = d / "rank-001.json"
+    p.write_text("{broken")
+    return "rank-001.json (rank 1): size 7 bytes, manifest says"
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing", "broken-json"])
+def test_a_damaged_capture_folder_is_one_line_naming_the_damage_exit_2(capture, tmp_path, capsys, how):
+    d = tmp_path / "copy"
+    shutil.copytree(capture, d)
+    assert json.loads((d / "report.json").read_text())["exit_code"] == 0     # the folder's own, older verdict
+    says = _damage(d, how)
+    code, out, err = cli(["report", d], capsys)
+    assert code == 2, out + err
+    line = one_line(err)
+    assert line.startswith(f"tpprobe: error: {d}: damaged capture folder, nothing compared: {says}"), line
+    assert line.endswith("rank 0 is still readable (--json shows them); re-run the probe or copy the folder again")
+    assert out == "" and "HEALTHY" not in err and "report.json" not in err
+    code, out, err = cli(["report", d, "--json"], capsys)          # scripts still get every readable rank
+    rep = json.loads(out)
+    assert code == 2 and rep["exit_code"] == 2
+    assert [f["where"] for f in rep["findings"] if f["kind"] == "capture-file"] == [says.split(" ")[0]]
+
+
+def test_an_offline_report_never_points_at_the_folders_own_report_json(capture, capsys):
+    code, out, err = cli(["report", capture], capsys)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "captures and report.json" not in flat
+    assert f"captures: {capture} (this report is read from them and not saved)" in flat
+
+
+# ---- ids and configs: never silently changed, never the wrong file taken for the right one ----------
+@pytest.mark.parametrize("args, says", [
+    (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),
+    (["layers", "--ids", "1,2,"], "--ids '1,2,' has an empty entry"),
+    (["probe", "--layers", "1,,2"], "--layers '1,,2' has an empty entry: give comma-separated integers like -1,1,3"),
+    (["probe", "--layers", ","], "--layers ',' has an empty entry"),
+])
+def test_an_id_list_with_an_empty_entry_is_refused_not_shortened(tmp_path, monkeypatch, capsys, args, says):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(args, capsys)
+    assert code == 2 and says in one_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_target_config_given_as_the_draft_config_is_refused(tmp_path, capsys):
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}))
+    copy = tmp_path / "also_target.json"
+    copy.write_text(target.read_text())
+    code, out, err = cli(["layers", "--draft-config", copy, "--target-config", target], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err).startswith(f"tpprobe: error: --draft-config {copy} is a DeepseekV3ForCausalLM model of 61 "
+                                    f"layers, not an EAGLE-3 draft's config")
+    code, out, err = cli(["layers", "--draft-config", target, "--target-config", target], capsys)
+    assert code == 2 and f"--draft-config {target} is the --target-config itself" in one_line(err)
+    # a draft with no ids of its own is still a draft: it expects SGLang's default capture
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                                 "draft_vocab_size": 32000}))
+    code, out, err = cli(["layers", "--draft-config", draft, "--target-config", target], capsys)
+    assert code == 0 and "agree on every slot" in " ".join(out.split()), out + err
+
+
+def test_an_unreadable_config_is_said_before_any_engine_is_imported(tmp_path):
+    bad = tmp_path / "notjson.json"
+    bad.write_text("not json")
+    code = ("import sys\nfrom tpprobe.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'sglang' in sys.modules, 'vllm' in sys.modules)\n")
+    for backend in ("sglang", "vllm"):
+        cp = subprocess.run([sys.executable, "-c", code, "probe", "--backend", backend, "--config", str(bad),
+                             "--out", str(tmp_path / backend)], capture_output=True, text=True, cwd=ROOT,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+        assert cp.stdout.split() == ["exit", "2", "False", "False"], cp.stdout + cp.stderr
+        assert one_line(cp.stderr) == (f"tpprobe: error: --config {bad}: cannot read a JSON config (Expecting value: "
+                                       f"line 1 column 1 (char 0)); give a HF config.json")
+
+
+# ---- the default ids fitted to a shallow model are said ----------------------------------------------
+def test_default_ids_cut_by_a_shallow_model_are_said_and_given_ids_are_not(tmp_path):
+    cp = run_cli(["probe", "--num-layers", "2", "--out", str(tmp_path / "two"), "--quiet"], timeout=300)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    assert cp.stderr.strip().splitlines()[0] == (
+        "tpprobe: note: a 2-layer model: the default ids are -1,0 (2 slots), not -1,1,3 (3 slots): fitted to this "
+        "depth; give --layers to choose")
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["settings"]["layer_ids"] == [-1, 0]
+    cp = run_cli(["probe", "--num-layers", "2", "--layers", "-1,0", "--out", str(tmp_path / "given"), "--quiet"],
+                 timeout=300)
+    assert cp.returncode == 0 and "note" not in cp.stderr, cp.stderr[-2000:]
+
+
+def test_the_sglang_default_ids_of_a_shallow_model_are_said_before_anything_starts():
+    from tpprobe.config.options import ProbeOptions
+    from tpprobe.probe.prepare import default_ids_note
+    opts = ProbeOptions.from_cli(num_layers=2, backend="sglang", nproc=2, inject=[], layers=None)
+    assert opts.layers == [-1]
+    assert default_ids_note(opts) == ("tpprobe: note: a 2-layer model: the default ids are -1 (1 slot), not -1,1,3 "
+                                      "(3 slots): fitted to this depth; give --layers to choose")
+    assert default_ids_note(ProbeOptions.from_cli(num_layers=6, backend="sglang", nproc=2, inject=[])) is None
+
+
+def test_the_vllm_runner_note_is_for_who_serves_vllm(tmp_path, capsys):
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}))
+    draft = tmp_path / "draft.json"       # nested ids only: vLLM's v1 runner reads them, its v2 runner does not
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    args = ["layers", "--draft-config", draft, "--target-config", target]
+    note = "vLLM's v1 model runner reads other ids"
+    code, out, err = cli(args, capsys)
+    flat = " ".join(out.split())
+    assert code == 0 and "the draft and the target agree on every slot" in flat and note not in flat, out + err
+    for more in (["--engine", "vllm"], ["--vllm-runner", "v2"]):
+        code, out, err = cli(args + more, capsys)
+        assert note in " ".join(out.split()), more
+    code, out, err = cli(args + ["--json"], capsys)
+    assert note in json.loads(out)["engines"]["notes"][0]
+
+
+# ---- a .pt file that would run code: one clean line, torch's own essay left out --------------------------
+class _Runs:
+    """Unpickling this would call Path.write_text (a weights-only load never does)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "executed"))
+
+
+def test_a_pickle_that_would_run_code_is_refused_in_one_clean_line(tmp_path, capsys):
+    import torch
+
+    from tpprobe.core.errors import CaptureError
+    from tpprobe.formats.capture_dir import safe_torch_load
+    marker = tmp_path / "MARKER"
+    evil = tmp_path / "evil.pt"
+    torch.save({"aux_hidden_state": torch.ones(2), "x": _Runs(marker)}, evil)
+    code, out, err = cli(["diff", evil, evil], capsys)
+    assert code == 2 and not marker.exists()
+    assert one_line(err) == (f"tpprobe: error: {evil}: refused: loading it would call getattr; "
+                             f"tpprobe loads .pt files with torch.load(weights_only=True) only: tensors and plain "
+                             f"containers, never code")
+    with pytest.raises(CaptureError) as e:
+        safe_torch_load(evil)
+    assert str(e.value).startswith(f"{evil}: refused to load: loading it would call getattr;")
+    assert "PyTorch 2.6" not in str(e.value) and len(str(e.value)) - len(str(evil)) < 160 and not marker.exists()
+
+
+# ---- the same guess on every model that can show it ------------------------------------------------------
+@pytest.mark.parametrize("exchange", ["full", "fingerprint"])
+def test_capture_no_residual_is_made_and_named_on_the_built_in_model(tmp_path, exchange):
+    code, rep, cp = probe(tmp_path / "r", "--inject", "capture-no-residual", "--exchange", exchange)
+    assert code == 1, cp.stderr[-2000:]
+    failures = [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"]
+    assert failures == [("capture-no-residual", "aux slot 1", [0, 1])], rep["findings"]
+
+
+def test_capture_no_residual_on_vllm_is_pointed_at_its_name_there(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(["probe", "--backend", "vllm", "--inject", "capture-no-residual"], capsys)
+    assert code == 2 and one_line(err) == ("tpprobe: error: --inject capture-no-residual is named aux-no-residual "
+                                           "on vLLM's model: --backend vllm --inject aux-no-residual")
