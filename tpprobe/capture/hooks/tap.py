@@ -179,7 +179,8 @@ class Tap(Collectives):
             for kind, sub_name, sub in hooked:
                 # row-parallel outputs are noted; layer 0's input norm is a capture point (a
                 # candidate for "the embedding slot was taken after a transform"): plan.hooked
-                self._hook(sub, HookHandle(kind, sub_name, idx), self._row_post if kind == "row" else self._in_norm_post)
+                post = self._row_post if kind == "row" else self._in_norm_post
+                self._hook(sub, HookHandle(kind, sub_name, idx), post)
         for prefix, factory in LAYER_EXTENSIONS.items():
             if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
                 # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
