@@ -58,7 +58,7 @@ REGISTRATIONS = Registrations()
 
 class Plan:
     __slots__ = ("layer_how", "layer_list", "layers", "embed", "candidates", "subs", "known", "inference", "stamp",
-                 "mods", "found", "cached", "generation")
+                 "mods", "found", "cached", "generation", "hooked")
 
 
 def _stamp(model, mods) -> list:
@@ -132,6 +132,13 @@ def _build(model: torch.nn.Module, layer_spec: Optional[str], embed_spec: Option
         plan.known[id(m)] = (name, "layer", idx)
         for kind, sub_name, sub in subs:
             plan.known[id(sub)] = (sub_name, kind, idx)
+    # the modules the Tap hooks besides the layers, per layer (built once here, not at every Tap): the
+    # row-parallel ones (their outputs are noted) and layer 0's input norm (a capture point); the
+    # others need no hook: a collective finds the modules it runs in from the frames
+    first = plan.subs[0][0] if plan.subs else None
+    plan.hooked = [[(kind, sub_name, sub) for kind, sub_name, sub in subs
+                    if kind == "row" or idx == first and sub_name.endswith(".input_layernorm")]
+                   for idx, _, _, subs in plan.subs]
     plan.inference = holds_inference_tensors(model)
     # the cache holds no reference to the model itself (it is the weak key): None stands for it
     plan.mods = [m for m in model.modules() if m is not model]

@@ -173,18 +173,14 @@ class Tap(Collectives):
             for name, m in watch:
                 self._watch_embedding(name, m)
         self._known = plan.known
-        first = plan.subs[0][0] if plan.subs else None
-        for idx, name, m, subs in plan.subs:
+        for (idx, name, m, _), hooked in zip(plan.subs, plan.hooked):
             self.layer_indices.append(idx)
             self._hook(m, HookHandle("layer", name, idx), self._layer_post)
-            for kind, sub_name, sub in subs:
+            for kind, sub_name, sub in hooked:
                 # row-parallel outputs are noted; layer 0's input norm is a capture point (a
-                # candidate for "the embedding slot was taken after a transform"); the other
-                # modules need no hook: a collective finds the modules it runs in from the frames
-                post = (self._row_post if kind == "row" else
-                        self._in_norm_post if idx == first and sub_name.endswith(".input_layernorm") else None)
-                if post is not None:
-                    self._hook(sub, HookHandle(kind, sub_name, idx), post)
+                # candidate for "the embedding slot was taken after a transform"): plan.hooked
+                post = self._row_post if kind == "row" else self._in_norm_post
+                self._hook(sub, HookHandle(kind, sub_name, idx), post)
         for prefix, factory in LAYER_EXTENSIONS.items():
             if any(type(m).__module__.startswith(prefix) for _, _, m in layers):
                 # e.g. SGLang's own decoder layers (a user's --model factory too): their output is an
