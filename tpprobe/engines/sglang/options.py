@@ -41,6 +41,9 @@ class PluginOptions:
     layer_list: Optional[str] = opt("--layer-list", "", "the decoder layers' ModuleList path or class glob "
                                     "(default: the longest list)", env="TPPROBE_LAYER_LIST",
                                     parse=lambda s: s or None)
+    watch: int = opt("--watch", 0, "check one forward in N on every TP rank for as long as the engine serves (0: off; "
+                     "docs/watch.md); with it TPPROBE_MAX_STEPS defaults to 0", env="TPPROBE_WATCH",
+                     parse=lambda s: int(s) if s.strip() else 0)
     targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
                         "LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)",
                         env="TPPROBE_SGLANG_MODELS", parse=lambda s: _csv(s) or list(DEFAULT_TARGETS))
@@ -55,6 +58,8 @@ class PluginOptions:
             if f.name == "dir" and not raw:
                 return None
             kw[f.name] = f.metadata["parse"](raw if raw is not None else str(f.default))
+        if kw.get("watch") and environ.get("TPPROBE_MAX_STEPS") is None:
+            kw["max_steps"] = 0          # watching: no capture window besides, unless asked for
         return cls(**kw)
 
     @classmethod
