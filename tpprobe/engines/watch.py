@@ -234,12 +234,16 @@ def _record(side: Side, model, tap, input_ids, mode, step, t_forward) -> tuple[d
 def _files(rank: int, meta: dict) -> list[tuple[str, bytes]]:
     """This rank's two files of a kept step, as bytes (the manifest's sizes and digests are computed from
     the same bytes on TP rank 0, which has every rank's record from the exchange)."""
-    from safetensors.torch import save
+    import struct
 
     from tpprobe.formats.capture_dir import SCHEMA as CAPTURE_SCHEMA, rank_stem
 
+    # a safetensors file holding no tensor, written byte for byte here (safetensors' own writer orders the
+    # metadata differently from one process to the next): its 8-byte header length, then the header, padded
+    header = json.dumps({"__metadata__": {"rank": str(rank), "schema": CAPTURE_SCHEMA}}, separators=(",", ":"))
+    header += " " * (-len(header) % 8)
     stem = rank_stem(rank)
-    return [(f"{stem}.safetensors", save({}, metadata={"schema": CAPTURE_SCHEMA, "rank": str(rank)})),
+    return [(f"{stem}.safetensors", struct.pack("<Q", len(header)) + header.encode()),
             (f"{stem}.json", json.dumps(meta, indent=1, default=str).encode())]
 
 

@@ -108,6 +108,8 @@ def register() -> None:
 
         for target in s["targets"]:
             HookRegistry.register(target, _around_forward, HookType.AROUND)
+        from tpprobe.engines.sglang.watch import RPC_TARGET, handle_rpc    # tpprobe_watch / tpprobe_status
+        HookRegistry.register(RPC_TARGET, handle_rpc, HookType.AROUND)
         _say(f"plugin registered: will wrap {', '.join(s['targets'])}; capture dir {s['dir']}, "
              f"first {s['max_steps']} step(s) in modes {sorted(s['modes'])}, <= {s['max_bytes']} bytes/rank")
     except Exception as e:  # noqa: BLE001 - SGLang would swallow it silently
@@ -125,6 +127,15 @@ def _tp():
 
     p = get_parallel()
     return p.tp_rank, p.tp_size, p.tp_group
+
+
+tp_rank_world_group = _tp
+
+
+def _watched(s, step: int) -> bool:
+    from tpprobe.engines import watch
+    watch.configure(s.get("watch"))
+    return watch.watched(step)
 
 
 def parallel_ranks() -> dict:
@@ -168,13 +179,17 @@ class Budget:
 
 def _around_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
     s = settings()
-    if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
+    if s is None or getattr(_state, "busy", False):
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     mode = _mode_name(forward_batch)
     step = _STEPS["n"]
     _STEPS["n"] += 1
     # the same on every rank of the TP group (forward index and mode), never rank-local state
-    if _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
+    if _STEPS["failed"] or _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
+        if _watched(s, step):       # TPPROBE_WATCH: tpprobe/engines/watch.py
+            from tpprobe.engines.sglang.watch import watch_forward
+            return watch_forward(s, self, lambda: original_fn(self, input_ids, positions, forward_batch, *args,
+                                                              **kwargs), input_ids, mode, step)
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     _STEPS["captured"] += 1
     from tpprobe.capture.hooks import Tap

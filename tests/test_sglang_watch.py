@@ -1,0 +1,130 @@
+"""The watch (TPPROBE_WATCH=N) in the SGLang plugin, loaded through SGLang's own load_plugins() in two real gloo
+ranks running SGLang's Llama on CPU (tpprobe.engines.sglang.tiny, as tests/test_sglang_plugin.py): one forward in
+N checked on both ranks; a reduce SGLang's GroupCoordinator returns scaled on rank 1 in one call is named at its
+step, layer and rank in one log line and by `tpprobe report`; the live toggle through SGLang's RPC hook
+(`Scheduler.handle_rpc_request`, as `Engine.collective_rpc("tpprobe_watch", n=...)` reaches it); a fault in
+the watch's own code on one rank stops the watch on both, and every forward still returns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
+from sglang_ranks import LAST_LOGS, run_ranks  # noqa: E402
+from tpprobe.engines.sglang import INSTALL_HINT, available
+
+pytestmark = [pytest.mark.sglang,
+              pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
+
+L, TOKENS, SEED = 3, 6, 5
+
+
+def once_wrong(bad_rank: int, bad_call: int, rank: int) -> dict:
+    """SGLang's TP GroupCoordinator returns the sum x 2 on `bad_rank` in its `bad_call`-th all-reduce (0-based)."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator, get_tp_group
+
+    tp, orig, calls = get_tp_group(), GroupCoordinator.__dict__["all_reduce"], {"n": 0}
+
+    def all_reduce(self, input_, *a, **kw):
+        out = orig(self, input_, *a, **kw)
+        if self is tp and isinstance(input_, torch.Tensor):
+            if rank == bad_rank and calls["n"] == bad_call:
+                out = out * 2
+            calls["n"] += 1
+        return out
+
+    GroupCoordinator.all_reduce = all_reduce
+    return calls
+
+
+def worker(ctx, forwards, bad_call=None, toggles=None):
+    from tpprobe.engines.sglang import cpu_mode
+
+    cpu_mode.enable()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()       # what each SGLang scheduler (TP rank worker) process does first
+    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.managers.io_struct import RpcReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from tpprobe.engines import watch
+    from tpprobe.engines.sglang.tiny import build_target
+
+    t = build_target(ctx, "llama", L, TOKENS, SEED, torch.float32, [0, 1])
+    calls = once_wrong(1, bad_call, ctx.rank) if bad_call is not None else {"n": 0}
+    outs, rpc = [], []
+
+    class Sched:            # what SGLang's handle_rpc_request reads of its scheduler: the TP group
+        tp_group = get_tp_group()
+    for i in range(forwards):
+        if toggles and i in toggles:     # the hooked handler, as SGLang's RPC path calls it
+            out = Scheduler.handle_rpc_request(Sched(), RpcReqInput(method="tpprobe_watch",
+                                                                     parameters={"n": toggles[i]}))
+            rpc.append((out.success, json.loads(out.message)["every"]))
+        outs.append(t.forward())
+    watch.flush(force=True)
+    return {"status": watch.status(), "calls": calls["n"], "rpc": rpc, "kinds": [type(o).__name__ for o in outs]}
+
+
+def _report(*dirs, json_out=True):
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", *map(str, dirs)] + (["--json"] if json_out else []),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    return p.returncode, json.loads(p.stdout) if json_out else p.stdout
+
+
+def _env(tmp_path, every):
+    return {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_WATCH": str(every)}
+
+
+def test_one_wrong_reduce_in_a_checked_forward_is_named_at_its_step_layer_and_rank(tmp_path):
+    """Forwards 0..7 at TPPROBE_WATCH=2; the 2nd reduce of forward 4 (layer 0's o_proj... whichever SGLang issues:
+    the report names it) returns the sum x 2 on rank 1: forward 4 is the first failing step, 0 and 2 healthy."""
+    per_forward = run_ranks("test_sglang_watch:worker", 2, dict(forwards=1), env=_env(tmp_path / "count", 1),
+                            timeout=240)[0]["calls"]
+    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=8, bad_call=4 * per_forward + 1),
+                    env=_env(tmp_path / "w", 2), timeout=240)
+    log = "".join(LAST_LOGS)
+    lines = [x[x.index("[tpprobe] step"):] for x in log.splitlines() if "[tpprobe] step" in x]
+    assert lines and lines[0].startswith("[tpprobe] step 4 (extend): allreduce-incomplete at layer 0 (") \
+        and " on rank 1: " in lines[0], lines or log[-3000:]
+    st = res[0]["status"]
+    assert (st["every"], st["checked"], st["healthy"], st["first_step"], st["last_step"]) == (2, 4, 2, 0, 6), st
+    assert st["findings"][0]["step"] == 4 and st["findings"][0]["ranks"] == [1], st
+    code, rep = _report(tmp_path / "w")
+    assert code == 1 and rep["watch"]["healthy"] == 2 and rep["watch"]["checked"] == 4, rep["watch"]
+    first = rep["watch"]["failing_steps"][0]
+    assert (first["step"], first["first"]["kind"], first["first"]["ranks"]) == (4, "allreduce-incomplete", [1]), first
+    assert first["first"]["where"].startswith("layer 0 ("), first
+    assert res[0]["kinds"] == res[1]["kinds"] and len(res[0]["kinds"]) == 8
+
+
+def test_watch_toggled_through_sglangs_rpc_hook_is_healthy_with_full_counts(tmp_path):
+    """TPPROBE_WATCH unset at start (the plugin on for its capture folder only), turned on at forward 2 with
+    n=1 and off at forward 5 through SGLang's RPC handler: forwards 2, 3, 4 checked and healthy."""
+    env = {**_env(tmp_path, 0), "TPPROBE_WATCH": "0", "TPPROBE_MAX_STEPS": "0"}
+    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=7, toggles={2: 1, 5: 0}), env=env, timeout=240)
+    for r in res:
+        assert r["rpc"] == [(True, 1), (True, 0)], r["rpc"]
+        st = r["status"]
+        assert (st["checked"], st["healthy"], st["failing"], st["first_step"], st["last_step"], st["stopped"]) == \
+            (3, 3, 0, 2, 4, None), st
+    code, text = _report(tmp_path, json_out=False)
+    assert code == 0 and "3 forward(s) checked, 3 healthy, 0 failing" in " ".join(text.split()), text
+
+
+def test_a_fault_in_the_watch_on_one_rank_stops_it_on_both_and_the_forwards_go_on(tmp_path):
+    env = {**_env(tmp_path, 1), "TPPROBE_VLLM_INJECT": "plugin-error@1"}
+    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=4), env=env, timeout=240)
+    log = "".join(LAST_LOGS)
+    lines = [x for x in log.splitlines() if "watch FAILED" in x]
+    assert len(lines) == 1 and "at step 0 (extend) on tp rank(s) [1]" in lines[0], lines or log[-3000:]
+    for r in res:
+        assert r["status"]["stopped"] and r["status"]["checked"] == 0 and len(r["kinds"]) == 4, r
