@@ -52,21 +52,25 @@ def worker(ctx, forwards, bad_call=None, toggles=None):
     load_plugins()       # what each SGLang scheduler (TP rank worker) process does first
     from sglang.srt.distributed.parallel_state import get_tp_group
     from sglang.srt.managers.io_struct import RpcReqInput
-    from sglang.srt.managers.scheduler import Scheduler
 
     from tpprobe.engines import watch
+    from tpprobe.engines.sglang.watch import handle_rpc
     from tpprobe.engines.sglang.tiny import build_target
 
     t = build_target(ctx, "llama", L, TOKENS, SEED, torch.float32, [0, 1])
-    calls = once_wrong(1, bad_call, ctx.rank) if bad_call is not None else {"n": 0}
+    calls = once_wrong(1, -1 if bad_call is None else bad_call, ctx.rank)
     outs, rpc = [], []
 
     class Sched:            # what SGLang's handle_rpc_request reads of its scheduler: the TP group
         tp_group = get_tp_group()
+
+    def sglangs_own(scheduler, req):
+        raise AssertionError(f"{req.method} reached SGLang's handler")
     for i in range(forwards):
-        if toggles and i in toggles:     # the hooked handler, as SGLang's RPC path calls it
-            out = Scheduler.handle_rpc_request(Sched(), RpcReqInput(method="tpprobe_watch",
-                                                                     parameters={"n": toggles[i]}))
+        # the AROUND hook the plugin registers on Scheduler.handle_rpc_request (SGLang's scheduler module does
+        # not import in the CPU tier: no setproctitle), called with SGLang's own request as the RPC path sends it
+        if toggles and i in toggles:
+            out = handle_rpc(sglangs_own, Sched(), RpcReqInput(method="tpprobe_watch", parameters={"n": toggles[i]}))
             rpc.append((out.success, json.loads(out.message)["every"]))
         outs.append(t.forward())
     watch.flush(force=True)
@@ -85,8 +89,9 @@ def _env(tmp_path, every):
 
 
 def test_one_wrong_reduce_in_a_checked_forward_is_named_at_its_step_layer_and_rank(tmp_path):
-    """Forwards 0..7 at TPPROBE_WATCH=2; the 2nd reduce of forward 4 (layer 0's o_proj... whichever SGLang issues:
-    the report names it) returns the sum x 2 on rank 1: forward 4 is the first failing step, 0 and 2 healthy."""
+    """Forwards 0..7 at TPPROBE_WATCH=2; the 2nd reduce of forward 4 (layer 0's o_proj: the embedding's is the
+    1st) returns the sum x 2 on rank 1: forward 4 is the one failing step; 0, 2 and 6 (the same input, no KV
+    cache in between) are healthy."""
     per_forward = run_ranks("test_sglang_watch:worker", 2, dict(forwards=1), env=_env(tmp_path / "count", 1),
                             timeout=240)[0]["calls"]
     res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=8, bad_call=4 * per_forward + 1),
@@ -96,10 +101,11 @@ def test_one_wrong_reduce_in_a_checked_forward_is_named_at_its_step_layer_and_ra
     assert lines and lines[0].startswith("[tpprobe] step 4 (extend): allreduce-incomplete at layer 0 (") \
         and " on rank 1: " in lines[0], lines or log[-3000:]
     st = res[0]["status"]
-    assert (st["every"], st["checked"], st["healthy"], st["first_step"], st["last_step"]) == (2, 4, 2, 0, 6), st
+    assert (st["every"], st["checked"], st["healthy"], st["first_step"], st["last_step"]) == (2, 4, 3, 0, 6), st
     assert st["findings"][0]["step"] == 4 and st["findings"][0]["ranks"] == [1], st
     code, rep = _report(tmp_path / "w")
-    assert code == 1 and rep["watch"]["healthy"] == 2 and rep["watch"]["checked"] == 4, rep["watch"]
+    assert code == 1 and rep["watch"]["healthy"] == 3 and rep["watch"]["checked"] == 4, rep["watch"]
+    assert [s["step"] for s in rep["watch"]["failing_steps"]] == [4], rep["watch"]
     first = rep["watch"]["failing_steps"][0]
     assert (first["step"], first["first"]["kind"], first["first"]["ranks"]) == (4, "allreduce-incomplete", [1]), first
     assert first["first"]["where"].startswith("layer 0 ("), first
