@@ -110,6 +110,31 @@ def test_one_wrong_reduce_in_a_checked_forward_is_named_at_its_step_layer_and_ra
     assert (first["step"], first["first"]["kind"], first["first"]["ranks"]) == (4, "allreduce-incomplete", [1]), first
     assert first["first"]["where"].startswith("layer 0 ("), first
     assert res[0]["kinds"] == res[1]["kinds"] and len(res[0]["kinds"]) == 8
+    _per_node_folders_merge(tmp_path, first)
+
+
+def _per_node_folders_merge(tmp_path, first):
+    """The same run as two nodes would have written it with no shared filesystem (each rank its own files and
+    summary, TP rank 0 the manifest): `tpprobe report NODE0 NODE1` is the one-folder report, and says which ranks
+    each folder held; one node's folder alone names the missing rank's files."""
+    import shutil
+
+    src = tmp_path / "w" / "dp0-pp0"
+    nodes = [tmp_path / f"node{r}" / "dp0-pp0" for r in (0, 1)]
+    for r, node in enumerate(nodes):
+        for f in src.rglob("*"):
+            if f.is_file() and (f"rank-{r:03d}" in f.name or (r == 0 and f.name == "manifest.json")):
+                (node / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, node / f.relative_to(src))
+    code, rep = _report(*(n.parent for n in nodes))
+    assert code == 1 and rep["watch"]["failing_steps"][0] == first, rep["watch"]
+    assert {k: v["ranks"] for k, v in rep["watch"]["folders"].items()} == \
+        {str(nodes[0].parent): [0], str(nodes[1].parent): [1]}, rep["watch"]["folders"]
+    code, text = _report(*(n.parent for n in nodes), json_out=False)
+    assert f"{nodes[0].parent}: ranks [0]; {nodes[1].parent}: ranks [1]" in " ".join(text.split()), text
+    code, rep = _report(nodes[0].parent)
+    assert code == 1 and any("no summary of rank(s) [1]" in n for n in rep["watch"]["notes"]), rep["watch"]
+    assert rep["watch"]["failing_steps"][0]["first"]["kind"] == "capture-file", rep["watch"]
 
 
 def test_watch_toggled_through_sglangs_rpc_hook_is_healthy_with_full_counts(tmp_path):
