@@ -87,7 +87,8 @@ def main():
     per_check_ms = (1 / overall["watch 1"] - 1 / overall["off"]) * 1e3 if "watch 1" in overall else None
     for v, s in summaries.items():
         print(f"  {v}: rank 0's summary: {s['checked']} forward(s) checked, {s['healthy']} healthy, "
-              f"{s['failing']} failing, stopped: {s['stopped']}")
+              f"{s['failing']} failing, stopped: {s['stopped']}; ms per checked forward: "
+              + ", ".join(f"{k} {1e3 * x / max(s['checked'], 1):.1f}" for k, x in (s.get("seconds") or {}).items()))
     same = len({json.dumps([g["tokens"] for g in gs]) for gs in gens.values()}) == 1
     d = f"watch {DEFAULT_EVERY}"
     verdict = ""

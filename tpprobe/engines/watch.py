@@ -44,7 +44,8 @@ FLUSH_S = 1.0               # a healthy summary is rewritten at most this often
 # process-wide by nature: one engine worker process serves one TP rank; this is its watch
 _W: dict = {"every": 0, "checked": 0, "healthy": 0, "failing": 0, "listed": [], "not_kept": 0, "first": None,
             "last": None, "stopped": None, "pending": None, "bytes": None, "lines": 0, "flushed": 0.0,
-            "check_s": 0.0, "side": None, "announced": False, "configured": False}
+            "check_s": 0.0, "side": None, "announced": False, "configured": False,
+      "phases": {}}
 _busy = threading.local()
 
 
@@ -108,6 +109,7 @@ def status() -> dict:
     return {"every": _W["every"], "checked": _W["checked"], "healthy": _W["healthy"], "failing": _W["failing"],
             "first_step": _W["first"], "last_step": _W["last"], "findings": [dict(x) for x in _W["listed"][-8:]],
             "not_kept": _W["not_kept"], "stopped": _W["stopped"], "check_s": round(_W["check_s"], 4),
+            "seconds": {k: round(v, 4) for k, v in _W["phases"].items()},
             "summary": str(summary_path(side)) if side else None}
 
 
@@ -129,7 +131,8 @@ def flush(force: bool = False) -> None:
     doc = {"schema": SCHEMA, "source": side.source, "rank": side.rank, "world_size": side.world,
            "parallel": side.par, "every": _W["every"], "checked": _W["checked"], "healthy": _W["healthy"],
            "failing": _W["failing"], "first_step": _W["first"], "last_step": _W["last"], "findings": _W["listed"],
-           "not_kept": _W["not_kept"], "stopped": _W["stopped"], "pid": os.getpid(), "updated": now}
+           "not_kept": _W["not_kept"], "stopped": _W["stopped"], "pid": os.getpid(), "updated": now,
+           "seconds": {k: round(v, 4) for k, v in _W["phases"].items()}}
     try:
         side.group_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(summary_path(side), json.dumps(doc, indent=1, default=str).encode())
@@ -273,7 +276,16 @@ def line(step: int, mode: str, f: dict) -> str:
     return f"[tpprobe] step {step} ({mode}): {f['kind']} at {f['where']} on {who}: {detail[:400]}"
 
 
+def _spent(phase: str, t0: float) -> float:
+    """Add the seconds since t0 to `phase` (the summary's `seconds`: where a checked forward's time goes)."""
+    now = time.perf_counter()
+    _W["phases"][phase] = _W["phases"].get(phase, 0.0) + now - t0
+    return now
+
+
 def _exchange_and_check(side: Side, model, tap, input_ids, mode, step, t_forward, error) -> None:
+    _W["phases"]["forward (in the Tap)"] = _W["phases"].get("forward (in the Tap)", 0.0) + t_forward
+    t = time.perf_counter()
     meta, settings = ({}, {})
     if error is None:
         try:
@@ -281,12 +293,14 @@ def _exchange_and_check(side: Side, model, tap, input_ids, mode, step, t_forward
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
     mine = (meta, settings, error)
+    t = _spent("record", t)
     if side.world > 1:
         gathered = [None] * side.world
         torch.distributed.all_gather_object(gathered, mine, group=side.cpu_group)
     else:
         gathered = [mine]
     errors = [(r, g[2]) for r, g in enumerate(gathered) if g[2] is not None]
+    t = _spent("exchange", t)
     if errors:          # every rank saw the same list: all stop together
         _W["stopped"] = f"step {step}: rank(s) {[r for r, _ in errors]}: {errors[0][1]}"
         if side.rank == 0:
@@ -296,6 +310,7 @@ def _exchange_and_check(side: Side, model, tap, input_ids, mode, step, t_forward
         return
     metas = {r: g[0] for r, g in enumerate(gathered)}
     result = check(metas, {**gathered[0][1], "world_size": side.world})
+    _spent("check", t)
     _W["checked"] += 1
     _W["first"] = step if _W["first"] is None else _W["first"]
     _W["last"] = step
@@ -351,4 +366,5 @@ def _keep(side: Side, metas: dict, settings: dict, mode: str, step: int) -> str:
 def reset_for_tests() -> None:
     """A fresh watch in this process (the SGLang tests run several engines' worth of forwards in one)."""
     _W.update(every=0, checked=0, healthy=0, failing=0, listed=[], not_kept=0, first=None, last=None, stopped=None,
-              pending=None, bytes=None, lines=0, flushed=0.0, check_s=0.0, side=None, announced=False, configured=False)
+              pending=None, bytes=None, lines=0, flushed=0.0, check_s=0.0, side=None, announced=False, configured=False,
+              phases={})
