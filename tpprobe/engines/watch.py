@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 SCHEMA = "tpprobe.watch/1"
-DEFAULT_EVERY = 16          # bench/watch_cost.py: within 2 % of an unwatched engine's tokens/s on vLLM's CPU engine
+DEFAULT_EVERY = 512         # bench/vllm_watch.py: a checked forward costs ~8 CPU-engine forwards; /512: < 2 %
 MAX_LINES = 32              # log lines of findings per process; later ones are kept in the folder only
 MAX_LISTED = 256            # failing steps listed in a summary; later ones counted
 FLUSH_S = 1.0               # a healthy summary is rewritten at most this often
@@ -73,6 +73,23 @@ class Side:
         return self.root / f"dp{self.par.get('dp_rank', 0)}-pp{self.par.get('pp_rank', 0)}"
 
 
+def parse_every(text) -> int:
+    """N from TPPROBE_WATCH or the toggle: an integer >= 0, "on" / "default" (DEFAULT_EVERY) or "off" / "" (0);
+    anything else is off, said once (a setting never stops the engine)."""
+    t = str(text).strip().lower()
+    if t in ("", "0", "off", "false", "no"):
+        return 0
+    if t in ("on", "default", "true", "yes"):
+        return DEFAULT_EVERY
+    if t.isdigit():
+        return int(t)
+    if not _W.get("bad_said"):
+        _W["bad_said"] = True
+        say(f"TPPROBE_WATCH={text!r} is not a number of forwards (N >= 1, 0 / off, or on = {DEFAULT_EVERY}): "
+            f"the watch stays off")
+    return 0
+
+
 def configure(every: Optional[int]) -> None:
     """The watch's N from the settings (TPPROBE_WATCH), once per process: 0 / None = off."""
     if not _W["configured"]:
@@ -90,7 +107,7 @@ def set_every(n: int) -> dict:
     """Toggle on a live engine (every rank between the same two forwards: the engines' collective RPCs are
     ordered with their steps): check one forward in `n` from now on; 0 = off. A watch stopped by an error
     stays stopped."""
-    _W["every"], _W["configured"] = max(0, int(n)), True
+    _W["every"], _W["configured"] = parse_every(n), True
     say((f"watch: one forward in {_W['every']} checked from now on" if _W["every"] else "watch: off")
         + (f" (NOT: stopped earlier: {_W['stopped']})" if _W["stopped"] else ""))
     flush(force=True)
@@ -344,7 +361,6 @@ def _exchange_and_check(side: Side, model, tap, input_ids, mode, step, t_forward
 def _keep(side: Side, metas: dict, settings: dict, mode: str, step: int) -> str:
     """The failing step's folder: this rank's files; TP rank 0's manifest names every rank's."""
     from tpprobe import __version__
-    from tpprobe.engines.sglang.plugin import step_name
     from tpprobe.formats.capture_dir import atomic_write_bytes, write_manifest
 
     out = side.group_dir / step_name(step, mode)
@@ -361,6 +377,15 @@ def _keep(side: Side, metas: dict, settings: dict, mode: str, step: int) -> str:
         if _W["pending"] is None:
             _W["pending"] = f"step {step} not written: {type(e).__name__}: {e}"
     return str(out.relative_to(side.root))
+
+
+def step_name(step: int, mode: str) -> str:
+    """`step-{N:06d}-{mode}`, the plugins' step folder name (engines/sglang/plugin.py step_name, which the
+    report reads): the mode lower case, anything but [a-z0-9_] made `_`."""
+    import re
+
+    safe = re.sub(r"[^a-z0-9_]+", "_", str(mode).lower()).strip("_") or "unknown"
+    return f"step-{step:06d}-{safe}"
 
 
 def reset_for_tests() -> None:

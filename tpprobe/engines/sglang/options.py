@@ -15,6 +15,11 @@ DEFAULT_TARGETS = (
 )
 
 
+def _every(text: str) -> int:
+    from tpprobe.engines.watch import parse_every
+    return parse_every(text)
+
+
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -42,8 +47,8 @@ class PluginOptions:
                                     "(default: the longest list)", env="TPPROBE_LAYER_LIST",
                                     parse=lambda s: s or None)
     watch: int = opt("--watch", 0, "check one forward in N on every TP rank for as long as the engine serves (0: off; "
-                     "docs/watch.md); with it TPPROBE_MAX_STEPS defaults to 0", env="TPPROBE_WATCH",
-                     parse=lambda s: int(s) if s.strip() else 0)
+                     "\"on\": the default N; docs/watch.md); with it TPPROBE_MAX_STEPS defaults to 0",
+                     env="TPPROBE_WATCH", parse=lambda s: _every(s))
     targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
                         "LlamaForCausalLM and DeepseekV2ForCausalLM; DeepseekV3 inherits it)",
                         env="TPPROBE_SGLANG_MODELS", parse=lambda s: _csv(s) or list(DEFAULT_TARGETS))

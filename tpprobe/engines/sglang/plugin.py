@@ -129,8 +129,6 @@ def _tp():
     return p.tp_rank, p.tp_size, p.tp_group
 
 
-tp_rank_world_group = _tp
-
 
 def _watched(s, step: int) -> bool:
     from tpprobe.engines import watch
@@ -189,7 +187,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
         if _watched(s, step):       # TPPROBE_WATCH: tpprobe/engines/watch.py
             from tpprobe.engines.sglang.watch import watch_forward
             return watch_forward(s, self, lambda: original_fn(self, input_ids, positions, forward_batch, *args,
-                                                              **kwargs), input_ids, mode, step)
+                                                              **kwargs), input_ids, mode, step, _tp, parallel_ranks)
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     _STEPS["captured"] += 1
     from tpprobe.capture.hooks import Tap

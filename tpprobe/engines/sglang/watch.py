@@ -16,9 +16,9 @@ METHODS = ("tpprobe_watch", "tpprobe_status")
 _SIDE: dict = {"side": None}
 
 
-def side(s: dict):
+def side(s: dict, tp_rank_world_group, parallel_ranks):
+    """This rank's Side: `tp_rank_world_group()` and `parallel_ranks()` are the plugin's (engines/sglang/plugin.py)."""
     if _SIDE["side"] is None:
-        from tpprobe.engines.sglang.plugin import parallel_ranks, tp_rank_world_group
         from tpprobe.engines.sglang.stream import sglang_extensions
         from tpprobe.engines.watch import Side
 
@@ -33,12 +33,12 @@ def side(s: dict):
     return _SIDE["side"]
 
 
-def watch_forward(s: dict, model, run, input_ids, mode: str, step: int):
+def watch_forward(s: dict, model, run, input_ids, mode: str, step: int, tp_rank_world_group, parallel_ranks):
     """One checked forward of SGLang's model on this scheduler's TP rank."""
     from tpprobe.engines import watch
 
     try:
-        sd = side(s)
+        sd = side(s, tp_rank_world_group, parallel_ranks)
     except Exception as e:  # noqa: BLE001 - no TP group to read here
         watch.stop(f"SGLang's TP group not readable: {type(e).__name__}: {e}")
         return run()

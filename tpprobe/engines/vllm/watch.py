@@ -9,12 +9,12 @@ from pathlib import Path
 _SIDE: dict = {"side": None}
 
 
-def side(s: dict):
+def side(s: dict, parallel_ranks):
+    """This rank's Side: `parallel_ranks()` is the worker's (engines/vllm/worker.py)."""
     if _SIDE["side"] is None:
         from vllm.distributed.parallel_state import get_tp_group
 
         from tpprobe.engines.vllm.audit import vllm_extensions
-        from tpprobe.engines.vllm.worker import parallel_ranks
         from tpprobe.engines.watch import Side
 
         tp = get_tp_group()
@@ -24,12 +24,12 @@ def side(s: dict):
     return _SIDE["side"]
 
 
-def watch_forward(s: dict, model, run, input_ids, mode: str, step: int):
+def watch_forward(s: dict, model, run, input_ids, mode: str, step: int, parallel_ranks):
     """One checked forward of vLLM's model (the watch's `forward`), on this worker's TP rank."""
     from tpprobe.engines import watch
 
     try:
-        sd = side(s)
+        sd = side(s, parallel_ranks)
     except Exception as e:  # noqa: BLE001 - no TP group to read here: the watch stops on this process alone
         watch.stop(f"vLLM's TP group not readable: {type(e).__name__}: {e}")
         return run()

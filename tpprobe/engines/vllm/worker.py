@@ -197,7 +197,7 @@ def _forward(model, inner, args, kwargs):
     if input_ids is None or _STEPS["failed"] or not _wanted(s, mode):
         if input_ids is not None and _watched(s, step):      # TPPROBE_WATCH: tpprobe/engines/watch.py
             from tpprobe.engines.vllm.watch import watch_forward
-            return watch_forward(s, model, lambda: inner(*args, **kwargs), input_ids, mode, step)
+            return watch_forward(s, model, lambda: inner(*args, **kwargs), input_ids, mode, step, parallel_ranks)
         return inner(*args, **kwargs)
     _STEPS["captured"] += 1
     box: dict = {}
