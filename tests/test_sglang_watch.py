@@ -147,6 +147,7 @@ def test_watch_toggled_through_sglangs_rpc_hook_is_healthy_with_full_counts(tmp_
         st = r["status"]
         assert (st["checked"], st["healthy"], st["failing"], st["first_step"], st["last_step"], st["stopped"]) == \
             (3, 3, 0, 2, 4, None), st
+        assert (st["warned"], st["warning"]) == (0, None), st         # healthy = no finding at all: full coverage
     code, text = _report(tmp_path, json_out=False)
     assert code == 0 and "3 forward(s) checked, 3 healthy, 0 failing" in " ".join(text.split()), text
 

@@ -103,6 +103,7 @@ def test_healthy_engine_watched_every_forward_keeps_its_tokens_and_reports_healt
         assert (st["tp_rank"], w["every"], w["checked"], w["healthy"], w["failing"], w["stopped"]) == \
             (r, 1, n, n, 0, None), st
         assert w["first_step"] == n and w["last_step"] == 2 * n - 1, w       # forwards n.. of the second request
+        assert (w["warned"], w["warning"]) == (0, None), w          # healthy = no finding at all: full coverage
     assert sorted(p.name for p in (cap / "dp0-pp0").iterdir()) == ["watch-rank-000.json", "watch-rank-001.json"]
     code, rep = report(cap)
     assert code == 0 and rep["watch"]["checked"] == n and rep["watch"]["healthy"] == n, rep

@@ -90,7 +90,7 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
             for name, path in _step_folders(d, group).items():
                 g["steps"].setdefault(name, []).append(path)
     rows, first = [], None
-    totals = {"checked": 0, "healthy": 0, "failing": 0, "not_kept": 0}
+    totals = {"checked": 0, "healthy": 0, "failing": 0, "not_kept": 0, "warned": 0}
     notes = []
     with tempfile.TemporaryDirectory(prefix="tpprobe-watch-") as tmp:
         for group in sorted(groups):
@@ -98,12 +98,16 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
             docs = g["summaries"]
             world = max(int(doc.get("world_size") or 1) for doc in docs.values())
             lead = docs.get(0) or docs[min(docs)]
-            for k in ("checked", "healthy", "failing", "not_kept"):
+            for k in ("checked", "healthy", "failing", "not_kept", "warned"):
                 totals[k] += max(int(doc.get(k) or 0) for doc in docs.values())
             missing = [r for r in range(world) if r not in docs]
             if missing:
                 notes.append(f"{group}: no summary of rank(s) {missing} in the folders given (their node's folder "
                              f"is missing?)")
+            if lead.get("warning"):
+                w = lead["warning"]
+                notes.append(f"{group}: {lead.get('warned')} checked forward(s) with a warning, not healthy; the "
+                             f"first, step {w.get('step')}: {w.get('kind')} at {w.get('where')}: {w.get('detail')}")
             stopped = {r: doc["stopped"] for r, doc in docs.items() if doc.get("stopped")}
             if stopped:
                 r0 = min(stopped)
@@ -149,6 +153,7 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
     folders = "; ".join(f"{d}: ranks {h['ranks']}" for d, h in held.items())
     con.print(f"tpprobe watch report over {len(dirs)} folder(s) ({folders}): {totals['checked']} forward(s) checked, "
               f"{totals['healthy']} healthy, {failing} failing"
+              + (f", {totals['warned']} with warnings" if totals["warned"] else "")
               + (f" ({totals['not_kept']} not kept: TPPROBE_MAX_BYTES)" if totals["not_kept"] else ""),
               highlight=False, soft_wrap=True)
     for r in rows:
@@ -158,7 +163,9 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
                   highlight=False, soft_wrap=True)
     for n in notes:
         con.print(f"  note: {n}", highlight=False, soft_wrap=True)
-    con.print("HEALTHY: every checked forward agreed on every rank" if not failing else
+    con.print("HEALTHY: every checked forward agreed on every rank, fully covered"
+              if not failing and not totals["warned"] else
+              "NOT HEALTHY: checked forwards with warnings (notes above)" if not failing else
               "FAILING: the first failing step's report follows" if first and not quiet else "FAILING",
               highlight=False, soft_wrap=True)
     if first and not quiet:

@@ -45,7 +45,7 @@ FLUSH_S = 1.0               # a healthy summary is rewritten at most this often
 _W: dict = {"every": 0, "checked": 0, "healthy": 0, "failing": 0, "listed": [], "not_kept": 0, "first": None,
             "last": None, "stopped": None, "pending": None, "bytes": None, "lines": 0, "flushed": 0.0,
             "check_s": 0.0, "side": None, "announced": False, "configured": False,
-      "phases": {}}
+      "phases": {}, "warned": 0, "warning": None}
 _busy = threading.local()
 
 
@@ -126,6 +126,7 @@ def status() -> dict:
     return {"every": _W["every"], "checked": _W["checked"], "healthy": _W["healthy"], "failing": _W["failing"],
             "first_step": _W["first"], "last_step": _W["last"], "findings": [dict(x) for x in _W["listed"][-8:]],
             "not_kept": _W["not_kept"], "stopped": _W["stopped"], "check_s": round(_W["check_s"], 4),
+            "warned": _W["warned"], "warning": _W["warning"],
             "seconds": {k: round(v, 4) for k, v in _W["phases"].items()},
             "summary": str(summary_path(side)) if side else None}
 
@@ -149,6 +150,7 @@ def flush(force: bool = False) -> None:
            "parallel": side.par, "every": _W["every"], "checked": _W["checked"], "healthy": _W["healthy"],
            "failing": _W["failing"], "first_step": _W["first"], "last_step": _W["last"], "findings": _W["listed"],
            "not_kept": _W["not_kept"], "stopped": _W["stopped"], "pid": os.getpid(), "updated": now,
+           "warned": _W["warned"], "warning": _W["warning"],
            "seconds": {k: round(v, 4) for k, v in _W["phases"].items()}}
     try:
         side.group_dir.mkdir(parents=True, exist_ok=True)
@@ -333,7 +335,17 @@ def _exchange_and_check(side: Side, model, tap, input_ids, mode, step, t_forward
     _W["last"] = step
     fails = [f for f in result["findings"] if f["severity"] == "failure"]
     if not fails:
-        _W["healthy"] += 1
+        warns = [f for f in result["findings"] if f["severity"] == "warning"]
+        if warns:       # not healthy either: a point or a collective was not checked (coverage)
+            _W["warned"] += 1
+            if _W["warning"] is None:
+                _W["warning"] = {"step": step, "kind": warns[0]["kind"], "where": warns[0]["where"],
+                                 "detail": str(warns[0].get("detail") or "")[:400]}
+                if side.rank == 0:
+                    say(f"watch: step {step} ({mode}) checked with a warning (said once): {warns[0]['kind']} at "
+                        f"{warns[0]['where']}: {_W['warning']['detail']}")
+        else:
+            _W["healthy"] += 1
         flush()
         return
     _W["failing"] += 1
@@ -392,4 +404,4 @@ def reset_for_tests() -> None:
     """A fresh watch in this process (the SGLang tests run several engines' worth of forwards in one)."""
     _W.update(every=0, checked=0, healthy=0, failing=0, listed=[], not_kept=0, first=None, last=None, stopped=None,
               pending=None, bytes=None, lines=0, flushed=0.0, check_s=0.0, side=None, announced=False, configured=False,
-              phases={})
+              phases={}, warned=0, warning=None)
