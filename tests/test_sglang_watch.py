@@ -26,24 +26,27 @@ L, TOKENS, SEED = 3, 6, 5
 
 
 def once_wrong(bad_rank: int, bad_call: int, rank: int) -> dict:
-    """SGLang's TP GroupCoordinator returns the sum x 2 on `bad_rank` in its `bad_call`-th all-reduce (0-based)."""
+    """SGLang's TP GroupCoordinator returns the sum x 2 on `bad_rank` in its `bad_call`-th all-reduce (0-based),
+    and in the 2nd all-reduce of every forward the worker arms (`calls["armed"]`)."""
     from sglang.srt.distributed.parallel_state import GroupCoordinator, get_tp_group
 
-    tp, orig, calls = get_tp_group(), GroupCoordinator.__dict__["all_reduce"], {"n": 0}
+    tp, orig = get_tp_group(), GroupCoordinator.__dict__["all_reduce"]
+    calls = {"n": 0, "k": 0, "armed": False}
 
     def all_reduce(self, input_, *a, **kw):
         out = orig(self, input_, *a, **kw)
         if self is tp and isinstance(input_, torch.Tensor):
-            if rank == bad_rank and calls["n"] == bad_call:
+            if rank == bad_rank and (calls["n"] == bad_call or calls["armed"] and calls["k"] == 1):
                 out = out * 2
             calls["n"] += 1
+            calls["k"] += 1
         return out
 
     GroupCoordinator.all_reduce = all_reduce
     return calls
 
 
-def worker(ctx, forwards, bad_call=None, toggles=None):
+def worker(ctx, forwards, bad_call=None, toggles=None, bad_forwards=()):
     from tpprobe.engines.sglang import cpu_mode
 
     cpu_mode.enable()
@@ -72,6 +75,7 @@ def worker(ctx, forwards, bad_call=None, toggles=None):
         if toggles and i in toggles:
             out = handle_rpc(sglangs_own, Sched(), RpcReqInput(method="tpprobe_watch", parameters={"n": toggles[i]}))
             rpc.append((out.success, json.loads(out.message)["every"]))
+        calls.update(k=0, armed=i in bad_forwards)
         outs.append(t.forward())
     watch.flush(force=True)
     return {"status": watch.status(), "calls": calls["n"], "rpc": rpc, "kinds": [type(o).__name__ for o in outs]}
@@ -160,3 +164,19 @@ def test_a_fault_in_the_watch_on_one_rank_stops_it_on_both_and_the_forwards_go_o
     assert len(lines) == 1 and "at step 0 (extend) on tp rank(s) [1]" in lines[0], lines or log[-3000:]
     for r in res:
         assert r["status"]["stopped"] and r["status"]["checked"] == 0 and len(r["kinds"]) == 4, r
+
+
+def test_failing_records_past_max_bytes_are_counted_not_kept(tmp_path):
+    """TPPROBE_MAX_BYTES=50000 per rank holds one failing forward's record (~31 KB a rank), not two: forwards 1 and
+    2 both fail, the first is kept, the second is counted and listed, and the report names both."""
+    env = {**_env(tmp_path, 1), "TPPROBE_MAX_BYTES": "50000"}
+    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=4, bad_forwards=(1, 2)), env=env, timeout=240)
+    st = res[0]["status"]
+    assert (st["checked"], st["healthy"], st["failing"], st["not_kept"]) == (4, 2, 2, 1), st
+    assert [(f["step"], f["folder"] is not None) for f in st["findings"]] == [(1, True), (2, False)], st
+    assert [p.name for p in sorted((tmp_path / "dp0-pp0").glob("step-*"))] == ["step-000001-extend"]
+    log = "".join(LAST_LOGS)
+    assert "[tpprobe] step 2 (extend): allreduce-incomplete" in log and "(record not kept: TPPROBE_MAX_BYTES" in log
+    code, rep = _report(tmp_path)
+    assert code == 1 and [s["step"] for s in rep["watch"]["failing_steps"]] == [1, 2], rep["watch"]
+    assert rep["watch"]["not_kept"] == 1, rep["watch"]
