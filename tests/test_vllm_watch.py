@@ -67,7 +67,8 @@ def serve(tmp: Path, model: Path, plan: list, tokens: int = 16, eager: bool = Tr
     cap = tmp / "watch"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPPROBE_")}
     env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp)), str(ROOT)]), VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe", TPPROBE_CAPTURE_DIR=str(cap), **env_extra)
+               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe", TPPROBE_CAPTURE_DIR=str(cap))
+    env.update(env_extra)
     p = subprocess.run([sys.executable, "engine.py", str(model), str(tokens), "eager" if eager else "compiled",
                         json.dumps(plan)], env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     log = p.stdout + p.stderr
