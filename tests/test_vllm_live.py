@@ -286,7 +286,7 @@ def test_worker_extension_answers_collective_rpc_and_captures_later_decodes(chec
     res, cap, log = serve(tmp_path, checkpoint, engine=RPC_ENGINE, TPPROBE_MAX_STEPS="1",
                           TPPROBE_FORWARD_MODES="extend")
     mixed = [x for x in log.splitlines() if "Injected" in x and "TpprobeWorkerExtension" in x]
-    assert mixed and "['tpprobe_attach', 'tpprobe_capture', 'tpprobe_status']" in mixed[0], log[-4000:]
+    assert mixed and "['tpprobe_attach', 'tpprobe_capture', 'tpprobe_status', 'tpprobe_watch']" in mixed[0], log[-4000:]
     assert "attached on every worker (collective_rpc tpprobe_attach): tp_rank 0: yes, tp_rank 1: yes" in log
     for key in ("status0", "status1", "capture", "status2"):
         assert [(x["tp_rank"], x["tp_size"], x["attached"], x["failed"], x["dir"]) for x in res[key]] == \

@@ -120,8 +120,9 @@ app.command("probe")(_with_options(probe, ProbeOptions))
 
 @app.command()
 def report(
-    capture_dir: Annotated[Path, typer.Argument(help="a capture folder written by tpprobe probe or the SGLang plugin, "
-                                                     "or an SGLang dumper folder (detected by its file names)")],
+    capture_dirs: Annotated[list[Path], typer.Argument(
+        help="a capture folder written by tpprobe probe or the SGLang plugin, or an SGLang dumper folder (detected by "
+             "its file names); a watch run's folder (TPPROBE_WATCH), or its per-node folders, merged")],
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
     emit_dims: Annotated[bool, typer.Option("--emit-dims", help="dumper folders: print the dims each tensor needs in "
                                                                 "SGLang's comparator (an --override-config YAML), "
@@ -135,6 +136,10 @@ def report(
 ) -> None:
     """Re-run the checks on a capture folder (or an SGLang dumper folder), offline, and print the report."""
     _DEBUG["on"] = debug
+    from .watch_report import main_dirs, watch_report
+    if main_dirs(capture_dirs):
+        raise typer.Exit(watch_report(capture_dirs, json_out=json_out, quiet=quiet))
+    capture_dir = capture_dirs[0]
     from ..formats.sglang_dump import is_dumper_dir
     if is_dumper_dir(capture_dir):
         from ..dumpdir.report import report_command

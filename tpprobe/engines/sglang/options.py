@@ -19,6 +19,11 @@ DEFAULT_TARGETS = (
 )
 
 
+def _every(text: str) -> int:
+    from tpprobe.engines.watch import parse_every
+    return parse_every(text)
+
+
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -45,6 +50,9 @@ class PluginOptions:
     layer_list: Optional[str] = opt("--layer-list", "", "the decoder layers' ModuleList path or class glob "
                                     "(default: the longest list)", env="TPPROBE_LAYER_LIST",
                                     parse=lambda s: s or None)
+    watch: int = opt("--watch", 0, "check one forward in N on every TP rank for as long as the engine serves (0: off; "
+                     "\"on\": the default N; docs/watch.md); with it TPPROBE_MAX_STEPS defaults to 0",
+                     env="TPPROBE_WATCH", parse=lambda s: _every(s))
     targets: list = opt("--models", "", "comma list of dotted `Class.forward` targets to wrap (default: SGLang's "
                         "LlamaForCausalLM, DeepseekV2ForCausalLM (DeepseekV3 inherits it) and "
                         "KimiK25ForConditionalGeneration)",
@@ -60,6 +68,8 @@ class PluginOptions:
             if f.name == "dir" and not raw:
                 return None
             kw[f.name] = f.metadata["parse"](raw if raw is not None else str(f.default))
+        if kw.get("watch") and environ.get("TPPROBE_MAX_STEPS") is None:
+            kw["max_steps"] = 0          # watching: no capture window besides, unless asked for
         return cls(**kw)
 
     @classmethod

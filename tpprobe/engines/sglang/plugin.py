@@ -120,6 +120,8 @@ def register() -> None:
             HookRegistry.register(target, _around_forward, HookType.AROUND)
         from tpprobe.engines.sglang import acceptance
         acceptance.register(s, _say, parallel_ranks, lambda: _STEPS["n"])   # SGLang's accept counts
+        from tpprobe.engines.sglang.watch import RPC_TARGET, handle_rpc    # tpprobe_watch / tpprobe_status
+        HookRegistry.register(RPC_TARGET, handle_rpc, HookType.AROUND)
         _say(f"plugin registered: will wrap {', '.join(s['targets'])} and read {acceptance.TARGET}; "
              f"capture dir {s['dir']}, "
              f"first {s['max_steps']} step(s) in modes {sorted(s['modes'])}, <= {s['max_bytes']} bytes/rank")
@@ -138,6 +140,13 @@ def _tp():
 
     p = get_parallel()
     return p.tp_rank, p.tp_size, p.tp_group
+
+
+
+def _watched(s, step: int) -> bool:
+    from tpprobe.engines import watch
+    watch.configure(s.get("watch"))
+    return watch.watched(step)
 
 
 def parallel_ranks() -> dict:
@@ -200,7 +209,7 @@ def _around_forward(original_fn, self, input_ids, positions, forward_batch, *arg
 
 def _capture_forward(original_fn, self, input_ids, positions, forward_batch, *args, **kwargs):
     s = settings()
-    if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
+    if s is None or getattr(_state, "busy", False):
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     from tpprobe.engines.sglang import draft_input
     if draft_input.is_eagle3_draft(self):     # LlamaForCausalLMEagle3 inherits the wrapped forward
@@ -212,7 +221,11 @@ def _capture_forward(original_fn, self, input_ids, positions, forward_batch, *ar
     step = _STEPS["n"]
     _STEPS["n"] += 1
     # the same on every rank of the TP group (forward index and mode), never rank-local state
-    if _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
+    if _STEPS["failed"] or _STEPS["captured"] >= s["max_steps"] or not ("all" in s["modes"] or mode in s["modes"]):
+        if _watched(s, step):       # TPPROBE_WATCH: tpprobe/engines/watch.py
+            from tpprobe.engines.sglang.watch import watch_forward
+            return watch_forward(s, self, lambda: original_fn(self, input_ids, positions, forward_batch, *args,
+                                                              **kwargs), input_ids, mode, step, _tp, parallel_ranks)
         return original_fn(self, input_ids, positions, forward_batch, *args, **kwargs)
     _STEPS["captured"] += 1
     from tpprobe.capture.hooks import Tap

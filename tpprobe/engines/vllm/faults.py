@@ -12,6 +12,9 @@ door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
       reduce, the sum x TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output
       (zeros when there is none), on every rank: a custom all-reduce returning wrong data
   allreduce-rank@R (F23)  on rank R only, the middle layer's o_proj reduce returns R's own input
+  allreduce-once@R:C (F33)  on rank R only, the C-th call (0-based, counted from the fault's injection) of the
+      TP group's device communicator returns the sum x TPPROBE_INJECT_SCALE (2): a reduce right in every other
+      call, wrong in one, on one rank (an intermittent custom all-reduce)
   skip-unreadable-allreduce@K (F25)  on vLLM's shared-memory path, layer K's o_proj reduce is dropped where
       vLLM's CPU communicator dispatches it: `torch.ops._C.shm_allreduce` never runs and each rank keeps its
       partial sum. A c10d-level audit cannot read that op (the catalogue's F25); at vLLM's GroupCoordinator
@@ -43,7 +46,7 @@ from tpprobe.config.knobs import knob
 
 SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
              "allreduce-stale", "allreduce-rank", "skip-unreadable-allreduce", "aux-no-residual", "drop-final-id",
-             "deferred-reduce-capture")
+             "deferred-reduce-capture", "allreduce-once")
 
 
 def _o_projs(model) -> list:
@@ -56,6 +59,12 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     if name not in SUPPORTED:
         raise UsageError(f"--inject {name} is not made on vLLM's models yet; with --backend vllm inject "
                          f"{', '.join(SUPPORTED)}")
+    if name == "allreduce-once":
+        rank, _, call = str(arg).partition(":")
+        if not (rank.isdigit() and call.isdigit()):
+            raise UsageError(f"--inject allreduce-once@{arg}: give RANK:CALL, e.g. allreduce-once@1:95")
+        communicator_once(int(rank), int(call), ctx)
+        return
     projs = _o_projs(model)
     L = len(projs)
     if name == "drop-final-id":
@@ -195,6 +204,28 @@ def communicator_fault(name: str, proj, arg: Optional[int], ctx) -> None:
         elif name == "allreduce-rank":
             out.copy_(mine)
         last["out"] = out.detach().clone()
+        return out
+
+    comm.all_reduce = all_reduce      # an instance attribute: GroupCoordinator calls it as vLLM would
+
+
+def communicator_once(bad_rank: int, bad_call: int, ctx=None) -> None:
+    """F33: on rank `bad_rank` the `bad_call`-th call of the TP group's device communicator returns the sum
+    scaled; every other call, and every call on the other ranks, is vLLM's own."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    comm = tp.device_communicator
+    orig = comm.all_reduce
+    rank = tp.rank_in_group
+    scale = float(knob("TPPROBE_INJECT_SCALE"))
+    calls = {"n": 0}
+
+    def all_reduce(input_):
+        out = orig(input_)            # the real reduce runs on every rank, every call
+        if rank == bad_rank and calls["n"] == bad_call:
+            out = out * scale
+        calls["n"] += 1
         return out
 
     comm.all_reduce = all_reduce      # an instance attribute: GroupCoordinator calls it as vLLM would

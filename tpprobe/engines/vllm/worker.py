@@ -78,6 +78,11 @@ class TpprobeWorkerExtension:
         """Capture the next `n` forwards in `modes` (comma list of `extend`, `decode`, or `all`)."""
         return capture_next(n, modes)
 
+    def tpprobe_watch(self, n: int) -> dict:
+        """Check one forward in `n` from now on (0: off): tpprobe.engines.watch."""
+        from tpprobe.engines import watch
+        return {**status(), "watch": watch.set_every(n)}
+
 
 def status() -> dict:
     s = settings()
@@ -85,7 +90,13 @@ def status() -> dict:
     return {"tp_rank": par.get("tp_rank"), "tp_size": par.get("tp_size"), "pid": os.getpid(),
             "attached": _STEPS["attached"], "forwards": _STEPS["n"], "captured": _STEPS["captured"],
             "limit": _limit(s) if s else 0, "bytes": _STEPS["bytes"], "dir": str(s["dir"]) if s else None,
-            "failed": _STEPS["failed"]}
+            "failed": _STEPS["failed"], "watch": _watch_status()}
+
+
+def _watch_status() -> dict:
+    from tpprobe.engines import watch
+    watch.flush(force=True)
+    return watch.status()
 
 
 def capture_next(n: int, modes: str = "all") -> dict:
@@ -108,6 +119,12 @@ def _wanted(s, mode) -> bool:
     return _STEPS["captured"] < _limit(s) and ("all" in modes or mode in modes)
 
 
+def _watched(s, step: int) -> bool:
+    from tpprobe.engines import watch
+    watch.configure(s.get("watch"))
+    return watch.watched(step)
+
+
 def attach(model: torch.nn.Module) -> None:
     """Give `model` (a loaded vLLM model) the capturing forward, as an instance attribute: every caller
     of `model(...)` (any model runner) goes through it. Once per process (a second call: nothing)."""
@@ -125,7 +142,7 @@ def attach(model: torch.nn.Module) -> None:
         elif name == "plugin-error":      # not the model's: a fault in the plugin's own code, on TP rank R
             _PLUGIN_ERROR["rank"] = int(arg) if arg else 0
         else:
-            inject(name, model, int(arg) if arg else None)
+            inject(name, model, int(arg) if arg.isdigit() else (arg or None))
         say(f"TEST FAULT injected: {fault}")
     inner = model.forward
     aux_ids = knob("TPPROBE_VLLM_AUX_LAYERS")
@@ -169,7 +186,7 @@ def _mode(positions) -> str:
 
 def _forward(model, inner, args, kwargs):
     s = settings()
-    if s is None or getattr(_state, "busy", False) or _STEPS["failed"]:
+    if s is None or getattr(_state, "busy", False):
         return inner(*args, **kwargs)
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
@@ -181,7 +198,10 @@ def _forward(model, inner, args, kwargs):
         _STEPS["embeds_said"] = True      # a multimodal model (Kimi-K2.5): the runner embeds outside the model
         say("forwards with inputs_embeds and no input_ids are not captured (vLLM embeds the prompt outside a "
             "multimodal model's forward): serve with --language-model-only to capture the text model")
-    if input_ids is None or not _wanted(s, mode):
+    if input_ids is None or _STEPS["failed"] or not _wanted(s, mode):
+        if input_ids is not None and _watched(s, step):      # TPPROBE_WATCH: tpprobe/engines/watch.py
+            from tpprobe.engines.vllm.watch import watch_forward
+            return watch_forward(s, model, lambda: inner(*args, **kwargs), input_ids, mode, step, parallel_ranks)
         return inner(*args, **kwargs)
     _STEPS["captured"] += 1
     box: dict = {}
