@@ -147,6 +147,9 @@ def attach(model: torch.nn.Module) -> None:
 
     model.forward = forward
     _STEPS["attached"] = True
+    from tpprobe.engines.vllm.drafter import install
+
+    install(model)          # what an EAGLE-3 drafter receives, and vLLM's acceptance (inert without a drafter)
 
 
 def aux_no_residual(model) -> None:
@@ -180,6 +183,9 @@ def _forward(model, inner, args, kwargs):
     if input_ids is None or not _wanted(s, mode):
         return inner(*args, **kwargs)
     _STEPS["captured"] += 1
+    from tpprobe.engines.vllm.drafter import arm
+
+    arm(step, mode)         # the proposer after this forward compares its input with this forward's streams
     box: dict = {}
 
     def run():
