@@ -285,7 +285,7 @@ def _capture(proposer, args, kwargs) -> None:
         step_acc = {"requests": last["requests"], "num_draft_tokens": last["num_draft_tokens"],
                     "accepted": last["accepted"].tolist(), "accepted_per_pos": last["pos"].tolist()}
     meta = {"source": "vllm-plugin drafter", "step": step, "forward_mode": mode, "tp_rank": rank, "tp_size": world,
-            "proposer": type(proposer).__name__, "method": getattr(proposer, "method", None),
+            "proposer": type(proposer).__name__, "target_arch": type(model).__name__, "method": getattr(proposer, "method", None),
             "draft_model": str(getattr(cfg, "model", "") or ""), "draft_config_ids": list(config_ids or []),
             "engine_ids": engine_ids, "num_layers": _D.get("num_layers"), "hidden": hidden, "rows": rows,
             "width": width, "n_slots": n_slots, "dtype": str(ths.dtype).replace("torch.", ""),

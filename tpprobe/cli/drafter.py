@@ -1,0 +1,46 @@
+"""`tpprobe report DIR` of a live capture with an EAGLE-3 drafter: its input judged against the draft, vLLM's
+acceptance beside it, and (when acceptance is low, or TPPROBE_FIX_REPLAY=1) the draft replayed on the
+captured streams for candidate id lists (tpprobe.eagle3.fix, when this build has it)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checks.findings import exit_code
+
+
+def add_drafter(root: Path, rep: dict) -> None:
+    """Add `drafter` (analysis, acceptance, fix proposal) and its findings to a run's report, in place."""
+    from ..engines.vllm.acceptance import analyse
+    a = analyse(Path(root))
+    if a is None:
+        return
+    if a["low"] or os.environ.get("TPPROBE_FIX_REPLAY") == "1":
+        a["replay"] = replay_fix(a)
+    rep["drafter"] = a
+    rep["findings"] = list(rep.get("findings") or []) + a["findings"]
+    rep["exit_code"] = exit_code(rep["findings"])
+
+
+def replay_fix(a: dict) -> dict:
+    """The draft (its folder as the engine loaded it) replayed, teacher-forced, on the captured streams of the
+    longest captured prompt, for candidate id lists; {"available": False, "why": ...} when it cannot run."""
+    try:
+        from ..eagle3 import fix as fixlib          # the replay library; absent from builds without it
+    except ImportError:
+        return {"available": False, "why": "the draft replay (tpprobe.eagle3.fix) is not in this build"}
+    from ..engines.vllm.acceptance import replay_streams
+    try:
+        got = replay_streams(a)
+        if got is None:
+            return {"available": False, "why": "no captured prompt of 3+ tokens with every layer's stream kept "
+                                                "(raise TPPROBE_MAX_BYTES, or capture a prefill)"}
+        input_ids, by_hf, where = got
+        from ..eagle3.accept.draft import load_draft
+        draft = load_draft(a["draft_model"], None)
+        streams = fixlib.streams_from_tensors(input_ids, by_hf, a["num_layers"], source=where)
+        rule = fixlib.EngineRule("vllm", a.get("target_arch") or "LlamaForCausalLM", int(a["num_layers"]))
+        prop = fixlib.propose(draft, streams, rule, ids=a["config_ids"])
+        return {"available": True, "on": where, **prop.as_dict()}
+    except Exception as e:  # noqa: BLE001 - the replay is advice: its failure is said, the verdicts stand
+        return {"available": False, "why": f"the draft replay failed: {type(e).__name__}: {e}"}
