@@ -35,6 +35,9 @@ FIELD = "eagle_aux_hidden_state_layer_ids"
 LOW = 0.5             # a rate under this is "low": the report looks for its cause and proposes a fix
 SAME = 1e-6           # fingerprint relative difference between ranks still called equal (float32 sums)
 CONVENTIONS = ("output", "before", "vllm")
+TRAINED_EXPLAIN = ("the engine captures exactly what the draft's config says, but the config is not what the draft "
+                   "was trained on (catalogue F32): vLLM uses the ids as written (id k = HF hidden_states[k]) and "
+                   "fills the slots in ascending id order; SpecForge's output-of-layer ids are one less")
 
 
 def drafter_files(root: Path) -> list[Path]:
@@ -235,7 +238,7 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                                         f"{', '.join(_hf(i) for i in held)}; set TPPROBE_DRAFT_TRAINED=ids:A,B,C "
                                         f"(HF hidden_states per slot) or convention:output|before|vllm"),
                                 evidence={"all_ranks": True}))
-    elif held != trained:
+    elif held != trained and None not in held:      # a slot holding no id: the engine's own fault, named above
         fix_ids, fix_text = fix_for(trained, int(L or 0))
         wrong = [j for j, (h, t) in enumerate(zip(held, trained)) if h != t]
         d = {h - t for h, t in zip(held, trained) if h is not None and h != t}
@@ -254,7 +257,7 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                      if rate is not None else ""))
         findings.append(Finding(kind, f"drafter slots {wrong}, {where0}", ranks_all,
                                 detail=f"{why}{acc_text}; fix: {fix_text}", evidence={"all_ranks": True,
-                                                                                   "explain": why}))
+                                                                                   "explain": TRAINED_EXPLAIN}))
     fails = [f for f in findings if f.severity == FAILURE]
     if low and fails and not any("explains vLLM's acceptance" in f.detail for f in fails):
         f0 = fails[0]
