@@ -271,7 +271,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                                                     "training data, or sampling settings"}))
     return {"steps": rows, "acceptance": acc_run, "run": run, "low": low, "config_ids": config_ids,
             "engine_slots": held, "trained": trained, "trained_from": trained_from, "num_layers": L,
-            "draft_model": meta0.get("draft_model"), "target_arch": meta0.get("target_arch"), "fix_ids": fix_ids, "fix": fix_text,
+            "draft_model": meta0.get("draft_model"), "target_arch": meta0.get("target_arch"),
+            "target_model": meta0.get("target_model"), "fix_ids": fix_ids, "fix": fix_text,
             "findings": [f.to_json() for f in findings],
             "explained": bool(low and fails)}
 

@@ -285,8 +285,10 @@ def _capture(proposer, args, kwargs) -> None:
         step_acc = {"requests": last["requests"], "num_draft_tokens": last["num_draft_tokens"],
                     "accepted": last["accepted"].tolist(), "accepted_per_pos": last["pos"].tolist()}
     meta = {"source": "vllm-plugin drafter", "step": step, "forward_mode": mode, "tp_rank": rank, "tp_size": world,
-            "proposer": type(proposer).__name__, "target_arch": type(model).__name__, "method": getattr(proposer, "method", None),
-            "draft_model": str(getattr(cfg, "model", "") or ""), "draft_config_ids": list(config_ids or []),
+            "proposer": type(proposer).__name__, "target_arch": type(model).__name__,
+            "target_model": _abs(getattr(getattr(getattr(proposer, "vllm_config", None), "model_config", None),
+                                         "model", None)), "method": getattr(proposer, "method", None),
+            "draft_model": _abs(getattr(cfg, "model", None)), "draft_config_ids": list(config_ids or []),
             "engine_ids": engine_ids, "num_layers": _D.get("num_layers"), "hidden": hidden, "rows": rows,
             "width": width, "n_slots": n_slots, "dtype": str(ths.dtype).replace("torch.", ""),
             "contiguous": bool(ths.is_contiguous()), "slots": slots, "requests": reqs,
@@ -317,6 +319,11 @@ def _capture(proposer, args, kwargs) -> None:
     atomic_write_bytes(out / f"rank-{rank:03d}.json", json.dumps(meta, indent=1).encode())
     if rank == 0:
         _write_acceptance(time.time())
+
+
+def _abs(path) -> str:
+    """A model's folder as an absolute path (the engine's cwd is this worker's), "" for none."""
+    return os.path.abspath(str(path)) if path else ""
 
 
 def status() -> dict:
