@@ -146,7 +146,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
     for d in sorted(steps, key=lambda d: (steps[d][min(steps[d])].get("step", 0), str(d))):
         ranks = steps[d]
         m = ranks[min(ranks)]
-        meta0 = meta0 or m
+        if m.get("streams_seen"):
+            meta0 = meta0 or m
         if spec is None and m.get("trained"):
             spec = m["trained"]
         config_ids = list(m.get("draft_config_ids") or [])
@@ -193,8 +194,9 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                 detail += f": the config repeats an id ({config_ids}); vLLM captures each id once"
             _add(findings, first_by_kind, Finding("layout-mismatch", f"drafter input, {where_step}",
                                                   sorted(ranks), detail=detail, evidence={"all_ranks": True}))
-        # the engine's own rule: what each slot holds vs the sorted ids
-        for s in m.get("slots") or []:
+        # the engine's own rule: what each slot holds vs the sorted ids (only where the forward's streams were
+        # seen: a forward replayed from a CUDA graph runs no hooks)
+        for s in (m.get("slots") or []) if m.get("streams_seen") else []:
             j = s["slot"]
             want = expected[j] if j < len(expected) else None
             if s.get("holds") and not s["holds"].startswith("id ") and "without the residual" in s["holds"]:
@@ -219,8 +221,13 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                      "width": width, "ranks": sorted(ranks), "ranks_differ": differ, "slots": m.get("slots"),
                      "requests": m.get("requests"), "acceptance": step_acc, "kept": m.get("kept"),
                      "engine_ids": m.get("engine_ids"), "config_ids": config_ids})
-    if meta0 is None:
-        return None
+    if meta0 is None:      # no captured step saw the target's streams: layout, ranks and acceptance only
+        last = steps[sorted(steps)[-1]]
+        meta0 = dict(last[min(last)], slots=[])
+        findings.append(Finding("coverage", "drafter slots", sorted(last), severity=WARNING, detail=(
+            "no captured step saw the target's layer streams (forwards replayed from a CUDA graph run no hooks): "
+            "the slots are not matched to layers; capture eager steps (--enforce-eager) to check them"),
+            evidence={"all_ranks": True}))
     config_ids = list(meta0.get("draft_config_ids") or [])
     L = meta0.get("num_layers")
     held = [s.get("id") for s in meta0.get("slots") or []]
@@ -231,7 +238,9 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
     first = rows[0]
     where0 = f"step {first['step']} ({first['forward_mode']})"
     ranks_all = first["ranks"]
-    if trained is None:
+    if not meta0.get("slots"):
+        pass
+    elif trained is None:
         findings.append(Finding("coverage", "drafter input vs the draft's training", ranks_all, severity=WARNING,
                                 detail=(f"checked against the draft's config only: vLLM gives slots {held} for its "
                                         f"ids {config_ids}, but nothing says the draft was trained on "
