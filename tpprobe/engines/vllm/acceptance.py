@@ -196,22 +196,27 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                                                   sorted(ranks), detail=detail, evidence={"all_ranks": True}))
         # the engine's own rule: what each slot holds vs the sorted ids (only where the forward's streams were
         # seen: a forward replayed from a CUDA graph runs no hooks)
+        nores, other = [], []
         for s in (m.get("slots") or []) if m.get("streams_seen") else []:
             j = s["slot"]
             want = expected[j] if j < len(expected) else None
-            if s.get("holds") and not s["holds"].startswith("id ") and "without the residual" in s["holds"]:
-                lay = int(s["holds"].split()[1])
-                _add(findings, first_by_kind, Finding(
-                    "capture-no-residual", f"drafter slot {j} (id {want}), {where_step}", sorted(ranks),
-                    detail=(f"slot {j} holds layer {lay}'s hidden_states without the residual, where vLLM's rule "
-                            f"gives id {want} = {_hf(want)} (hidden_states + residual); fix: the capture must append "
-                            f"hidden_states + residual (vLLM's EagleModelMixin._maybe_add_hidden_state)"),
-                    evidence={"all_ranks": True}))
+            if s.get("holds") and "without the residual" in s["holds"]:
+                nores.append(f"slot {j} holds layer {int(s['holds'].split()[1])}'s hidden_states without the residual "
+                             f"where vLLM's rule gives id {want} = {_hf(want)}")
             elif s.get("id") != want:
-                _add(findings, first_by_kind, Finding(
-                    "slot-mismatch", f"drafter slot {j}, {where_step}", sorted(ranks),
-                    detail=f"slot {j} holds {_held(s, L)}, where vLLM's rule for the draft's ids {config_ids} "
-                           f"gives id {want}", evidence={"all_ranks": True}))
+                other.append((j, f"slot {j} holds {_held(s, L)}, where vLLM's rule for the draft's ids {config_ids} "
+                                 f"gives id {want}"))
+        if nores:
+            js = [int(x.split()[1]) for x in nores]
+            _add(findings, first_by_kind, Finding(
+                "capture-no-residual", f"{_slots_text(js)}, {where_step}", sorted(ranks),
+                detail="; ".join(nores) + " (hidden_states + residual); fix: the capture must append hidden_states "
+                                          "+ residual (vLLM's EagleModelMixin._maybe_add_hidden_state)",
+                evidence={"all_ranks": True}))
+        if other:
+            _add(findings, first_by_kind, Finding(
+                "slot-mismatch", f"{_slots_text([j for j, _ in other])}, {where_step}", sorted(ranks),
+                detail="; ".join(t for _, t in other), evidence={"all_ranks": True}))
         step_acc = rates({"drafts": sum(1 for x in (m.get("acceptance") or {}).get("num_draft_tokens", []) if x),
                           "draft_tokens": sum((m.get("acceptance") or {}).get("num_draft_tokens", [])),
                           "accepted": sum((m.get("acceptance") or {}).get("accepted", [])),
@@ -264,13 +269,14 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                     f"{run['mean_acceptance_length']:.2f})" if rate is not None and low else
                     (f"; vLLM's acceptance is {rate:.2f} all the same (the draft may not read these slots)"
                      if rate is not None else ""))
-        findings.append(Finding(kind, f"drafter slots {wrong}, {where0}", ranks_all,
+        findings.append(Finding(kind, f"{_slots_text(wrong)}, {where0}", ranks_all,
                                 detail=f"{why}{acc_text}; fix: {fix_text}", evidence={"all_ranks": True,
                                                                                    "explain": TRAINED_EXPLAIN}))
     fails = [f for f in findings if f.severity == FAILURE]
     if low and fails and not any("explains vLLM's acceptance" in f.detail for f in fails):
         f0 = fails[0]
-        f0.detail += f"; vLLM's acceptance is {rate:.2f} (mean acceptance length {run['mean_acceptance_length']:.2f})"
+        f0.detail += f"; it explains vLLM's acceptance {rate:.2f} (mean acceptance length " \
+                     f"{run['mean_acceptance_length']:.2f})"
     if low and not fails:
         findings.append(Finding("acceptance-low", "vLLM's acceptance", ranks_all, severity=WARNING, detail=(
             f"acceptance {rate:.2f} (mean acceptance length {run['mean_acceptance_length']:.2f}) and the draft's input "
@@ -284,6 +290,10 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
             "target_model": meta0.get("target_model"), "fix_ids": fix_ids, "fix": fix_text,
             "findings": [f.to_json() for f in findings],
             "explained": bool(low and fails)}
+
+
+def _slots_text(js: list) -> str:
+    return f"drafter slot {js[0]}" if len(js) == 1 else f"drafter slots {js}"
 
 
 def _add(findings: list, first: dict, f: Finding) -> None:
