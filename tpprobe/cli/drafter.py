@@ -40,8 +40,9 @@ def add_drafter(root: Path, rep: dict) -> None:
 def replay_fix(a: dict) -> dict:
     """The draft (its folder as the engine loaded it) replayed, teacher-forced, on the captured streams of the
     longest captured prompt, for candidate id lists; {"available": False, "why": ...} when it cannot run."""
+    import importlib
     try:
-        from ..eagle3 import fix as fixlib          # the replay library; absent from builds without it
+        fixlib = importlib.import_module("tpprobe.eagle3.fix")    # the replay library: absent from older builds
     except ImportError:
         return {"available": False, "why": "the draft replay (tpprobe.eagle3.fix) is not in this build"}
     from ..engines.vllm.acceptance import replay_streams

@@ -41,16 +41,22 @@ MATCH = 1e-6          # rel diff² under which a slot IS a stream (the same floa
 
 
 def _say(msg: str) -> None:
-    from tpprobe.engines.vllm.worker import say
-    say(msg)
+    _D["say"](msg)
 
 
-def install(model) -> None:
-    """Hook `model` (the target) and wrap the proposer and the rejection sampler, once per process."""
+def settings():
+    from tpprobe.engines.sglang.plugin import settings as sglang_settings
+    return sglang_settings()
+
+
+def install(model, say, ranks, forwards, bytes_written) -> None:
+    """Hook `model` (the target) and wrap the proposer and the rejection sampler, once per process. The worker's
+    `say` (its log line), `ranks()` (vLLM's parallel ranks), `forwards()` (forwards since attach) and
+    `bytes_written()` (the target capture's bytes on this rank, for the shared byte budget)."""
     if _D["installed"]:
         return
     _D["installed"] = True
-    _D["model"] = model
+    _D.update(model=model, say=say, ranks=ranks, forwards=forwards, bytes_written=bytes_written)
     try:
         inner = getattr(model, "model", model)
         layers = list(getattr(inner, "layers", None) or [])
@@ -112,9 +118,8 @@ def _wrap_rejection() -> None:
 
 
 def _count(metadata, out) -> None:
-    from tpprobe.engines.vllm.worker import _STEPS
-
-    if _STEPS["n"] == 0:          # the engine's warm-up (dummy metadata) before the first request
+    n = _D["forwards"]()
+    if n == 0:          # the engine's warm-up (dummy metadata) before the first request
         return
     ids = getattr(out, "sampled_token_ids", None)
     n_draft = list(metadata.num_draft_tokens)
@@ -136,7 +141,7 @@ def _count(metadata, out) -> None:
     dev[1] += int(sum(n_draft))
     dev[2] += acc.sum()
     dev[3:3 + k] += pos
-    _ACC["last"] = {"at_forward": _STEPS["n"], "requests": len(n_draft), "num_draft_tokens": n_draft,
+    _ACC["last"] = {"at_forward": n, "requests": len(n_draft), "num_draft_tokens": n_draft,
                     "accepted": acc, "pos": pos}
     _ACC["steps"] += 1
     now = time.time()
@@ -158,9 +163,7 @@ def run_so_far() -> dict:
 
 
 def _write_acceptance(now: float) -> None:
-    from tpprobe.engines.vllm.worker import parallel_ranks, settings
-
-    s, par = settings(), parallel_ranks()
+    s, par = settings(), _D["ranks"]()
     if s is None or par.get("tp_rank", 0) != 0:
         return
     _D["last_write"] = now
@@ -236,7 +239,6 @@ def _requests(cad, rows: int, rejected) -> list[dict]:
 
 def _capture(proposer, args, kwargs) -> None:
     from tpprobe.engines.sglang.plugin import step_dir
-    from tpprobe.engines.vllm.worker import parallel_ranks, settings
 
     s = settings()
     armed = _D["armed"]
@@ -246,7 +248,7 @@ def _capture(proposer, args, kwargs) -> None:
     ths = _arg(args, kwargs, "target_hidden_states")
     if not isinstance(ths, torch.Tensor):
         return
-    par = parallel_ranks()
+    par = _D["ranks"]()
     rank, world = par.get("tp_rank", 0), par.get("tp_size", 1)
     rows, width = int(ths.shape[0]), int(ths.shape[-1])
     model = _D["model"]
@@ -306,9 +308,7 @@ def _capture(proposer, args, kwargs) -> None:
         for k, v in streams.items():
             tensors[f"stream.{k}"] = v.detach().contiguous().cpu()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        from tpprobe.engines.vllm.worker import _STEPS
-
-        if _STEPS["bytes"] + _D["bytes"] + nbytes <= s["max_bytes"]:
+        if _D["bytes_written"]() + _D["bytes"] + nbytes <= s["max_bytes"]:
             from safetensors.torch import save_file
 
             save_file(tensors, str(out / f"rank-{rank:03d}.safetensors"))

@@ -149,7 +149,8 @@ def attach(model: torch.nn.Module) -> None:
     _STEPS["attached"] = True
     from tpprobe.engines.vllm.drafter import install
 
-    install(model)          # what an EAGLE-3 drafter receives, and vLLM's acceptance (inert without a drafter)
+    # what an EAGLE-3 drafter receives, and vLLM's acceptance (inert without a drafter)
+    install(model, say, parallel_ranks, lambda: _STEPS["n"], lambda: _STEPS["bytes"])
 
 
 def aux_no_residual(model) -> None:
