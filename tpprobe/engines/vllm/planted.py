@@ -71,8 +71,8 @@ def _mover(src: int, dst: int, gate_in: float, keep: bool) -> dict:
     up = torch.zeros(FFN, H)
     down = torch.zeros(H, FFN)
     s = math.sqrt(2 * BLOCK / H + EPS)       # the stream's RMS: code and constant, |x|^2 = 2 * BLOCK
-    G = Z * s / gate_in
-    a = s * s / Z
+    G = Z / gate_in                          # the gate reads Z: SiLU(Z) = Z
+    a = s / Z                                # up reads x / s: a * Z * x / s = x
     for i in range(BLOCK):
         n = _neuron(i)
         gate[n, CONST] = G
