@@ -4,11 +4,13 @@
 
 vLLM's engine (`vllm.LLM`, tp 2, enforce_eager, the V1 model runner) serves the planted target with its one-slot
 EAGLE-3 draft (tpprobe.engines.vllm.planted; `num_speculative_tokens` 1, acceptance 1.00) in two variants, one
-engine each, both up at once:
+engine each, all up at once:
   off         no TPPROBE_CAPTURE_DIR: the plugin is loaded and does nothing (= not installed)
   every step  the plugin captures every forward AND what the drafter receives at every step (its slots matched
               against the forward's streams, per request, written with rank 0's tensors), and counts vLLM's
               acceptance (TPPROBE_MAX_STEPS=100000, TPPROBE_FORWARD_MODES=all)
+  past its steps  the default budget (TPPROBE_MAX_STEPS=1, extend): the warm-up's first prefill is captured;
+              every timed step runs past it, with vLLM's acceptance still counted (acceptance.json)
 Each engine serves one untimed warm-up generation; then `--rounds` rounds, each a greedy generation of `--tokens`
 tokens per engine (a new prompt each round), the order reversed every other round and 1.5 s between two
 generations (bench/vllm_plugin.py's harness). Printed: median tokens/s, min..max, the paired ratio to `off`, the
@@ -50,7 +52,8 @@ if __name__ == "__main__":
               flush=True)
 '''
 
-VARIANTS = {"off": None, "every step": {"TPPROBE_MAX_STEPS": "100000", "TPPROBE_FORWARD_MODES": "all"}}
+VARIANTS = {"off": None, "every step": {"TPPROBE_MAX_STEPS": "100000", "TPPROBE_FORWARD_MODES": "all"},
+            "past its steps": {"TPPROBE_MAX_STEPS": "1", "TPPROBE_FORWARD_MODES": "extend"}}
 
 
 class DraftEngine(Engine):
@@ -106,7 +109,7 @@ def main():
                     env.update(extra, TPPROBE_CAPTURE_DIR=str(caps[v]))
                 engines[v] = DraftEngine(tmp, script, target, draft, env, v)
                 engines[v].run(prompt(1), a.tokens)
-                print(f"  {v:>10}: engine up in {engines[v].start_s:.1f} s", flush=True)
+                print(f"  {v:>15}: engine up in {engines[v].start_s:.1f} s", flush=True)
             gens = {v: [] for v in VARIANTS}
 
             def timed(v: str) -> float:
@@ -126,11 +129,11 @@ def main():
     rate = {v: [a.tokens / t for t in ts] for v, ts in times.items()}
     med = {v: statistics.median(x) for v, x in rate.items()}
     ratio = {v: statistics.median(t_off / t for t, t_off in zip(times[v], times["off"])) for v in VARIANTS}
-    print(f"\n{'variant':>10} {'tok/s median':>13} {'min..max tok/s':>17} {'x off (paired)':>15}  vLLM acceptance")
+    print(f"\n{'variant':>15} {'tok/s median':>13} {'min..max tok/s':>17} {'x off (paired)':>15}  vLLM acceptance")
     for v in VARIANTS:
         m = acc[v]
         r = m["spec_decode_num_accepted_tokens"] / max(1, m["spec_decode_num_draft_tokens"])
-        print(f"{v:>10} {med[v]:13.1f} {min(rate[v]):8.1f}..{max(rate[v]):<8.1f} {ratio[v]:15.3f}  "
+        print(f"{v:>15} {med[v]:13.1f} {min(rate[v]):8.1f}..{max(rate[v]):<8.1f} {ratio[v]:15.3f}  "
               f"{m['spec_decode_num_accepted_tokens']}/{m['spec_decode_num_draft_tokens']} = {r:.2f}")
     same = len({json.dumps(t) for t in toks.values()}) == 1
     same_acc = len({json.dumps(m, sort_keys=True) for m in acc.values()}) == 1

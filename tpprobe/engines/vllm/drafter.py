@@ -17,8 +17,8 @@ runs. Two class-level wraps, each once per process:
 * `RejectionSampler.forward` (vllm/v1/sample/rejection_sampler.py): vLLM's own verification of the drafts, per
   request: `metadata.num_draft_tokens` and the valid tokens of its output (accepted drafts + 1, the rest -1), the
   numbers vLLM's scheduler turns into `vllm:spec_decode_*` (SpecDecodingStats.observe_draft). Counted for the
-  whole run on the device; TP rank 0 writes DIR/dp{D}-pp{P}/acceptance.json (run so far) at every captured
-  step and at most once a second otherwise (every verify step on CPU, where the read costs nothing).
+  whole run (in Python on CPU, on the device elsewhere); TP rank 0 writes DIR/dp{D}-pp{P}/acceptance.json
+  (run so far) at every captured step, and at every verify step on CPU / at most once a second on a device.
 
 Nothing here changes what the engine computes; an error is logged once and the capture of the drafter stops.
 """
@@ -125,55 +125,77 @@ def _count(metadata, out) -> None:
     n_draft = list(metadata.num_draft_tokens)
     if ids is None or not n_draft:
         return
-    valid = (ids[:, : max(n_draft) + 1] != -1).sum(dim=1) - 1          # accepted drafts per request
-    nd = torch.tensor(n_draft, device=valid.device)
-    acc = torch.minimum(valid.clamp(min=0), nd)
     k = max(n_draft)
-    pos = (acc.unsqueeze(1) > torch.arange(k, device=acc.device).unsqueeze(0)).sum(dim=0)
+    if ids.device.type == "cpu":        # a few numbers: plain Python is cheaper than tensor ops
+        acc = [min(max(sum(1 for x in row[:k + 1] if x != -1) - 1, 0), nd) for row, nd in zip(ids.tolist(), n_draft)]
+        pos = [sum(1 for a in acc if a > j) for j in range(k)]
+        c = _ACC.setdefault("cpu", {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []})
+        c["drafts"] += sum(1 for x in n_draft if x > 0)
+        c["draft_tokens"] += sum(n_draft)
+        c["accepted"] += sum(acc)
+        c["per_pos"] += [0] * (k - len(c["per_pos"]))
+        for j, x in enumerate(pos):
+            c["per_pos"][j] += x
+        _ACC["last"] = {"at_forward": n, "requests": len(n_draft), "num_draft_tokens": n_draft, "accepted": acc,
+                        "pos": pos}
+        _ACC["steps"] += 1
+        _write_acceptance(time.time())
+        return
+    valid = (ids[:, : k + 1] != -1).sum(dim=1) - 1          # accepted drafts per request
+    nd = torch.tensor(n_draft, device=valid.device)
+    acc_t = torch.minimum(valid.clamp(min=0), nd)
+    pos_t = (acc_t.unsqueeze(1) > torch.arange(k, device=acc_t.device).unsqueeze(0)).sum(dim=0)
     dev = _ACC["dev"]
     if dev is None or dev.shape[0] < k + 3:
-        grown = torch.zeros(k + 3, dtype=torch.long, device=acc.device)
+        grown = torch.zeros(k + 3, dtype=torch.long, device=acc_t.device)
         if dev is not None:
-            grown[:3] += dev[:3]
-            grown[3:3 + dev.shape[0] - 3] += dev[3:]
+            grown[:dev.shape[0]] += dev
         dev = _ACC["dev"] = grown
     dev[0] += int(sum(1 for x in n_draft if x > 0))
     dev[1] += int(sum(n_draft))
-    dev[2] += acc.sum()
-    dev[3:3 + k] += pos
-    _ACC["last"] = {"at_forward": n, "requests": len(n_draft), "num_draft_tokens": n_draft,
-                    "accepted": acc, "pos": pos}
+    dev[2] += acc_t.sum()
+    dev[3:3 + k] += pos_t
+    _ACC["last"] = {"at_forward": n, "requests": len(n_draft), "num_draft_tokens": n_draft, "accepted": acc_t,
+                    "pos": pos_t}
     _ACC["steps"] += 1
     now = time.time()
-    if dev.device.type == "cpu" or now - _D["last_write"] >= 1.0:
+    if now - _D["last_write"] >= 1.0:    # a read from the device: at most once a second (and at captured steps)
         _write_acceptance(now)
 
 
 def run_so_far() -> dict:
-    """The run's acceptance so far, vLLM's counts (read from the device)."""
+    """The run's acceptance so far, vLLM's counts (read from the device when counted there)."""
+    c = _ACC.get("cpu")
+    if c is not None:
+        return {"drafts": c["drafts"], "draft_tokens": c["draft_tokens"], "accepted": c["accepted"],
+                "accepted_per_pos": list(c["per_pos"]), "verify_steps": _ACC["steps"]}
     dev = _ACC["dev"]
     if dev is None:
         return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [], "verify_steps": 0}
     v = dev.tolist()
     per_pos = v[3:]
-    while per_pos and per_pos[-1] == 0 and len(per_pos) > 1:
+    while len(per_pos) > 1 and per_pos[-1] == 0:
         per_pos.pop()
     return {"drafts": v[0], "draft_tokens": v[1], "accepted": v[2], "accepted_per_pos": per_pos,
             "verify_steps": _ACC["steps"]}
 
 
 def _write_acceptance(now: float) -> None:
+    """TP rank 0 writes the group's acceptance.json: replaced whole (a reader never sees half of it), not
+    fsynced (it is rewritten at every verify step on CPU: a counter, not a record to keep)."""
     s, par = settings(), _D["ranks"]()
     if s is None or par.get("tp_rank", 0) != 0:
         return
     _D["last_write"] = now
-    from tpprobe.formats.capture_dir import atomic_write_bytes
-
     folder = Path(s["dir"]) / f"dp{par['dp_rank']}-pp{par['pp_rank']}"
-    folder.mkdir(parents=True, exist_ok=True)
+    if not _D.get("acc_dir"):
+        folder.mkdir(parents=True, exist_ok=True)
+        _D["acc_dir"] = True
     doc = {"source": "vllm-plugin", "counted_at": "vllm RejectionSampler.forward (the engine's verification)",
            "updated": now, **run_so_far()}
-    atomic_write_bytes(folder / "acceptance.json", json.dumps(doc, indent=1).encode())
+    tmp = folder / f".acceptance.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, folder / "acceptance.json")
 
 
 # ---- the drafter's input ---------------------------------------------------------------------------------------
@@ -285,7 +307,7 @@ def _capture(proposer, args, kwargs) -> None:
     step_acc = None
     if last is not None and last["at_forward"] == step + 1:
         step_acc = {"requests": last["requests"], "num_draft_tokens": last["num_draft_tokens"],
-                    "accepted": last["accepted"].tolist(), "accepted_per_pos": last["pos"].tolist()}
+                    "accepted": _list(last["accepted"]), "accepted_per_pos": _list(last["pos"])}
     meta = {"source": "vllm-plugin drafter", "step": step, "forward_mode": mode, "tp_rank": rank, "tp_size": world,
             "proposer": type(proposer).__name__, "target_arch": type(model).__name__,
             "target_model": _abs(getattr(getattr(getattr(proposer, "vllm_config", None), "model_config", None),
@@ -319,6 +341,10 @@ def _capture(proposer, args, kwargs) -> None:
     atomic_write_bytes(out / f"rank-{rank:03d}.json", json.dumps(meta, indent=1).encode())
     if rank == 0:
         _write_acceptance(time.time())
+
+
+def _list(x) -> list:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 def _abs(path) -> str:
