@@ -77,6 +77,8 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
         rep["first_divergence"] = {"group": group, "step": n, "forward_mode": rep["settings"].get("forward_mode"),
                                    "kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"]}
     rep["out"] = str(root)
+    from .drafter import add_drafter
+    add_drafter(root, rep)        # a live vLLM capture with an EAGLE-3 drafter: its input and vLLM's acceptance
     if not json_out and not quiet:
         from ..report.emit import console
         d = rep.get("first_divergence")

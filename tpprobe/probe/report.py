@@ -65,6 +65,8 @@ def sections(doc: dict) -> list:
     if doc.get("slots"):
         out.append(_slots(doc))
     out += probe_plan_sections(st)
+    from ..report.drafter import drafter_sections
+    out += drafter_sections(doc, TERMINAL)
     out.append(Text("verdict", style="bold", heading=True))
     for f in doc["findings"]:
         out.append(Text(f"  {f['line']}", level=f["severity"]))

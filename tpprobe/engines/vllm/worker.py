@@ -164,6 +164,10 @@ def attach(model: torch.nn.Module) -> None:
 
     model.forward = forward
     _STEPS["attached"] = True
+    from tpprobe.engines.vllm.drafter import install
+
+    # what an EAGLE-3 drafter receives, and vLLM's acceptance (inert without a drafter)
+    install(model, say, parallel_ranks, lambda: _STEPS["n"], lambda: _STEPS["bytes"])
 
 
 def aux_no_residual(model) -> None:
@@ -204,6 +208,9 @@ def _forward(model, inner, args, kwargs):
             return watch_forward(s, model, lambda: inner(*args, **kwargs), input_ids, mode, step, parallel_ranks)
         return inner(*args, **kwargs)
     _STEPS["captured"] += 1
+    from tpprobe.engines.vllm.drafter import arm
+
+    arm(step, mode)         # the proposer after this forward compares its input with this forward's streams
     box: dict = {}
 
     def run():

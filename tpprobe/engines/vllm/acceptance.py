@@ -1,0 +1,327 @@
+"""The drafter's input against the draft, and vLLM's acceptance beside it: `tpprobe report DIR` of a live capture.
+
+Reads what tpprobe.engines.vllm.drafter wrote (DIR/dp{D}-pp{P}/step-N-MODE/drafter/rank-R.json, the
+group's acceptance.json) and judges, per captured step:
+
+* cross-rank: every TP rank's `target_hidden_states` (its fingerprint) equals TP rank 0's;
+* layout: width = (ids vLLM captures) × hidden, the target's dtype, contiguous; an id of the draft's config
+  past the last layer (vLLM drops it at load: the draft's fc then fails at its first draft step, F31);
+* the engine's rule: slot s holds the s-th smallest id's stream (vLLM sorts and de-duplicates the draft
+  config's `eagle_aux_hidden_state_layer_ids`; id k = the stream entering layer k = HF hidden_states[k],
+  id N the last layer's output before the final norm) — what each slot holds was measured live against the
+  same forward's streams, so a capture without the residual or another layer's stream is named;
+* the draft: what it was trained on, when the user says it (TPPROBE_DRAFT_TRAINED, at capture or report
+  time): `ids:A,B,C` (HF hidden_states indices in slot order), or `convention:NAME` applied to the config's
+  ids as written — `output` (SpecForge's: id k = HF hidden_states[k+1]), `before` (id k = hidden_states[k],
+  in the written order), `vllm` (vLLM's own rule: sorted, as written). Without it the slots are checked
+  against the draft's config only, and a warning says so: the engine agreeing with itself is no evidence
+  that the draft gets what it was trained on.
+
+Acceptance is vLLM's own (the rejection sampler's verification, counted by the plugin): drafts, draft tokens,
+accepted tokens per position, rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts),
+per captured step and for the run so far. Pure Python over JSON files: no vllm import.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from tpprobe.checks.findings import FAILURE, WARNING, Finding
+from tpprobe.core.errors import UsageError
+
+FIELD = "eagle_aux_hidden_state_layer_ids"
+LOW = 0.5             # a rate under this is "low": the report looks for its cause and proposes a fix
+SAME = 1e-6           # fingerprint relative difference between ranks still called equal (float32 sums)
+CONVENTIONS = ("output", "before", "vllm")
+TRAINED_EXPLAIN = ("the engine captures exactly what the draft's config says, but the config is not what the draft "
+                   "was trained on (catalogue F32): vLLM uses the ids as written (id k = HF hidden_states[k]) and "
+                   "fills the slots in ascending id order; SpecForge's output-of-layer ids are one less")
+
+
+def drafter_files(root: Path) -> list[Path]:
+    return sorted(Path(root).rglob("drafter/rank-*.json"))
+
+
+def _load(p: Path) -> Optional[dict]:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def rates(acc: dict) -> dict:
+    """vLLM's acceptance numbers with the rate, mean acceptance length and per-position rates."""
+    drafts, tokens, accepted = acc.get("drafts", 0), acc.get("draft_tokens", 0), acc.get("accepted", 0)
+    per = list(acc.get("accepted_per_pos") or [])
+    return {**acc, "rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "rate_per_pos": [x / drafts for x in per] if drafts else []}
+
+
+def trained_slots(spec: Optional[str], config_ids: list[int]) -> tuple[Optional[list[int]], str]:
+    """(HF hidden_states index per slot the draft was trained on, how it was given); (None, why) when unknown."""
+    if not spec:
+        return None, "not given (TPPROBE_DRAFT_TRAINED)"
+    kind, _, val = spec.partition(":")
+    if not val:
+        kind, val = "ids", spec
+    kind = kind.strip().lower()
+    if kind == "ids":
+        try:
+            return [int(x) for x in val.split(",") if x.strip()], f"TPPROBE_DRAFT_TRAINED={spec}"
+        except ValueError:
+            raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: ids:A,B,C takes integers (HF hidden_states indices "
+                             f"in slot order)")
+    if kind == "convention":
+        c = val.strip().lower()
+        if c == "output":
+            return [i + 1 for i in config_ids], f"the draft's ids {config_ids} read as SpecForge's output-of-layer " \
+                                                f"convention (id k = HF hidden_states[k+1])"
+        if c == "before":
+            return list(config_ids), f"the draft's ids {config_ids} read as capture-before (id k = hidden_states[k])"
+        if c == "vllm":
+            return sorted(set(config_ids)), f"the draft's ids {config_ids} under vLLM's rule (sorted)"
+        raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: conventions are {', '.join(CONVENTIONS)}")
+    raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order) or "
+                     f"convention:{'|'.join(CONVENTIONS)}")
+
+
+def _hf(i) -> str:
+    return f"HF hidden_states[{i}]"
+
+
+def _held(slot: dict, L) -> str:
+    h = slot.get("holds")
+    if h is None:
+        return f"no stream of this forward (nearest: {slot.get('best')}, rel diff² {slot.get('rel'):.2g})" \
+            if slot.get("best") else "no stream of this forward"
+    if h.startswith("id "):
+        k = int(h.split()[1])
+        return f"id {k} = {_hf(k)}" + (" (the embedding)" if k == 0 else f" (layer {k - 1}'s output"
+                                       + (", before the final norm)" if k == L else ")"))
+    return h
+
+
+def fix_for(trained: list[int], L: int) -> tuple[Optional[list[int]], str]:
+    """The ids that give a draft trained on `trained` its slots on vLLM, or (None, what to do instead)."""
+    if any(i < 0 or i > L for i in trained):
+        bad = [i for i in trained if i < 0 or i > L]
+        return None, (f"no id list gives {', '.join(_hf(i) for i in bad)} on vLLM (ids 0..{L}: the embedding .. "
+                      f"the last layer's output before the final norm)")
+    if len(set(trained)) != len(trained):
+        return None, "the draft reads one stream in two slots: vLLM captures an id once (it de-duplicates)"
+    if trained != sorted(trained):
+        return None, (f"the draft reads its slots in the order HF hidden_states{trained} and vLLM fills slots in "
+                      f"ascending id order: no id list gives that order; write `{FIELD}` as {sorted(trained)} and "
+                      f"permute the column blocks of the draft's fc.weight to it (slot order {sorted(trained)}: "
+                      f"take blocks {[trained.index(i) for i in sorted(trained)]} of the trained order), or "
+                      f"retrain with the ids in layer order")
+    return list(trained), f"set `{FIELD}` to {trained}"
+
+
+def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
+    """The drafter section of `tpprobe report DIR` (None when DIR holds no drafter capture)."""
+    files = drafter_files(root)
+    if not files:
+        return None
+    steps: dict[Path, dict] = {}
+    for p in files:
+        m = _load(p)
+        if m is None:
+            continue
+        steps.setdefault(p.parent.parent, {})[int(m.get("tp_rank", 0))] = m
+    groups = sorted({d.parent for d in steps})
+    acc_run = {}
+    for g in groups:
+        a = _load(g / "acceptance.json")
+        if a is not None:
+            acc_run[g.relative_to(root).as_posix() if g != root else "."] = rates(a)
+    rows, findings = [], []
+    first_by_kind: dict = {}
+    spec = trained_spec if trained_spec is not None else os.environ.get("TPPROBE_DRAFT_TRAINED")
+    trained, trained_from = None, "not given (TPPROBE_DRAFT_TRAINED)"
+    meta0 = None
+    for d in sorted(steps, key=lambda d: (steps[d][min(steps[d])].get("step", 0), str(d))):
+        ranks = steps[d]
+        m = ranks[min(ranks)]
+        if m.get("streams_seen"):
+            meta0 = meta0 or m
+        if spec is None and m.get("trained"):
+            spec = m["trained"]
+        config_ids = list(m.get("draft_config_ids") or [])
+        if trained is None and spec:
+            trained, trained_from = trained_slots(spec, config_ids)
+        L = m.get("num_layers")
+        step, mode = m.get("step"), m.get("forward_mode")
+        held = [s.get("id") for s in m.get("slots") or []]
+        expected = sorted({i for i in config_ids if L is None or 0 <= i <= L})
+        where_step = f"step {step} ({mode})"
+        # cross-rank equality of what the drafter receives
+        fp0 = m.get("fingerprint") or {}
+        differ = []
+        for r, x in sorted(ranks.items()):
+            fp = x.get("fingerprint") or {}
+            if r == min(ranks) or not fp0:
+                continue
+            den = abs(fp0.get("sumsq", 0)) + abs(fp.get("sumsq", 0)) or 1.0
+            sk = [abs(a - b) for a, b in zip(fp0.get("sketch", []), fp.get("sketch", []))]
+            if abs(fp0.get("sumsq", 0) - fp.get("sumsq", 0)) / den > SAME or (sk and max(sk) ** 2 / den > SAME) \
+                    or x.get("width") != m.get("width"):
+                differ.append(r)
+        tp = int(m.get("tp_size") or len(ranks))
+        if len(ranks) < tp:
+            _add(findings, first_by_kind, Finding(
+                "capture-file", f"drafter input, {where_step}", sorted(set(range(tp)) - set(ranks)), detail=(
+                    f"ranks {sorted(set(range(tp)) - set(ranks))} wrote no drafter file for this step")))
+        if differ:
+            _add(findings, first_by_kind, Finding(
+                "rank-divergence", f"drafter input (target_hidden_states), {where_step}", differ,
+                detail=f"what the draft receives differs from TP rank {min(ranks)}'s on ranks {differ} "
+                       f"(fingerprints of the whole [{m.get('rows')} × {m.get('width')}] tensor)"))
+        # layout
+        hidden, width = m.get("hidden") or 0, m.get("width") or 0
+        past = [i for i in config_ids if L is not None and (i > L or i < 0)]
+        if hidden and width != len(expected) * hidden or past or (hidden and width != len(config_ids) * hidden):
+            detail = (f"target_hidden_states is {width} wide = {width / hidden if hidden else '?':g} × hidden {hidden};"
+                      f" the draft's fc reads {len(config_ids)} × {hidden} = {len(config_ids) * hidden}")
+            if past:
+                detail += (f": id(s) {past} of the draft's config are past the last layer ({L} layers: ids 0..{L}); "
+                           f"vLLM dropped them at load without a word and the draft's fc fails at its first draft "
+                           f"step; fix: ids within 0..{L}")
+            elif len(set(config_ids)) != len(config_ids):
+                detail += f": the config repeats an id ({config_ids}); vLLM captures each id once"
+            _add(findings, first_by_kind, Finding("layout-mismatch", f"drafter input, {where_step}",
+                                                  sorted(ranks), detail=detail, evidence={"all_ranks": True}))
+        # the engine's own rule: what each slot holds vs the sorted ids (only where the forward's streams were
+        # seen: a forward replayed from a CUDA graph runs no hooks)
+        nores, other = [], []
+        for s in (m.get("slots") or []) if m.get("streams_seen") else []:
+            j = s["slot"]
+            want = expected[j] if j < len(expected) else None
+            if s.get("holds") and "without the residual" in s["holds"]:
+                nores.append(f"slot {j} holds layer {int(s['holds'].split()[1])}'s hidden_states without the residual "
+                             f"where vLLM's rule gives id {want} = {_hf(want)}")
+            elif s.get("id") != want:
+                other.append((j, f"slot {j} holds {_held(s, L)}, where vLLM's rule for the draft's ids {config_ids} "
+                                 f"gives id {want}"))
+        if nores:
+            js = [int(x.split()[1]) for x in nores]
+            _add(findings, first_by_kind, Finding(
+                "capture-no-residual", f"{_slots_text(js)}, {where_step}", sorted(ranks),
+                detail="; ".join(nores) + " (hidden_states + residual); fix: the capture must append hidden_states "
+                                          "+ residual (vLLM's EagleModelMixin._maybe_add_hidden_state)",
+                evidence={"all_ranks": True}))
+        if other:
+            _add(findings, first_by_kind, Finding(
+                "slot-mismatch", f"{_slots_text([j for j, _ in other])}, {where_step}", sorted(ranks),
+                detail="; ".join(t for _, t in other), evidence={"all_ranks": True}))
+        step_acc = rates({"drafts": sum(1 for x in (m.get("acceptance") or {}).get("num_draft_tokens", []) if x),
+                          "draft_tokens": sum((m.get("acceptance") or {}).get("num_draft_tokens", [])),
+                          "accepted": sum((m.get("acceptance") or {}).get("accepted", [])),
+                          "accepted_per_pos": (m.get("acceptance") or {}).get("accepted_per_pos", [])}) \
+            if m.get("acceptance") else None
+        rows.append({"folder": str(d), "step": step, "forward_mode": mode, "rows": m.get("rows"),
+                     "width": width, "ranks": sorted(ranks), "ranks_differ": differ, "slots": m.get("slots"),
+                     "requests": m.get("requests"), "acceptance": step_acc, "kept": m.get("kept"),
+                     "engine_ids": m.get("engine_ids"), "config_ids": config_ids})
+    if meta0 is None:      # no captured step saw the target's streams: layout, ranks and acceptance only
+        last = steps[sorted(steps)[-1]]
+        meta0 = dict(last[min(last)], slots=[])
+        findings.append(Finding("coverage", "drafter slots", sorted(last), severity=WARNING, detail=(
+            "no captured step saw the target's layer streams (forwards replayed from a CUDA graph run no hooks): "
+            "the slots are not matched to layers; capture eager steps (--enforce-eager) to check them"),
+            evidence={"all_ranks": True}))
+    config_ids = list(meta0.get("draft_config_ids") or [])
+    L = meta0.get("num_layers")
+    held = [s.get("id") for s in meta0.get("slots") or []]
+    run = next(iter(acc_run.values()), None) if acc_run else None
+    rate = run.get("rate") if run else None
+    low = rate is not None and rate < LOW
+    fix_ids, fix_text = (None, None)
+    first = rows[0]
+    where0 = f"step {first['step']} ({first['forward_mode']})"
+    ranks_all = first["ranks"]
+    if not meta0.get("slots"):
+        pass
+    elif trained is None:
+        findings.append(Finding("coverage", "drafter input vs the draft's training", ranks_all, severity=WARNING,
+                                detail=(f"checked against the draft's config only: vLLM gives slots {held} for its "
+                                        f"ids {config_ids}, but nothing says the draft was trained on "
+                                        f"{', '.join(_hf(i) for i in held)}; set TPPROBE_DRAFT_TRAINED=ids:A,B,C "
+                                        f"(HF hidden_states per slot) or convention:output|before|vllm"),
+                                evidence={"all_ranks": True}))
+    elif held != trained and None not in held:      # a slot holding no id: the engine's own fault, named above
+        fix_ids, fix_text = fix_for(trained, int(L or 0))
+        wrong = [j for j, (h, t) in enumerate(zip(held, trained)) if h != t]
+        d = {h - t for h, t in zip(held, trained) if h is not None and h != t}
+        what = "; ".join(f"slot {j} holds {_hf(held[j])}, trained on {_hf(trained[j])}" for j in wrong)
+        if sorted(held) == sorted(trained) and config_ids == trained:
+            kind, why = "slot-mismatch", (f"the draft's ids {config_ids} are not in layer order and vLLM sorts them "
+                                          f"(catalogue F30): {what}")
+        elif len(d) == 1 and next(iter(d)) in (-1, 1) and len(wrong) == len(held):
+            kind, why = "capture-offset", (f"every slot is one layer {'early' if d == {-1} else 'late'} against what "
+                                           f"the draft was trained on ({trained_from}): {what}")
+        else:
+            kind, why = "id-contract", f"the draft's config is not what it was trained on ({trained_from}): {what}"
+        acc_text = (f"; it explains vLLM's acceptance {rate:.2f} (mean acceptance length "
+                    f"{run['mean_acceptance_length']:.2f})" if rate is not None and low else
+                    (f"; vLLM's acceptance is {rate:.2f} all the same (the draft may not read these slots)"
+                     if rate is not None else ""))
+        findings.append(Finding(kind, f"{_slots_text(wrong)}, {where0}", ranks_all,
+                                detail=f"{why}{acc_text}; fix: {fix_text}", evidence={"all_ranks": True,
+                                                                                   "explain": TRAINED_EXPLAIN}))
+    fails = [f for f in findings if f.severity == FAILURE]
+    if low and fails and not any("explains vLLM's acceptance" in f.detail for f in fails):
+        f0 = fails[0]
+        f0.detail += f"; it explains vLLM's acceptance {rate:.2f} (mean acceptance length " \
+                     f"{run['mean_acceptance_length']:.2f})"
+    if low and not fails:
+        findings.append(Finding("acceptance-low", "vLLM's acceptance", ranks_all, severity=WARNING, detail=(
+            f"acceptance {rate:.2f} (mean acceptance length {run['mean_acceptance_length']:.2f}) and the draft's input "
+            f"passes every check here" + ("" if trained is not None else " against its config") +
+            ": replay the draft on candidate captures (below) or check what it was trained on"),
+            evidence={"all_ranks": True, "explain": "low acceptance with a healthy input: the draft itself, its "
+                                                    "training data, or sampling settings"}))
+    return {"steps": rows, "acceptance": acc_run, "run": run, "low": low, "config_ids": config_ids,
+            "engine_slots": held, "trained": trained, "trained_from": trained_from, "num_layers": L,
+            "draft_model": meta0.get("draft_model"), "target_arch": meta0.get("target_arch"),
+            "target_model": meta0.get("target_model"), "fix_ids": fix_ids, "fix": fix_text,
+            "findings": [f.to_json() for f in findings],
+            "explained": bool(low and fails)}
+
+
+def _slots_text(js: list) -> str:
+    return f"drafter slot {js[0]}" if len(js) == 1 else f"drafter slots {js}"
+
+
+def _add(findings: list, first: dict, f: Finding) -> None:
+    """One finding per kind: the first step it occurs in (later steps: counted in its detail)."""
+    key = (f.kind, f.where.split(",")[0])
+    if key in first:
+        first[key]["n"] += 1
+        return
+    first[key] = {"n": 1}
+    findings.append(f)
+
+
+def replay_streams(a: dict):
+    """(token ids, {HF index: stream}, where) of the longest captured prompt whose streams TP rank 0 kept, for
+    a replay of the draft; None when there is none."""
+    from safetensors.torch import load_file
+
+    best = None
+    for row in a["steps"]:
+        if not row.get("kept"):
+            continue
+        for r in row.get("requests") or []:
+            lo, hi = r["rows"]
+            if r.get("kind") == "prefill" and hi - lo >= 3 and (best is None or hi - lo > best[2] - best[1]):
+                best = (row, lo, hi)
+    if best is None:
+        return None
+    row, lo, hi = best
+    t = load_file(str(Path(row["folder"]) / "drafter" / "rank-000.safetensors"))
+    by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
+    return t["target_token_ids"][lo:hi], by, f"step {row['step']} ({row['forward_mode']}), prompt rows {lo}..{hi - 1}"
