@@ -3,7 +3,8 @@ acceptance beside it, and (when acceptance is low, or TPPROBE_FIX_REPLAY=1) the 
 captured streams for candidate id lists (tpprobe.eagle3.fix, when this build has it)."""
 from __future__ import annotations
 
-import os
+from ..config.knobs import knob
+
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ def add_drafter(root: Path, rep: dict) -> None:
     a = analyse(Path(root))
     if a is None:
         return
-    if a["low"] or os.environ.get("TPPROBE_FIX_REPLAY") == "1":
+    if a["low"] or knob("TPPROBE_FIX_REPLAY") == "1":
         a["replay"] = replay_fix(a)
     rp = a.get("replay") or {}
     if rp.get("available") and rp.get("explained") and not any(f["severity"] == "failure" for f in a["findings"]):

@@ -23,8 +23,9 @@ per captured step and for the run so far. Pure Python over JSON files: no vllm i
 """
 from __future__ import annotations
 
+from tpprobe.config.knobs import knob
+
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -140,7 +141,7 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
             acc_run[g.relative_to(root).as_posix() if g != root else "."] = rates(a)
     rows, findings = [], []
     first_by_kind: dict = {}
-    spec = trained_spec if trained_spec is not None else os.environ.get("TPPROBE_DRAFT_TRAINED")
+    spec = trained_spec if trained_spec is not None else knob("TPPROBE_DRAFT_TRAINED")
     trained, trained_from = None, "not given (TPPROBE_DRAFT_TRAINED)"
     meta0 = None
     for d in sorted(steps, key=lambda d: (steps[d][min(steps[d])].get("step", 0), str(d))):

@@ -24,6 +24,8 @@ Nothing here changes what the engine computes; an error is logged once and the c
 """
 from __future__ import annotations
 
+from tpprobe.config.knobs import knob
+
 import json
 import os
 import time
@@ -317,7 +319,7 @@ def _capture(proposer, args, kwargs) -> None:
             "width": width, "n_slots": n_slots, "dtype": str(ths.dtype).replace("torch.", ""),
             "contiguous": bool(ths.is_contiguous()), "slots": slots, "requests": reqs,
             "streams_seen": sorted(streams), "fingerprint": _fingerprint(ths), "acceptance": step_acc,
-            "trained": os.environ.get("TPPROBE_DRAFT_TRAINED") or None, "kept": False}
+            "trained": knob("TPPROBE_DRAFT_TRAINED") or None, "kept": False}
     out = step_dir(s["dir"], par, step, mode) / "drafter"
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -357,4 +359,4 @@ def status() -> dict:
 
 
 def trained_ids_from_env() -> Optional[str]:
-    return os.environ.get("TPPROBE_DRAFT_TRAINED") or None
+    return knob("TPPROBE_DRAFT_TRAINED") or None
