@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..checks.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
+from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
                             slot_values_differ, timing_text, verdict_lines)
 from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, Text
 
