@@ -20,7 +20,10 @@ def add_drafter(root: Path, rep: dict) -> None:
     if a["low"] or knob("TPPROBE_FIX_REPLAY") == "1":
         a["replay"] = replay_fix(a)
     rp = a.get("replay") or {}
-    if rp.get("available") and rp.get("explained") and not any(f["severity"] == "failure" for f in a["findings"]):
+    target_fails = [f for f in rep.get("findings") or [] if f["severity"] == "failure"]
+    if a["low"] and target_fails and not any(f["severity"] == "failure" for f in a["findings"]):
+        explain_by_target(a, rep, target_fails[0])
+    elif rp.get("available") and rp.get("explained") and not any(f["severity"] == "failure" for f in a["findings"]):
         # nothing else explains the low acceptance, and the draft itself says another capture serves it better
         from ..checks.findings import Finding
         first = a["steps"][0]
@@ -36,6 +39,26 @@ def add_drafter(root: Path, rep: dict) -> None:
     rep["drafter"] = a
     rep["findings"] = list(rep.get("findings") or []) + a["findings"]
     rep["exit_code"] = exit_code(rep["findings"])
+
+
+def explain_by_target(a: dict, rep: dict, f0: dict) -> None:
+    """Low acceptance, the draft's input as the draft expects it, and the target's own forward failing (a wrong
+    all-reduce, a skipped one, ...): that failure is the cause. The draft predicts from the streams it receives; vLLM
+    verifies its drafts against the tokens the broken forward samples, so they stop agreeing. The first
+    failure of the run's first failing step says it explains the acceptance; the warning that the input passes
+    every check (and the replay advice in it) gives way to it."""
+    run = a.get("run") or {}
+    d = rep.get("first_divergence") or {}
+    step = f"step {d['step']} ({d['forward_mode']})" if d.get("step") is not None else "the first captured step"
+    f0["detail"] = (f0.get("detail") or "") + (
+        f"; it explains vLLM's acceptance {run.get('rate') or 0:.2f} (mean acceptance length "
+        f"{run.get('mean_acceptance_length') or 0:.2f}): the target's own forward is wrong at {f0['where']} from "
+        f"{step} on, and vLLM verifies the drafts against the tokens that forward samples; what the draft receives "
+        f"passes every drafter check")
+    a["findings"] = [f for f in a["findings"] if f.get("kind") != "acceptance-low"]
+    a["explained"] = True
+    a["explained_by"] = {"kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"], "step": d.get("step"),
+                         "forward_mode": d.get("forward_mode")}
 
 
 def replay_fix(a: dict) -> dict:
@@ -59,7 +82,17 @@ def replay_fix(a: dict) -> dict:
         streams = fixlib.streams_from_tensors(input_ids, by_hf, a["num_layers"], source=where)
         rule = fixlib.EngineRule("vllm", a.get("target_arch") or "LlamaForCausalLM", int(a["num_layers"]))
         prop = fixlib.propose(draft, streams, rule, ids=a["config_ids"])
-        return {"available": True, "on": where, **prop.as_dict()}
+        out = {"available": True, "on": where, **prop.as_dict()}
+        fix_hs = rule.slots(a["fix_ids"]) if a.get("fix_ids") else None
+        if fix_hs is not None and len(fix_hs) == draft.k:
+            # the ids the report's finding proposes, replayed: the acceptance they bring back, before serving them
+            sc, cur = fixlib.replay(draft, streams, fix_hs, prop.current.score.chain), prop.current.score
+            out["fix_check"] = {"ids": list(a["fix_ids"]), "streams": fix_hs, "score": sc.as_dict(),
+                                "current": cur.as_dict(), "line": (
+                                    f"replayed first-position acceptance {cur.first_position:.2f} -> "
+                                    f"{sc.first_position:.2f} (accept length, chain of {sc.chain}: "
+                                    f"{cur.accept_length:.2f} -> {sc.accept_length:.2f})")}
+        return out
     except Exception as e:  # noqa: BLE001 - the replay is advice: its failure is said, the verdicts stand
         return {"available": False, "why": f"the draft replay failed: {type(e).__name__}: {e}"}
 

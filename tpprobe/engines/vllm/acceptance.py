@@ -13,13 +13,16 @@ group's acceptance.json) and judges, per captured step:
 * the draft: what it was trained on, when the user says it (TPPROBE_DRAFT_TRAINED, at capture or report
   time): `ids:A,B,C` (HF hidden_states indices in slot order), or `convention:NAME` applied to the config's
   ids as written — `output` (SpecForge's: id k = HF hidden_states[k+1]), `before` (id k = hidden_states[k],
-  in the written order), `vllm` (vLLM's own rule: sorted, as written). Without it the slots are checked
+  in the written order), `vllm` (vLLM's own rule: sorted, as written), or `specforge:PATH`, a SpecForge
+  training sample whose slots are matched to the streams TP rank 0 kept of a captured prefill of the same
+  tokens (tpprobe.engines.draft_training.match_sample). Without it the slots are checked
   against the draft's config only, and a warning says so: the engine agreeing with itself is no evidence
   that the draft gets what it was trained on.
 
 Acceptance is vLLM's own (the rejection sampler's verification, counted by the plugin): drafts, draft tokens,
 accepted tokens per position, rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts),
-per captured step and for the run so far. Pure Python over JSON files: no vllm import.
+per captured step and for the run so far. Python over the plugin's files (JSON; safetensors for a SpecForge
+sample's match): no vllm import.
 """
 from __future__ import annotations
 
@@ -61,8 +64,10 @@ def rates(acc: dict) -> dict:
             "rate_per_pos": [x / drafts for x in per] if drafts else []}
 
 
-def trained_slots(spec: Optional[str], config_ids: list[int]) -> tuple[Optional[list[int]], str]:
-    """(HF hidden_states index per slot the draft was trained on, how it was given); (None, why) when unknown."""
+def trained_slots(spec: Optional[str], config_ids: list[int], forwards=None) -> tuple[Optional[list[int]], str]:
+    """(HF hidden_states index per slot the draft was trained on, how it was given); (None, why) when unknown.
+    `forwards()`: the captured prefills (token ids, {HF index: stream}, where) a `specforge:PATH` sample's slots
+    are matched to (tpprobe.engines.draft_training.match_sample)."""
     if not spec:
         return None, "not given (TPPROBE_DRAFT_TRAINED)"
     kind, _, val = spec.partition(":")
@@ -85,8 +90,11 @@ def trained_slots(spec: Optional[str], config_ids: list[int]) -> tuple[Optional[
         if c == "vllm":
             return sorted(set(config_ids)), f"the draft's ids {config_ids} under vLLM's rule (sorted)"
         raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: conventions are {', '.join(CONVENTIONS)}")
-    raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order) or "
-                     f"convention:{'|'.join(CONVENTIONS)}")
+    if kind == "specforge":
+        from tpprobe.engines.draft_training import match_sample
+        return match_sample(val.strip(), forwards() if forwards is not None else [])
+    raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order), "
+                     f"convention:{'|'.join(CONVENTIONS)} or specforge:PATH (a SpecForge training sample)")
 
 
 def _hf(i) -> str:
@@ -152,8 +160,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
         if spec is None and m.get("trained"):
             spec = m["trained"]
         config_ids = list(m.get("draft_config_ids") or [])
-        if trained is None and spec:
-            trained, trained_from = trained_slots(spec, config_ids)
+        if trained is None and spec and trained_from == "not given (TPPROBE_DRAFT_TRAINED)":
+            trained, trained_from = trained_slots(spec, config_ids, lambda: captured_prefills(steps))
         L = m.get("num_layers")
         step, mode = m.get("step"), m.get("forward_mode")
         held = [s.get("id") for s in m.get("slots") or []]
@@ -247,11 +255,13 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
     if not meta0.get("slots"):
         pass
     elif trained is None:
+        said = "" if trained_from.startswith("not given") else f" ({trained_from})"
         findings.append(Finding("coverage", "drafter input vs the draft's training", ranks_all, severity=WARNING,
                                 detail=(f"checked against the draft's config only: vLLM gives slots {held} for its "
                                         f"ids {config_ids}, but nothing says the draft was trained on "
-                                        f"{', '.join(_hf(i) for i in held)}; set TPPROBE_DRAFT_TRAINED=ids:A,B,C "
-                                        f"(HF hidden_states per slot) or convention:output|before|vllm"),
+                                        f"{', '.join(_hf(i) for i in held)}{said}; set TPPROBE_DRAFT_TRAINED=ids:A,B,C "
+                                        f"(HF hidden_states per slot), convention:output|before|vllm or "
+                                        f"specforge:PATH"),
                                 evidence={"all_ranks": True}))
     elif held != trained and None not in held:      # a slot holding no id: the engine's own fault, named above
         fix_ids, fix_text = fix_for(trained, int(L or 0))
@@ -305,6 +315,29 @@ def _add(findings: list, first: dict, f: Finding) -> None:
         return
     first[key] = {"n": 1}
     findings.append(f)
+
+
+def captured_prefills(steps: dict) -> list:
+    """(token ids, {HF index: stream}, where) of every prefill request whose streams TP rank 0 kept, in step
+    order: what a SpecForge sample's slots are matched to. `steps`: step folder -> {rank: drafter meta}."""
+    from safetensors.torch import load_file
+
+    out = []
+    for d in sorted(steps, key=lambda d: (steps[d][min(steps[d])].get("step", 0), str(d))):
+        m = steps[d][min(steps[d])]
+        f = d / "drafter" / "rank-000.safetensors"
+        if not m.get("kept") or not f.is_file():
+            continue
+        t = load_file(str(f))
+        if "target_token_ids" not in t:
+            continue
+        for r in m.get("requests") or []:
+            lo, hi = r["rows"]
+            if r.get("kind") == "prefill" and hi > lo:
+                by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
+                out.append((t["target_token_ids"][lo:hi], by, f"step {m.get('step')} ({m.get('forward_mode')}), "
+                                                              f"request {r['index']}'s prompt rows {lo}..{hi - 1}"))
+    return out
 
 
 def replay_streams(a: dict):
