@@ -289,14 +289,20 @@ def _capture(proposer, args, kwargs) -> None:
     streams = {k: v[:rows] for k, v in _D["streams"].items() if v.shape[0] >= rows}
     alone = {k: v[:rows] for k, v in _D["hidden"].items() if v.shape[0] >= rows}
     slots = []
+    rule = sorted({int(i) for i in (engine_ids or config_ids or [])})
     for j in range(n_slots or 0):
         x = ths[:, j * hidden:(j + 1) * hidden]
         rel = {f"id {k}": _rel(x, v) for k, v in sorted(streams.items())}
         rel.update({f"layer {k - 1} hidden_states without the residual": _rel(x, v) for k, v in sorted(alone.items())})
         best = min(rel, key=rel.get) if rel else None
-        holds = best if best is not None and rel[best] < MATCH else None
+        same = [k for k in rel if rel[k] < MATCH]
+        # two streams can be equal (a layer that adds nothing): the slot holds both, and the id vLLM's rule gives
+        # is the one it was captured as
+        want = f"id {rule[j]}" if j < len(rule) else None
+        holds = want if want in same else (best if best in same else None)
         slots.append({"slot": j, "holds": holds, "id": int(holds.split()[1]) if holds and holds.startswith("id ")
-                      else None, "best": best, "rel": rel.get(best) if best else None})
+                      else None, "best": best, "rel": rel.get(best) if best else None,
+                      "equal_streams": [k for k in same if k != holds]})
     rejected = _arg(args, kwargs, "num_rejected_tokens_gpu") if "num_rejected_tokens_gpu" in kwargs else None
     reqs = _requests(_arg(args, kwargs, "common_attn_metadata"), rows, rejected)
     pos = _arg(args, kwargs, "target_positions")
