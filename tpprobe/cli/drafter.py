@@ -50,11 +50,14 @@ def explain_by_target(a: dict, rep: dict, f0: dict) -> None:
     run = a.get("run") or {}
     d = rep.get("first_divergence") or {}
     step = f"step {d['step']} ({d['forward_mode']})" if d.get("step") is not None else "the first captured step"
-    f0["detail"] = (f0.get("detail") or "") + (
+    old = f0.get("detail") or ""
+    f0["detail"] = old.rstrip(".") + (
         f"; it explains vLLM's acceptance {run.get('rate') or 0:.2f} (mean acceptance length "
         f"{run.get('mean_acceptance_length') or 0:.2f}): the target's own forward is wrong at {f0['where']} from "
         f"{step} on, and vLLM verifies the drafts against the tokens that forward samples; what the draft receives "
         f"passes every drafter check")
+    if old and old in (f0.get("line") or ""):
+        f0["line"] = f0["line"].replace(old, f0["detail"])     # the sinks print the line
     a["findings"] = [f for f in a["findings"] if f.get("kind") != "acceptance-low"]
     a["explained"] = True
     a["explained_by"] = {"kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"], "step": d.get("step"),

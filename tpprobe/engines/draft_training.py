@@ -122,7 +122,9 @@ def load_sample(path: str):
     try:
         s = read_sample(path)
     except CaptureError as e:
-        raise UsageError(f"{ENV}=specforge:{path}: {e}") from None
+        msg = str(e)
+        raise UsageError(f"{ENV}=specforge:{path}: {msg[len(str(path)) + 2:] if msg.startswith(str(path)) else msg}"
+                         ) from None
     if "input_ids" not in s:
         raise UsageError(f"{ENV}=specforge:{path}: the sample has no input_ids; its slots are matched to the "
                          f"target's streams on the tokens it holds")
