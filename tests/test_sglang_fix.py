@@ -69,7 +69,7 @@ def serve(tmp_path, target, draft, ids, capture=None) -> list:
     env = {"SGLANG_PLUGINS": "tpprobe", "TEST_TARGET": str(target), "TEST_DRAFT": str(draft),
            "TEST_SERVED_IDS": json.dumps(ids)}
     if capture:
-        env.update(TPPROBE_CAPTURE_DIR=str(capture), TPPROBE_MAX_STEPS="1", TPPROBE_KEEP="*")     # the streams: replayed
+        env.update(TPPROBE_CAPTURE_DIR=str(capture), TPPROBE_MAX_STEPS="1", TPPROBE_KEEP="*")    # the streams, replayed
     return run_ranks("test_sglang_fix:worker", 2, {}, env=env, timeout=300)
 
 
