@@ -237,7 +237,7 @@ def test_a_wrong_all_reduce_in_the_target_is_named_as_the_cause_of_the_acceptanc
         (0, "extend", "allreduce-incomplete", where, [0, 1]), first
     f = fails(rep)
     assert rc == 1 and (f[0]["kind"], f[0]["where"], f[0]["ranks"]) == ("allreduce-incomplete", where, [0, 1]), f
-    assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
+    assert "it explains vLLM's acceptance 0.00" in f[0]["detail"] and f[0]["detail"] in f[0]["line"], f[0]
     d = rep["drafter"]
     assert d["explained"] and d["explained_by"] == {"kind": "allreduce-incomplete", "where": where, "ranks": [0, 1],
                                                     "step": 0, "forward_mode": "extend"}, d.get("explained_by")
