@@ -66,7 +66,8 @@ KNOBS = {
                             "-1=embed; WHAT: embed, out:K, in:K or hs:N); `layers`, `fix` and both plugins read it "
                             "(tpprobe.engines.capture_rule)", "plugin, layers, fix"),
     "TPPROBE_FIX_REPLAY": Knob(None, "1: `tpprobe report` of a live vLLM or SGLang capture with the draft's input "
-                               "replays the draft on candidate ids even when the engine's acceptance is not low", "report"),
+                               "replays the draft on candidate ids even when the engine's acceptance is not low",
+                               "report"),
     "TPPROBE_STOP_GRACE_S": Knob("30", "seconds between the SIGTERM the launcher sends the other ranks when one "
                                  "fails and the SIGKILL that ends those still running", "probe"),
     "TPPROBE_DIST_BACKEND": Knob(None, "the launcher's one backend decision, passed to every rank (set by tpprobe "
