@@ -11,7 +11,7 @@ The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_dra
 off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training also given
 as a SpecForge sample); the long matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again (vLLM's own
 acceptance back to 1.00, HEALTHY), ids out of layer order, a capture without the residual, a wrong all-reduce in
-the target, and the same tokens with and without the plugin.
+the target, a partial capture, and the same tokens with and without the plugin.
 """
 from __future__ import annotations
 
@@ -192,7 +192,9 @@ def test_the_fix_served_brings_vllms_acceptance_back(target, tmp_path):
 
     ids = fix_for([1, 2, 3], 4)[0]
     assert ids == [1, 2, 3]
-    draft = build_draft(tmp_path / "draft", ids, read_slot=1, trained_ids=[1, 2, 3])
+    # crossed (its MLP split across the ranks the other way from the target's): such a draft accepts every draft
+    # when its input is right (the partial-capture case uses one)
+    draft = build_draft(tmp_path / "draft", ids, read_slot=1, trained_ids=[1, 2, 3], crossed=True)
     res2, cap2, _ = serve(tmp_path, target, draft)
     assert res2["tokens"] == want_tokens(), res2["tokens"]
     # nothing said about the training: the engine agrees with the config, which is no evidence for the draft
@@ -278,6 +280,31 @@ def test_capture_without_the_residual_is_named_at_its_slot(target, tmp_path):
         [("capture-no-residual", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], f
     assert "slot 1 holds layer 1's hidden_states without the residual where vLLM's rule gives id 2" in f[0]["detail"]
     assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f
+
+
+@pytest.mark.sweep
+def test_a_partial_capture_is_named_at_its_slot_as_the_cause_of_the_acceptance(target, tmp_path):
+    """F28 made vLLM's way (tpprobe.engines.vllm.faults deferred-reduce-capture@1): layer 1's mlp.down_proj leaves
+    its sum owed and layer 2's input norm completes it; vLLM's capture appends the stream leaving layer 1 between
+    the two, so slot 1 (id 2) holds each rank's own partial sum. The target's tokens are right (its sum
+    completes); the draft, crossed (its MLP splits the code across the ranks the other way from the target's, as
+    real weights do: by default this build's draft would sum the partials back), drafts nothing right: vLLM's
+    acceptance 0, named `partial-capture` at slot 1, both ranks, step 0, with the fix, explaining the acceptance."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1, crossed=True)
+    res, cap, log = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="ids:1,2,3",
+                          TPPROBE_VLLM_INJECT="deferred-reduce-capture@1")
+    assert "TEST FAULT injected: deferred-reduce-capture@1" in log
+    assert res["tokens"] == want_tokens(), res["tokens"]
+    rc, rep = report(cap)
+    run = same_counts(rep, res)
+    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    f = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("partial-capture", "drafter slot 1, step 0 (extend)", [0, 1])], rep["findings"]
+    assert "slot 1 (id 2 = HF hidden_states[2] (layer 1's output)) holds each rank's own partial sum" in \
+        f[0]["detail"], f[0]
+    assert "fix: capture the layer's output after its reduce completes" in f[0]["detail"], f[0]
+    assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
 
 
 @pytest.mark.sweep

@@ -184,7 +184,19 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
             _add(findings, first_by_kind, Finding(
                 "capture-file", f"drafter input, {where_step}", sorted(set(range(tp)) - set(ranks)), detail=(
                     f"ranks {sorted(set(range(tp)) - set(ranks))} wrote no drafter file for this step")))
-        if differ:
+        partial = partial_slots(ranks) if differ else []
+        if partial:
+            js = [j for j, _ in partial]
+            _add(findings, first_by_kind, Finding(
+                "partial-capture", f"{_slots_text(js)}, {where_step}", sorted(ranks), detail="; ".join(
+                    f"slot {j} ({_held({'holds': f'id {k}'}, L) if k is not None else 'its stream'}) holds each "
+                    f"rank's own partial sum: its hidden_states part differs across ranks {sorted(ranks)} while the "
+                    f"residual it is added to is equal" for j, k in partial) + (
+                    " — a capture before the layer's reduce completed (catalogue F16 / F28: a deferred or fused "
+                    "all-reduce): every rank's draft gets another input and none gets the stream; fix: capture "
+                    "the layer's output after its reduce completes (vLLM's EagleModelMixin._maybe_add_hidden_state "
+                    "must see the reduced hidden_states)"), evidence={"all_ranks": True}))
+        elif differ:
             _add(findings, first_by_kind, Finding(
                 "rank-divergence", f"drafter input (target_hidden_states), {where_step}", differ,
                 detail=f"what the draft receives differs from TP rank {min(ranks)}'s on ranks {differ} "
@@ -301,6 +313,35 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
             "target_model": meta0.get("target_model"), "fix_ids": fix_ids, "fix": fix_text,
             "findings": [f.to_json() for f in findings],
             "explained": bool(low and fails)}
+
+
+def _vdiff(a: list, b: list) -> float:
+    den = sum(x * x for x in a) + sum(y * y for y in b)
+    return sum((x - y) ** 2 for x, y in zip(a, b)) / den if den else 0.0
+
+
+def partial_slots(ranks: dict) -> list:
+    """[(slot, id)] of the slots every rank holds differently while the residual under them (the slot's sketch
+    minus its hidden_states part's, linear) is the same on every rank: each rank's own partial sum of that
+    layer's output. [] unless every slot that differs across ranks is one."""
+    per = {r: {s["slot"]: s for s in (m.get("slots") or [])} for r, m in ranks.items()}
+    r0 = min(per)
+    out, other = [], False
+    for j, s0 in sorted(per[r0].items()):
+        rows = [per[r].get(j) for r in sorted(per)]
+        if any(x is None or x.get("sketch") is None for x in rows):
+            continue
+        if all(_vdiff(s0["sketch"], x["sketch"]) <= SAME for x in rows):
+            continue
+        if any(x.get("hidden_sketch") is None for x in rows):
+            other = True
+            continue
+        res = [[a - b for a, b in zip(x["sketch"], x["hidden_sketch"])] for x in rows]
+        if all(_vdiff(res[0], x) <= SAME for x in res):
+            out.append((j, s0.get("id")))
+        else:
+            other = True
+    return [] if other else out
 
 
 def _slots_text(js: list) -> str:

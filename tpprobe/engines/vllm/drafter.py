@@ -243,10 +243,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _fingerprint(t: torch.Tensor) -> dict:
     x = t.detach().double().cpu()
+    return {"sum": float(x.sum()), "sumsq": float((x * x).sum()), "sketch": _sketch(x),
+            "finite": bool(torch.isfinite(x).all())}
+
+
+def _sketch(t: torch.Tensor) -> list:
+    """A linear sketch of a [rows, width] tensor (a seeded projection summed over rows): the sketch of a sum is the
+    sum of the sketches, so ranks' sketches tell a partial sum from the stream it should be."""
+    x = t.detach().double().cpu()
     g = torch.Generator().manual_seed(0)
     proj = torch.randn(x.shape[-1], 4, generator=g, dtype=torch.float64)
-    return {"sum": float(x.sum()), "sumsq": float((x * x).sum()), "sketch": (x @ proj).sum(0).tolist(),
-            "finite": bool(torch.isfinite(x).all())}
+    return (x @ proj).sum(0).tolist()
 
 
 def _requests(cad, rows: int, rejected) -> list[dict]:
@@ -300,9 +307,12 @@ def _capture(proposer, args, kwargs) -> None:
         # is the one it was captured as
         want = f"id {rule[j]}" if j < len(rule) else None
         holds = want if want in same else (best if best in same else None)
-        slots.append({"slot": j, "holds": holds, "id": int(holds.split()[1]) if holds and holds.startswith("id ")
-                      else None, "best": best, "rel": rel.get(best) if best else None,
-                      "equal_streams": [k for k in same if k != holds]})
+        k = int(holds.split()[1]) if holds and holds.startswith("id ") else None
+        slots.append({"slot": j, "holds": holds, "id": k, "best": best, "rel": rel.get(best) if best else None,
+                      "equal_streams": [x for x in same if x != holds],
+                      # the slot and, for a layer's stream, its hidden_states part: across ranks, a slot that
+                      # differs while its residual (slot - hidden_states) agrees holds each rank's partial sum
+                      "sketch": _sketch(x), "hidden_sketch": _sketch(alone[k]) if k in alone else None})
     rejected = _arg(args, kwargs, "num_rejected_tokens_gpu") if "num_rejected_tokens_gpu" in kwargs else None
     reqs = _requests(_arg(args, kwargs, "common_attn_metadata"), rows, rejected)
     pos = _arg(args, kwargs, "target_positions")
