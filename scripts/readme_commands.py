@@ -68,6 +68,8 @@ RULES = [
     (r"^python -m examples\.accept_toy_draft$", "run", "slow", ""),
     (r"^tpprobe accept$", "skip", "",
      "the command's name in prose; tests/test_accept.py and examples/accept_toy_draft.py run it"),
+    (r"^tpprobe fix$", "skip", "",
+     "the command's name in prose; tests/test_fix.py runs it on a capture and a draft"),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow",

@@ -112,9 +112,10 @@ def _report(doc: dict, terminal: bool) -> Report:
 
 
 def _acceptance(doc: dict) -> list:
-    """The engine's own acceptance (formats/acceptance.py), on every sink, when the capture folder has it."""
-    line = (doc.get("settings") or {}).get("engine acceptance")
-    return [Text(f"engine acceptance: {line}", tag="p")] if line else []
+    """The engine's own acceptance (formats/acceptance.py) and the SGLang draft's replayed fix
+    (cli/drafter.py), on every sink, when the capture folder has them."""
+    st = doc.get("settings") or {}
+    return [Text(f"{key}: {st[key]}", tag="p") for key in ("engine acceptance", "draft replay") if st.get(key)]
 
 
 def render_html(doc: dict) -> str:
