@@ -79,7 +79,7 @@ def test_bad_paths_and_settings_are_one_line_exit_2(args, says, tmp_path, capsys
 
 def test_version_and_help_texts_everywhere(capsys):
     from tpprobe import __version__
-    from tpprobe.builtin.faults import FAULTS
+    from tpprobe.engines.builtin.faults import FAULTS
     assert cli(["--version"], capsys)[:2] == (0, f"tpprobe {__version__}\n")
     import typer.main
     group = typer.main.get_command(app)

@@ -263,7 +263,7 @@ def test_a_dropped_final_layer_id_is_named_missing_at_its_slot(tmp_path, nproc, 
 
 def test_vllm_only_faults_need_the_vllm_backend():
     from tpprobe.core.errors import UsageError
-    from tpprobe.builtin.faults import check_backend
+    from tpprobe.engines.builtin.faults import check_backend
 
     with pytest.raises(UsageError, match="add --backend vllm"):
         check_backend(["drop-final-id"], "auto", None)

@@ -85,8 +85,10 @@ def check_dir(path: Path) -> dict:
     missing = {r: seen.get(r, {"state": "has no readable capture in this folder"})
                for r in range(run.manifest["world_size"]) if r not in run.records}
     unexplained = [r for r in missing if r not in seen]
+    from ..engines.registry import recorded
     result = run_checks(run.records, settings, {"missing": missing} if missing else None,
-                        evidence=fingerprint_evidence(run.records, settings))
+                        evidence=fingerprint_evidence(run.records, settings),
+                        offset_rule=recorded(settings).offset_rule)
     # unreadable files are findings of their own, before anything computed from what is left
     file_findings = [Finding("capture-file", p["file"], [p["rank"]] if p["rank"] is not None else [],
                              severity=FAILURE if "extra" not in p["problem"] else "warning",
