@@ -286,7 +286,7 @@ SG_PARAMS = [pytest.param(*c, id=f"{c[0]}-{c[1]}-tp{c[2]}-{c[3]}",
 @pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
 @pytest.mark.parametrize("arch,inject,nproc,exchange,kind,where,ranks,says", SG_PARAMS)
 def test_sglang_reduce_faults_are_named_exactly(tmp_path, arch, inject, nproc, exchange, kind, where, ranks, says):
-    rc, rep, cp = probe(tmp_path / "r", "--backend", "sglang", "--arch", arch, "--num-layers", "4", "--inject", inject,
+    rc, rep, cp = probe(tmp_path / "r", "--engine", "sglang", "--arch", arch, "--num-layers", "4", "--inject", inject,
                         "--exchange", exchange, nproc=nproc, timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert rc == 1, cp.stderr[-3000:]
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]

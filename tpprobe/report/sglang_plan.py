@@ -11,7 +11,7 @@ from ..engines.sglang.layer_ids import SGLANG_VERSION, LayerPlan, plan, point_of
 from .model import Cell, Column, Report, Table, Text
 
 STATUS_LEVEL = {"ok": "ok", "dropped": "warning", "crash": "failure"}
-# the SGLang architectures the probe builds (--backend sglang --arch ...): their runs show the plan
+# the SGLang architectures the probe builds (--engine sglang --arch ...): their runs show the plan
 PROBE_ARCHS = ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2")
 
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight SGLang models on CPU gloo: `tpprobe probe --backend sglang --arch ...`.
+"""Tiny random-weight SGLang models on CPU gloo: `tpprobe probe --engine sglang --arch ...`.
 
 `build_target(ctx, arch, ...)` builds SGLang's own `LlamaForCausalLM` or `DeepseekV2ForCausalLM`
 (MLA, optionally with an MoE layer) on this rank, sharded by SGLang's parallel state, which
