@@ -1,2 +1,2 @@
-"""Built-in: tpprobe's own TP model (model), the faults --inject puts into it (faults), and its
-graph-captured GPU proof harness (graph)."""
+"""Built-in: tpprobe's own TP model (model), the faults --inject puts into it (faults), its graph-captured GPU
+proof harness (graph), and the model source `--engine builtin` (engine)."""
