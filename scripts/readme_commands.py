@@ -49,7 +49,7 @@ RULES = [
      "test_knobs.py check it)"),
     (r"^bash scripts/gpu\.sh", "skip", "", "needs a GPU (the GPU tier: docs/results/gpu.md)"),
     (r"^(python -m )?pytest ", "skip", "", "a test run: scripts/test.sh runs the suite"),
-    (r"^(tpprobe (probe|report|diff|specforge|torchrun|invariance|accept|layers)|pip install|pytest -s)$", "skip", "",
+    (r"^(tpprobe (probe|report|diff|specforge|torchrun|invariance|accept|layers|fix)|pip install|pytest -s)$", "skip", "",
      "a command's name in prose"),
     (r"^(PYTHONPATH=\S+ )?(\S*python|bash) bench/", "flags", "", ""),
     (r"^POLARS=", "skip", "", "installs polars into a temp folder for bench/dumper_vs_comparator.py"),
