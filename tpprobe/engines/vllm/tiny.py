@@ -250,7 +250,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
                              f"{type(model.model).__name__}.forward raises on it ({e}: it adds hidden + residual "
                              f"before layer 0, where the residual is None): drop -1 from --layers") from None
         raise
-    # tpprobe.faults.apply reads `model.layers`; vLLM keeps them at model.model.layers (a plain alias)
+    # `model.layers`, as the built-in model has them; vLLM keeps them at model.model.layers (a plain alias)
     model.__dict__.setdefault("layers", model.model.layers)
     from tpprobe.engines.vllm.audit import vllm_extensions
 
