@@ -418,10 +418,12 @@ def test_avg_is_checked_by_its_definition_on_real_tensors():
     mean, total = sum(ins) / 4, sum(ins)
 
     def records(out):
-        meta = {"seq": 0, "where": "layer.0", "module": "m", "layer": 0, "shape": [8, 16], "dtype": "float32",
-                "group_size": 4, "op": "AVG", "kind": "all_reduce", "path": "c10d.allreduce_"}
-        return {r: LoadedRank(r, {"allreduces": [dict(meta, in_fp=fingerprint(ins[r]).to_json(),
-                                                       out_fp=fingerprint(out).to_json())]},
+        meta = {"seq": 0, "where": "layer.0", "module": "m", "source": None, "layer": 0, "shape": [8, 16],
+                "dtype": "float32", "group_size": 4, "op": "AVG", "kind": "all_reduce", "path": "c10d.allreduce_"}
+        rank = {"world_size": 4, "status": "ok", "error": None, "points": [], "unreduced_rows": [],
+                "embed_module": None, "layers_hooked": 1, "aux": {}, "params": {}, "timings": {}, "device": "cpu"}
+        return {r: LoadedRank(r, {**rank, "rank": r, "allreduces": [dict(meta, in_fp=fingerprint(ins[r]).to_json(),
+                                                                         out_fp=fingerprint(out).to_json())]},
                               {allreduce_in(0): ins[r], allreduce_out(0): out.clone()}) for r in range(4)}
 
     for ev in (lambda rec: TensorEvidence(rec, torch.float32), lambda rec: FingerprintEvidence(rec, torch.float32, {})):

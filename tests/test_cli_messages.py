@@ -152,7 +152,7 @@ def test_quiet_prints_the_verdict_and_says_where_files_went(ranks_env, capfd):
 
 
 def test_audit_text_says_what_each_mode_proves():
-    from tpprobe.checks.words import audit_text
+    from tpprobe.report.words import audit_text
     full = audit_text({"checked": 13, "complete": 13, "noise": 0, "incomplete": 0, "method": "tensors",
                        "count_per_rank": {"0": 13, "1": 13}})
     assert "13 complete (13 exactly the sum, 0 within rounding), 0 incomplete" in full

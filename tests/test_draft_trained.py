@@ -36,3 +36,72 @@ def test_rates_are_vllms_definitions():
     r = rates({"drafts": 10, "draft_tokens": 30, "accepted": 15, "accepted_per_pos": [8, 5, 2]})
     assert (r["rate"], r["mean_acceptance_length"], r["rate_per_pos"]) == (0.5, 2.5, [0.8, 0.5, 0.2])
     assert rates({"drafts": 0, "draft_tokens": 0, "accepted": 0})["rate"] is None
+
+
+# ---- TPPROBE_DRAFT_TRAINED=specforge:PATH: a SpecForge training sample's slots matched to a captured prefill -------
+def _streams(T=6, H=16, L=4, seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return {h: torch.randn(T, H, generator=g) for h in range(L + 1)}
+
+
+def _sample(tmp_path, ids, slots, name="data_0.ckpt"):
+    import torch
+    from tpprobe.formats.specforge import write_sample
+    return write_sample(tmp_path / "rows_0-1" / name, torch.tensor(ids), torch.cat(slots, dim=-1))
+
+
+def test_a_specforge_sample_is_matched_slot_by_slot_on_the_tokens_it_shares_with_a_captured_prefill(tmp_path):
+    import torch
+    from tpprobe.engines import draft_training as dt
+    s = _streams()
+    ids = [5, 9, 2, 7, 1, 3]
+    # SpecForge wrote hidden_states 1, 2, 3 of 6 tokens in bf16 (another engine, another dtype); the engine served
+    # the first 4 tokens (the prompt) and another prompt
+    path = _sample(tmp_path, ids, [s[h].to(torch.bfloat16) for h in (1, 2, 3)])
+    forwards = [(torch.tensor([8, 8, 8]), {h: v[:3] for h, v in s.items()}, "step 0, request 1"),
+                (torch.tensor(ids[:4]), {h: v[:4] for h, v in s.items()}, "step 0, request 0")]
+    got, how = trained_slots(f"specforge:{path}", [0, 1, 2], lambda: forwards)
+    assert got == [1, 2, 3], how
+    assert how.startswith(f"the SpecForge sample {path}: its 3 slots are HF hidden_states [1, 2, 3] (matched to the "
+                          f"target's streams at step 0, request 0, 4 shared tokens"), how
+    # the SGLang plugin's grammar reads the same text (the match needs a forward's streams: none at parse time)
+    t = dt.parse(f"specforge:{path}")
+    assert t == {"specforge": str(path), "from": f"TPPROBE_DRAFT_TRAINED=specforge:{path}"}
+    assert dt.trained_hidden_states(t, [0, 1, 2]) is None
+
+
+def test_a_specforge_sample_that_cannot_be_matched_says_why(tmp_path):
+    import torch
+    s = _streams()
+    fw = [(torch.tensor([5, 9, 2]), {h: v[:3] for h, v in s.items()}, "step 0, request 0")]
+    # its tokens were never served: what to send
+    p = _sample(tmp_path, [4, 4, 4, 4], [s[1][:4], s[2][:4]])
+    got, why = trained_slots(f"specforge:{p}", [0, 1], lambda: fw)
+    assert got is None and "shares no 2+ leading tokens with a captured prefill: serve its input_ids" in why, why
+    # a slot that is no stream of this target (another model's sample, or other weights)
+    p = _sample(tmp_path, [5, 9, 2], [s[1][:3], torch.randn(3, 16)], "data_1.ckpt")
+    got, why = trained_slots(f"specforge:{p}", [0, 1], lambda: fw)
+    assert got is None and f"slot 1 of the SpecForge sample {p} is no stream of the target's forward" in why, why
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("case", ["missing", "code", "no-aux"])
+def test_a_specforge_sample_tpprobe_cannot_read_is_one_line(tmp_path, case):
+    import torch
+    p = tmp_path / "data_0.ckpt"
+    if case == "code":
+        torch.save({"input_ids": torch.tensor([1, 2]), "aux_hidden_state": _Evil()}, str(p))
+    elif case == "no-aux":
+        torch.save({"input_ids": torch.tensor([1, 2])}, str(p))
+    with pytest.raises(UsageError) as e:
+        trained_slots(f"specforge:{p}", [0, 1], lambda: [])
+    msg = str(e.value)
+    assert msg.startswith(f"TPPROBE_DRAFT_TRAINED=specforge:{p}: ") and "\n" not in msg, msg
+    assert {"missing": "no such file", "code": "loading it would call", "no-aux": "no 'aux_hidden_state'"}[case] \
+        in msg, msg

@@ -299,8 +299,9 @@ def test_property_hostile_manifest(healthy, tmp_path_factory, manifest, keep_rea
     (d / MANIFEST).write_text(json.dumps(manifest))
     run = _load_or_own_error(d)
     if run is not None:
-        for r in run.records.values():   # whatever loaded verified against the manifest
-            assert isinstance(r.meta, dict)
+        from tpprobe.capture.record import RankRecord
+        for r in run.records.values():   # whatever loaded verified against the manifest, read back typed
+            assert isinstance(r.meta, RankRecord)
 
 
 @PROPS

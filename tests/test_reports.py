@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tpprobe.report import envinfo
-from tpprobe.checks.words import cell_label
+from tpprobe.report.words import cell_label
 from tpprobe.probe.report import render_html, render_markdown, write_html
 
 ROOT = Path(__file__).resolve().parents[1]

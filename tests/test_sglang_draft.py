@@ -101,11 +101,11 @@ def test_draft_input_checked_against_training(tmp_path):
         assert sorted(run.records) == [0, 1]
         for r, rec in run.records.items():
             assert torch.equal(rec.tensors["aux.packed"], res[r]["aux"][n])
-            assert rec.meta["draft_model"] == "LlamaForCausalLMEagle3" and rec.meta["spec_info"] == \
+            assert rec.meta.extra["draft_model"] == "LlamaForCausalLMEagle3" and rec.meta.extra["spec_info"] == \
                 "EagleDraftExtendInput"
-            assert rec.meta["requests"] == [{"rid": "0", "first_row": 0, "rows": 2, "accepted_rows": 2},
+            assert rec.meta.extra["requests"] == [{"rid": "0", "first_row": 0, "rows": 2, "accepted_rows": 2},
                                             {"rid": "1", "first_row": 2, "rows": 4, "accepted_rows": 4}]
-            assert rec.meta["slot_match"] == ["layer.0.out", "layer.1.out", "layer.2.out"]
+            assert rec.meta.slot_match == ["layer.0.out", "layer.1.out", "layer.2.out"]
         assert torch.equal(run.records[0].tensors["aux.packed"], run.records[1].tensors["aux.packed"])
     assert res[0]["verify_rows"] == [{"rid": "a", "first_row": 0, "rows": 4, "accepted_rows": 3},
                                      {"rid": "b", "first_row": 4, "rows": 4, "accepted_rows": 1}]

@@ -69,8 +69,8 @@ def test_the_plugin_captures_sglangs_kimi_wrapper_with_its_embedding(tmp_path):
     assert run.problems == [] and sorted(run.records) == [0, 1]
     hs = res[0]["hf"]
     for rank, rec in run.records.items():
-        assert rec.meta["model"] == "KimiK25ForConditionalGeneration"
-        assert rec.meta["layers_to_capture"] == IDS
+        assert rec.meta.extra["model"] == "KimiK25ForConditionalGeneration"
+        assert rec.meta.extra["layers_to_capture"] == IDS
         assert torch.allclose(rec.tensors["embed.out"], hs[0], atol=1e-4), rank
         for k in range(L):
             assert torch.allclose(rec.tensors[f"layer.{k}.out"], hs[k + 1], atol=1e-4), (rank, k)

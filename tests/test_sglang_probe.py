@@ -57,12 +57,12 @@ def check_healthy(out, rep, arch, config_path=None):
             assert torch.allclose(rec.tensors[f"layer.{k}.out"], hs[k + 1], atol=1e-4), (rank, k)
         # every all-reduce belongs to the embedding or to the layer whose row-parallel output it sums
         # (the audit also sees the logits all-gather after the last layer: not a reduce)
-        gathers = [a for a in rec.meta["allreduces"] if a.get("kind") == "all_gather"]
-        assert all(a["where"] == "other" for a in gathers), gathers
-        ars = [a for a in rec.meta["allreduces"] if a.get("kind", "all_reduce") == "all_reduce"]
-        assert ars[0]["where"] == "embed" and rec.meta["unreduced_rows"] == []
-        assert [a["where"] for a in ars[1:]] == [f"layer.{k}" for k in range(L) for _ in (0, 1)]
-        assert all(a["source"] and a["source"].startswith(f"model.{a['where'].replace('.', 's.', 1)}.")
+        gathers = [a for a in rec.meta.collectives if a.kind == "all_gather"]
+        assert all(a.where == "other" for a in gathers), gathers
+        ars = [a for a in rec.meta.collectives if a.kind == "all_reduce"]
+        assert ars[0].where == "embed" and rec.meta.unreduced_rows == []
+        assert [a.where for a in ars[1:]] == [f"layer.{k}" for k in range(L) for _ in (0, 1)]
+        assert all(a.source and a.source.startswith(f"model.{a.where.replace('.', 's.', 1)}.")
                    for a in ars[1:]), ars
     return run
 
@@ -81,7 +81,7 @@ def test_cli_deepseek_v2_mla_moe_tp2_healthy_and_equal_to_hf(tmp_path):
     run = check_healthy(tmp_path, rep, "deepseek_v2")
     assert [s["expected"] for s in rep["slots"]] == ["embed.out", "layer.0.out", "layer.2.out"]
     assert "DeepseekV2MoE" in rep["settings"]["mlp per layer"]
-    moe = [a["source"] for a in run.records[0].meta["allreduces"] if (a["source"] or "").endswith(".mlp")]
+    moe = [a.source for a in run.records[0].meta.collectives if (a.source or "").endswith(".mlp")]
     assert moe == [f"model.layers.{k}.mlp" for k in range(1, L)]   # the MoE block's own reduce
 
 

@@ -43,8 +43,7 @@ def _audit_groups(out):
     from tpprobe.formats.capture_dir import load_run
 
     run = load_run(out)
-    return [(a["where"], a["group"], a["group_size"]) for a in run.records[0].meta["allreduces"]
-            if a["kind"] == "all_reduce"]
+    return [(a.where, a.group, a.group_size) for a in run.records[0].meta.collectives if a.kind == "all_reduce"]
 
 
 def test_readme_deepseek_v2_default_command_is_healthy(tmp_path):
@@ -111,11 +110,10 @@ def _dp_clean_except_aux(out, rep):
 
     run = load_run(out)
     for r, rec in run.records.items():
-        reduces = [a for a in rec.meta["allreduces"] if a["kind"] == "all_reduce"]
+        reduces = [a for a in rec.meta.collectives if a.kind == "all_reduce"]
         embed = reduces[0]
-        assert (embed["where"], embed["group"], embed["group_ranks"]) == \
-               ("embed", "attention_tp:0", [0, 1] if r < 2 else [2, 3])
-        assert {a["group"] for a in reduces[1:]} == {"tp:0"}
+        assert (embed.where, embed.group, embed.group_ranks) == ("embed", "attention_tp:0", [0, 1] if r < 2 else [2, 3])
+        assert {a.group for a in reduces[1:]} == {"tp:0"}
 
 
 @pytest.mark.sweep      # the default run's F17 test asserts the same DP path clean beside the aux

@@ -7,8 +7,11 @@ token vLLM verifies it against only when that slot holds the stream it was built
 vLLM's acceptance is 1.00 with the right ids and 0.00 when the slot holds another stream: the symptom (vLLM's
 counters, `llm.get_metrics()`) and the cause (tpprobe's verdict) come from the same engine run.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_draft_live.py`; the long matrix is
-`sweep` (`-m "vllm_live and sweep"`).
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_draft_live.py` runs ONE engine (the
+off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training also given
+as a SpecForge sample); the long matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again (vLLM's own
+acceptance back to 1.00, HEALTHY), ids out of layer order, a capture without the residual, a wrong all-reduce in
+the target, a partial capture, and the same tokens with and without the plugin.
 """
 from __future__ import annotations
 
@@ -115,13 +118,30 @@ def want_tokens() -> list:
     return [expected_tokens(p, TOKENS) for p in PROMPTS]
 
 
-def test_off_by_one_config_is_named_with_its_fix_and_the_fix_brings_acceptance_back(target, tmp_path):
+def hf_sample(target: Path, prompt: list, hs: list, out: Path) -> Path:
+    """A SpecForge training sample of `prompt` as SpecForge writes one (tpprobe.formats.specforge.write_sample):
+    `aux_hidden_state` = HF hidden_states `hs` of the target, computed by transformers' LlamaForCausalLM (not by
+    vLLM): what the draft was trained on."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tpprobe.formats.specforge import write_sample
+
+    m = LlamaForCausalLM.from_pretrained(str(target), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out_hs = m(ids, output_hidden_states=True).hidden_states
+    return write_sample(out, ids[0], torch.cat([out_hs[h][0] for h in hs], dim=-1), out_hs[-1][0])
+
+
+def test_off_by_one_config_is_named_with_its_fix_and_the_replayed_fix_brings_acceptance_back(target, tmp_path):
     """The seed: a draft built for the streams of ids [1, 2, 3] (HF hidden_states 1..3) served with a config that
     says [0, 1, 2] (SpecForge's output-of-layer ids, which vLLM reads as written). vLLM's acceptance drops to 0;
-    the report names every slot one layer early, at the first captured step, on both ranks, and the fix. The
-    config rewritten with the report's ids is served again: acceptance 1.00. Reported without a word about the
-    training, that run is one warning (checked against the config only), never HEALTHY for the draft; with the
-    training given it is HEALTHY (no finding, every layer hooked). Acceptance is always vLLM's own count."""
+    the report names every slot one layer early, at the first captured step, on both ranks, and the fix; the draft
+    (its weights as vLLM loaded them) replayed on the captured prompt's streams with the fix's ids accepts every
+    position (0.00 -> 1.00). The same capture reported with the training given as a SpecForge sample (HF's forward
+    of a served prompt) names the same cause. One engine start: the fixed config served again is the sweep's
+    test_the_fix_served_brings_vllms_acceptance_back. Acceptance is always vLLM's own count."""
     draft = build_draft(tmp_path / "draft", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3])
     bad = tmp_path / "off-by-one"
     bad.mkdir()
@@ -136,15 +156,47 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_fix_brings_acceptance_b
     assert "every slot is one layer early" in f[0]["detail"], f[0]
     assert "explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
     assert f"fix: set `{FIELD}` to [1, 2, 3]" in f[0]["detail"], f[0]
-    assert rep["drafter"]["fix_ids"] == [1, 2, 3] and rep["drafter"]["engine_slots"] == [0, 1, 2]
-    # the fix applied: the same draft's config with the report's ids
-    cfg = json.loads((draft / "config.json").read_text())
-    cfg[FIELD] = rep["drafter"]["fix_ids"]
-    (draft / "config.json").write_text(json.dumps(cfg))
-    good = tmp_path / "fixed"
-    good.mkdir()
-    res2, cap2, _ = serve(good, target, draft)
-    assert res2["tokens"] == res["tokens"]
+    d = rep["drafter"]
+    assert d["fix_ids"] == [1, 2, 3] and d["engine_slots"] == [0, 1, 2]
+    # the fix replayed: the draft on the captured prompt's streams, with the report's ids and with the config's
+    chk = d["replay"]["fix_check"]
+    assert (chk["ids"], chk["streams"]) == ([1, 2, 3], [1, 2, 3]), chk
+    assert (chk["current"]["first_position"], chk["score"]["first_position"]) == (0.0, 1.0), chk
+    assert chk["score"]["per_position"] == [1.0] * chk["score"]["chain"], chk
+    # every layer hooked, the input equal on both ranks, prefill and verify rows in one step, split per request
+    cov = rep["coverage"]
+    assert cov["layers_found"] == cov["layers_ran"] == 4 and cov["embed"], cov
+    assert [s["holds"] for s in d["steps"][0]["slots"]] == ["id 0", "id 1", "id 2"], d["steps"][0]
+    assert all(not s["ranks_differ"] and s["ranks"] == [0, 1] for s in d["steps"]), d["steps"]
+    kinds = {r["kind"] for s in d["steps"] for r in s["requests"]}
+    assert {"prefill", "verify"} <= kinds, kinds
+    # the training as a SpecForge sample (HF hidden_states 1..3 of the first prompt, by transformers): the same
+    # cause, the slots matched to the captured prefill of those tokens
+    sample = hf_sample(target, PROMPTS[0], [1, 2, 3], tmp_path / "rows_0-1" / "data_0.ckpt")
+    rc4, rep4 = report(cap, TPPROBE_DRAFT_TRAINED=f"specforge:{sample}")
+    f4 = fails(rep4)
+    assert rc4 == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f4] == \
+        [("capture-offset", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep4["findings"]
+    assert rep4["drafter"]["trained"] == [1, 2, 3] and rep4["drafter"]["fix_ids"] == [1, 2, 3], rep4["drafter"]
+    assert rep4["drafter"]["trained_from"].startswith(f"the SpecForge sample {sample}: its 3 slots are HF "
+                                                      f"hidden_states [1, 2, 3]"), rep4["drafter"]["trained_from"]
+
+
+@pytest.mark.sweep
+def test_the_fix_served_brings_vllms_acceptance_back(target, tmp_path):
+    """The off-by-one case's fix applied (the draft's config with the ids the report proposes, `fix_for` of what it
+    was trained on) and served: vLLM's acceptance 1.00, mean acceptance length 2.00. Reported without a word about
+    the training, that run is one warning (checked against the config only), never HEALTHY for the draft; with the
+    training given it is HEALTHY (no finding, every layer hooked)."""
+    from tpprobe.engines.vllm.acceptance import fix_for
+
+    ids = fix_for([1, 2, 3], 4)[0]
+    assert ids == [1, 2, 3]
+    # crossed (its MLP split across the ranks the other way from the target's): such a draft accepts every draft
+    # when its input is right (the partial-capture case uses one)
+    draft = build_draft(tmp_path / "draft", ids, read_slot=1, trained_ids=[1, 2, 3], crossed=True)
+    res2, cap2, _ = serve(tmp_path, target, draft)
+    assert res2["tokens"] == want_tokens(), res2["tokens"]
     # nothing said about the training: the engine agrees with the config, which is no evidence for the draft
     rc2, rep2 = report(cap2)
     run2 = same_counts(rep2, res2)
@@ -163,6 +215,37 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_fix_brings_acceptance_b
     # prefill and verify rows in one step, split per request, as vLLM scheduled them
     kinds = {r["kind"] for s in d["steps"] for r in s["requests"]}
     assert {"prefill", "verify"} <= kinds, kinds
+
+
+@pytest.mark.sweep
+def test_a_wrong_all_reduce_in_the_target_is_named_as_the_cause_of_the_acceptance(target, tmp_path):
+    """F22 made vLLM's way (tpprobe.engines.vllm.faults allreduce-stale@2.mlp): the TP group's device communicator
+    returns, for layer 2's MLP reduce (mlp.down_proj), the previous reduce's output (its attention's, zeros here) on
+    every rank, a custom all-reduce returning a stale buffer. The draft's ids are right and what it receives
+    passes every drafter check (it reads HF hidden_states[2], before layer 2), but the target's tokens come from
+    the broken forward: vLLM's acceptance drops to 0, and the report names the reduce (class, layer, ranks, step)
+    and says it explains the acceptance."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1)
+    res, cap, log = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="ids:1,2,3",
+                          TPPROBE_VLLM_INJECT="allreduce-stale@2.mlp")
+    assert "TEST FAULT injected: allreduce-stale@2.mlp" in log
+    assert res["tokens"] != want_tokens(), res["tokens"]          # the target itself is broken
+    rc, rep = report(cap)
+    run = same_counts(rep, res)
+    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    where = "layer 2 (model.layers.2.mlp.down_proj)"
+    first = rep["first_divergence"]
+    assert (first["step"], first["forward_mode"], first["kind"], first["where"], first["ranks"]) == \
+        (0, "extend", "allreduce-incomplete", where, [0, 1]), first
+    f = fails(rep)
+    assert rc == 1 and (f[0]["kind"], f[0]["where"], f[0]["ranks"]) == ("allreduce-incomplete", where, [0, 1]), f
+    assert "it explains vLLM's acceptance 0.00" in f[0]["detail"] and f[0]["detail"] in f[0]["line"], f[0]
+    d = rep["drafter"]
+    assert d["explained"] and d["explained_by"] == {"kind": "allreduce-incomplete", "where": where, "ranks": [0, 1],
+                                                    "step": 0, "forward_mode": "extend"}, d.get("explained_by")
+    # the draft's own input is what it was trained on: no drafter finding, nothing said of its ids
+    assert d["findings"] == [] and d["fix_ids"] is None, d["findings"]
+    assert [s["holds"] for s in d["steps"][0]["slots"]] == ["id 1", "id 2", "id 3"], d["steps"][0]
 
 
 @pytest.mark.sweep
@@ -197,6 +280,31 @@ def test_capture_without_the_residual_is_named_at_its_slot(target, tmp_path):
         [("capture-no-residual", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], f
     assert "slot 1 holds layer 1's hidden_states without the residual where vLLM's rule gives id 2" in f[0]["detail"]
     assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f
+
+
+@pytest.mark.sweep
+def test_a_partial_capture_is_named_at_its_slot_as_the_cause_of_the_acceptance(target, tmp_path):
+    """F28 made vLLM's way (tpprobe.engines.vllm.faults deferred-reduce-capture@1): layer 1's mlp.down_proj leaves
+    its sum owed and layer 2's input norm completes it; vLLM's capture appends the stream leaving layer 1 between
+    the two, so slot 1 (id 2) holds each rank's own partial sum. The target's tokens are right (its sum
+    completes); the draft, crossed (its MLP splits the code across the ranks the other way from the target's, as
+    real weights do: by default this build's draft would sum the partials back), drafts nothing right: vLLM's
+    acceptance 0, named `partial-capture` at slot 1, both ranks, step 0, with the fix, explaining the acceptance."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1, crossed=True)
+    res, cap, log = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="ids:1,2,3",
+                          TPPROBE_VLLM_INJECT="deferred-reduce-capture@1")
+    assert "TEST FAULT injected: deferred-reduce-capture@1" in log
+    assert res["tokens"] == want_tokens(), res["tokens"]
+    rc, rep = report(cap)
+    run = same_counts(rep, res)
+    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    f = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("partial-capture", "drafter slot 1, step 0 (extend)", [0, 1])], rep["findings"]
+    assert "slot 1 (id 2 = HF hidden_states[2] (layer 1's output)) holds each rank's own partial sum" in \
+        f[0]["detail"], f[0]
+    assert "fix: capture the layer's output after its reduce completes" in f[0]["detail"], f[0]
+    assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
 
 
 @pytest.mark.sweep

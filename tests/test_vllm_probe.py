@@ -142,11 +142,11 @@ def test_healthy_with_full_coverage_every_reduce_read(tmp_path, arch, nproc, pat
                 assert torch.allclose(rec.tensors[f"layer.{k}.out"], hs[k + 1], atol=1e-4), (rank, k)
             # the packed aux vLLM's draft receives: vLLM id k = HF hidden_states[k] (N: before the final norm)
             assert torch.allclose(rec.tensors["aux.packed"], torch.cat([hs[k] for k in vllm_ids], -1), atol=1e-4)
-            ars = [a for a in rec.meta["allreduces"] if a["kind"] == "all_reduce"]
-            assert [(a["layer"], a["source"]) for a in ars[1:]] == [
+            ars = [a for a in rec.meta.collectives if a.kind == "all_reduce"]
+            assert [(a.layer, a.source) for a in ars[1:]] == [
                 (k, src) for k in range(L)
                 for src in (f"model.layers.{k}.self_attn.o_proj", mlp_reduce_source(arch, k))]
-            assert all(a["group"] == "tp:0" for a in rec.meta["allreduces"])
+            assert all(a.group == "tp:0" for a in rec.meta.collectives)
 
 
 # (inject, nproc, path, exchange, kind, where, ranks, what the detail says[, arch])

@@ -4,9 +4,10 @@
 and the GPU graph proof (builtin/graph.py), so all of them write the same schema (`tpprobe.capture/1`;
 formats/capture_dir.py reads it back). It returns a frozen `RankRecord`, complete when made: every
 point's and collective's fingerprint, which candidate each aux slot equals (capture/slots.py) and the
-fingerprint path's notes are inputs of the one call, never keys added to its JSON afterwards.
-`to_json()` is checked (`check_meta`): a malformed record fails where it is made, not when a report
-reads it. (formats.capture_dir.LoadedRank is a rank read back: its number, that JSON and its tensors.)
+fingerprint path's notes are inputs of the one call, never keys added to its JSON afterwards. Its parts
+are typed (capture/schema.py) and checked when made: a malformed record fails where it is made, not when
+a report reads it. `RankRecord.from_json` reads rank-NNN.json back as the same type, validated
+(formats.capture_dir.LoadedRank is a rank read back: its number, that record and its tensors).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch
 from ..fingerprint.reference import PROBE_K, PROBE_SEED, TORCH_PATH, fingerprint, host_combine_notes, resolved
 from .params import replicated_param_hashes
 from .points import AUX_PACKED, INPUT_IDS, allreduce_in, allreduce_out
+from .schema import (REDUCE_KINDS, AuxLayout, Collective, Coverage, ParamHash, Point, UnreducedRow, dict_, dict_of,
+                     int_, list_of, optional, str_)
 from .slots import tap_slot_match
 
 
@@ -53,22 +56,26 @@ def point_meta(name: str, t: Optional[torch.Tensor], fp=None) -> dict:
     return {"name": name, "shape": list(fp.shape), "dtype": fp.dtype, "kept": False}
 
 
+NOTE_KEYS = ("fingerprint_torch_path", "fingerprint_host_combine")   # fingerprint_notes' keys
+
+
 @dataclass(frozen=True)
 class RankRecord:
     """One rank's forward, as it is written: `tensors` (rank-NNN.safetensors) and the fields of
-    rank-NNN.json (`to_json`). Made by `rank_record` only; nothing is added to it afterwards."""
+    rank-NNN.json (`to_json`), and as it is read back (`from_json`: the same type, its tensors apart).
+    Made by `rank_record` only; nothing is added to it afterwards."""
     rank: int
     world_size: int
-    status: str
+    status: Optional[str]
     error: Optional[str]
-    points: list                    # point_meta per capture point, in the order the forward ran them
-    collectives: list               # the audit's records (JSON "allreduces"), with in_fp / out_fp when fingerprinted
-    unreduced_rows: list
+    points: list[Point]             # per capture point, in the order the forward ran them
+    collectives: list[Collective]   # the audit's records (JSON "allreduces"), with in_fp / out_fp when fingerprinted
+    unreduced_rows: list[UnreducedRow]
     embed_module: Optional[str]
     layers_hooked: int
-    coverage: Optional[dict]        # what was hooked and audited (None: not said, the JSON has no key)
-    aux: dict                       # the whole packed aux tensor's layout (aux_meta), {} without one
-    params: dict                    # replicated-parameter hashes
+    coverage: Optional[Coverage]    # what was hooked and audited (None: not said, the JSON has no key)
+    aux: Optional[AuxLayout]        # the whole packed aux tensor's layout (None: no aux tensor, JSON {})
+    params: dict[str, ParamHash]    # replicated-parameter hashes
     timings: dict
     device: str
     extra: dict                     # the caller's own facts (the plugins' step, forward mode, parallel ranks)
@@ -81,14 +88,16 @@ class RankRecord:
     tensors: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        """rank-NNN.json's object (a fresh copy; checked with check_meta)."""
+        """rank-NNN.json's object (a fresh copy)."""
         meta = {
             "rank": self.rank, "world_size": self.world_size, "status": self.status, "error": self.error,
-            "points": self.points, "allreduces": self.collectives, "unreduced_rows": self.unreduced_rows,
+            "points": [p.to_json() for p in self.points], "allreduces": [a.to_json() for a in self.collectives],
+            "unreduced_rows": [u.to_json() for u in self.unreduced_rows],
             "embed_module": self.embed_module, "layers_hooked": self.layers_hooked,
-            **({} if self.coverage is None else {"coverage": self.coverage}),
-            "aux": self.aux, "params": self.params, "timings": self.timings, "device": self.device,
-            **self.extra, "hidden": self.hidden,
+            **({} if self.coverage is None else {"coverage": self.coverage.to_json()}),
+            "aux": {} if self.aux is None else self.aux.to_json(),
+            "params": {n: e.to_json() for n, e in self.params.items()}, "timings": self.timings,
+            "device": self.device, **self.extra, "hidden": self.hidden,
         }
         if self.fingerprints is not None:
             meta["fingerprints"] = self.fingerprints
@@ -99,9 +108,48 @@ class RankRecord:
             meta["slot_fps"] = self.slot_fps
         if self.kept_bytes is not None:
             meta["kept_bytes"] = self.kept_bytes
-        meta = copy.deepcopy(meta)
-        check_meta(meta)
-        return meta
+        return copy.deepcopy(meta)
+
+    @classmethod
+    def from_json(cls, meta, tensors: Optional[dict] = None) -> "RankRecord":
+        """rank-NNN.json's object read back (a ValueError names the field that is missing or of the wrong
+        type: formats/capture_dir.py reports it as the folder's load problem). The fields of the first
+        schema are required; those added later (coverage, hidden, fingerprints, the slot match, ...) are
+        optional; keys of a writer's own go to `extra`."""
+        obj = dict_(meta, "the rank's metadata")
+        for k in REQUIRED:
+            if k not in obj:
+                raise ValueError(f"the rank's metadata has no {k!r}")
+        v = {k: parse(obj[k], repr(k)) if k in obj else None for k, parse in FIELDS.items()}
+        aux = v["aux"] or {}
+        return cls(
+            rank=v["rank"], world_size=v["world_size"], status=v["status"], error=v["error"], points=v["points"],
+            collectives=v["allreduces"], unreduced_rows=v["unreduced_rows"], embed_module=v["embed_module"],
+            layers_hooked=v["layers_hooked"], coverage=v["coverage"],
+            aux=AuxLayout.from_json(aux, "'aux'") if aux else None, params=v["params"], timings=v["timings"],
+            device=v["device"], extra={k: x for k, x in obj.items() if k not in FIELDS and k not in NOTE_KEYS},
+            hidden=v["hidden"], fingerprints=v["fingerprints"], notes={k: obj[k] for k in NOTE_KEYS if k in obj},
+            slot_match=v["slot_match"], slot_fps=v["slot_fps"], kept_bytes=v["kept_bytes"], tensors=dict(tensors or {}))
+
+    @property
+    def reduces(self) -> list[Collective]:
+        """The collectives that sum partial results (all-reduce, reduce-scatter, unknown), in issue order."""
+        return [a for a in self.collectives if a.kind in REDUCE_KINDS]
+
+
+# rank-NNN.json's keys and how each is read; the first schema wrote all of REQUIRED
+FIELDS = {
+    "rank": int_, "world_size": int_, "status": optional(str_), "error": optional(str_),
+    "points": list_of(Point.from_json), "allreduces": list_of(Collective.from_json),
+    "unreduced_rows": list_of(UnreducedRow.from_json), "embed_module": optional(str_), "layers_hooked": int_,
+    "coverage": lambda v, where: Coverage.from_json(v, where) if dict_(v, where) else None,   # {}: not said
+    "aux": dict_, "params": dict_of(ParamHash.from_json),
+    "timings": dict_, "device": str_, "hidden": optional(int_), "fingerprints": optional(dict_of(dict_)),
+    "slot_match": optional(list_of(optional(str_))), "slot_fps": optional(dict_of(dict_)),
+    "kept_bytes": optional(int_),
+}
+REQUIRED = ("rank", "world_size", "status", "error", "points", "allreduces", "unreduced_rows", "embed_module",
+            "layers_hooked", "aux", "params", "timings", "device")
 
 
 def _fp_json(fp):
@@ -167,14 +215,18 @@ def rank_record(tap, *, rank: int, world: int, input_ids: Optional[torch.Tensor]
     timings = dict(timings or {})
     if record_started is not None:
         timings["record_s"] = time.time() - record_started
+    params = replicated_param_hashes(model) if params is None else params
     return RankRecord(
         rank=rank, world_size=world, status=status, error=error,
-        points=[point_meta(n, tensors.get(n), tap.summaries.get(n)) for n in dict.fromkeys(tap.order)
-                if n in tensors or n in tap.summaries],
-        collectives=[collective_meta(r, fingerprints is not None) for r in tap.allreduces],
-        unreduced_rows=tap.unreduced_rows(), embed_module=tap.embed_name, layers_hooked=len(tap.layer_indices),
-        coverage=tap.coverage() if with_coverage else None, aux=aux_meta(aux),
-        params=replicated_param_hashes(model) if params is None else params, timings=timings, device=device,
+        points=[Point.from_json(point_meta(n, tensors.get(n), tap.summaries.get(n)), f"point {n}")
+                for n in dict.fromkeys(tap.order) if n in tensors or n in tap.summaries],
+        collectives=[Collective.from_json(collective_meta(r, fingerprints is not None), f"collective #{r.seq}")
+                     for r in tap.allreduces],
+        unreduced_rows=[UnreducedRow.from_json(u) for u in tap.unreduced_rows()], embed_module=tap.embed_name,
+        layers_hooked=len(tap.layer_indices),
+        coverage=Coverage.from_json(tap.coverage(), "coverage") if with_coverage else None,
+        aux=AuxLayout.from_json(aux_meta(aux), "aux") if aux is not None else None,
+        params={n: ParamHash.from_json(e, f"parameter {n}") for n, e in params.items()}, timings=timings, device=device,
         extra=dict(extra or {}), hidden=hidden, fingerprints=fps, notes=notes, slot_match=slot_match,
         slot_fps=slot_fps,
         kept_bytes=sum(t.numel() * t.element_size() for t in tensors.values()) if count_kept else None,
@@ -190,34 +242,6 @@ def unmatched_slot_fps(aux: torch.Tensor, hidden: int, slot_match, sketch) -> Op
     slots = aux.split(hidden, dim=-1)
     return {str(i): fingerprint(slots[i], seed=sketch.seed, k=sketch.k).to_json()
             for i, m in enumerate(slot_match) if m is None and i < len(slots)}
-
-
-def check_meta(meta) -> None:
-    """The shape of a rank's metadata the checks rely on (ValueError says what is off)."""
-    if not isinstance(meta, dict):
-        raise ValueError("not a JSON object")
-    pts = meta.get("points", [])
-    if not isinstance(pts, list) or not all(
-            isinstance(p, dict) and isinstance(p.get("name"), str)
-            and isinstance(p.get("shape", []), list) and all(isinstance(d, int) for d in p.get("shape", []))
-            and isinstance(p.get("dtype", ""), str) for p in pts):
-        raise ValueError("'points' must be a list of {name, shape, dtype}")
-    ars = meta.get("allreduces", [])
-    if not isinstance(ars, list) or not all(
-            isinstance(a, dict) and isinstance(a.get("where"), str) and isinstance(a.get("shape"), list)
-            and all(isinstance(d, int) for d in a["shape"]) and isinstance(a.get("group_size"), int)
-            and isinstance(a.get("op"), str) and isinstance(a.get("seq"), int) for a in ars):
-        raise ValueError("'allreduces' must be a list of {seq, where, shape, group_size, op}")
-    for k in ("status", "error", "embed_module"):
-        if not (meta.get(k) is None or isinstance(meta.get(k), str)):
-            raise ValueError(f"{k!r} must be a string")
-    for k in ("aux", "params", "timings", "coverage"):
-        if not isinstance(meta.get(k, {}), dict):
-            raise ValueError(f"{k!r} must be an object")
-    if not all(isinstance(e, dict) for e in (meta.get("params") or {}).values()):
-        raise ValueError("'params' must map each parameter's name to an object")
-    if not isinstance((meta.get("coverage") or {}).get("unreadable_points") or {}, dict):
-        raise ValueError("'coverage.unreadable_points' must be an object")
 
 
 def resolve_summaries(tap, summarize, device_ok: bool) -> None:

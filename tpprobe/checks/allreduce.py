@@ -14,7 +14,7 @@ SKETCH_OPS = ("SUM", "AVG", "CAT", "PERMUTE")
 
 
 def allreduce_audit(ev, records, live, world) -> dict:
-    n = min(len(records[r].meta.get("allreduces", [])) for r in live)
+    n = min(len(records[r].meta.collectives) for r in live)
     # tensors: each output against the sum of the inputs, element by element (exact or within rounding);
     # sketch: fingerprints only, which prove a sum complete within rounding, never bit-exact
     method = getattr(ev, "audit_method", "tensors")
@@ -22,16 +22,15 @@ def allreduce_audit(ev, records, live, world) -> dict:
     res = {"checked": 0, "complete": 0, "noise": 0, "incomplete": 0, "unchecked": 0, "unchecked_why": {},
            "records": [], "method": method}
     for i in range(n):
-        metas = [records[r].meta["allreduces"][i] for r in live]
-        m = metas[0]
-        entry = {k: m.get(k) for k in ("seq", "where", "module", "source", "shape", "dtype", "group_size", "op",
-                                       "layer", "group")}
-        entry.update(kind=m.get("kind", "all_reduce"), path=m.get("path", "torch.distributed.all_reduce"))
+        m = records[live[0]].meta.collectives[i]
+        entry = {k: getattr(m, k) for k in ("seq", "where", "module", "source", "shape", "dtype", "group_size", "op",
+                                            "layer", "group")}
+        entry.update(kind=m.kind, path=m.path or "torch.distributed.all_reduce")
         why = None
-        if not m.get("checked", True):
+        if not m.checked:
             why = "tensors not readable"
-        elif m["op"] not in ops:
-            why = f"op {m['op']} not checkable from {'sketches' if method == 'sketch' else 'tensors'}"
+        elif m.op not in ops:
+            why = f"op {m.op} not checkable from {'sketches' if method == 'sketch' else 'tensors'}"
         elif len(live) != world:
             why = "not every rank's record"
         per = None if why else ev.allreduce(i, live, m)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..capture.points import AUX_PACKED, allreduce_in, allreduce_out
+from ..capture.schema import Collective
 from ..core.noise import compare
 from ..fingerprint.levels import fp_level
 from ..fingerprint.reference import Fingerprint, sum_matches
@@ -32,11 +33,11 @@ def _close(a, b, dtype) -> bool:
         compare(a, b, dtype=dtype)["level"] in ("bitwise", "noise")
 
 
-def _name(a: dict) -> str:
-    who = a.get("source") or a.get("module") or "?"
-    grp = f", group {a['group']}" if a.get("group") else ""
-    lay = f"layer {a['layer']}" if a.get("layer") is not None else a.get("where", "?")
-    return f"all-reduce #{a['seq']} ({who}, {lay}{grp}, {a.get('group_size', '?')} ranks)"
+def _name(a: Collective) -> str:
+    who = a.source or a.module or "?"
+    grp = f", group {a.group}" if a.group else ""
+    lay = f"layer {a.layer}" if a.layer is not None else a.where
+    return f"all-reduce #{a.seq} ({who}, {lay}{grp}, {a.group_size} ranks)"
 
 
 def explain_rows(records, r: int, hidden: int, expected: list, settings: dict) -> Optional[tuple]:
@@ -60,8 +61,7 @@ def explain_rows(records, r: int, hidden: int, expected: list, settings: dict) -
     world, dp = settings["world_size"], int(settings.get("attn_dp") or 1)
     attn = int(settings.get("attn_tp") or world // max(dp, 1))
     groups = [list(range(g * attn, (g + 1) * attn)) for g in range(world // attn)] if dp > 1 else []
-    tp = next((a.get("group") for a in rec.meta.get("allreduces", []) if a.get("group_ranks") is None
-               and a.get("group")), "the TP group")
+    tp = next((a.group for a in rec.meta.collectives if a.group_ranks is None and a.group), "the TP group")
     return ("dp-gather-group", AUX_PACKED,
             f"the packed aux has {k} × {n} rows: every slot holds the rows of {k} attention-DP groups (block j "
             f"= group j's tokens), gathered over {tp} ({world} ranks) where the attention-TP group "
@@ -85,7 +85,7 @@ def explain(ev, records, live: list[int], hidden: int, slot: int, expected: Opti
             return None
         for k in found:
             found[k] = here[k] if n == 0 else found[k] & here[k]
-    audit = {a["seq"]: a for a in records[live[0]].meta.get("allreduces", [])}
+    audit = {a.seq: a for a in records[live[0]].meta.collectives}
     from ..capture.points import point_label
 
     idtext = f" (id {slot_id})" if slot_id is not None else ""
@@ -112,14 +112,14 @@ def _tensor_causes(rec, hidden: int, slot: int, expected: str, dtype) -> Optiona
         return None
     s = packed[..., slot * hidden:(slot + 1) * hidden].float()
     here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
-    for a in rec.meta.get("allreduces", []):
-        i, o = rec.tensors.get(allreduce_in(a["seq"])), rec.tensors.get(allreduce_out(a["seq"]))
+    for a in rec.meta.collectives:
+        i, o = rec.tensors.get(allreduce_in(a.seq)), rec.tensors.get(allreduce_out(a.seq))
         if i is None or o is None or tuple(o.shape) != tuple(s.shape):
             continue
         if _close(s, o.float(), dtype):
-            here["capture-no-residual"].add(a["seq"])
+            here["capture-no-residual"].add(a.seq)
         elif _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
-            here["partial-capture"].add(a["seq"])
+            here["partial-capture"].add(a.seq)
     return here
 
 
@@ -134,18 +134,18 @@ def _sketch_close(a: Fingerprint, b: Fingerprint, dtype) -> bool:
 def _sketch_causes(rec, slot: int, expected: str, dtype) -> Optional[dict]:
     """The same from rank `rec`'s fingerprints (linear sketches): slot = out_j when sketch(slot) ~ sketch(out_j);
     slot = S - out_j + in_j when sketch(slot) + sketch(out_j) ~ sketch(S) + sketch(in_j). None without them."""
-    s = _fp((rec.meta.get("slot_fps") or {}).get(str(slot)))
-    S = _fp((rec.meta.get("fingerprints") or {}).get(expected))
+    s = _fp((rec.meta.slot_fps or {}).get(str(slot)))
+    S = _fp((rec.meta.fingerprints or {}).get(expected))
     if s is None or S is None or s.shape != S.shape or s.k != S.k or s.seed != S.seed or s.n_nan or s.n_inf:
         return None
     here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
-    for a in rec.meta.get("allreduces", []):
-        i, o = _fp(a.get("in_fp")), _fp(a.get("out_fp"))
+    for a in rec.meta.collectives:
+        i, o = _fp(a.in_fp), _fp(a.out_fp)
         if i is None or o is None or o.shape != s.shape or i.shape != s.shape or o.k != s.k or o.seed != s.seed \
                 or i.k != s.k or i.seed != s.seed or i.n_nan or i.n_inf or o.n_nan or o.n_inf:
             continue
         if _sketch_close(s, o, dtype):
-            here["capture-no-residual"].add(a["seq"])
+            here["capture-no-residual"].add(a.seq)
         elif not _sketch_close(i, o, dtype) and sum_matches(s, [S, scaled_fp(o, -1.0), i], dtype)[0]:
-            here["partial-capture"].add(a["seq"])
+            here["partial-capture"].add(a.seq)
     return here

@@ -8,8 +8,7 @@ from .findings import Finding
 
 
 def sequence_mismatch(records: dict, live: list[int]) -> list[Finding]:
-    seqs = {r: [(a["where"], tuple(a["shape"]), a["group_size"]) for a in records[r].meta.get("allreduces", [])]
-            for r in live}
+    seqs = {r: [(a.where, tuple(a.shape), a.group_size) for a in records[r].meta.collectives] for r in live}
     if len({tuple(s) for s in seqs.values()}) <= 1:
         return []
     common = Counter(tuple(s) for s in seqs.values()).most_common(1)[0][0]
@@ -30,11 +29,12 @@ def _ar_text(a) -> str:
     return f"one at {a[0]} of shape {list(a[1])} over {a[2]} ranks"
 
 
-def extra_collective_place(audit, ref_audit):
-    """Where a stalled rank's sequence first departs from the others' (the extra collective)."""
+def extra_collective_place(audit: list[dict], ref_audit: list):
+    """Where a stalled rank's sequence (its posted audit, JSON) first departs from the others' (the reference
+    rank's collectives): the extra collective."""
     if not audit:
         return None, None
     for i, a in enumerate(audit):
-        if i >= len(ref_audit) or (a["where"], a["shape"]) != (ref_audit[i]["where"], ref_audit[i]["shape"]):
+        if i >= len(ref_audit) or (a["where"], a["shape"]) != (ref_audit[i].where, ref_audit[i].shape):
             return a["where"], i
     return None, None

@@ -11,31 +11,29 @@ from __future__ import annotations
 from collections import Counter
 
 from ..capture.points import is_layer_place, point_label, point_layer
+from ..capture.schema import REDUCE_KINDS, Coverage
 from .findings import WARNING, Finding
-
-REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
 
 
 def summary(records, live) -> dict:
     """The coverage table of the report: rank 0's view, plus the per-rank reduce counts by place."""
-    cov = {r: records[r].meta.get("coverage") for r in live}
-    base = next((c for c in cov.values() if c), None)
+    base = next((records[r].meta.coverage for r in live if records[r].meta.coverage), None)
     if base is None:       # an older capture: what its metadata says
         m = records[live[0]].meta
-        return {"embed": m.get("embed_module"), "layers_found": m.get("layers_hooked"), "known": False}
+        return {"embed": m.embed_module, "layers_found": m.layers_hooked, "known": False}
     per_place: dict = {}
     paths: Counter = Counter()
     for r in live:
-        for a in records[r].meta.get("allreduces", []):
-            if a.get("kind", "all_reduce") in REDUCE_KINDS:
-                per_place.setdefault(a["where"], {}).setdefault(str(r), 0)
-                per_place[a["where"]][str(r)] += 1
+        for a in records[r].meta.collectives:
+            if a.kind in REDUCE_KINDS:
+                per_place.setdefault(a.where, {}).setdefault(str(r), 0)
+                per_place[a.where][str(r)] += 1
             if r == live[0]:
-                paths[a.get("path", "torch.distributed.all_reduce")] += 1
-    return {**{k: base.get(k) for k in ("embed", "embed_how", "layer_list", "layer_how", "layers_found",
-                                        "layers_ran", "layer_classes", "audit")},
+                paths[a.path or "torch.distributed.all_reduce"] += 1
+    return {**{k: getattr(base, k) for k in ("embed", "embed_how", "layer_list", "layer_how", "layers_found",
+                                             "layers_ran", "layer_classes", "audit")},
             "reduces_per_place": per_place, "paths": dict(paths),
-            "unreadable_paths": base.get("unreadable_paths", {}), "known": True}
+            "unreadable_paths": base.unreadable_paths, "known": True}
 
 
 def coverage_findings(records, live, settings, cov: dict) -> list[Finding]:
@@ -90,7 +88,7 @@ def partial_placement_findings(records, live) -> list[Finding]:
     whose output was placed Partial (the layer itself when no such module was seen)."""
     owed: dict = {}
     for r in live:
-        for name, pl in ((records[r].meta.get("coverage") or {}).get("placements") or {}).items():
+        for name, pl in (records[r].meta.coverage.placements if records[r].meta.coverage else {}).items():
             if any(p.startswith("Partial") for p in pl):
                 owed.setdefault(name, ([], pl))[0].append(r)
     out = []
@@ -110,14 +108,14 @@ def _owed_place(records, ranks, name: str) -> tuple:
     """(where, layer, module) of a point placed Partial: "layer K (MODULE)", MODULE the first module of
     that layer whose DTensor output was placed Partial, else the layer's own module."""
     k = point_layer(name)
-    cov = records[ranks[0]].meta.get("coverage") or {}
-    if k == -1 and cov.get("embed"):
-        return f"embedding ({cov['embed']})", k, cov["embed"]
+    cov = records[ranks[0]].meta.coverage or Coverage()
+    if k == -1 and cov.embed:
+        return f"embedding ({cov.embed})", k, cov.embed
     if k is None or k < 0:
         return name, k, None
-    names = cov.get("layer_names") or []
+    names = cov.layer_names
     layer = names[k] if k < len(names) else None
-    rows = cov.get("row_placements") or {}
+    rows = cov.row_placements
     module = next((m for m, pl in rows.items() if layer and m.startswith(layer + ".")
                    and any(p.startswith("Partial") for p in pl)), None)
     return f"layer {k} ({module or layer or name})", k, module
@@ -149,10 +147,10 @@ def unreadable_findings(records, live) -> list[Finding]:
     what: dict = {}
     for r in live:
         meta = records[r].meta
-        for name, e in (meta.get("params") or {}).items():
-            if e.get("hash") is None and e.get("unreadable"):
-                what.setdefault(("parameter", name, e["unreadable"]), []).append(r)
-        for name, why in ((meta.get("coverage") or {}).get("unreadable_points") or {}).items():
+        for name, e in meta.params.items():
+            if e.hash is None and e.unreadable:
+                what.setdefault(("parameter", name, e.unreadable), []).append(r)
+        for name, why in (meta.coverage.unreadable_points if meta.coverage else {}).items():
             what.setdefault(("capture point", name, why), []).append(r)
     if not what:
         return []

@@ -11,11 +11,10 @@ def point_names(records: dict, live: list[int]) -> list[str]:
     """Every capture point any live rank recorded, in first-seen order (plus the packed aux)."""
     names = []
     for r in live:
-        for p in records[r].meta.get("points", []):
-            if p["name"] not in names:
-                names.append(p["name"])
-    if AUX_PACKED not in names and any(AUX_PACKED in records[r].tensors or records[r].meta.get("aux")
-                                       for r in live):
+        for p in records[r].meta.points:
+            if p.name not in names:
+                names.append(p.name)
+    if AUX_PACKED not in names and any(AUX_PACKED in records[r].tensors or records[r].meta.aux for r in live):
         names.append(AUX_PACKED)
     return names
 

@@ -17,6 +17,7 @@ import torch
 
 from ..core.noise import LEVEL_ORDER, compare, judge_dtype, nonfinite, nonzero_rows, reduce_check
 from ..capture.points import AUX_PACKED, SHARE, allreduce_in, allreduce_out, parse
+from ..capture.schema import Collective
 from ..capture.slots import match_slots, slot_candidates
 from ..fingerprint.levels import fp_dtype, fp_level, fp_measure
 from ..fingerprint.reference import Fingerprint, fingerprint, sum_matches
@@ -103,22 +104,22 @@ class TensorEvidence:
         s = self.tensor(inp, live[0]).double().flatten() + sum(inc.values())
         return compare(s, reference.double().flatten(), dtype=self.dtype, context=RESHARDED)["level"]
 
-    def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
+    def allreduce(self, i: int, live: list[int], meta: Collective) -> Optional[dict]:
         """Each rank's output of collective i against what a complete one returns by its own
         definition (the op over every rank's input; for a reduce-scatter, this rank's chunk of it;
         for an all-gather, the concatenation), and, where it is not that, what it looks like."""
         from ..capture.audit import expected_output
         ins = {r: self.tensor(allreduce_in(i), r) for r in live}
         outs = {r: self.tensor(allreduce_out(i), r) for r in live}
-        kind, op = meta.get("kind", "all_reduce"), meta.get("op", "SUM")
+        kind, op = meta.kind, meta.op
         if any(v is None for v in list(ins.values()) + list(outs.values())) \
                 or (kind != "all_to_all" and len({tuple(v.shape) for v in ins.values()}) > 1):
             return None
         per = {}
         for j, r in enumerate(live):
             # a sub-group reduce (SGLang's attention-TP group under DP attention) involves its members only
-            members = group_members(self.records[r].meta["allreduces"][i], live)
-            splits = [self.records[q].meta["allreduces"][i].get("splits") for q in members]
+            members = group_members(self.records[r].meta.collectives[i], live)
+            splits = [self.records[q].meta.collectives[i].splits for q in members]
             exp = expected_output(kind, [ins[q] for q in members], members.index(r), len(members), op, splits)
             if exp is None:
                 return None
@@ -149,9 +150,9 @@ class TensorEvidence:
     def _previous(self, i: int, r: int, kind: str, shape) -> Optional[torch.Tensor]:
         """Rank r's output of the last collective of this kind and shape before collective i (what a
         buffer not written this time still holds)."""
-        recs = self.records[r].meta.get("allreduces", [])
+        recs = self.records[r].meta.collectives
         for j in range(i - 1, -1, -1):
-            if recs[j].get("kind", "all_reduce") == kind:
+            if recs[j].kind == kind:
                 t = self.tensor(allreduce_out(j), r)
                 if t is not None and tuple(t.shape) == tuple(shape):
                     return t
@@ -160,9 +161,9 @@ class TensorEvidence:
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
         rec = self.records[r]
         packed = rec.tensors.get(AUX_PACKED)
-        if packed is None or rec.meta.get("slot_match") is not None:
+        if packed is None or rec.meta.slot_match is not None:
             # matched on the rank, against every candidate (a fingerprint capture keeps few tensors)
-            return rec.meta.get("slot_match")
+            return rec.meta.slot_match
         names = list(rec.tensors)
         cands = {n: rec.tensors[n] for n in slot_candidates(names)}
         return match_slots(packed, hidden, cands, self.dtype)
@@ -171,7 +172,8 @@ class TensorEvidence:
         p = self.records[r].tensors.get(AUX_PACKED)
         if p is not None:
             return p.shape[-1]
-        shape = self.records[r].meta.get("aux", {}).get("shape")
+        aux = self.records[r].meta.aux
+        shape = aux.shape if aux else None
         return shape[-1] if shape else None
 
 
@@ -184,7 +186,7 @@ class FingerprintEvidence(TensorEvidence):
     def __init__(self, records, dtype: torch.dtype, detail: dict[str, dict[int, dict]]):
         super().__init__(records, dtype)
         self.detail = detail
-        self.fps = {r: {n: Fingerprint.from_json(f) for n, f in rec.meta.get("fingerprints", {}).items()}
+        self.fps = {r: {n: Fingerprint.from_json(f) for n, f in (rec.meta.fingerprints or {}).items()}
                     for r, rec in records.items()}
 
     def fp(self, name, r) -> Optional[Fingerprint]:
@@ -244,31 +246,31 @@ class FingerprintEvidence(TensorEvidence):
         ok, _ = sum_matches(ref, fps, self.dtype)
         return "noise" if ok else "material"
 
-    def allreduce(self, i: int, live: list[int], meta: dict) -> Optional[dict]:
+    def allreduce(self, i: int, live: list[int], meta: Collective) -> Optional[dict]:
         """The same check on sketches (linear: sketch(out) ~ sum of sketches of the inputs; AVG: m
         x sketch(out)); a reduce-scatter is checked chunk by chunk, an all-gather on its output's
         chunks' hashes. No tensor is moved: what a wrong output looks like is read off the sketches
         too (a scaled sum, one rank's input, the previous call's output, zeros)."""
-        recs = {r: self.records[r].meta["allreduces"][i] for r in live}
-        if any("in_fp" not in a or "out_fp" not in a for a in recs.values()):
+        recs = {r: self.records[r].meta.collectives[i] for r in live}
+        if any(a.in_fp is None or a.out_fp is None for a in recs.values()):
             return None
-        kind, op = meta.get("kind", "all_reduce"), meta.get("op", "SUM")
+        kind, op = meta.kind, meta.op
         per = {}
         for r in live:
             a = recs[r]
             members = group_members(a, live)
             j = members.index(r)
             if kind == "all_gather":
-                if not isinstance(a["out_fp"], list):
+                if not isinstance(a.out_fp, list):
                     return "all-gather blocks not readable from the sketches"
-                outs = [Fingerprint.from_json(f) for f in a["out_fp"]]
-                ins = [Fingerprint.from_json(recs[q]["in_fp"]) for q in members]
+                outs = [Fingerprint.from_json(f) for f in a.out_fp]
+                ins = [Fingerprint.from_json(recs[q].in_fp) for q in members]
                 prev = self._previous_fp(i, r, "all_gather", len(outs))
                 per[str(r)] = fp_ag_check(outs, dict(zip(members, ins)), prev)
                 continue
             if kind == "all_to_all":
                 # output chunk q (from rank q) must be bit for bit rank q's input chunk for this rank
-                outs, got = a.get("out_fp"), [recs[q].get("in_fp") for q in members]
+                outs, got = a.out_fp, [recs[q].in_fp for q in members]
                 if not isinstance(outs, list) or any(not isinstance(g, list) for g in got) \
                         or len(outs) != len(members) or any(len(g) != len(members) for g in got):
                     return "all-to-all split sizes not readable from the sketches"
@@ -278,10 +280,10 @@ class FingerprintEvidence(TensorEvidence):
                                **({"chunks_wrong": wrong} if wrong else {})}
                 continue
             if kind == "reduce_scatter":
-                ins = [Fingerprint.from_json(recs[q]["in_fp"][j]) for q in members]
+                ins = [Fingerprint.from_json(recs[q].in_fp[j]) for q in members]
             else:
-                ins = [Fingerprint.from_json(recs[q]["in_fp"]) for q in members]
-            out = Fingerprint.from_json(a["out_fp"])
+                ins = [Fingerprint.from_json(recs[q].in_fp) for q in members]
+            out = Fingerprint.from_json(a.out_fp)
             if any(f.n_nan or f.n_inf for f in [out, *ins]):
                 # NaN / Inf cannot be summed on sketches (the non-finite check names where they start)
                 return "non-finite values (a sketch cannot sum them)"
@@ -293,25 +295,24 @@ class FingerprintEvidence(TensorEvidence):
                 per[str(r)]["error"] = fp_rel_error(out.sketch, [math.fsum(f.sketch[n] for f in ins)
                                                                  for n in range(out.k)])
             if not ok and kind == "all_reduce" and op == "SUM":
-                prev = self.records[r].meta["allreduces"][i - 1] if i > 0 else None
-                prev_fp = Fingerprint.from_json(prev["out_fp"]) if prev and isinstance(prev.get("out_fp"), dict) \
-                    else None
+                prev = self.records[r].meta.collectives[i - 1] if i > 0 else None
+                prev_fp = Fingerprint.from_json(prev.out_fp) if prev and isinstance(prev.out_fp, dict) else None
                 per[str(r)]["looks"] = fp_looks_like(out, dict(zip(members, ins)), prev_fp, getattr(torch, out.dtype))
             elif not ok and kind == "reduce_scatter" and op == "SUM":
-                slices = {n: [Fingerprint.from_json(recs[q]["in_fp"][n]) for q in members]
+                slices = {n: [Fingerprint.from_json(recs[q].in_fp[n]) for q in members]
                           for n in range(len(members))}
                 per[str(r)]["looks"] = fp_rs_looks_like(out, members, j, slices, getattr(torch, out.dtype))
         return per
 
     def _previous_fp(self, i: int, r: int, kind: str, n: int) -> Optional[list]:
         """The block fingerprints of rank r's last all-gather of n blocks before collective i."""
-        recs = self.records[r].meta.get("allreduces", [])
+        recs = self.records[r].meta.collectives
         for j in range(i - 1, -1, -1):
-            if recs[j].get("kind", "all_reduce") == kind:
-                o = recs[j].get("out_fp")
+            if recs[j].kind == kind:
+                o = recs[j].out_fp
                 if isinstance(o, list) and len(o) == n:
                     return [Fingerprint.from_json(f) for f in o]
         return None
 
     def slot_match(self, r: int, hidden: int) -> Optional[list]:
-        return self.records[r].meta.get("slot_match")
+        return self.records[r].meta.slot_match

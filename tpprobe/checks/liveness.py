@@ -39,7 +39,7 @@ def missing_rank_findings(missing: dict, records: dict, live: list[int], counts:
         elif stall and all(counts[q] <= stall["collective"]["seq"] for q in live):
             c = stall["collective"]
             audit = stall.get("audit") or []
-            where, extra_at = extra_collective_place(audit, records[ref].meta.get("allreduces", []))
+            where, extra_at = extra_collective_place(audit, records[ref].meta.collectives)
             if extra_at is not None and extra_at < len(audit) and extra_at != c["seq"]:
                 a = audit[extra_at]
                 text = (f"rank {r} issued an extra all-reduce #{extra_at} at {a['where']} ({a['module']}, shape "

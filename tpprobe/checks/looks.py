@@ -117,9 +117,10 @@ def fp_rel_error(out_sketch: list, exp_sketch: list) -> float:
 
 
 # ---- what a wrong reduce output looks like -------------------------------------------------------
-def group_members(rec: dict, live: list[int]) -> list[int]:
-    """The ranks a collective sums over: its sub-group's when it has one, else every live rank."""
-    return [q for q in (rec.get("group_ranks") or live) if q in live]
+def group_members(rec, live: list[int]) -> list[int]:
+    """The ranks a collective (a capture.schema.Collective) sums over: its sub-group's when it has one, else
+    every live rank."""
+    return [q for q in (rec.group_ranks or live) if q in live]
 
 
 def _scale_ok(resid: float, norm: float, dtype: torch.dtype, ranks: int) -> bool:

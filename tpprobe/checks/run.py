@@ -65,11 +65,11 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
     # ---- liveness: missing, stalled and failed ranks -------------------------------------------
     missing = {int(r): v for r, v in (liveness or {}).get("missing", {}).items()}
     out["ranks_missing"] = sorted(missing)
-    counts = {r: len(records[r].meta.get("allreduces", [])) for r in live}
+    counts = {r: len(records[r].meta.collectives) for r in live}
     roots += missing_rank_findings(missing, records, live, counts, (liveness or {}).get("flight_recorder"))
-    errors = {r: records[r].meta.get("error") for r in live if records[r].meta.get("status") == "error"}
+    errors = {r: records[r].meta.error for r in live if records[r].meta.status == "error"}
     if errors:
-        places = {r: (records[r].meta.get("coverage") or {}).get("raised_in") for r in errors}
+        places = {r: records[r].meta.coverage.raised_in if records[r].meta.coverage else None for r in errors}
         raised = rank_error_findings(errors, roots, places)
         for f in raised:             # one error in one module on every rank: said once, for all ranks
             f.evidence["all_ranks"] = f.evidence.get("all_ranks") or len(f.ranks) == world
@@ -123,8 +123,7 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
         roots[0].consequences = roots[0].consequences + [
             f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
             f"differ" for n in material if n != roots[0].where][:64]
-    set_findings = [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
-                    for m in point_set_mismatches({r: records[r].meta for r in live})] if complete else []
+    set_findings = capture_mismatches(records) if complete else []
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------
     out["coverage"] = coverage_summary(records, live)
     cov_findings = coverage_findings(records, live, settings, out["coverage"]) if complete else []
@@ -147,3 +146,10 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
     return out
 
 
+
+
+def capture_mismatches(records: dict[int, LoadedRank]) -> list[Finding]:
+    """Where the ranks captured different points, or a point of another shape or dtype (from each rank's
+    record, not its tensors)."""
+    return [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"])
+            for m in point_set_mismatches({r: rec.meta for r, rec in sorted(records.items())})]

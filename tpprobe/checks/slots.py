@@ -32,8 +32,7 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
     for r in live:
         rec = records[r]
         width = ev.packed_width(r)
-        aux_meta = rec.meta.get("aux", {})
-        bad_layout = layout_verdict(width, aux_meta, settings.get("dtype"), ids, n_slots, hidden, world)
+        bad_layout = layout_verdict(width, rec.meta.aux, settings.get("dtype"), ids, n_slots, hidden, world)
         if bad_layout is not None and bad_layout[0] == "tp-sliced" and width % hidden == 0 \
                 and _whole_slots(ev.slot_match(r, hidden)):
             # the width is both n × hidden/tp and a whole number of fewer slots (2 ids, tp 2, one slot

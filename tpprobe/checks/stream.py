@@ -9,6 +9,7 @@ import torch
 
 from ..capture.points import (AUX, EMBED_OUT, EMBED_PLACE, is_layer_place, layer_place, parse, point_label,
                               point_layer, stream_order)
+from ..capture.schema import Coverage
 from .crossrank import classes
 from .findings import Finding
 from .params import param_divergence
@@ -33,7 +34,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     layer = point_layer(first)
     all_r = {"all_ranks": True}
     if first == EMBED_OUT:
-        if not any(a["where"] == EMBED_PLACE for r in live for a in records[r].meta.get("allreduces", [])):
+        if not any(a.where == EMBED_PLACE for r in live for a in records[r].meta.collectives):
             rows = torch.stack([ev.rows_nonzero(EMBED_OUT, r) for r in live])
             single = float((rows.sum(0) == 1).float().mean())
             evid = {"rows_nonzero_on_one_rank": single, **all_r,
@@ -62,11 +63,11 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     sig = partial_sum_signature(ev, live, world, point_stats, first, references)
     sig_text = signature_text(sig, layer)
     # a row-parallel output in this layer that no all-reduce consumed
-    unreduced = [u for r in live for u in records[r].meta.get("unreduced_rows", []) if u["layer"] == layer]
+    unreduced = [u for r in live for u in records[r].meta.unreduced_rows if u.layer == layer]
     if unreduced:
-        mod = unreduced[0]["module"]
-        ranks = sorted({r for r in live for u in records[r].meta.get("unreduced_rows", []) if u["module"] == mod})
-        n_here = Counter(a["where"] for a in records[live[0]].meta.get("allreduces", []))
+        mod = unreduced[0].module
+        ranks = sorted({r for r in live for u in records[r].meta.unreduced_rows if u.module == mod})
+        n_here = Counter(a.where for a in records[live[0]].meta.collectives)
         kinds = layer_kinds(records, live)
         if layer is not None and 0 <= layer < len(kinds) and len(set(kinds)) > 1:
             # a dense layer beside MoE layers: only the layers of its own kind are a measure
@@ -77,10 +78,10 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
             typical = Counter(n for w,
                               n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
             others = f" (other layers: {typical[0][0]})" if typical else ""
-        every = sorted({u["layer"] for r in live for u in records[r].meta.get("unreduced_rows", [])
-                        if u["layer"] is not None and _relative(u["module"], _layer_name(records, live, u["layer"]))
+        every = sorted({u.layer for r in live for u in records[r].meta.unreduced_rows
+                        if u.layer is not None and _relative(u.module, _layer_name(records, live, u.layer))
                         == _relative(mod, _layer_name(records, live, layer))})
-        n_layers = (records[live[0]].meta.get("coverage") or {}).get("layers_found") or 0
+        n_layers = _coverage(records, live).layers_found or 0
         span = (f"; the same module's output is unreduced in every layer ({len(every)} of {n_layers})"
                 if n_layers > 1 and len(every) == n_layers else
                 f"; also unreduced in layers {[k for k in every if k != layer]}" if len(every) > 1 else "")
@@ -92,7 +93,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
                                f"each rank's partial sum",
                         # the data's signature beside it, in the evidence (the line and its why keep their
                         # words: the fault table and the annotated report in docs/ are generated from them)
-                        evidence={"unreduced": unreduced,
+                        evidence={"unreduced": [u.to_json() for u in unreduced],
                                   "missing_allreduce": {"where": layer_place(layer), "module": mod},
                                   **({"partial_sum_signature": sig} if sig else {}),
                                   **({"all_ranks": True} if len(ranks) == world else {})})]
@@ -106,7 +107,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
         return [missing]
     if pf:
         return pf
-    n_layer = sum(1 for a in _reduces(records[live[0]].meta) if a.get("layer") == layer)
+    n_layer = sum(1 for a in records[live[0]].meta.reduces if a.layer == layer)
     if sig is not None and layer is not None and (len(live) >= 3 or n_layer == 0):
         # no module known row-parallel, no count to vouch (every layer, a 1-layer model): the data
         # alone show the ranks hold shares of one sum. Alone only where it cannot be a drift: at tp >= 3
@@ -194,11 +195,9 @@ def signature_text(sig: dict | None, layer) -> str:
     return text
 
 
-REDUCE_KINDS = ("all_reduce", "reduce_scatter", "unknown")
-
-
-def _reduces(meta) -> list[dict]:
-    return [a for a in meta.get("allreduces", []) if a.get("kind", "all_reduce") in REDUCE_KINDS]
+def _coverage(records, live) -> Coverage:
+    """The reference rank's coverage (an older capture's: nothing said)."""
+    return records[live[0]].meta.coverage or Coverage()
 
 
 def _relative(module: str, prefix: str) -> str:
@@ -209,13 +208,12 @@ def layer_kinds(records, live) -> list:
     """Each decoder layer's kind, from its structure: the names (relative to the layer) of the
     replicated parameters it holds, so a dense layer and an MoE layer (its router) are two kinds
     and their reduce counts are compared within each kind only; one kind when nothing is known."""
-    meta = records[live[0]].meta
-    cov = meta.get("coverage") or {}
-    names = cov.get("layer_names") or []
-    n = cov.get("layers_found") or len(names)
+    cov = _coverage(records, live)
+    names = cov.layer_names
+    n = cov.layers_found or len(names)
     own: dict = {k: set() for k in range(n)}
-    for name, e in (meta.get("params") or {}).items():
-        k = e.get("layer")
+    for name, e in records[live[0]].meta.params.items():
+        k = e.layer
         if isinstance(k, int) and k in own:
             own[k].add(_relative(name, names[k]) if k < len(names) else name)
     return [frozenset(own[k]) for k in range(n)]
@@ -237,9 +235,8 @@ def silent_missing_reduce(records, live, world) -> list[Finding]:
     audit's count is the evidence. Only when a strict majority of the other layers of that kind
     share the typical count (a dense layer 0 beside MoE layers is judged against dense layers only:
     with none, on data alone)."""
-    cov = records[live[0]].meta.get("coverage") or {}
-    n = cov.get("layers_found") or 0
-    counts = Counter(a["layer"] for a in _reduces(records[live[0]].meta) if a.get("layer") is not None)
+    n = _coverage(records, live).layers_found or 0
+    counts = Counter(a.layer for a in records[live[0]].meta.reduces if a.layer is not None)
     per_layer = [counts.get(k, 0) for k in range(n)]
     if not per_layer:
         return []
@@ -261,11 +258,11 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
     a layer that has it) and the path it goes through."""
     if layer is None or layer < 0:
         return None
-    cov = records[live[0]].meta.get("coverage") or {}
-    names = cov.get("layer_names") or []
-    n_layers = cov.get("layers_found") or (max((a["layer"] for a in _reduces(records[live[0]].meta)
-                                                if a.get("layer") is not None), default=-1) + 1)
-    counts = {r: Counter(a["layer"] for a in _reduces(records[r].meta) if a.get("layer") is not None) for r in live}
+    cov = _coverage(records, live)
+    names = cov.layer_names
+    n_layers = cov.layers_found or (max((a.layer for a in records[live[0]].meta.reduces if a.layer is not None),
+                                        default=-1) + 1)
+    counts = {r: Counter(a.layer for a in records[r].meta.reduces if a.layer is not None) for r in live}
     per_layer = [counts[live[0]].get(k, 0) for k in range(n_layers)]
     if layer >= n_layers:
         return None
@@ -283,10 +280,10 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
     what = "a reduce"
     module = prefix(layer)
     if j is not None:
-        have = Counter((_relative(a["module"], prefix(j)), a.get("kind", "all_reduce"), a.get("path", ""))
-                       for a in _reduces(records[short[0]].meta) if a.get("layer") == j)
-        mine = Counter((_relative(a["module"], prefix(layer)), a.get("kind", "all_reduce"), a.get("path", ""))
-                       for a in _reduces(records[short[0]].meta) if a.get("layer") == layer)
+        have = Counter((_relative(a.module, prefix(j)), a.kind, a.path or "")
+                       for a in records[short[0]].meta.reduces if a.layer == j)
+        mine = Counter((_relative(a.module, prefix(layer)), a.kind, a.path or "")
+                       for a in records[short[0]].meta.reduces if a.layer == layer)
         lost = list((have - mine).elements())
         if lost:
             rel, kind, path = lost[0]
@@ -302,7 +299,7 @@ def missing_reduce(records, live, world, layer) -> Finding | None:
 
 
 def _layer_name(records, live, k) -> str:
-    names = (records[live[0]].meta.get("coverage") or {}).get("layer_names") or []
+    names = _coverage(records, live).layer_names
     return names[k] if k is not None and 0 <= k < len(names) else f"layer {k}"
 
 
@@ -311,13 +308,12 @@ def _path_of(records, live, module: str, layer, unreadable_only: bool = False) -
     unreadable_only: only when that door is one the audit counts but cannot read (it is then the
     only trace of the reduce: say it)."""
     rel = _relative(module, _layer_name(records, live, layer))
-    for a in _reduces(records[live[0]].meta):
-        k = a.get("layer")
-        if unreadable_only and a.get("checked", True):
+    for a in records[live[0]].meta.reduces:
+        k = a.layer
+        if unreadable_only and a.checked:
             continue
-        if k is not None and k != layer and _relative(a.get("source") or a["module"],
-                                                      _layer_name(records, live, k)) == rel:
-            return f"its reduce goes through {a.get('path', 'c10d.allreduce_')} in layer {k}"
+        if k is not None and k != layer and _relative(a.source or a.module, _layer_name(records, live, k)) == rel:
+            return f"its reduce goes through {a.path or 'c10d.allreduce_'} in layer {k}"
     return ""
 
 
@@ -337,4 +333,4 @@ def _size_text(s: dict) -> str:
 
 
 def _embed_module(records, live) -> str:
-    return records[live[0]].meta.get("embed_module") or "VocabParallelEmbedding"
+    return records[live[0]].meta.embed_module or "VocabParallelEmbedding"

@@ -20,7 +20,10 @@ def add_drafter(root: Path, rep: dict) -> None:
     if a["low"] or knob("TPPROBE_FIX_REPLAY") == "1":
         a["replay"] = replay_fix(a)
     rp = a.get("replay") or {}
-    if rp.get("available") and rp.get("explained") and not any(f["severity"] == "failure" for f in a["findings"]):
+    target_fails = [f for f in rep.get("findings") or [] if f["severity"] == "failure"]
+    if a["low"] and target_fails and not any(f["severity"] == "failure" for f in a["findings"]):
+        explain_by_target(a, rep, target_fails[0])
+    elif rp.get("available") and rp.get("explained") and not any(f["severity"] == "failure" for f in a["findings"]):
         # nothing else explains the low acceptance, and the draft itself says another capture serves it better
         from ..checks.findings import Finding
         first = a["steps"][0]
@@ -36,6 +39,29 @@ def add_drafter(root: Path, rep: dict) -> None:
     rep["drafter"] = a
     rep["findings"] = list(rep.get("findings") or []) + a["findings"]
     rep["exit_code"] = exit_code(rep["findings"])
+
+
+def explain_by_target(a: dict, rep: dict, f0: dict) -> None:
+    """Low acceptance, the draft's input as the draft expects it, and the target's own forward failing (a wrong
+    all-reduce, a skipped one, ...): that failure is the cause. The draft predicts from the streams it receives; vLLM
+    verifies its drafts against the tokens the broken forward samples, so they stop agreeing. The first
+    failure of the run's first failing step says it explains the acceptance; the warning that the input passes
+    every check (and the replay advice in it) gives way to it."""
+    run = a.get("run") or {}
+    d = rep.get("first_divergence") or {}
+    step = f"step {d['step']} ({d['forward_mode']})" if d.get("step") is not None else "the first captured step"
+    old = f0.get("detail") or ""
+    f0["detail"] = old.rstrip(".") + (
+        f"; it explains vLLM's acceptance {run.get('rate') or 0:.2f} (mean acceptance length "
+        f"{run.get('mean_acceptance_length') or 0:.2f}): the target's own forward is wrong at {f0['where']} from "
+        f"{step} on, and vLLM verifies the drafts against the tokens that forward samples; what the draft receives "
+        f"passes every drafter check")
+    if old and old in (f0.get("line") or ""):
+        f0["line"] = f0["line"].replace(old, f0["detail"])     # the sinks print the line
+    a["findings"] = [f for f in a["findings"] if f.get("kind") != "acceptance-low"]
+    a["explained"] = True
+    a["explained_by"] = {"kind": f0["kind"], "where": f0["where"], "ranks": f0["ranks"], "step": d.get("step"),
+                         "forward_mode": d.get("forward_mode")}
 
 
 def replay_fix(a: dict) -> dict:
@@ -59,7 +85,17 @@ def replay_fix(a: dict) -> dict:
         streams = fixlib.streams_from_tensors(input_ids, by_hf, a["num_layers"], source=where)
         rule = fixlib.EngineRule("vllm", a.get("target_arch") or "LlamaForCausalLM", int(a["num_layers"]))
         prop = fixlib.propose(draft, streams, rule, ids=a["config_ids"])
-        return {"available": True, "on": where, **prop.as_dict()}
+        out = {"available": True, "on": where, **prop.as_dict()}
+        fix_hs = rule.slots(a["fix_ids"]) if a.get("fix_ids") else None
+        if fix_hs is not None and len(fix_hs) == draft.k:
+            # the ids the report's finding proposes, replayed: the acceptance they bring back, before serving them
+            sc, cur = fixlib.replay(draft, streams, fix_hs, prop.current.score.chain), prop.current.score
+            out["fix_check"] = {"ids": list(a["fix_ids"]), "streams": fix_hs, "score": sc.as_dict(),
+                                "current": cur.as_dict(), "line": (
+                                    f"replayed first-position acceptance {cur.first_position:.2f} -> "
+                                    f"{sc.first_position:.2f} (accept length, chain of {sc.chain}: "
+                                    f"{cur.accept_length:.2f} -> {sc.accept_length:.2f})")}
+        return out
     except Exception as e:  # noqa: BLE001 - the replay is advice: its failure is said, the verdicts stand
         return {"available": False, "why": f"the draft replay failed: {type(e).__name__}: {e}"}
 
@@ -81,3 +117,82 @@ def target_embedding(target, tmp: Path):
                 save_file({"embed_tokens.weight": st.get_tensor(EMBED)}, str(out))
                 return str(out)
     return None
+
+
+# ---- SGLang: the draft replayed on the captured target forward ---------------------------------------------------
+def add_sglang_replay(root: Path, rep: dict) -> None:
+    """For an SGLang plugin capture with the draft's input (step-N-draft_input), when SGLang's acceptance is low
+    or TPPROBE_FIX_REPLAY=1: the draft, its weights from the folder SGLang loaded, replayed on the streams of the
+    target forward that fed it (step-N-MODE, every layer kept) for candidate id lists under SGLang's rule
+    (tpprobe.eagle3.fix). `draft_replay` in the report, its line in the settings (every sink), and, when it
+    recovers acceptance the served ids lose and nothing else fails, an `id-contract` failure with the ids."""
+    import json
+
+    from ..engines.vllm.acceptance import LOW
+    steps = sorted(Path(root).rglob("step-*-draft_input/manifest.json"))
+    if not steps:
+        return
+    acc = rep.get("acceptance") or {}
+    rate = acc.get("rate")
+    if not ((rate is not None and rate < LOW) or knob("TPPROBE_FIX_REPLAY") == "1"):
+        return
+    m = steps[0].parent
+    s = json.loads(steps[0].read_text()).get("settings") or {}
+    rp = sglang_replay(m, s)
+    rep["draft_replay"] = rp
+    line = (f"fix (the draft replayed on {rp['on']}): {rp['line']}" if rp.get("available")
+            else f"no fix proposed ({rp['why']})")
+    rep["settings"] = {**(rep.get("settings") or {}), "draft replay": line}
+    if rp.get("available") and rp.get("explained") and not any(
+            f["severity"] == "failure" for f in rep.get("findings") or []):
+        from ..checks.findings import Finding, exit_code
+        said = f"SGLang's acceptance is {rate:.2f} and the draft" if rate is not None else "The draft"
+        rep["findings"] = [Finding(
+            "id-contract", f"aux slots, step {s.get('step')} ({s.get('forward_mode')})", list(range(
+                int(s.get("world_size") or 1))),
+            detail=f"{said}, replayed on {rp['on']}, reads other streams than its config gives it on SGLang "
+                   f"({rp['written_ids']} -> HF hidden_states {rp['current']['streams']}): {rp['line']}",
+            evidence={"all_ranks": True, "explain": "the engine captures what the draft's config says, but the "
+                                                    "draft was trained on other streams (catalogue F32): only the "
+                                                    "draft can tell, replayed on candidate captures"}).to_json(),
+            *(rep.get("findings") or [])]
+        rep["exit_code"] = exit_code(rep["findings"])
+
+
+def sglang_replay(step: Path, s: dict) -> dict:
+    """The replay of one draft_input step: {"available": False, "why"} when it cannot run."""
+    import importlib
+    import json
+    try:
+        fixlib = importlib.import_module("tpprobe.eagle3.fix")
+    except ImportError:
+        return {"available": False, "why": "the draft replay (tpprobe.eagle3.fix) is not in this build"}
+    target_step = step.parent / str(s.get("target step") or "")
+    if not s.get("draft_path") or not Path(s["draft_path"]).is_dir():
+        return {"available": False, "why": f"the draft's folder is not known or not here ({s.get('draft_path')!r})"}
+    if not target_step.is_dir():
+        return {"available": False, "why": f"the target forward that fed the draft ({target_step.name}) was not kept"}
+    try:
+        from ..eagle3.accept.draft import load_draft
+        from ..core.errors import CaptureError, UsageError
+        try:
+            streams = fixlib.streams_from_capture(target_step, 0)
+        except (CaptureError, UsageError) as e:
+            return {"available": False, "why": f"{e} (keep the streams: TPPROBE_KEEP='*')"}
+        meta = json.loads((step / "rank-000.json").read_text())
+        reqs = [r for r in meta.get("requests") or [] if r.get("rows", 0) >= 3]
+        where = f"{target_step.name}"
+        if reqs:       # one request's rows: a batch is no token sequence (the next request's first token follows)
+            r = max(reqs, key=lambda r: r["rows"])
+            lo, hi = r["first_row"], r["first_row"] + r["rows"]
+            streams = fixlib.streams_from_tensors(streams.input_ids[lo:hi], {h: v[lo:hi] for h, v in
+                                                                             streams.by_hf.items()},
+                                                  streams.num_layers, source=f"{where}, request {r['rid']}")
+            where += f", request {r['rid']}'s rows {lo}..{hi - 1}"
+        with tempfile.TemporaryDirectory() as tmp:
+            draft = load_draft(s["draft_path"], target_embedding(s.get("target_path"), Path(tmp)))
+        rule = fixlib.EngineRule("sglang", s.get("target_arch") or "LlamaForCausalLM", int(streams.num_layers))
+        prop = fixlib.propose(draft, streams, rule, ids=s.get("draft_config_ids"))
+        return {"available": True, "on": where, **prop.as_dict()}
+    except Exception as e:  # noqa: BLE001 - the replay is advice: its failure is said, the verdicts stand
+        return {"available": False, "why": f"the draft replay failed: {type(e).__name__}: {e}"}

@@ -4,33 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..formats.capture_dir import load_run, point_set_mismatches
-from ..capture.points import SHARE, parse
-from ..checks.run import run_checks
-from ..checks.findings import FAILURE, Finding
+from ..checks.findings import FAILURE
+from ..checks.offline import check_run, run_settings
+from ..engines.registry import recorded
+from ..formats.capture_dir import load_run
 from ..report.model import build_report
 from ..probe.report import probe_report
 from ..report.emit import Flags, emit
-
-
-def fingerprint_evidence(records: dict, settings: dict):
-    """A capture taken with --exchange fingerprint keeps tensors for the requested slots only; every
-    other point has its fingerprint in the metadata. Judge it as the live probe did: fingerprints,
-    with exact statistics from the tensors where both sides kept one. None for full captures."""
-    if not records or not all("fingerprints" in r.meta for r in records.values()):
-        return None
-    from ..core.noise import compare, dtype_from_str
-    from ..checks.evidence import FingerprintEvidence
-    from ..core.noise import judge_dtype
-    dtype = dtype_from_str(settings.get("dtype", "float32"))
-    ref = min(records)
-    detail: dict = {}
-    for name, base in records[ref].tensors.items():
-        for r, rec in records.items():
-            t = rec.tensors.get(name)
-            if r != ref and t is not None and t.shape == base.shape and parse(name).kind != SHARE:
-                detail.setdefault(name, {})[r] = compare(t, base, dtype=judge_dtype(t.dtype, base.dtype, dtype))
-    return FingerprintEvidence(records, dtype, detail)
 
 
 def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, markdown: Optional[str] = None,
@@ -77,35 +57,7 @@ def damaged_files(rep: dict) -> list[str]:
 def check_dir(path: Path) -> dict:
     """The report of one capture folder (one forward of one TP group), not printed."""
     run = load_run(path)
-    settings = dict(run.manifest.get("settings") or {})
-    settings.setdefault("world_size", run.manifest["world_size"])
-    settings.setdefault("hidden", next((r.meta.get("hidden") for r in run.records.values() if r.meta.get("hidden")), 0))
-    # a rank the live run saw die or hang keeps that diagnosis; any other missing rank is a file problem
-    seen = {int(r): v for r, v in (run.manifest.get("liveness") or {}).items()}
-    missing = {r: seen.get(r, {"state": "has no readable capture in this folder"})
-               for r in range(run.manifest["world_size"]) if r not in run.records}
-    unexplained = [r for r in missing if r not in seen]
-    from ..engines.registry import recorded
-    result = run_checks(run.records, settings, {"missing": missing} if missing else None,
-                        evidence=fingerprint_evidence(run.records, settings),
-                        offset_rule=recorded(settings).offset_rule)
-    # unreadable files are findings of their own, before anything computed from what is left
-    file_findings = [Finding("capture-file", p["file"], [p["rank"]] if p["rank"] is not None else [],
-                             severity=FAILURE if "extra" not in p["problem"] else "warning",
-                             detail=p["problem"]).to_json() for p in run.problems]
-    if unexplained:
-        # a rank without a readable file is not a dead rank: name the files, not a timeout
-        result["findings"] = [f for f in result["findings"]
-                              if f["kind"] != "rank-timeout" or not set(f["ranks"]) & set(unexplained)]
-        for r in unexplained:
-            if not any(p["rank"] == r for p in run.problems):
-                file_findings.append(Finding("capture-file", f"rank {r}", [r],
-                                             detail="no capture file for this rank in the manifest").to_json())
-    # ranks that captured different points / shapes / dtypes (unless the checks said so already)
-    if not any(f["kind"] == "capture-mismatch" for f in result["findings"]):
-        file_findings += [Finding("capture-mismatch", m["point"], m["ranks"], detail=m["detail"]).to_json()
-                          for m in point_set_mismatches({r: rec.meta for r, rec in run.records.items()})]
-    result["findings"] = file_findings + result["findings"]
+    settings, result = check_run(run, offset_rule=recorded(run_settings(run)).offset_rule)
     rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True
     return rep

@@ -79,6 +79,8 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
     rep["out"] = str(root)
     from .drafter import add_drafter
     add_drafter(root, rep)        # a live vLLM capture with an EAGLE-3 drafter: its input and vLLM's acceptance
+    from .drafter import add_sglang_replay
+    add_sglang_replay(root, rep)  # an SGLang capture of the draft's input: the draft replayed for candidate ids
     if not json_out and not quiet:
         from ..report.emit import console
         d = rep.get("first_divergence")

@@ -59,13 +59,15 @@ KNOBS = {
                                "the launcher, which has torch imported already; spawn them through PyTorch's "
                                "elastic agent otherwise), fork, or spawn", "probe"),
     "TPPROBE_DRAFT_TRAINED": Knob(None, "what the EAGLE-3 draft was trained on: ids:A,B,C (the HF hidden_states "
-                                  "indices, in slot order) or convention:NAME; the draft's input is checked against "
+                                  "indices, in slot order), convention:NAME or specforge:PATH (a SpecForge sample, "
+                                  "matched to a captured prefill of its tokens); the draft's input is checked against "
                                   "it (tpprobe.engines.draft_training)", "plugin, report"),
     "TPPROBE_ID_RULE": Knob(None, "a patched engine build's capture of some EAGLE-3 ids, ID=WHAT comma list (e.g. "
                             "-1=embed; WHAT: embed, out:K, in:K or hs:N); `layers`, `fix` and both plugins read it "
                             "(tpprobe.engines.capture_rule)", "plugin, layers, fix"),
-    "TPPROBE_FIX_REPLAY": Knob(None, "1: `tpprobe report` of a live vLLM drafter folder replays the draft on candidate "
-                               "ids even when the engine's acceptance is not low", "report"),
+    "TPPROBE_FIX_REPLAY": Knob(None, "1: `tpprobe report` of a live vLLM or SGLang capture with the draft's input "
+                               "replays the draft on candidate ids even when the engine's acceptance is not low",
+                               "report"),
     "TPPROBE_STOP_GRACE_S": Knob("30", "seconds between the SIGTERM the launcher sends the other ranks when one "
                                  "fails and the SIGKILL that ends those still running", "probe"),
     "TPPROBE_DIST_BACKEND": Knob(None, "the launcher's one backend decision, passed to every rank (set by tpprobe "

@@ -19,7 +19,7 @@ from ..formats.sglang_dump import EXPECTED, tp_layout
 # ---- the shared Report (report/model.py): sections for the one sink ----------------------------------------
 def report_sections(data: dict):
     """`tpprobe report DUMPDIR` as the shared Report: records × ranks, coverage, the verdict."""
-    from ..checks.words import cell_label
+    from ..report.words import cell_label
     from ..report.model import Cell, Column, Report, Rule, Table, Text
     cov = data["coverage"]
     steps = _span(data["steps"]) if data["steps"] else "-"

@@ -12,6 +12,12 @@ engine plugin's environment, with the grammar of the vLLM side (tpprobe/engines/
                                            output = hidden_states[k+1]), `before` (id k = the input of layer k
                                            = hidden_states[k]), `vllm` (vLLM's rule: id k = hidden_states[k],
                                            sorted, each once)
+  TPPROBE_DRAFT_TRAINED=specforge:PATH     a SpecForge EAGLE-3 training sample (`data_<i>.ckpt`, `.ckpt.gz`, read
+                                           with torch.load(weights_only=True) by tpprobe.formats.specforge): its
+                                           `aux_hidden_state` slots are matched, on the tokens it shares with a
+                                           captured prefill, to that forward's streams (`match_sample`); the
+                                           sample's tokens must have been served (send its `input_ids` as a
+                                           prompt)
 
 Not given: the expected slots are the draft config's ids under the engine's rule, and the report says the
 draft was checked against its config only (kind `draft-unverified`, a warning): never HEALTHY for the draft
@@ -69,8 +75,10 @@ def parse(spec: Optional[str]) -> Optional[dict]:
         if conv not in CONVENTIONS:
             raise UsageError(f"{ENV}={spec!r}: conventions are {', '.join(CONVENTIONS)}")
         return {"convention": conv, "from": f"{ENV}={spec}"}
-    raise UsageError(f"{ENV}={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order) or "
-                     f"convention:{'|'.join(CONVENTIONS)}")
+    if kind == "specforge":
+        return {"specforge": val.strip(), "from": f"{ENV}={spec}"}
+    raise UsageError(f"{ENV}={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order), "
+                     f"convention:{'|'.join(CONVENTIONS)} or specforge:PATH (a SpecForge training sample)")
 
 
 def from_env(env=None) -> Optional[dict]:
@@ -87,12 +95,77 @@ def trained_hidden_states(training: Optional[dict], config_ids: Optional[list[in
         return None
     if "hidden_states" in training:
         return list(training["hidden_states"])
+    if "specforge" in training:      # matched to a forward's streams: match_sample
+        return None
     if config_ids is None:
         return None
     if training["convention"] == "vllm":
         return sorted({int(i) for i in config_ids})
     shift = 1 if training["convention"] == "output" else 0
     return [int(i) + shift for i in config_ids]
+
+
+SAMPLE_MATCH = 0.05      # a sample's slot IS a stream when ||slot - stream|| / ||slot|| is under this (another
+                         # engine or dtype wrote the sample: bf16 rounding is ~0.4 %, a neighbouring layer ~50 %+)
+MIN_SHARED = 2           # tokens a sample must share with a captured prefill, from its first
+
+
+def load_sample(path: str):
+    """(input_ids [T], aux_hidden_state [T, K*H]) of a SpecForge sample; UsageError when unreadable or
+    without input_ids (the slots are matched on the tokens)."""
+    from ..core.errors import CaptureError
+    from ..formats.specforge import read_sample
+    from pathlib import Path
+    if not Path(path).is_file():
+        raise UsageError(f"{ENV}=specforge:{path}: no such file; give a SpecForge EAGLE-3 sample "
+                         f"(rows_<a>-<b>/data_<i>.ckpt, written with --enable-aux-hidden-states)")
+    try:
+        s = read_sample(path)
+    except CaptureError as e:
+        msg = str(e)
+        raise UsageError(f"{ENV}=specforge:{path}: {msg[len(str(path)) + 2:] if msg.startswith(str(path)) else msg}"
+                         ) from None
+    if "input_ids" not in s:
+        raise UsageError(f"{ENV}=specforge:{path}: the sample has no input_ids; its slots are matched to the "
+                         f"target's streams on the tokens it holds")
+    return s["input_ids"].reshape(-1).long(), s["aux_hidden_state"].float()
+
+
+def match_sample(path: str, forwards) -> tuple[Optional[list[int]], str]:
+    """The HF hidden_states index of each slot of the SpecForge sample at `path`, matched on the tokens it
+    shares (from its first) with one of `forwards` (token ids [T], {HF index: [T, H] stream}, where): the
+    forward sharing the most tokens, each slot's nearest stream within SAMPLE_MATCH. (None, why) when no
+    forward shares MIN_SHARED tokens or a slot is no stream of it."""
+    import torch
+    ids, aux = load_sample(path)
+    best = None
+    for tok, streams, where in forwards:
+        tok = torch.as_tensor(tok).reshape(-1).long()
+        m = min(len(tok), len(ids))
+        same = (tok[:m] == ids[:m]).tolist()
+        n = same.index(False) if False in same else m
+        if n >= MIN_SHARED and streams and (best is None or n > best[0]):
+            best = (n, streams, where)
+    if best is None:
+        return None, (f"the SpecForge sample {path} shares no {MIN_SHARED}+ leading tokens with a captured prefill: "
+                      f"serve its input_ids (its first tokens: {ids[:8].tolist()}) as a prompt and capture it")
+    n, streams, where = best
+    H = int(next(iter(streams.values())).shape[-1])
+    if aux.shape[-1] % H:
+        return None, (f"the SpecForge sample {path}'s aux_hidden_state is {aux.shape[-1]} wide, not a multiple of "
+                      f"the target's hidden size {H}: the sample of another model")
+    out, errs = [], []
+    for j, sl in enumerate(aux[:n].split(H, dim=-1)):
+        rel = {h: float((s[:n].float() - sl).norm() / (sl.norm() + 1e-12)) for h, s in sorted(streams.items())}
+        h = min(rel, key=rel.get)
+        if rel[h] > SAMPLE_MATCH:
+            return None, (f"slot {j} of the SpecForge sample {path} is no stream of the target's forward at {where} "
+                          f"(nearest HF hidden_states[{h}], relative error {rel[h]:.2g}, over {n} shared tokens): "
+                          f"the sample of another target, or of other weights")
+        out.append(h)
+        errs.append(rel[h])
+    return out, (f"the SpecForge sample {path}: its {len(out)} slots are HF hidden_states {out} (matched to the "
+                 f"target's streams at {where}, {n} shared tokens, relative error at most {max(errs):.1g})")
 
 
 def propose_ids(trained_hs: list[int], slots_for: Callable[[list[int]], Optional[list[int]]],

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .safe_load import torch_load
-from ..capture.record import check_meta
+from ..capture.record import RankRecord
 from ..core.errors import CaptureError, UsageError
 
 SCHEMA = "tpprobe.capture/1"
@@ -205,10 +205,16 @@ def check_out_dir(out: Path, need_bytes: int) -> None:
 # -- reading ---------------------------------------------------------------------------------
 @dataclass
 class LoadedRank:
-    """One rank read back from a capture folder: its number, its rank JSON and its tensors."""
+    """One rank read back from a capture folder (or posted by it live): its number, its record (rank-NNN.json
+    read back as the RankRecord it was written as; a JSON object given here is read with RankRecord.from_json)
+    and its tensors."""
     rank: int
-    meta: dict
+    meta: RankRecord
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.meta, RankRecord):
+            self.meta = RankRecord.from_json(self.meta)
 
 
 @dataclass
@@ -346,8 +352,7 @@ def load_run(path, verify: bool = True) -> LoadedRun:
         if js not in ok_files:
             continue
         try:
-            meta = _read_json(root / js, "rank metadata file")
-            check_meta(meta)
+            meta = RankRecord.from_json(_read_json(root / js, "rank metadata file"))
         except CaptureError as e:
             problems.append({"file": js, "rank": rank, "problem": f"unreadable JSON ({str(e).split(': ', 1)[-1]})"})
             continue
@@ -361,7 +366,7 @@ def load_run(path, verify: bool = True) -> LoadedRun:
             except CaptureError as e:
                 problems.append({"file": st, "rank": rank, "problem": str(e).split(": ", 1)[-1]})
                 continue
-        elif any(p["file"] == st for p in problems) or meta.get("tensors_file", True):
+        elif any(p["file"] == st for p in problems) or meta.extra.get("tensors_file", True):
             continue  # its tensors are unusable: do not report this rank from metadata alone
         records[rank] = LoadedRank(rank, meta, tensors)
     return LoadedRun(root, manifest, records, problems)
@@ -378,24 +383,22 @@ def load_rank_files(root: Path, rank: int, entries: list[dict]) -> LoadedRank:
         if not same:
             raise CaptureError(f"{p}: missing or differs from what rank {rank} reported writing")
     stem = rank_stem(rank)
-    meta = _read_json(root / f"{stem}.json", "rank metadata file")
+    raw = _read_json(root / f"{stem}.json", "rank metadata file")
     try:
-        check_meta(meta)
+        meta = RankRecord.from_json(raw)
     except ValueError as e:
         raise CaptureError(f"{root / stem}.json: malformed rank metadata ({e})")
     return LoadedRank(rank, meta, _load_tensors(root / f"{stem}.safetensors"))
 
 
-def point_set_mismatches(metas: dict[int, dict]) -> list[dict]:
+def point_set_mismatches(metas: dict[int, RankRecord]) -> list[dict]:
     """Where ranks disagree on what they captured: the set of capture points, or a point's shape
     or dtype. Read from each rank's metadata (not its tensors), so it holds also when the live
     exchange could gather only the points every rank has alike.
 
     Returns [{"point", "ranks" (the odd ones), "detail"}], the majority (ties: the lowest rank)
     taken as reference, one entry per disagreeing point."""
-    sig = {r: {p["name"]: (list(p.get("shape") or []), str(p.get("dtype", "?")))
-               for p in (m.get("points") or []) if isinstance(p, dict) and "name" in p}
-           for r, m in sorted(metas.items())}
+    sig = {r: {p.name: (list(p.shape), p.dtype) for p in m.points} for r, m in sorted(metas.items())}
     if len(sig) < 2:
         return []
     out = []

@@ -13,7 +13,7 @@ import math
 from typing import Optional
 
 from ..capture.points import place_layer
-from ..checks.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
+from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
                             slot_fault_first, slot_values_differ, timing_text, verdict_items)
 from ..report.model import (FILES, Block, Bullets, Callout, Cell, Column, Fold, Heatmap, Heatmaps, KeyValue, Row,
                             Table, Text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..checks.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
+from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
                             slot_values_differ, timing_text, verdict_lines)
 from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, Text
 
@@ -112,9 +112,10 @@ def _report(doc: dict, terminal: bool) -> Report:
 
 
 def _acceptance(doc: dict) -> list:
-    """The engine's own acceptance (formats/acceptance.py), on every sink, when the capture folder has it."""
-    line = (doc.get("settings") or {}).get("engine acceptance")
-    return [Text(f"engine acceptance: {line}", tag="p")] if line else []
+    """The engine's own acceptance (formats/acceptance.py) and the SGLang draft's replayed fix
+    (cli/drafter.py), on every sink, when the capture folder has them."""
+    st = doc.get("settings") or {}
+    return [Text(f"{key}: {st[key]}", tag="p") for key in ("engine acceptance", "draft replay") if st.get(key)]
 
 
 def render_html(doc: dict) -> str:

@@ -1,7 +1,7 @@
 """The words and styles every renderer uses for a level (terminal, HTML, Markdown), declared once.
 
 Renderers import this module and report.model only, never each other; the sentences a report says about a
-run are its builder's (checks/words.py for the probe's).
+run are its builder's (report/words.py for the probe's).
 """
 from __future__ import annotations
 

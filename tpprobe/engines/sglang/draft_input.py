@@ -119,7 +119,10 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
     rule_hs = p.slot_hf_indices
     st = {"draft_config_ids": ids, "draft_ids_from": ids_from, "draft_rule_hs": rule_hs, "draft_rule": p.rule,
           "sglang layers_to_capture": str(list(getattr(getattr(target_model, "model", None), "layers_to_capture",
-                                                       []) or []))}
+                                                       []) or [])),
+          # where the draft and the target were loaded from: `tpprobe report` replays the draft on the target's
+          # captured streams (tpprobe/cli/drafter.py)
+          **model_paths(draft_config, target_model)}
     trained = dt.trained_hidden_states(training, ids)
     if trained is None:
         st["draft_basis"] = "config"
@@ -131,6 +134,25 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
                            else f"no id list fits: {why}")
     exp = [dt.hs_point(h) for h in trained]
     return (exp, [ids[i] if ids and i < len(ids) else None for i in range(len(exp))]), st
+
+
+def model_paths(draft_config, target_model) -> dict:
+    """The draft's and the target's folders (their configs' `_name_or_path`, which SGLang's ModelConfig loads
+    from the --speculative-draft-model-path / --model-path given; else those server arguments) and the target's
+    class."""
+    def path(cfg, arg):
+        p = getattr(cfg, "_name_or_path", None)
+        if not p:
+            try:
+                from sglang.srt.runtime_context import get_server_args
+                p = getattr(get_server_args(), arg, None)
+            except Exception:  # noqa: BLE001 - nothing published in this process: unknown
+                p = None
+        import os
+        return os.path.abspath(str(p)) if p and os.path.isdir(str(p)) else (str(p) if p else "")
+    return {"draft_path": path(draft_config, "speculative_draft_model_path"),
+            "target_path": path(getattr(target_model, "config", None), "model_path"),
+            "target_arch": type(target_model).__name__}
 
 
 def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, forward_batch, *args, **kwargs):

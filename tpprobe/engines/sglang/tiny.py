@@ -170,9 +170,12 @@ def preload(arch: Optional[str]) -> None:
 def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed: int,
                  dtype: torch.dtype, layer_ids: Optional[list[int]],
                  config_path: Optional[str] = None, moe: bool = True, attn_dp: int = 1,
-                 num_experts: Optional[int] = None, vocab: Optional[int] = None) -> ProbeTarget:
+                 num_experts: Optional[int] = None, vocab: Optional[int] = None,
+                 weights_dir: Optional[str] = None) -> ProbeTarget:
     """A tiny SGLang model on this rank, ready for the probe (see the module docstring).
 
+    `weights_dir`: an HF folder (config.json, *.safetensors) whose weights are loaded instead of the seeded
+    ones (its config unless `config_path` says another; e.g. tpprobe.engines.vllm.planted's target).
     Needs torch.distributed already initialized with world size = tp (ctx.world_size).
     """
     require()
@@ -181,7 +184,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
                          f"(float32, bfloat16, float16)")
     if tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {tokens}")
-    config = config_for(arch, num_layers, config_path, moe, num_experts, vocab)
+    config = config_for(arch, num_layers, config_path or weights_dir, moe, num_experts, vocab)
     arch = arch_of(config)
     capture = layer_ids is None or len(layer_ids) > 0
     plan = lid.plan(arch, layer_ids, num_layers) if capture else None
@@ -204,13 +207,19 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
                                                 dtype=dtype))
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    hf = seeded_hf_model(config, seed)
-    weights = [(k, v.to(dtype)) for k, v in hf.state_dict().items()]
+    if weights_dir:
+        weights = [(k, v.to(dtype)) for k, v in folder_weights(weights_dir).items()]
+    else:
+        hf = seeded_hf_model(config, seed)
+        weights = [(k, v.to(dtype)) for k, v in hf.state_dict().items()]
+        del hf
     if arch == "qwen3_moe":
         weights = unfuse_experts(weights)
     vocab = config.vocab_size
-    del hf
     config.dtype = dtype
+    if weights_dir:
+        import os
+        config._name_or_path = os.path.abspath(str(weights_dir))      # where it was loaded from, as a server's
     import importlib
 
     module, cls_name = SGLANG_CLASSES[arch]
@@ -236,7 +245,8 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
     info = {
         "backend": f"sglang {SGLANG_VERSION} (CPU test mode, torch_native attention, EXTEND)",
         "model": f"{type(model).__name__} ({'config ' + config_path if config_path else 'tiny'}, "
-                 f"random weights, seed {seed})" + (f", the text model of {wrapper}" if wrapper else ""),
+                 + (f"weights of {weights_dir})" if weights_dir else f"random weights, seed {seed})")
+                 + (f", the text model of {wrapper}" if wrapper else ""),
         "vocab": vocab,
         "mlp per layer": ",".join(mlps),
         "sglang layers_to_capture": list(model.model.layers_to_capture) if capture else "off",
@@ -265,4 +275,19 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         forward_batch=lambda seqs: _run(rt, seqs))
 
 
-__all__ = ["build_target", "extend_batch", "packed_aux", "preload"]
+def folder_weights(folder) -> dict:
+    """Every tensor of an HF folder's *.safetensors (safetensors only: never a pickle)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{folder}: no *.safetensors to load weights from")
+    out: dict = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+__all__ = ["build_target", "extend_batch", "folder_weights", "packed_aux", "preload"]

@@ -65,6 +65,25 @@ def build_draft(config, seed: int, dtype: torch.dtype = torch.float32):
     return model
 
 
+def load_draft(folder, target, dtype: torch.dtype = torch.float32):
+    """SGLang's `LlamaForCausalLMEagle3` from an HF draft folder (config.json, *.safetensors), loaded with its
+    own `load_weights` (legacy `midlayer.*` names mapped by it) and given the target's embedding as the EAGLE
+    worker does for an EAGLE-3 draft (`self.draft_runner.model.set_embed(embed)`, eagle_worker_v2.py:363). Its
+    config keeps `_name_or_path` (the folder), as a server's draft config does."""
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from transformers import AutoConfig
+
+    from tpprobe.engines.sglang.tiny import folder_weights
+
+    cfg = AutoConfig.from_pretrained(str(folder))         # as SGLang's ModelConfig reads a draft's config
+    with set_default_torch_dtype(dtype):
+        model = LlamaForCausalLMEagle3(cfg).eval()
+    model.load_weights([(k, v.to(dtype)) for k, v in folder_weights(folder).items()])
+    model.set_embed(target.get_embed())
+    return model
+
+
 def draft_extend_for_prefill(draft, seqs: list, aux: torch.Tensor, next_tokens: torch.Tensor):
     """The draft-extend forward after a prefill of `seqs` (one tensor of ids per request), as
     `_draft_extend_for_prefill` builds it: each request's ids rotated left with its sampled token last,

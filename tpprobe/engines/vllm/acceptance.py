@@ -13,13 +13,16 @@ group's acceptance.json) and judges, per captured step:
 * the draft: what it was trained on, when the user says it (TPPROBE_DRAFT_TRAINED, at capture or report
   time): `ids:A,B,C` (HF hidden_states indices in slot order), or `convention:NAME` applied to the config's
   ids as written — `output` (SpecForge's: id k = HF hidden_states[k+1]), `before` (id k = hidden_states[k],
-  in the written order), `vllm` (vLLM's own rule: sorted, as written). Without it the slots are checked
+  in the written order), `vllm` (vLLM's own rule: sorted, as written), or `specforge:PATH`, a SpecForge
+  training sample whose slots are matched to the streams TP rank 0 kept of a captured prefill of the same
+  tokens (tpprobe.engines.draft_training.match_sample). Without it the slots are checked
   against the draft's config only, and a warning says so: the engine agreeing with itself is no evidence
   that the draft gets what it was trained on.
 
 Acceptance is vLLM's own (the rejection sampler's verification, counted by the plugin): drafts, draft tokens,
 accepted tokens per position, rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts),
-per captured step and for the run so far. Pure Python over JSON files: no vllm import.
+per captured step and for the run so far. Python over the plugin's files (JSON; safetensors for a SpecForge
+sample's match): no vllm import.
 """
 from __future__ import annotations
 
@@ -61,8 +64,10 @@ def rates(acc: dict) -> dict:
             "rate_per_pos": [x / drafts for x in per] if drafts else []}
 
 
-def trained_slots(spec: Optional[str], config_ids: list[int]) -> tuple[Optional[list[int]], str]:
-    """(HF hidden_states index per slot the draft was trained on, how it was given); (None, why) when unknown."""
+def trained_slots(spec: Optional[str], config_ids: list[int], forwards=None) -> tuple[Optional[list[int]], str]:
+    """(HF hidden_states index per slot the draft was trained on, how it was given); (None, why) when unknown.
+    `forwards()`: the captured prefills (token ids, {HF index: stream}, where) a `specforge:PATH` sample's slots
+    are matched to (tpprobe.engines.draft_training.match_sample)."""
     if not spec:
         return None, "not given (TPPROBE_DRAFT_TRAINED)"
     kind, _, val = spec.partition(":")
@@ -85,8 +90,11 @@ def trained_slots(spec: Optional[str], config_ids: list[int]) -> tuple[Optional[
         if c == "vllm":
             return sorted(set(config_ids)), f"the draft's ids {config_ids} under vLLM's rule (sorted)"
         raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: conventions are {', '.join(CONVENTIONS)}")
-    raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order) or "
-                     f"convention:{'|'.join(CONVENTIONS)}")
+    if kind == "specforge":
+        from tpprobe.engines.draft_training import match_sample
+        return match_sample(val.strip(), forwards() if forwards is not None else [])
+    raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order), "
+                     f"convention:{'|'.join(CONVENTIONS)} or specforge:PATH (a SpecForge training sample)")
 
 
 def _hf(i) -> str:
@@ -152,8 +160,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
         if spec is None and m.get("trained"):
             spec = m["trained"]
         config_ids = list(m.get("draft_config_ids") or [])
-        if trained is None and spec:
-            trained, trained_from = trained_slots(spec, config_ids)
+        if trained is None and spec and trained_from == "not given (TPPROBE_DRAFT_TRAINED)":
+            trained, trained_from = trained_slots(spec, config_ids, lambda: captured_prefills(steps))
         L = m.get("num_layers")
         step, mode = m.get("step"), m.get("forward_mode")
         held = [s.get("id") for s in m.get("slots") or []]
@@ -176,7 +184,19 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
             _add(findings, first_by_kind, Finding(
                 "capture-file", f"drafter input, {where_step}", sorted(set(range(tp)) - set(ranks)), detail=(
                     f"ranks {sorted(set(range(tp)) - set(ranks))} wrote no drafter file for this step")))
-        if differ:
+        partial = partial_slots(ranks) if differ else []
+        if partial:
+            js = [j for j, _ in partial]
+            _add(findings, first_by_kind, Finding(
+                "partial-capture", f"{_slots_text(js)}, {where_step}", sorted(ranks), detail="; ".join(
+                    f"slot {j} ({_held({'holds': f'id {k}'}, L) if k is not None else 'its stream'}) holds each "
+                    f"rank's own partial sum: its hidden_states part differs across ranks {sorted(ranks)} while the "
+                    f"residual it is added to is equal" for j, k in partial) + (
+                    " — a capture before the layer's reduce completed (catalogue F16 / F28: a deferred or fused "
+                    "all-reduce): every rank's draft gets another input and none gets the stream; fix: capture "
+                    "the layer's output after its reduce completes (vLLM's EagleModelMixin._maybe_add_hidden_state "
+                    "must see the reduced hidden_states)"), evidence={"all_ranks": True}))
+        elif differ:
             _add(findings, first_by_kind, Finding(
                 "rank-divergence", f"drafter input (target_hidden_states), {where_step}", differ,
                 detail=f"what the draft receives differs from TP rank {min(ranks)}'s on ranks {differ} "
@@ -247,11 +267,13 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
     if not meta0.get("slots"):
         pass
     elif trained is None:
+        said = "" if trained_from.startswith("not given") else f" ({trained_from})"
         findings.append(Finding("coverage", "drafter input vs the draft's training", ranks_all, severity=WARNING,
                                 detail=(f"checked against the draft's config only: vLLM gives slots {held} for its "
                                         f"ids {config_ids}, but nothing says the draft was trained on "
-                                        f"{', '.join(_hf(i) for i in held)}; set TPPROBE_DRAFT_TRAINED=ids:A,B,C "
-                                        f"(HF hidden_states per slot) or convention:output|before|vllm"),
+                                        f"{', '.join(_hf(i) for i in held)}{said}; set TPPROBE_DRAFT_TRAINED=ids:A,B,C "
+                                        f"(HF hidden_states per slot), convention:output|before|vllm or "
+                                        f"specforge:PATH"),
                                 evidence={"all_ranks": True}))
     elif held != trained and None not in held:      # a slot holding no id: the engine's own fault, named above
         fix_ids, fix_text = fix_for(trained, int(L or 0))
@@ -293,6 +315,35 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
             "explained": bool(low and fails)}
 
 
+def _vdiff(a: list, b: list) -> float:
+    den = sum(x * x for x in a) + sum(y * y for y in b)
+    return sum((x - y) ** 2 for x, y in zip(a, b)) / den if den else 0.0
+
+
+def partial_slots(ranks: dict) -> list:
+    """[(slot, id)] of the slots every rank holds differently while the residual under them (the slot's sketch
+    minus its hidden_states part's, linear) is the same on every rank: each rank's own partial sum of that
+    layer's output. [] unless every slot that differs across ranks is one."""
+    per = {r: {s["slot"]: s for s in (m.get("slots") or [])} for r, m in ranks.items()}
+    r0 = min(per)
+    out, other = [], False
+    for j, s0 in sorted(per[r0].items()):
+        rows = [per[r].get(j) for r in sorted(per)]
+        if any(x is None or x.get("sketch") is None for x in rows):
+            continue
+        if all(_vdiff(s0["sketch"], x["sketch"]) <= SAME for x in rows):
+            continue
+        if any(x.get("hidden_sketch") is None for x in rows):
+            other = True
+            continue
+        res = [[a - b for a, b in zip(x["sketch"], x["hidden_sketch"])] for x in rows]
+        if all(_vdiff(res[0], x) <= SAME for x in res):
+            out.append((j, s0.get("id")))
+        else:
+            other = True
+    return [] if other else out
+
+
 def _slots_text(js: list) -> str:
     return f"drafter slot {js[0]}" if len(js) == 1 else f"drafter slots {js}"
 
@@ -305,6 +356,29 @@ def _add(findings: list, first: dict, f: Finding) -> None:
         return
     first[key] = {"n": 1}
     findings.append(f)
+
+
+def captured_prefills(steps: dict) -> list:
+    """(token ids, {HF index: stream}, where) of every prefill request whose streams TP rank 0 kept, in step
+    order: what a SpecForge sample's slots are matched to. `steps`: step folder -> {rank: drafter meta}."""
+    from safetensors.torch import load_file
+
+    out = []
+    for d in sorted(steps, key=lambda d: (steps[d][min(steps[d])].get("step", 0), str(d))):
+        m = steps[d][min(steps[d])]
+        f = d / "drafter" / "rank-000.safetensors"
+        if not m.get("kept") or not f.is_file():
+            continue
+        t = load_file(str(f))
+        if "target_token_ids" not in t:
+            continue
+        for r in m.get("requests") or []:
+            lo, hi = r["rows"]
+            if r.get("kind") == "prefill" and hi > lo:
+                by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
+                out.append((t["target_token_ids"][lo:hi], by, f"step {m.get('step')} ({m.get('forward_mode')}), "
+                                                              f"request {r['index']}'s prompt rows {lo}..{hi - 1}"))
+    return out
 
 
 def replay_streams(a: dict):

@@ -243,10 +243,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _fingerprint(t: torch.Tensor) -> dict:
     x = t.detach().double().cpu()
+    return {"sum": float(x.sum()), "sumsq": float((x * x).sum()), "sketch": _sketch(x),
+            "finite": bool(torch.isfinite(x).all())}
+
+
+def _sketch(t: torch.Tensor) -> list:
+    """A linear sketch of a [rows, width] tensor (a seeded projection summed over rows): the sketch of a sum is the
+    sum of the sketches, so ranks' sketches tell a partial sum from the stream it should be."""
+    x = t.detach().double().cpu()
     g = torch.Generator().manual_seed(0)
     proj = torch.randn(x.shape[-1], 4, generator=g, dtype=torch.float64)
-    return {"sum": float(x.sum()), "sumsq": float((x * x).sum()), "sketch": (x @ proj).sum(0).tolist(),
-            "finite": bool(torch.isfinite(x).all())}
+    return (x @ proj).sum(0).tolist()
 
 
 def _requests(cad, rows: int, rejected) -> list[dict]:
@@ -289,14 +296,23 @@ def _capture(proposer, args, kwargs) -> None:
     streams = {k: v[:rows] for k, v in _D["streams"].items() if v.shape[0] >= rows}
     alone = {k: v[:rows] for k, v in _D["hidden"].items() if v.shape[0] >= rows}
     slots = []
+    rule = sorted({int(i) for i in (engine_ids or config_ids or [])})
     for j in range(n_slots or 0):
         x = ths[:, j * hidden:(j + 1) * hidden]
         rel = {f"id {k}": _rel(x, v) for k, v in sorted(streams.items())}
         rel.update({f"layer {k - 1} hidden_states without the residual": _rel(x, v) for k, v in sorted(alone.items())})
         best = min(rel, key=rel.get) if rel else None
-        holds = best if best is not None and rel[best] < MATCH else None
-        slots.append({"slot": j, "holds": holds, "id": int(holds.split()[1]) if holds and holds.startswith("id ")
-                      else None, "best": best, "rel": rel.get(best) if best else None})
+        same = [k for k in rel if rel[k] < MATCH]
+        # two streams can be equal (a layer that adds nothing): the slot holds both, and the id vLLM's rule gives
+        # is the one it was captured as
+        want = f"id {rule[j]}" if j < len(rule) else None
+        holds = want if want in same else (best if best in same else None)
+        k = int(holds.split()[1]) if holds and holds.startswith("id ") else None
+        slots.append({"slot": j, "holds": holds, "id": k, "best": best, "rel": rel.get(best) if best else None,
+                      "equal_streams": [x for x in same if x != holds],
+                      # the slot and, for a layer's stream, its hidden_states part: across ranks, a slot that
+                      # differs while its residual (slot - hidden_states) agrees holds each rank's partial sum
+                      "sketch": _sketch(x), "hidden_sketch": _sketch(alone[k]) if k in alone else None})
     rejected = _arg(args, kwargs, "num_rejected_tokens_gpu") if "num_rejected_tokens_gpu" in kwargs else None
     reqs = _requests(_arg(args, kwargs, "common_attn_metadata"), rows, rejected)
     pos = _arg(args, kwargs, "target_positions")

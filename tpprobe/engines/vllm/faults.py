@@ -10,7 +10,8 @@ door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
   allreduce-scaled@K, allreduce-one-buffer@K, allreduce-stale@K (F22)  the TP group's device
       communicator (on CPU vLLM's CpuCommunicator: shared memory or gloo) returns, for layer K's o_proj
       reduce, the sum x TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output
-      (zeros when there is none), on every rank: a custom all-reduce returning wrong data
+      (zeros when there is none), on every rank: a custom all-reduce returning wrong data; `@K.mlp` picks
+      layer K's MLP reduce (`mlp.down_proj`) instead of its attention's (`self_attn.o_proj`)
   allreduce-rank@R (F23)  on rank R only, the middle layer's o_proj reduce returns R's own input
   allreduce-once@R:C (F33)  on rank R only, the C-th call (0-based, counted from the fault's injection) of the
       TP group's device communicator returns the sum x TPPROBE_INJECT_SCALE (2): a reduce right in every other
@@ -86,8 +87,27 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     if name == "skip-allreduce":
         projs[arg].reduce_results = False
         return
-    k = L // 2 if name == "allreduce-rank" else arg
-    communicator_fault(name, projs[k], arg, ctx)
+    if name == "allreduce-rank":
+        communicator_fault(name, projs[L // 2], arg, ctx)
+        return
+    communicator_fault(name, _reduce_of(model, projs, arg, name), arg, ctx)
+
+
+def _reduce_of(model, projs: list, arg, fault: str):
+    """The row-parallel layer whose reduce `@arg` names: `K` layer K's `self_attn.o_proj`, `K.mlp` its
+    `mlp.down_proj`."""
+    k, _, part = str(arg).partition(".")
+    if not k.isdigit() or int(k) >= len(projs) or part not in ("", "mlp"):
+        raise UsageError(f"--inject {fault}@{arg}: give a layer K in 0..{len(projs) - 1} (its attention's reduce) "
+                         f"or K.mlp (its MLP's, mlp.down_proj)")
+    if not part:
+        return projs[int(k)]
+    layers = list(getattr(getattr(model, "model", model), "layers", None) or [])
+    proj = getattr(getattr(layers[int(k)], "mlp", None), "down_proj", None)
+    if proj is None:
+        raise UsageError(f"--inject {fault}@{arg}: layer {k} of vLLM's {type(model).__name__} has no mlp.down_proj "
+                         f"(a dense MLP: --arch llama, qwen3)")
+    return proj
 
 
 def _capture_fn(model, fault: str):

@@ -64,7 +64,12 @@ def _neuron(i: int) -> int:
     return i if i < BLOCK // 2 else FFN // 2 + i - BLOCK // 2
 
 
-def _mover(src: int, dst: int, gate_in: float, keep: bool) -> dict:
+def _crossed(i: int) -> int:
+    """The neuron of code dim i on the OTHER TP rank's half from `_neuron`'s."""
+    return FFN // 2 + i if i < BLOCK // 2 else i - BLOCK // 2
+
+
+def _mover(src: int, dst: int, gate_in: float, keep: bool, neuron=_neuron) -> dict:
     """gate/up/down weights of an MLP whose output moves (keep=False: subtract src) or copies block src to dst,
     its input normalised by an RMSNorm of RMS sqrt(ms + eps) where the constant reads `gate_in`."""
     gate = torch.zeros(FFN, H)
@@ -74,7 +79,7 @@ def _mover(src: int, dst: int, gate_in: float, keep: bool) -> dict:
     G = Z / gate_in                          # the gate reads Z: SiLU(Z) = Z
     a = s / Z                                # up reads x / s: a * Z * x / s = x
     for i in range(BLOCK):
-        n = _neuron(i)
+        n = neuron(i)
         gate[n, CONST] = G
         up[n, _block(src).start + i] = 1.0
         down[_block(dst).start + i, n] = a
@@ -136,8 +141,13 @@ def build_target(folder: Path, seed: int = SEED) -> Path:
 
 
 def build_draft(folder: Path, ids: Sequence[int], read_slot: int = 1, trained_ids: Optional[Sequence[int]] = None,
-                seed: int = SEED) -> Path:
-    """The draft: config ids `ids`; it reads slot `read_slot`, built for the slots `trained_ids` (default: `ids`)."""
+                seed: int = SEED, crossed: bool = False) -> Path:
+    """The draft: config ids `ids`; it reads slot `read_slot`, built for the slots `trained_ids` (default: `ids`).
+
+    `crossed`: its MLP handles each code dim on the other TP rank (at tp 2) from the target's. By default the
+    two split the code the same way, so a draft handed each rank's own partial sum of a target layer (a capture
+    before the reduce completes) still sums it back in its own MLP's reduce: a coincidence of this build that
+    real weights never have; crossed, each rank's half of the draft finds nothing in its half of the input."""
     trained = list(trained_ids if trained_ids is not None else ids)
     X = int(trained[read_slot])
     n = len(ids)
@@ -159,7 +169,7 @@ def build_draft(folder: Path, ids: Sequence[int], read_slot: int = 1, trained_id
     s = math.sqrt(2 * BLOCK / H + EPS)
     for name, t in _attention(g, 2 * H).items():
         w["midlayer.self_attn." + name + ".weight"] = t
-    for name, t in _mover(0, 1, C / s, keep=True).items():
+    for name, t in _mover(0, 1, C / s, keep=True, neuron=_crossed if crossed else _neuron).items():
         w["midlayer.mlp." + name + ".weight"] = t
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         w[f"midlayer.{name}.weight"] = torch.ones(H)

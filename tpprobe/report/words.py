@@ -1,8 +1,7 @@
 """The sentences the probe's report says about a run: a cell's words, the audit, coverage, timings.
 
-Kept out of report/labels.py so the renderers compute nothing about the run: probe/report.py
-and probe/page.py build sections from these, and the dumper's check (dumpdir/report.py) reads `cell_label`
-(checks/ is below both, so both may).
+Kept apart from report/labels.py so the renderers compute nothing about the run: probe/report.py
+and probe/page.py build sections from these, and the dumper's check (dumpdir/report.py) reads `cell_label`.
 """
 from __future__ import annotations
 
