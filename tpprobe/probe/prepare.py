@@ -13,7 +13,8 @@ from ..formats.capture_dir import check_file_path, estimate_capture_bytes
 from ..formats.settings import run_settings
 from ..core.errors import UsageError
 from ..engines.builtin.faults import parse as parse_faults
-from ..engines.registry import ENGINES, check_faults, engine_of, slot_engine, source
+from ..engines import registry
+from ..engines.registry import check_faults, engine_of, slot_engine, source
 from ..config.options import BUILTIN, BUILTIN_ONLY, ProbeOptions
 from ..core.target import ProbeTarget, RankContext
 
@@ -71,9 +72,8 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
     if opts.backend not in ("auto", "gloo", "nccl"):
         raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo or nccl")
-    if opts.engine not in ENGINES:
-        raise UsageError(f"unknown --engine {opts.engine!r}: use {', '.join(ENGINES)}")
-    engine, named = engine_of(opts), ENGINES[opts.engine]
+    named = registry.named(opts.engine)        # an unknown --engine: one line
+    engine = engine_of(opts)
     if opts.model is not None:
         named.check_with_model(opts.model)
     engine.check_arch(opts, world)
