@@ -34,7 +34,7 @@ from tpprobe.capture import hooks  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.fingerprint.reference import fingerprint  # noqa: E402
-from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "installed_old", "installed", "fp_old", "fp"]

@@ -37,9 +37,9 @@ def main():
     ap.add_argument("--backend", default="inductor", choices=["inductor", "cudagraphs"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    from tpprobe.builtin.graph import aux_against_graph, compile_model, run_compiled
-    from tpprobe.builtin.graph import FP_K, FP_SEED, device_weights
-    from tpprobe.builtin.model import BuiltinConfig, TPModel
+    from tpprobe.engines.builtin.graph import aux_against_graph, compile_model, run_compiled
+    from tpprobe.engines.builtin.graph import FP_K, FP_SEED, device_weights
+    from tpprobe.engines.builtin.model import BuiltinConfig, TPModel
     from tpprobe.capture.graph_tap import CompiledTaps
     from tpprobe.core.target import RankContext
 

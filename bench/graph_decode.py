@@ -14,7 +14,7 @@ three variants; each round
 times `--iters` back-to-back replays with CUDA events (one sync per round); the table gives the
 median per replay and the ratio. Also measured: the host combine of one step's fingerprints
 (`read()` after a sync), the static buffer and scratch bytes, and the graph pool's extra memory.
-Weights are drawn on the GPU (tpprobe.builtin.graph.device_weights).
+Weights are drawn on the GPU (tpprobe.engines.builtin.graph.device_weights).
 """
 import argparse
 import json
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _build(ctx, a):
-    from tpprobe.builtin.graph import device_weights
-    from tpprobe.builtin.model import BuiltinConfig, TPModel
+    from tpprobe.engines.builtin.graph import device_weights
+    from tpprobe.engines.builtin.model import BuiltinConfig, TPModel
 
     cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=a.ffn, vocab=1024,
                         dtype=torch.bfloat16, layer_ids=[-1, 1, 3])
@@ -55,7 +55,7 @@ def _time(gf, ids, iters, taps):
 def bench_rank(ctx, a) -> dict:
     import torch.distributed as dist
 
-    from tpprobe.builtin.graph import GraphedForward
+    from tpprobe.engines.builtin.graph import GraphedForward
     model, cfg = _build(ctx, a)
     out = {}
     for tokens in a.tokens:

@@ -25,14 +25,14 @@ from bench.harness import alternate, medians, write_json  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.fingerprint.reference import fingerprint  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
-from tpprobe.builtin.model import BuiltinConfig, TPModel, input_ids  # noqa: E402
+from tpprobe.engines.builtin.model import BuiltinConfig, TPModel, input_ids  # noqa: E402
 from tpprobe.core.target import RankContext  # noqa: E402
 
 FP_SEED, FP_K = 0, 32
 
 
 def weights_on(cfg: BuiltinConfig, device) -> dict:
-    from tpprobe.builtin.graph import device_weights
+    from tpprobe.engines.builtin.graph import device_weights
     return device_weights(cfg, device)
 
 

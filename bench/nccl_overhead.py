@@ -40,7 +40,7 @@ from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "idle", "installed", "full", "fingerprint"]

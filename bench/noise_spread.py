@@ -28,7 +28,7 @@ def main(dirs):
         ranks = [load_file(str(d / f"rank-{r:03d}.safetensors")) for r in range(st["world_size"])]
         refs = {}
         if st.get("model") == "builtin":
-            from tpprobe.builtin.model import BuiltinConfig, reference_streams
+            from tpprobe.engines.builtin.model import BuiltinConfig, reference_streams
             cfg = BuiltinConfig(num_layers=st["num_layers"], hidden=st["hidden"], tokens=st["tokens"],
                                 seed=st["seed"], dtype=dtype, **({"vocab": st["vocab"]} if "vocab" in st else {}))
             refs = reference_streams(cfg)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.core.target import RankContext  # noqa: E402
 
 

@@ -35,7 +35,7 @@ from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
-from tpprobe.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint", "fp_no_coll"]

@@ -1,8 +1,8 @@
 """SGLang targets broken on purpose, for `tpprobe probe --model sglang_faults:FACTORY`.
 
-`--inject` with `--backend sglang` makes the faults tpprobe knows on SGLang's own model (`tpprobe probe
+`--inject` with `--engine sglang` makes the faults tpprobe knows on SGLang's own model (`tpprobe probe
 --help` lists them); a fault of your own is a `--model` factory: build the tiny SGLang target
-(tpprobe.engines.sglang.tiny.build_target, as `--backend sglang` does) and change it the way the real bug
+(tpprobe.engines.sglang.tiny.build_target, as `--engine sglang` does) and change it the way the real bug
 does. Run from the repository root:
 
     PYTHONPATH=examples tpprobe probe --model sglang_faults:llama_skip_embed_reduce \\

@@ -15,16 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent / "tpprobe"
 
 
 # The floors, top to bottom: a module imports only modules of its own wing or of a wing on a
-# lower floor, never one beside it or above it. A wing is the longest prefix named here (config.options is
-# a wing of its own). tests/test_house.py holds the code to them; scripts/layout.py lists the wings so.
+# lower floor, never one beside it or above it. A wing is the longest prefix named here.
+# tests/test_house.py holds the code to them; scripts/layout.py lists the wings so.
 FLOORS = [
     ["cli"],                             # one module per command
     ["invariance"],
     ["probe"],                           # the pipeline every rank runs
-    ["builtin", "dumpdir", "eagle3"],    # the built-in model; SGLang dumper folders; EAGLE-3 diff and accept
+    ["dumpdir", "eagle3"],               # SGLang dumper folders; EAGLE-3 diff and accept
     ["report"],                          # the shared Report, its one sink and renderers; sglang_plan builds a section
-    ["config.options"],                  # ProbeOptions asks the SGLang engine for an arch's default layer ids
-    ["engines"],                         # engines side by side: sglang/ (vLLM next to it)
+    ["engines"],                         # the model sources side by side (registry): builtin/, sglang/, vllm/, user
     ["checks", "exchange"],
     ["formats"],                         # capture folders, SpecForge samples
     ["capture"],
@@ -37,7 +36,7 @@ LEVEL = {wing: i for i, floor in enumerate(FLOORS) for wing in floor}
 
 def wing(mod: str) -> str:
     """The wing a module lives in, the longest prefix FLOORS names: tpprobe.checks.run -> checks,
-    tpprobe.config.options -> config.options, tpprobe.config.knobs -> config; "" for the package root,
+    tpprobe.config.knobs -> config; "" for the package root,
     ".name" for a module outside every wing."""
     parts = mod.split(".")[1:]
     for k in range(len(parts), 0, -1):

@@ -62,9 +62,9 @@ def main():
         return f"{len(a.records)} record(s), out fp {a.records[0].out_summary.fp.bit_hash if a.records else None}"
     step("audit + fingerprints", fp_audit)
     with torch.no_grad():
-        from tpprobe.builtin.graph import device_weights as weights_on
+        from tpprobe.engines.builtin.graph import device_weights as weights_on
         from tpprobe.capture.hooks import Tap
-        from tpprobe.builtin.model import BuiltinConfig, TPModel
+        from tpprobe.engines.builtin.model import BuiltinConfig, TPModel
         from tpprobe.core.target import RankContext
         cfg = BuiltinConfig(num_layers=2, hidden=512, heads=8, ffn=1024, vocab=256, tokens=1, dtype=torch.bfloat16,
                             layer_ids=[-1, 0, 1])

@@ -44,7 +44,9 @@ COMMANDS = {
     "bad-usage": ["probe", "--nproc", "0"],
     # one report model, one sink: the other commands' terminal and --json
     "diff-self-json": ["diff", "--json", "{d}/healthy", "{d}/skip"],
-    "probe-sglang": ["probe", "--backend", "sglang", "--arch", "llama", "--out", "{d}/sglang"],
+    "probe-sglang": ["probe", "--engine", "sglang", "--arch", "llama", "--out", "{d}/sglang"],
+    # the old spelling of --engine: the same run, one warning line more on stderr
+    "probe-sglang-backend": ["probe", "--backend", "sglang", "--arch", "llama", "--out", "{d}/sglang-b"],
     "layers-all": ["layers", "--arch", "all", "--num-layers", "8"],
     "layers-all-json": ["layers", "--arch", "all", "--num-layers", "8", "--json"],
     "layers-crash": ["layers", "--arch", "llama", "--num-layers", "8", "--ids", "2,30"],

@@ -124,7 +124,8 @@ def test_reimplementation_matches_sglangs_class(runs):
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]);"
         "from tpprobe.eagle3.accept.draft import load_draft;"
-        "from tpprobe.eagle3.accept.engines import Eagle3Forward, SGLangEagle3;"
+        "from tpprobe.eagle3.accept.engines import Eagle3Forward;"
+        "from tpprobe.engines.sglang.eagle3_draft import SGLangEagle3;"
         "from examples.accept_toy_draft import capture as _capture; from pathlib import Path;"
         "d = load_draft(sys.argv[2]); f, ids = _capture(Path(sys.argv[3]));"
         "a = Eagle3Forward(d).logits(f[:-1], ids[1:]).detach(); b = SGLangEagle3(d).logits(f[:-1], ids[1:]);"
@@ -190,7 +191,7 @@ def sglang_runs(tmp_path_factory):
            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
            "torch_dtype": "float32"}
     (base / "config.json").write_text(json.dumps(cfg))
-    common = ["--backend", "sglang", "--config", str(base / "config.json"), "--num-layers", "5",
+    common = ["--engine", "sglang", "--config", str(base / "config.json"), "--num-layers", "5",
               "--layers", ",".join(map(str, IDS)), "--tokens", str(TOKENS), "--timeout", "240"]
     res = _probe_together(base, {name: common + ([] if name == "healthy" else ["--inject", name])
                                  for name in ["healthy", *SGLANG_FAULTS]})

@@ -185,7 +185,7 @@ def test_a_wrong_or_missing_reduce_is_named_exactly(tmp_path, inject, nproc, ext
         e = rep["allreduce"]["records"][f["evidence"]["seq"]]
         assert e["level"] == "incomplete" and e["where"] == f"layer.{where.split()[1]}"
         assert rep["allreduce"]["method"] == ("sketch" if exchange == "fingerprint" else "tensors")
-        assert f"all-reduce #{e['seq']} (tpprobe.builtin.faults.Communicator.all_reduce" in f["detail"]
+        assert f"all-reduce #{e['seq']} (tpprobe.engines.builtin.faults.Communicator.all_reduce" in f["detail"]
         # each wrong rank's error, relative to the sum, is what the injection implies: a sum x 2 is off
         # by exactly 1 (in fingerprint mode too: the sketch of a scaled sum is the scaled sketch); one
         # rank's input x_R for the sum S by ||x_R - S|| / ||S|| (in fingerprint mode, the sketches' estimate of it)
@@ -286,7 +286,7 @@ SG_PARAMS = [pytest.param(*c, id=f"{c[0]}-{c[1]}-tp{c[2]}-{c[3]}",
 @pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")
 @pytest.mark.parametrize("arch,inject,nproc,exchange,kind,where,ranks,says", SG_PARAMS)
 def test_sglang_reduce_faults_are_named_exactly(tmp_path, arch, inject, nproc, exchange, kind, where, ranks, says):
-    rc, rep, cp = probe(tmp_path / "r", "--backend", "sglang", "--arch", arch, "--num-layers", "4", "--inject", inject,
+    rc, rep, cp = probe(tmp_path / "r", "--engine", "sglang", "--arch", arch, "--num-layers", "4", "--inject", inject,
                         "--exchange", exchange, nproc=nproc, timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert rc == 1, cp.stderr[-3000:]
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]

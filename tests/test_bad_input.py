@@ -163,7 +163,7 @@ def test_an_unreadable_config_is_said_before_any_engine_is_imported(tmp_path):
     code = ("import sys\nfrom tpprobe.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    print('exit', e.code, 'sglang' in sys.modules, 'vllm' in sys.modules)\n")
     for backend in ("sglang", "vllm"):
-        cp = subprocess.run([sys.executable, "-c", code, "probe", "--backend", backend, "--config", str(bad),
+        cp = subprocess.run([sys.executable, "-c", code, "probe", "--engine", backend, "--config", str(bad),
                              "--out", str(tmp_path / backend)], capture_output=True, text=True, cwd=ROOT,
                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
         assert cp.stdout.split() == ["exit", "2", "False", "False"], cp.stdout + cp.stderr
@@ -185,13 +185,12 @@ def test_default_ids_cut_by_a_shallow_model_are_said_and_given_ids_are_not(tmp_p
 
 
 def test_the_sglang_default_ids_of_a_shallow_model_are_said_before_anything_starts():
-    from tpprobe.config.options import ProbeOptions
-    from tpprobe.probe.prepare import default_ids_note
-    opts = ProbeOptions.from_cli(num_layers=2, backend="sglang", nproc=2, inject=[], layers=None)
+    from tpprobe.probe.prepare import default_ids_note, options_from_cli
+    opts = options_from_cli(num_layers=2, engine="sglang", nproc=2, inject=[], layers=None)
     assert opts.layers == [-1]
     assert default_ids_note(opts) == ("tpprobe: note: a 2-layer model: the default ids are -1 (1 slot), not -1,1,3 "
                                       "(3 slots): fitted to this depth; give --layers to choose")
-    assert default_ids_note(ProbeOptions.from_cli(num_layers=6, backend="sglang", nproc=2, inject=[])) is None
+    assert default_ids_note(options_from_cli(num_layers=6, engine="sglang", nproc=2, inject=[])) is None
 
 
 def test_the_vllm_runner_note_is_for_who_serves_vllm(tmp_path, capsys):
@@ -253,6 +252,6 @@ def test_capture_no_residual_is_made_and_named_on_the_built_in_model(tmp_path, e
 
 def test_capture_no_residual_on_vllm_is_pointed_at_its_name_there(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, out, err = cli(["probe", "--backend", "vllm", "--inject", "capture-no-residual"], capsys)
+    code, out, err = cli(["probe", "--engine", "vllm", "--inject", "capture-no-residual"], capsys)
     assert code == 2 and one_line(err) == ("tpprobe: error: --inject capture-no-residual is named aux-no-residual "
-                                           "on vLLM's model: --backend vllm --inject aux-no-residual")
+                                           "on vLLM's model: --engine vllm --inject aux-no-residual")

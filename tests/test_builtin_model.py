@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.ranks import spawn
 from tpprobe.capture.hooks import Tap
-from tpprobe.builtin.model import BuiltinConfig, build_builtin, reference_streams
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin, reference_streams
 from tpprobe.core.target import RankContext
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}

@@ -56,7 +56,7 @@ def ranks_env(monkeypatch, tmp_path):
     (["report", "{run}", "--html", "{tmp}/no/x/r.html"],
      "--html {tmp}/no/x/r.html: the folder {tmp}/no does not exist"),
     (["specforge", "{run}", "{tmp}/no/rows/d.ckpt"], "the folder {tmp}/no does not exist"),
-    (["probe", "--config", "cfg.json"], "--config cfg.json builds SGLang's model classes: add --backend sglang"),
+    (["probe", "--config", "cfg.json"], "--config cfg.json builds SGLang's model classes: add --engine sglang"),
     (["probe", "--num-layers", "0"], "--num-layers must be >= 1 (got 0)"),
     (["probe", "--backend", "nccl"], "--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU"),
     (["specforge"], "Missing argument"),
@@ -79,7 +79,7 @@ def test_bad_paths_and_settings_are_one_line_exit_2(args, says, tmp_path, capsys
 
 def test_version_and_help_texts_everywhere(capsys):
     from tpprobe import __version__
-    from tpprobe.builtin.faults import FAULTS
+    from tpprobe.engines.builtin.faults import FAULTS
     assert cli(["--version"], capsys)[:2] == (0, f"tpprobe {__version__}\n")
     import typer.main
     group = typer.main.get_command(app)
@@ -199,7 +199,7 @@ def test_config_sets_the_dtype_unless_dtype_is_given(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
-    base = ["probe", "--backend", "sglang", "--config", str(cfg), "--out", "r"]
+    base = ["probe", "--engine", "sglang", "--config", str(cfg), "--out", "r"]
     for extra, want in (([], "bfloat16"), (["--dtype", "float16"], "float16")):
         assert cli(base + extra, capsys)[0] == 0
         argv = started[-1]

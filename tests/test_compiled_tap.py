@@ -28,7 +28,7 @@ _RESULTS: dict = {}
 
 
 def _cfg():
-    from tpprobe.builtin.model import BuiltinConfig
+    from tpprobe.engines.builtin.model import BuiltinConfig
     # 6 layers and ids [-1, 1, 3] as the catalogue tests; bf16 as served
     return BuiltinConfig(num_layers=6, hidden=1024, heads=8, ffn=2048, vocab=1000, dtype=torch.bfloat16)
 
@@ -39,7 +39,7 @@ def _result(case):
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         import torch.distributed as dist
-        from tpprobe.builtin.graph import compiled_probe_rank
+        from tpprobe.engines.builtin.graph import compiled_probe_rank
         from tpprobe.core.target import RankContext
         inject, tokens, backend = case[:3]
         if not dist.is_initialized():
@@ -66,7 +66,7 @@ def test_compiled_replay_fingerprints_equal(case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] is None], ids=lambda c: f"{c[2]}-{c[1]}tok")
 def test_healthy_compiled_replay_has_no_findings(case):
-    from tpprobe.builtin.graph import graph_findings
+    from tpprobe.engines.builtin.graph import graph_findings
     r = _result(case)
     findings = graph_findings({0: r["meta"]}, r["settings"])
     assert [f for f in findings if f["severity"] == "failure"] == [], findings
@@ -74,7 +74,7 @@ def test_healthy_compiled_replay_has_no_findings(case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] is not None], ids=lambda c: c[0])
 def test_faults_in_the_compiled_model_are_named_exactly(case):
-    from tpprobe.builtin.graph import graph_findings
+    from tpprobe.engines.builtin.graph import graph_findings
     r = _result(case)
     got = [(f["kind"], f["where"], f["ranks"]) for f in graph_findings({0: r["meta"]}, r["settings"])
            if f["severity"] == "failure"]

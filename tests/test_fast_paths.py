@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.ranks import ROOT, spawn
-from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin
 from tpprobe.capture.hooks import PLANS, REGISTRATIONS, Tap, fast
 from tpprobe.config.knobs import FAST_PATHS, release
 from tpprobe.core.errors import UsageError

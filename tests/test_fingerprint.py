@@ -429,7 +429,7 @@ def test_fingerprint_mode_never_syncs_the_host_inside_the_forward():
     with one copy."""
     from tpprobe.capture.hooks import Tap
     from tpprobe.fingerprint.reference import Deferred, _fingerprint_torch, resolved
-    from tpprobe.builtin.model import BuiltinConfig, TPModel, full_weights, input_ids
+    from tpprobe.engines.builtin.model import BuiltinConfig, TPModel, full_weights, input_ids
     from tpprobe.core.target import RankContext
     cfg = BuiltinConfig(num_layers=4, hidden=1024, heads=8, ffn=2048, vocab=512, tokens=17, dtype=torch.bfloat16)
     ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="none")

@@ -49,7 +49,7 @@ TP1_FAULTS = [
 
 
 def _cfg():
-    from tpprobe.builtin.model import BuiltinConfig
+    from tpprobe.engines.builtin.model import BuiltinConfig
     # 6 layers and ids [-1, 1, 3] as the catalogue tests; bf16 as served; Kimi width
     return BuiltinConfig(num_layers=6, hidden=7168, heads=56, ffn=2048, vocab=1000, dtype=torch.bfloat16)
 
@@ -67,7 +67,7 @@ def _cases(tp):
 
 
 def _run_cases(ctx, tp):
-    from tpprobe.builtin.graph import graph_probe_rank
+    from tpprobe.engines.builtin.graph import graph_probe_rank
     out = []
     for inject, tokens, *_, side in _cases(tp):
         r = graph_probe_rank(ctx, _cfg(), [inject] if inject else [], tokens, side_stream=side)
@@ -155,7 +155,7 @@ def test_graph_replay_fingerprints_equal_eager_at_every_point(tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_healthy_graph_replay_has_no_findings(tp):
-    from tpprobe.builtin.graph import graph_findings
+    from tpprobe.engines.builtin.graph import graph_findings
     metas, _, settings = _results(tp)
     for m, s in zip(metas, settings):
         if s["inject"]:
@@ -167,7 +167,7 @@ def test_healthy_graph_replay_has_no_findings(tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_faults_in_the_graphed_model_are_named_exactly(tp):
-    from tpprobe.builtin.graph import graph_findings
+    from tpprobe.engines.builtin.graph import graph_findings
     metas, _, settings = _results(tp)
     expect = {(c[0], c[1]): c[2:5] for c in _cases(tp) if c[0]}
     seen = 0

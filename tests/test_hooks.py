@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tests.helpers.ranks import ROOT, spawn
 from tpprobe.capture.hooks import Tap
-from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin
 from tpprobe.core.target import RankContext
 
 

@@ -3,7 +3,7 @@
 config is read, and a model too big for the machine is refused before anything starts.
 
 * tpprobe.config.hub reads the wrapper and its text model (61 layers, hidden 7168, 384 experts);
-* `probe --backend sglang|vllm --config` at tp 8 is refused in one line within seconds (exit 2): the memory it
+* `probe --engine sglang|vllm --config` at tp 8 is refused in one line within seconds (exit 2): the memory it
   needs, what is available, and the shrink options that keep the TP structure (--num-experts, --vocab-size,
   --num-layers); a config that is no JSON is refused before SGLang is imported;
 * the shrink options keep hidden size, heads, MLA ranks and the dense/MoE layer pattern (the HF config built);
@@ -85,7 +85,7 @@ def test_the_shrink_options_keep_the_tp_structure():
 @pytest.mark.parametrize("backend", ["sglang", "vllm"])
 def test_kimi_at_tp8_is_refused_with_the_estimate_in_seconds(tmp_path, backend):
     t0 = time.time()
-    cp = run_cli(["probe", "--backend", backend, "--config", str(KIMI), "--nproc", "8", "--out", str(tmp_path / "r")],
+    cp = run_cli(["probe", "--engine", backend, "--config", str(KIMI), "--nproc", "8", "--out", str(tmp_path / "r")],
                  timeout=120)
     took = time.time() - t0
     assert cp.returncode == 2, cp.stderr[-3000:]
@@ -103,7 +103,7 @@ def test_a_config_that_is_no_json_is_refused_before_the_engine_loads(tmp_path):
     bad = tmp_path / "notjson.json"
     bad.write_text("this is not json")
     t0 = time.time()
-    cp = run_cli(["probe", "--backend", "sglang", "--config", str(bad), "--out", str(tmp_path / "r")], timeout=120)
+    cp = run_cli(["probe", "--engine", "sglang", "--config", str(bad), "--out", str(tmp_path / "r")], timeout=120)
     assert cp.returncode == 2, cp.stderr[-3000:]
     assert f"--config {bad}: cannot read a JSON config" in one_line(cp)
     assert time.time() - t0 < 15, "said before SGLang is imported"
@@ -134,7 +134,7 @@ def test_the_contract_reads_the_wrapper_and_names_the_text_architecture(tmp_path
 def test_kimi_at_real_width_runs_healthy_on_cpu_gloo(tmp_path):
     """Measured: 118 s wall, 5.0 GB peak per rank (the estimate: 5.5 GB), 2 cores."""
     pytest.importorskip("sglang")
-    cp = run_cli(["probe", "--backend", "sglang", "--config", str(KIMI), "--nproc", "2", "--num-layers", "2",
+    cp = run_cli(["probe", "--engine", "sglang", "--config", str(KIMI), "--nproc", "2", "--num-layers", "2",
                   "--num-experts", "2", "--vocab-size", "1024", "--dtype", "float32", "--tokens", "8", "--json",
                   "--out", str(tmp_path / "r")], timeout=600)
     assert cp.returncode == 0, cp.stderr[-3000:]

@@ -111,7 +111,7 @@ def test_injected_size_switch_is_named_at_the_first_collective_it_changes(tmp_pa
 
 
 def test_sglang_llama_is_batch_invariant_at_tp2(tmp_path):
-    code, rep = invariance(tmp_path / "g", "--backend", "sglang", "--arch", "llama", "--tp", "2",
+    code, rep = invariance(tmp_path / "g", "--engine", "sglang", "--arch", "llama", "--tp", "2",
                            "--batch", "1,3", "--reference", "tp2,b1", timeout=420)
     assert code == 0, rep["verdict"]
     keys = [e["key"] for e in rep["rows"]]
@@ -132,7 +132,7 @@ USAGE = {
     "reduce": (["--reduce", "fast"], "unknown --reduce 'fast'"),
     "ordered-tp3": (["--reduce", "ordered", "--tp", "1,3", "--heads", "6", "--hidden", "48", "--ffn", "96"],
                     "tp (3) must divide 8"),
-    "reduce-on-sglang": (["--backend", "sglang", "--reduce", "ordered"], "drop them with --model or --backend sglang"),
+    "reduce-on-sglang": (["--engine", "sglang", "--reduce", "ordered"], "drop them with --model or --engine sglang"),
 }
 
 
@@ -179,7 +179,7 @@ def test_sweep_default_gloo_noise_on_the_whole_grid(tmp_path):
 
 @pytest.mark.sweep
 def test_sweep_sglang_grid(tmp_path):
-    code, rep = invariance(tmp_path / "g", "--backend", "sglang", "--arch", "llama", "--tp", "1,2,4",
+    code, rep = invariance(tmp_path / "g", "--engine", "sglang", "--arch", "llama", "--tp", "1,2,4",
                            "--batch", "1,3,8", "--expect", "noise", timeout=900)
     assert code == 0 and [e["key"] for e in rep["rows"]] == builtin_rows("model.")
     for c in rep["configs"]:

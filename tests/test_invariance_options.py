@@ -40,4 +40,4 @@ def test_the_rank_side_flags_are_declared_but_hidden_from_help():
     hidden = {p.name for p in cmd.params if getattr(p, "hidden", False)}
     assert hidden == set(HIDDEN) == {"part", "sites"}
     declared = [f.metadata["flag"] for f in dataclasses.fields(InvarianceOptions) if "flag" in f.metadata]
-    assert [o for p in cmd.params for o in p.opts] == declared and len(declared) == 28
+    assert [o for p in cmd.params for o in p.opts] == declared and len(declared) == 29

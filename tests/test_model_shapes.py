@@ -2,8 +2,8 @@
 
 - the default --layers follows the model's depth (a 2-layer built-in model with no --layers runs
   and captures -1,0; the 6-layer default stays -1,1,3).
-- `--backend sglang --config cfg.json` takes the config's num_hidden_layers and architecture;
-  built-in-only options (--heads, ...) with --backend sglang or --model are a one-line usage
+- `--engine sglang --config cfg.json` takes the config's num_hidden_layers and architecture;
+  built-in-only options (--heads, ...) with --engine sglang or --model are a one-line usage
   error (exit 2), never ignored; shapes that do not split over the TP size are refused before
   any rank starts, saying which --nproc works; the tiny SGLang models run at tp 8 (Kimi-K2's
   serving shape).
@@ -47,8 +47,8 @@ def test_the_help_says_the_default_for_small_models():
 
 
 # ---- built-in-only options, --config's own depth and arch, shapes before the build ----------
-@pytest.mark.parametrize("args,flag", [(["--backend", "sglang", "--heads", "4"], "--heads"),
-                                       (["--backend", "sglang", "--arch", "qwen3", "--hidden", "128", "--ffn", "64"],
+@pytest.mark.parametrize("args,flag", [(["--engine", "sglang", "--heads", "4"], "--heads"),
+                                       (["--engine", "sglang", "--arch", "qwen3", "--hidden", "128", "--ffn", "64"],
                                         "--hidden, --ffn"),
                                        (["--model", "examples.my_model:build", "--vocab", "50"], "--vocab")])
 def test_a_builtin_only_option_elsewhere_is_a_usage_error(tmp_path, args, flag):
@@ -66,12 +66,12 @@ def _config(tmp_path, **kw):
 
 
 def test_a_config_names_its_depth_and_architecture(tmp_path):
-    from tpprobe.config.options import ProbeOptions
+    from tpprobe.probe.prepare import options_from_cli
     cfg = _config(tmp_path, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=61,
                   num_attention_heads=128, n_routed_experts=256, moe_intermediate_size=2048, intermediate_size=18432)
-    o = ProbeOptions.from_cli(backend="sglang", config=str(cfg))
+    o = options_from_cli(engine="sglang", config=str(cfg))
     assert (o.arch, o.num_layers, o.layers) == ("deepseek_v2", 61, [0, 2, 4])
-    again = ProbeOptions.from_cli(backend="sglang", config=str(cfg), num_layers=4)     # --num-layers wins
+    again = options_from_cli(engine="sglang", config=str(cfg), num_layers=4)     # --num-layers wins
     assert again.num_layers == 4
     argv = o.to_argv()
     assert "--heads" not in argv and argv[argv.index("--num-layers") + 1] == "61"
@@ -86,7 +86,7 @@ def test_a_config_names_its_depth_and_architecture(tmp_path):
 ])
 def test_a_shape_that_does_not_split_is_refused_before_any_rank_starts(tmp_path, args, says):
     t0 = time.time()
-    cp = run_cli(["probe", "--backend", "sglang", "--out", str(tmp_path / "r"), *args], timeout=60)
+    cp = run_cli(["probe", "--engine", "sglang", "--out", str(tmp_path / "r"), *args], timeout=60)
     took = time.time() - t0
     assert cp.returncode == 2, cp.stderr[-3000:]
     assert says in one_error_line(cp)
@@ -96,7 +96,7 @@ def test_a_shape_that_does_not_split_is_refused_before_any_rank_starts(tmp_path,
 def test_a_config_that_does_not_split_says_what_to_pass(tmp_path):
     cfg = _config(tmp_path, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=61,
                   num_attention_heads=4, n_routed_experts=8)
-    cp = run_cli(["probe", "--backend", "sglang", "--config", str(cfg), "--nproc", "8", "--out", str(tmp_path / "r")],
+    cp = run_cli(["probe", "--engine", "sglang", "--config", str(cfg), "--nproc", "8", "--out", str(tmp_path / "r")],
                  timeout=60)
     assert cp.returncode == 2, cp.stderr[-3000:]
     assert one_error_line(cp).endswith(f"--config {cfg} at tp=8: its 4 attention heads do not split over 8 ranks; "
@@ -110,7 +110,7 @@ def test_a_config_without_arch_builds_its_own_depth(tmp_path):
                   hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                   vocab_size=200, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   torch_dtype="float32")
-    rc, rep, cp = probe(tmp_path / "r", "--backend", "sglang", "--config", str(cfg), "--tokens", "4", timeout=300)
+    rc, rep, cp = probe(tmp_path / "r", "--engine", "sglang", "--config", str(cfg), "--tokens", "4", timeout=300)
     assert rc == 0, cp.stderr[-3000:]
     s = rep["settings"]
     assert (s["arch"], s["num_layers"], s["layer_ids"]) == ("qwen3", 3, [-1, 1]), s
@@ -121,7 +121,7 @@ def test_a_config_without_arch_builds_its_own_depth(tmp_path):
 @no_sglang
 def test_the_tiny_deepseek_runs_at_tp_8(tmp_path):
     """Kimi-K2's serving shape: MLA + MoE over 8 gloo ranks, healthy (about 2 minutes on 2 cores)."""
-    rc, rep, cp = probe(tmp_path / "r", "--backend", "sglang", "--arch", "deepseek_v2", "--num-layers", "2",
+    rc, rep, cp = probe(tmp_path / "r", "--engine", "sglang", "--arch", "deepseek_v2", "--num-layers", "2",
                         "--tokens", "4", "--timeout", "300", nproc=8, timeout=540)
     assert rc == 0, cp.stderr[-3000:]
     assert rep["settings"]["world_size"] == 8 and rep["settings"]["arch"] == "deepseek_v2"

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers.ranks import failures, probe, run_cli
 from tpprobe.formats.capture_dir import load_run
-from tpprobe.builtin.model import BuiltinConfig, reference_streams
+from tpprobe.engines.builtin.model import BuiltinConfig, reference_streams
 
 # bf16 keeps 8 mantissa bits: over 6 layers sharded and unsharded sums drift by ~1% (measured)
 TOL = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=0.15, rtol=0.03)}

@@ -1,4 +1,4 @@
-"""`tpprobe probe --backend sglang` end to end through the real CLI (ranks started by torch's
+"""`tpprobe probe --engine sglang` end to end through the real CLI (ranks started by torch's
 elastic launcher): SGLang's own tiny Llama and DeepSeek-V2 (MLA + MoE) are healthy with zero
 failure findings, every layer's captured stream equals HF's hidden_states[K+1], the all-reduce
 audit attributes every reduce to the layer that owes it, and a skipped embedding reduce in
@@ -68,7 +68,7 @@ def check_healthy(out, rep, arch, config_path=None):
 
 
 def test_cli_llama_tp2_healthy_and_equal_to_hf(tmp_path):
-    code, rep, _ = probe(tmp_path, "--backend", "sglang", "--arch", "llama", "--layers", "-1,0,2")
+    code, rep, _ = probe(tmp_path, "--engine", "sglang", "--arch", "llama", "--layers", "-1,0,2")
     assert code == 0
     check_healthy(tmp_path, rep, "llama")
     assert [s["expected"] for s in rep["slots"]] == ["embed.out", "layer.0.out", "layer.2.out"]
@@ -76,7 +76,7 @@ def test_cli_llama_tp2_healthy_and_equal_to_hf(tmp_path):
 
 def test_cli_deepseek_v2_mla_moe_tp2_healthy_and_equal_to_hf(tmp_path):
     # DeepSeek: no +1 unless the first id is 1, so id k captures the stream entering layer k
-    code, rep, _ = probe(tmp_path, "--backend", "sglang", "--arch", "deepseek_v2", "--layers", "0,1,3")
+    code, rep, _ = probe(tmp_path, "--engine", "sglang", "--arch", "deepseek_v2", "--layers", "0,1,3")
     assert code == 0
     run = check_healthy(tmp_path, rep, "deepseek_v2")
     assert [s["expected"] for s in rep["slots"]] == ["embed.out", "layer.0.out", "layer.2.out"]
@@ -93,7 +93,7 @@ def test_cli_llama_tp4_from_config_file(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(d))
     out = tmp_path / "run"
-    code, rep, _ = probe(out, "--backend", "sglang", "--config", str(cfg), "--layers", "1,2", nproc=4)
+    code, rep, _ = probe(out, "--engine", "sglang", "--config", str(cfg), "--layers", "1,2", nproc=4)
     assert code == 0
     check_healthy(out, rep, "llama", config_path=str(cfg))
     assert rep["settings"]["world_size"] == 4 and "config " in rep["settings"]["model"]

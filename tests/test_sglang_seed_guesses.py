@@ -1,5 +1,5 @@
 """The seed's four guesses about Kimi-K2.5's 30 % acceptance, each a fault on SGLang's own DeepSeek/Kimi model
-(`--backend sglang --arch kimi_k2`, SGLang's DeepseekV3ForCausalLM on CPU gloo), made the way the code would be
+(`--engine sglang --arch kimi_k2`, SGLang's DeepseekV3ForCausalLM on CPU gloo), made the way the code would be
 wrong (tpprobe/engines/sglang/faults.py), and each named exactly: class, place, ranks.
 
 1. a TP-sliced capture (F6): the aux capture stores each rank's hidden/tp slice -> tp-sliced at aux.packed;
@@ -36,7 +36,7 @@ GUESSES = [
 
 @pytest.mark.parametrize("inject,kind,where,says", GUESSES)
 def test_each_guess_is_named_on_sglangs_kimi_model(tmp_path, inject, kind, where, says):
-    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "kimi_k2", "--inject", inject)
+    code, rep, p = probe(tmp_path, "--engine", "sglang", "--arch", "kimi_k2", "--inject", inject)
     assert code == 1, p.stderr[-3000:]
     f = failures(rep)
     assert [(x["kind"], x["where"], x["ranks"]) for x in f] == [(kind, where, [0, 1])], rep["findings"]

@@ -47,7 +47,7 @@ def _audit_groups(out):
 
 
 def test_readme_deepseek_v2_default_command_is_healthy(tmp_path):
-    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "deepseek_v2")
+    code, rep, p = probe(tmp_path, "--engine", "sglang", "--arch", "deepseek_v2")
     assert code == 0, p.stderr[-3000:]
     _healthy(rep, "deepseek_v2")
     assert rep["settings"]["layer_ids"] == [0, 2]            # ids as given: HF hidden_states[0], [2]
@@ -59,14 +59,14 @@ def test_readme_deepseek_v2_default_command_is_healthy(tmp_path):
 @pytest.mark.sweep
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2"])
 def test_default_command_is_healthy(tmp_path, arch):
-    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", arch)
+    code, rep, p = probe(tmp_path, "--engine", "sglang", "--arch", arch)
     assert code == 0, p.stderr[-3000:]
     _healthy(rep, arch)
     assert rep["settings"]["layer_ids"] == [-1, 1]           # +1: HF hidden_states[0], [2]
 
 
 def test_fused_allreduce_capture_is_a_partial_capture_at_its_slot(tmp_path):
-    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "qwen3_moe",
+    code, rep, p = probe(tmp_path, "--engine", "sglang", "--arch", "qwen3_moe",
                          "--inject", "fused-allreduce-capture")
     assert code == 1, p.stderr[-3000:]
     f = failures(rep)
@@ -83,7 +83,7 @@ def test_fused_allreduce_capture_is_a_partial_capture_at_its_slot(tmp_path):
 def test_capture_without_residual_is_named(tmp_path, exchange):
     # with fingerprints only too: the rank fingerprints the slot that equals no point, compared with each reduce's
     # output sketch (tpprobe/checks/causes.py)
-    code, rep, p = probe(tmp_path, "--backend", "sglang", "--arch", "qwen3", "--inject", "capture-no-residual",
+    code, rep, p = probe(tmp_path, "--engine", "sglang", "--arch", "qwen3", "--inject", "capture-no-residual",
                          "--exchange", exchange)
     assert code == 1, p.stderr[-3000:]
     f = failures(rep)
@@ -93,7 +93,7 @@ def test_capture_without_residual_is_named(tmp_path, exchange):
 
 
 def _dp_probe(out, *extra):
-    return probe(out, "--backend", "sglang", "--arch", "qwen3", "--dp-attention", "2", "--tokens", "6",
+    return probe(out, "--engine", "sglang", "--arch", "qwen3", "--dp-attention", "2", "--tokens", "6",
                  *extra, nproc=4, timeout=420)
 
 

@@ -18,7 +18,7 @@ KIMI = Path(__file__).resolve().parent / "assets" / "kimi-k2.5" / "config.json"
 def test_kimi_at_real_width_runs_healthy_on_vllms_engine(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "r"
-    cp = run_cli(["probe", "--backend", "vllm", "--config", str(KIMI), "--nproc", "2", "--num-layers", "2",
+    cp = run_cli(["probe", "--engine", "vllm", "--config", str(KIMI), "--nproc", "2", "--num-layers", "2",
                   "--num-experts", "2", "--vocab-size", "1024", "--dtype", "float32", "--tokens", "8", "--quiet",
                   "--timeout", "300", "--out", str(out)], timeout=900)
     assert cp.returncode == 0, cp.stderr[-3000:]

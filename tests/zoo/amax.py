@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tpprobe import ProbeTarget, RankContext
-from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin
 
 PATH = "tests.zoo.amax.Sync.all_reduce"
 # (layer, op) -> how that call goes wrong (the `wrong` factory)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tpprobe import ProbeTarget, RankContext
-from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin
 
 
 def _with_hook(ctx: RankContext, hook) -> ProbeTarget:

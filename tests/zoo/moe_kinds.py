@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpprobe import ProbeTarget, RankContext
-from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin
 
 
 class Shared(nn.Module):

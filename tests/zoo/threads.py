@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tpprobe import ProbeTarget, RankContext
-from tpprobe.builtin.model import BuiltinConfig, build_builtin
+from tpprobe.engines.builtin.model import BuiltinConfig, build_builtin
 
 WORKERS = 8
 

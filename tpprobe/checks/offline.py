@@ -38,8 +38,9 @@ def run_settings(run: LoadedRun) -> dict:
     return settings
 
 
-def check_run(run: LoadedRun) -> tuple[dict, dict]:
-    """(settings, the checks' result) of one capture folder (one forward of one TP group)."""
+def check_run(run: LoadedRun, offset_rule: bool = True) -> tuple[dict, dict]:
+    """(settings, the checks' result) of one capture folder (one forward of one TP group); `offset_rule` as
+    `run_checks` takes it (the run's engine says: tpprobe.engines.registry.recorded)."""
     settings = run_settings(run)
     world = run.manifest["world_size"]
     # a rank the live run saw die or hang keeps that diagnosis; any other missing rank is a file problem
@@ -48,7 +49,7 @@ def check_run(run: LoadedRun) -> tuple[dict, dict]:
                for r in range(world) if r not in run.records}
     unexplained = [r for r in missing if r not in seen]
     result = run_checks(run.records, settings, {"missing": missing} if missing else None,
-                        evidence=fingerprint_evidence(run.records, settings))
+                        evidence=fingerprint_evidence(run.records, settings), offset_rule=offset_rule)
     if unexplained:
         # a rank without a readable file is not a dead rank: name the files, not a timeout
         result["findings"] = [f for f in result["findings"]

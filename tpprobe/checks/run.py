@@ -45,7 +45,9 @@ _UNCHECKED_HINT = {
 
 
 def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optional[dict] = None,
-               references: Optional[dict[str, torch.Tensor]] = None, evidence=None) -> dict:
+               references: Optional[dict[str, torch.Tensor]] = None, evidence=None, offset_rule: bool = True) -> dict:
+    """`offset_rule`: the engine's ids capture the output of layer k (SGLang's +1, the built-in model's); False
+    for ids as written (vLLM's): the caller asks its engine (tpprobe.engines.registry.recorded)."""
     world = settings["world_size"]
     dtype = dtype_from_str(settings.get("dtype", "float32"))
     ev = evidence or TensorEvidence(records, dtype)
@@ -103,7 +105,7 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
                 roots += silent_missing_reduce(records, live, world)
 
     # ---- slots: what the draft model receives --------------------------------------------------
-    slot_findings, out["slots"] = check_slots(ev, records, live, settings) if complete else ([], [])
+    slot_findings, out["slots"] = check_slots(ev, records, live, settings, offset_rule) if complete else ([], [])
     basis_findings = draft_findings(settings, slot_findings, out["slots"], live) if complete else []
     if complete and not roots and AUX_PACKED in point_stats and not slot_findings:
         bad = [r for r, s in point_stats[AUX_PACKED].items() if s["level"] in ("material", "shape")]

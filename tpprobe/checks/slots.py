@@ -11,10 +11,10 @@ from .layout import layout_verdict
 from ..core.noise import dtype_from_str
 
 
-def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]:
+def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[list[Finding], list[dict]]:
+    """`offset_rule`: the engine adds 1 to an id (SGLang); False: its ids are as written (vLLM, docs/vllm.md)."""
     ids: list[int] = settings.get("layer_ids") or []
     hidden, world, L = settings["hidden"], settings["world_size"], settings.get("num_layers")
-    vllm = str(settings.get("backend", "")).startswith("vllm")     # vLLM's ids are as written (docs/vllm.md)
     if settings.get("expected_points") is not None:
         # arch-aware (SGLang's rules, tpprobe.engines.sglang.layer_ids.expected_slots): one point per slot in slot
         # order, then None for each id that captures nothing; expected_ids names the id of each
@@ -61,7 +61,7 @@ def check_slots(ev, records, live, settings) -> tuple[list[Finding], list[dict]]
             if cause is not None:
                 verdicts[r] = cause
                 continue
-        verdicts[r] = slot_verdict(ids, expected, match, L, offset_rule=not vllm)
+        verdicts[r] = slot_verdict(ids, expected, match, L, offset_rule=offset_rule)
     # group identical verdicts
     by: dict[tuple, list[int]] = {}
     for r, v in verdicts.items():

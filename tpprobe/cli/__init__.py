@@ -19,7 +19,7 @@ from typer.exceptions import Abort, Exit, TyperException
 from ..core.errors import TPProbeError, UsageError
 from ..config.knobs import knob_set
 from ..invariance.options import HIDDEN as INVARIANCE_HIDDEN, InvarianceOptions
-from ..config.options import ProbeOptions, typer_parameters
+from ..config.options import ProbeOptions, deprecation_line, typer_parameters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="tpprobe: a debugger for tensor-parallel LLM inference. Exit codes: 0 healthy, 1 findings, 2 "
@@ -69,12 +69,14 @@ def _with_options(fn, cls, hidden=frozenset()):
 def probe(**kw) -> None:
     """Probe every TP rank: capture, exchange, check, and print the rank-diff report."""
     from ..exchange import dist as tdist
-    from ..probe.prepare import validate
+    from ..probe.prepare import options_from_cli, validate
     from ..probe.pipeline import run
 
     _DEBUG["on"] = bool(kw.get("debug"))
-    opts = ProbeOptions.from_cli(**kw)
+    opts = options_from_cli(**kw)
     rank = tdist.env_rank()
+    if (line := deprecation_line(opts.engine_from_backend)) and (rank is None or rank[0] == 0):
+        print(line, file=sys.stderr)
     if rank is not None:          # a rank under torchrun / our own launcher
         try:
             code = run(opts)
@@ -101,15 +103,9 @@ def probe(**kw) -> None:
         print(f"tpprobe: {opts.nproc} ranks on {gpus} GPU(s): every rank runs on gloo ({where}); "
               f"--nproc {gpus} runs NCCL", file=sys.stderr)
     os.environ[tdist.BACKEND_ENV] = dist_backend
+    from ..engines.registry import engine_of
     from ..probe.launch import launch_local
-    warm = None
-    if opts.backend == "sglang":
-        from ..engines.sglang.tiny import preload
-        warm = lambda: preload(opts.arch)    # noqa: E731
-    elif opts.backend == "vllm":
-        from ..engines.vllm.tiny import preload as vllm_preload
-        warm = lambda: vllm_preload(opts.arch)    # noqa: E731
-    code = launch_local(opts.nproc, ["probe", *opts.to_argv()], warm=warm)
+    code = launch_local(opts.nproc, ["probe", *opts.to_argv()], warm=engine_of(opts).preload(opts.arch))
     if not existed:
         remove_if_empty(Path(opts.out))
     raise typer.Exit(code)
@@ -194,6 +190,8 @@ def invariance(**kw) -> None:
 
     _DEBUG["on"] = bool(kw.get("debug"))
     opts = InvarianceOptions.from_cli(**kw)
+    if (line := deprecation_line(opts.engine_from_backend)) and not opts.part:
+        print(line, file=sys.stderr)
     if opts.part:
         if tdist.env_rank() is None:
             raise UsageError("--part is the rank side of tpprobe invariance: run tpprobe invariance without it")
@@ -325,7 +323,7 @@ def _command(argv: list[str]) -> Optional[str]:
 
 
 def _choice_message(e, argv: list[str]) -> Optional[str]:
-    """`unknown --backend 'mpi': use auto, gloo, nccl or sglang` for a value outside an enum option."""
+    """`unknown --backend 'mpi': use auto, gloo or nccl` for a value outside an enum option."""
     param = getattr(e, "param", None)
     enum = getattr(getattr(param, "type_descriptor", None), "annotation", None)   # typer's own option types
     choices = list(enum) if isinstance(enum, type) and issubclass(enum, Enum) else \

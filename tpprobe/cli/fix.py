@@ -43,6 +43,7 @@ def fix_command(
 ) -> None:
     """Which EAGLE-3 ids to write: the draft replayed on candidate captures of the target's streams."""
     from tpprobe.engines.capture_rule import env_id_rule, parse_id_rule
+    from tpprobe.engines.registry import rule_engine
     from tpprobe.engines.sglang.layer_ids import parse_ids
     from tpprobe.formats.capture_dir import check_file_path
     from tpprobe.report.emit import Flags, emit
@@ -50,8 +51,7 @@ def fix_command(
     for flag, out in (("--html", html), ("--markdown", markdown)):
         if out:
             check_file_path(Path(out), flag)
-    if engine not in ("sglang", "vllm"):
-        raise UsageError(f"--engine {engine!r}: use sglang or vllm")
+    rule_engine(engine)          # an engine whose capture rule is tabulated, else one line
     if chain < 1:
         raise UsageError(f"--chain {chain}: give the drafted tokens per step, at least 1")
     rule = parse_id_rule(id_rule) if id_rule is not None else env_id_rule()
@@ -89,6 +89,7 @@ def _target(path: Path, arch: Optional[str]) -> tuple[str, int]:
 
 
 def fix_report(rep: dict):
+    from tpprobe.engines.registry import rule_engine
     from tpprobe.report.model import Cell, Column, Report, Table, Text
 
     def s(c):
@@ -107,7 +108,7 @@ def fix_report(rep: dict):
               caption=(f"now: ids {rep['written_ids']} -> HF hidden_states{cur['streams']} ({s(cur)[0]} "
                        f"first-position, accept length {s(cur)[1]})" if cur["streams"] else
                        f"now: ids {rep['written_ids']} are not served as they are (see the note): nothing accepted"))
-    head = (f"{'SGLang' if rep['engine'] == 'sglang' else 'vLLM'} {rep['arch']}, {rep['num_layers']} layers"
+    head = (f"{rule_engine(rep['engine']).title} {rep['arch']}, {rep['num_layers']} layers"
             + (f", your build: {rep['id_rule']}" if rep["id_rule"] else "") + f" · draft {rep['draft']}")
     level = "failure" if rep["exit_code"] else "ok"
     word = "FIX" if rep["fix_ids"] is not None else ("NO ID LIST FITS" if rep["no_fix"] else "OK")

@@ -82,10 +82,10 @@ def layers_command(
         if path:
             from tpprobe.formats.capture_dir import check_file_path
             check_file_path(Path(path), flag)
+    from tpprobe.engines.registry import rule_engine
     flags = Flags(json_out=json_out, html=html, markdown=markdown)
-    if engine not in ("sglang", "vllm"):
-        raise UsageError(f"--engine {engine!r}: use sglang or vllm")
-    serves_vllm = engine == "vllm" or vllm_runner is not None     # the vLLM runner's note is for them
+    eng = rule_engine(engine)
+    serves_vllm = bool(eng.model_runners) or vllm_runner is not None     # the vLLM runner's note is for them
     vllm_runner = vllm_runner or "v2"
     if vllm_runner not in ("v1", "v2"):
         raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
@@ -98,12 +98,7 @@ def layers_command(
         res["engines"]["serves_vllm"] = serves_vllm
         rep = contract_report(res)
     elif arch.strip().lower() == "all":
-        if engine == "vllm":
-            from tpprobe.engines.vllm import layer_ids as v
-            rows = v.all_rows(parse_ids(ids), num_layers)
-        else:
-            rows = all_rows(parse_ids(ids), num_layers)
-        rep = all_report(rows, parse_ids(ids), num_layers, engine)
+        rep = all_report(eng.all_layer_rows(parse_ids(ids), num_layers), parse_ids(ids), num_layers, engine)
     else:
         rep = plan_report(arch, parse_ids(ids), num_layers, engine, rule)
     emit(rep, None, flags)
@@ -118,18 +113,15 @@ def _json(doc) -> str:
 def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: str = "sglang",
                 id_rule: Optional[dict] = None):
     """What SGLang's (or vLLM's) rule for `arch` makes of `ids`: the plan's table and its problems."""
+    from tpprobe.engines.capture_rule import plan_for
+    from tpprobe.engines.registry import rule_engine
     from tpprobe.report.model import Cell, Report, Text
+    from tpprobe.report.sglang_plan import plan_table
+    from tpprobe.report.vllm_plan import vllm_plan_table
 
-    if engine == "vllm":
-        from tpprobe.engines.capture_rule import plan_for
-        from tpprobe.report.vllm_plan import vllm_plan_table
-        p = plan_for("vllm", arch, ids, num_layers, id_rule)
-        table = vllm_plan_table(p)
-    else:
-        from tpprobe.engines.capture_rule import plan_for
-        from tpprobe.report.sglang_plan import plan_table
-        p = plan_for("sglang", arch, ids, num_layers, id_rule)
-        table = plan_table(p)
+    p = plan_for(engine, arch, ids, num_layers, id_rule)
+    # the table of a rule that moves ids (SGLang's +1), or of ids as written (vLLM's)
+    table = (plan_table if rule_engine(engine).offset_rule else vllm_plan_table)(p)
     doc = {"arch": arch, "class": p.sglang_class, "rule": p.rule, "source": p.source,
            "layers_to_capture": p.layers_to_capture, "slots": p.slot_hf_indices,
            "crash": p.crash, "problems": p.problems, "rows": [r.__dict__ for r in p.rows]}
@@ -147,38 +139,15 @@ def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: st
 
 
 # ---- every architecture ------------------------------------------------------------------
-def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
-    from tpprobe.engines.sglang.layer_ids import plan_from_derived
-    from tpprobe.engines.sglang import rules, rules_replay
-
-    if rules_replay.use_table():     # SGLang 0.5.23's rules as data: no SGLang needed, none imported
-        pairs = [(f, name, rules_replay.derive_from_table(key, ids, num_layers))
-                 for f, name, key in rules_replay.table_rows()]
-    else:                            # another SGLang release installed: its own code
-        pairs = [(f, cls.__name__, rules.derive(cls, ids, num_layers)) for f, cls in rules.all_architectures()]
-    out = []
-    for f, name, d in pairs:
-        p = plan_from_derived(name, d)
-        out.append({"arch": name, "file": f, "rule": p.rule, "layers_to_capture": p.layers_to_capture,
-                    "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash})
-    return out
-
-
 def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
     """One row per architecture: what SGLang's (or vLLM's) rule captures for `ids`, and any problem."""
     from tpprobe.report.model import Cell, Column, Report, Table
 
+    from tpprobe.engines.registry import rule_engine
+
     given = "default" if ids is None else ",".join(map(str, ids))
-    if engine == "vllm":
-        from tpprobe.engines.vllm import installed_version, layer_ids
-
-        name, how = "vLLM", (f"vLLM {layer_ids.version()}'s code, tabulated" if layer_ids.use_table()
-                             else f"derived from the installed vLLM {installed_version()}")
-    else:
-        from tpprobe.engines.sglang import rules_replay
-
-        name, how = "SGLang", ("SGLang 0.5.23's code, tabulated" if rules_replay.use_table() else
-                               f"derived from the installed SGLang {rules_replay.installed_version()}")
+    eng = rule_engine(engine)
+    name, how = eng.title, eng.rules_source()
     t = Table(f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})",
               [Column(c) for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]",
                                    "problem")],
@@ -235,7 +204,6 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     top = _int_list(draft.get("eagle_aux_hidden_state_layer_ids"),
                     f"{draft_path}: eagle_aux_hidden_state_layer_ids")
     notes = []
-    use_aux = (eagle or {}).get("use_aux_hidden_state", True)
     draft_ids = nested if nested is not None else top
     if draft_ids is not None:
         shift = 1 if convention == "output" else 0
@@ -249,14 +217,11 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     if isinstance(k_draft, int) and k_draft != len(want):
         notes.append(f"the draft's num_aux_hidden_states is {k_draft} but its ids name {len(want)} slots: its fc "
                      f"layer takes {k_draft} × hidden")
-    # the target side reads only the nested ids (spec_aux_hidden_state.py); vLLM: its model runner's reader
-    target_ids = nested if (eagle is not None and use_aux) else None
-    if engine == "vllm":
-        from tpprobe.engines.vllm.layer_ids import config_ids
-        target_ids = config_ids(draft, vllm_runner)[0]
-    elif nested is None and top is not None:
-        notes.append(f"the draft's ids {top} are at the top level of its config: SGLang's target side reads only "
-                     f"eagle_config.eagle_aux_hidden_state_layer_ids, so the target uses its default capture")
+    # the ids the engine's target side reads (SGLang: only the nested ids; vLLM: its model runner's reader)
+    from tpprobe.engines.registry import rule_engine
+    eng = rule_engine(engine)
+    target_ids, read_notes = eng.served_ids(draft, vllm_runner)
+    notes += read_notes
     p = plan_for(engine, hub.architecture, target_ids, L, id_rule)     # the rules know the wrappers they serve
     per_id = bool(p.crash) and target_ids is not None and draft_ids is not None and list(target_ids) == draft_ids
     rows, differences = [], []
@@ -295,14 +260,14 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
     if differences and not p.crash:
         ids_for = [r["draft_id"] for r in rows]
         v = slot_verdict(ids_for, [r["draft_expects_point"] for r in rows][:len(want)],
-                          [r["target_point"] for r in rows if r["target_point"]], L, offset_rule=engine == "sglang")
+                          [r["target_point"] for r in rows if r["target_point"]], L, offset_rule=eng.offset_rule)
         if v:
             verdict = {"kind": v[0], "where": v[1], "detail": v[2]}
     elif differences and per_id:
         both = [r for r in rows if r["target_point"] and r["draft_expects_point"]]
         if both:
             v = slot_verdict([r["draft_id"] for r in both], [r["draft_expects_point"] for r in both],
-                             [r["target_point"] for r in both], L, offset_rule=engine == "sglang")
+                             [r["target_point"] for r in both], L, offset_rule=eng.offset_rule)
             if v:
                 verdict = {"kind": v[0], "where": "ids " + ", ".join(str(r["draft_id"]) for r in both),
                            "detail": v[2] + " (besides the crash)"}

@@ -5,7 +5,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..checks.findings import FAILURE
-from ..checks.offline import check_run
+from ..checks.offline import check_run, run_settings
+from ..engines.registry import recorded
 from ..formats.capture_dir import load_run
 from ..report.model import build_report
 from ..probe.report import probe_report
@@ -56,7 +57,7 @@ def damaged_files(rep: dict) -> list[str]:
 def check_dir(path: Path) -> dict:
     """The report of one capture folder (one forward of one TP group), not printed."""
     run = load_run(path)
-    settings, result = check_run(run)
+    settings, result = check_run(run, offset_rule=recorded(run_settings(run)).offset_rule)
     rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True
     return rep

@@ -30,12 +30,12 @@ FAULTS = {
     "allreduce-rank": ("F23", "rank", True),
     "skip-allreduce-all": ("F24", None, False),
     "skip-unreadable-allreduce": ("F25", "layer", True),
-    # SGLang's own model only (--backend sglang): tpprobe/engines/sglang/faults.py
+    # SGLang's own model only (--engine sglang): tpprobe/engines/sglang/faults.py
     "fused-allreduce-capture": ("F16", None, False),
     "dp-attention-gather": ("F17", None, False),
     "capture-no-residual": ("F18", None, False),
     "embed-after-layer0": ("F13", None, False),
-    # vLLM's own model only (--backend vllm): tpprobe/engines/vllm/faults.py
+    # vLLM's own model only (--engine vllm): tpprobe/engines/vllm/faults.py
     "drop-final-id": ("F29", None, False),
     "aux-no-residual": ("F27", None, False),
     "deferred-reduce-capture": ("F28", "layer", True),
@@ -44,7 +44,7 @@ SGLANG_ONLY = ("fused-allreduce-capture", "dp-attention-gather", "capture-no-res
 # the built-in model's faults SGLang's own models make too, the way its code would be wrong
 # (tpprobe/engines/sglang/faults.py): a TP-sliced capture, an embedding without its all-reduce
 SGLANG_TOO = ("slice-capture", "skip-embed-allreduce")
-# vLLM's own model only (--backend vllm), beside the reduce faults below (tpprobe/engines/vllm/faults.py)
+# vLLM's own model only (--engine vllm), beside the reduce faults below (tpprobe/engines/vllm/faults.py)
 VLLM = ("drop-final-id", "aux-no-residual", "deferred-reduce-capture")
 # faults both backends know (the built-in model's communicator; SGLang's GroupCoordinator)
 BOTH = ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank", "skip-allreduce-all",
@@ -67,9 +67,9 @@ def inject_help() -> str:
             "e.g. skip-allreduce@2 or nan@1; the reduce faults (F22-F25) also break SGLang's own models, and "
             "allreduce-scaled multiplies the sum by TPPROBE_INJECT_SCALE (default 2). What each looks like: "
             "docs/faults.md. Faults:\n\n\b\n" + _lines(names, 44)
-            + "\n\n\b\nwith --backend sglang (capture-no-residual on the built-in model too; the last two\n"
+            + "\n\n\b\nwith --engine sglang (capture-no-residual on the built-in model too; the last two\n"
               "are built-in faults SGLang's models make too):\n" + _lines(sglang, 44)
-            + "\n\n\b\nwith --backend vllm only:\n" + _lines(vllm, 44))
+            + "\n\n\b\nwith --engine vllm only:\n" + _lines(vllm, 44))
 
 
 def _lines(names: list[str], width: int) -> str:

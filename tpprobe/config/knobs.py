@@ -44,7 +44,7 @@ KNOBS = {
     "TPPROBE_GLOO_CUDA": Knob(None, "set: gloo ranks keep their tensors on the GPU (one GPU, several ranks)", "probe"),
     "TPPROBE_INJECT_SCALE": Knob("2", "the factor a wrong-sum --inject (allreduce-scaled) multiplies the sum by",
                                  "probe"),
-    "TPPROBE_VLLM_ALLREDUCE": Knob("shm", "--backend vllm on CPU: the path vLLM's TP all-reduce takes, shm (its "
+    "TPPROBE_VLLM_ALLREDUCE": Knob("shm", "--engine vllm on CPU: the path vLLM's TP all-reduce takes, shm (its "
                                    "shared-memory _C.shm_allreduce, what its CPU engine takes) or gloo (its "
                                    "torch.distributed fallback)", "probe"),
     "TPPROBE_VLLM_INJECT": Knob(None, "tests only: the vLLM plugin breaks the model it attaches to with one of "

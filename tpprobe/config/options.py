@@ -7,6 +7,8 @@ command line. From that one declaration come
   - the defaults of the built-in model (`BUILTIN`, which `model.BuiltinConfig` reads).
 Fields are declared with `config.fields.opt`, as the SGLang plugin's settings are
 (engines/sglang/options.py). Choice options are enums, so `--help` lists their values.
+What follows the model source (its default ids, dtype, a --config's shape) is the engine's to say:
+tpprobe.probe.prepare.options_from_cli completes these options by asking tpprobe.engines.registry.
 
 Torch-free on purpose: `tpprobe --help` imports this module.
 """
@@ -23,7 +25,7 @@ from .fields import opt
 # the built-in model's shape (model.BuiltinConfig's defaults, declared here once)
 BUILTIN = {"num_layers": 6, "hidden": 64, "heads": 8, "ffn": 128, "vocab": 131, "tokens": 16, "seed": 0,
            "layer_ids": (-1, 1, 3), "embed_std": 1.0}
-# options that only shape the built-in model: an error, not ignored, with --backend sglang or --model
+# options that only shape the built-in model: an error, not ignored, with --engine sglang|vllm or --model
 BUILTIN_ONLY = ("hidden", "heads", "ffn", "vocab", "embed_std")
 
 
@@ -50,15 +52,24 @@ DTYPE_TORCH = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16"}
 
 
-class Backend(str, Enum):
-    auto = "auto"          # nccl with GPUs, else gloo
-    gloo = "gloo"
-    nccl = "nccl"
+class EngineName(str, Enum):    # the model sources (tpprobe.engines.registry); a user's --model is its own
+    builtin = "builtin"    # tpprobe's own TP model
     sglang = "sglang"      # SGLang's model classes on gloo / nccl
     vllm = "vllm"          # vLLM's model classes on gloo (CPU: tpprobe.engines.vllm)
 
 
-class Arch(str, Enum):     # the tiny SGLang models tpprobe builds (--backend sglang); aliases last
+ENGINE_NAMES = tuple(e.value for e in EngineName)
+
+
+class Backend(str, Enum):
+    auto = "auto"          # nccl with GPUs, else gloo
+    gloo = "gloo"
+    nccl = "nccl"
+    sglang = "sglang"      # deprecated: --engine sglang
+    vllm = "vllm"          # deprecated: --engine vllm
+
+
+class Arch(str, Enum):     # the tiny SGLang models tpprobe builds (--engine sglang); aliases last
     llama = "llama"
     qwen2 = "qwen2"
     qwen3 = "qwen3"
@@ -94,19 +105,19 @@ class ProbeOptions:
                             "EAGLE-3 layer ids to capture; -1 = the embedding (default -1,1,3: the embedding and "
                             "the streams leaving layers 1 and 3, clamped to id L-2 (id L-1 is dropped, as SGLang-Llama "
                             "drops it) and each kept once: 4 layers: -1,1,2, 3: -1,1, 2: -1,0, 1: -1 (with --model: of "
-                            "the model's own depth); with --backend sglang the "
+                            "the model's own depth); with --engine sglang the "
                             "ids that capture the same streams under the architecture's rule, e.g. 0,2,4 for "
                             "deepseek_v2)",
                             cli_type=Optional[str], parse=_ids, show=lambda v: ",".join(map(str, v)),
                             cli_default=None)
     num_layers: int = opt("--num-layers", BUILTIN["num_layers"], "decoder layers of the built-in (or SGLang) model "
-                          "(default 6; with --backend sglang --config, the config's num_hidden_layers)",
+                          "(default 6; with --engine sglang --config, the config's num_hidden_layers)",
                           cli_default=None)
-    num_experts: Optional[int] = opt("--num-experts", None, "with --backend sglang|vllm --config: routed experts "
+    num_experts: Optional[int] = opt("--num-experts", None, "with --engine sglang|vllm --config: routed experts "
                                      "per MoE layer (default: the config's); shrinks a model too big for this "
                                      "machine without changing what TP splits (hidden size, heads, MLA ranks, "
                                      "the dense/MoE layer pattern stay)", cli_type=Optional[int])
-    vocab_size: Optional[int] = opt("--vocab-size", None, "with --backend sglang|vllm --config: the vocabulary "
+    vocab_size: Optional[int] = opt("--vocab-size", None, "with --engine sglang|vllm --config: the vocabulary "
                                     "(default: the config's); shrinks it as --num-experts does",
                                     cli_type=Optional[int])
     hidden: int = opt("--hidden", BUILTIN["hidden"], "built-in model: hidden size (a multiple of --heads; default 64)",
@@ -126,13 +137,16 @@ class ProbeOptions:
     seed: int = opt("--seed", BUILTIN["seed"], "seed of the weights and token ids")
     dtype: str = opt("--dtype", "float32", "the model's dtype (default: float32, or the torch_dtype of --config)",
                      cli_type=Optional[Dtype], cli_default=None)
-    backend: str = opt("--backend", "auto", "auto = nccl with GPUs, else gloo; sglang = SGLang's model classes; "
-                       "vllm = vLLM's (CPU, .venv-vllm: ci/vllm-cpu/install.sh)",
+    engine: str = opt("--engine", "builtin", "the model probed: builtin = tpprobe's own TP model (default); sglang "
+                      "= SGLang's model classes; vllm = vLLM's (CPU, .venv-vllm: ci/vllm-cpu/install.sh)",
+                      cli_type=Optional[EngineName], cli_default=None)
+    backend: str = opt("--backend", "auto", "the communication backend: auto = nccl with GPUs, else gloo "
+                       "(sglang, vllm: the old spelling of --engine)",
                        cli_type=Backend)
-    arch: str = opt("--arch", "llama", "with --backend sglang: which tiny SGLang model (default llama; with --config, "
+    arch: str = opt("--arch", "llama", "with --engine sglang: which tiny SGLang model (default llama; with --config, "
                     "the architecture the config names)", cli_type=Optional[Arch], cli_default=None)
-    config: Optional[str] = opt("--config", None, "with --backend sglang: a real config.json (random weights)")
-    dp_attention: int = opt("--dp-attention", 1, "with --backend sglang: attention-DP groups (SGLang's "
+    config: Optional[str] = opt("--config", None, "with --engine sglang: a real config.json (random weights)")
+    dp_attention: int = opt("--dp-attention", 1, "with --engine sglang: attention-DP groups (SGLang's "
                             "--enable-dp-attention --dp-size N); attention-TP = tp / N, e.g. --nproc 4 "
                             "--dp-attention 2")
     model: Optional[str] = opt("--model", None, "your own model: package.module:factory")
@@ -158,6 +172,8 @@ class ProbeOptions:
     # not an option: whether --layers was given (else the default follows the model's depth; with --model
     # that is known only on the ranks, after the factory ran, so the ranks are started without --layers)
     layers_given: bool = True
+    # not an option: the engine given the old way, `--backend sglang|vllm` (the CLI says so once)
+    engine_from_backend: Optional[str] = None
 
     @property
     def torch_dtype(self):
@@ -167,9 +183,10 @@ class ProbeOptions:
         return getattr(torch, DTYPE_TORCH[self.dtype])
 
     @classmethod
-    def from_cli(cls, **values) -> "ProbeOptions":
-        """From the typer command's keyword arguments (enums become their values; a dtype left
-        unset is the one --config names, else float32)."""
+    def cli_values(cls, **values) -> dict:
+        """The typer command's keyword arguments as field values: enums become their values, text is
+        parsed; `--backend sglang|vllm` (the old spelling) becomes --engine. What follows the engine (the
+        default ids, dtype, a --config's shape) is left None: tpprobe.probe.prepare.options_from_cli."""
         kw = {}
         for f in cli_fields(cls):
             v = values.get(f.name)
@@ -179,53 +196,19 @@ class ProbeOptions:
             elif parse is not None:
                 v = parse(v)
             kw[f.name] = _value(v)
-        sglang = kw["backend"] == "sglang" and not kw["model"]
-        vllm = kw["backend"] == "vllm" and not kw["model"]     # its --config reads as SGLang's (dtype: float32)
-        if kw["dtype"] is None:
-            kw["dtype"] = config_dtype(kw["config"]) if kw["config"] and kw["backend"] == "sglang" else "float32"
-        given = [f"--{n.replace('_', '-')}" for n in BUILTIN_ONLY if kw.get(n) is not None]
-        if given and (sglang or kw["model"] or kw["backend"] == "vllm"):
-            whose = (f"--model {kw['model']} builds its own model" if kw["model"] else
-                     f"with --backend {kw['backend']} the shape comes from --arch or --config (a config.json)")
-            shrink = " (--num-experts / --vocab-size / --num-layers shrink a --config model)" \
-                if kw["config"] and not kw["model"] else ""
-            raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}"
-                             f"{shrink}")
-        for n, flag in (("num_experts", "--num-experts"), ("vocab_size", "--vocab-size")):
-            if kw.get(n) is not None:
-                if not ((sglang or vllm) and kw["config"]):
-                    other = "the built-in model takes --vocab" if n == "vocab_size" else "the built-in has no experts"
-                    raise UsageError(f"{flag} shrinks a --config model (--backend sglang or vllm --config "
-                                     f"config.json); {other}")
-                if kw[n] < 1:
-                    raise UsageError(f"{flag} must be >= 1 (got {kw[n]})")
-        for n in ("num_layers", *BUILTIN_ONLY):
-            if kw.get(n) is None and not (n == "num_layers" and (sglang or vllm) and kw["config"]):
-                kw[n] = BUILTIN[n]
-        if (sglang or vllm) and kw["config"]:
-            # the config's own architecture and depth, unless --arch / --num-layers say otherwise
-            from ..engines.sglang.tiny_archs import config_arch_and_layers
-            arch, layers = config_arch_and_layers(kw["config"])
-            kw["arch"] = kw["arch"] or arch
-            if kw["num_layers"] is None:
-                kw["num_layers"] = layers or BUILTIN["num_layers"]
-        kw["arch"] = kw["arch"] or "llama"
+        kw["engine"] = kw.get("engine") or "builtin"
+        kw["backend"] = kw.get("backend") or "auto"
+        kw.update(backend_alias(kw.get("engine"), kw["backend"], values.get("engine") is not None))
         kw["layers_given"] = values.get("layers") is not None
-        if values.get("layers") is None and not kw["model"]:
-            if sglang or (vllm and kw["arch"] in ("deepseek_v2", "deepseek_v3", "kimi_k2")):
-                # ids valid under the architecture's own rule (DeepSeek: 0,2,4 where Llama takes -1,1,3);
-                # on vLLM too for DeepSeek: its DeepseekV2Model cannot capture the embedding (-1)
-                from ..engines.sglang.tiny_archs import default_layer_ids
-                kw["layers"] = default_layer_ids(kw["arch"], kw["num_layers"])
-            else:
-                kw["layers"] = builtin_layer_ids(kw["num_layers"])
-        return cls(**kw)
+        return kw
 
     def to_argv(self) -> list[str]:
         """These options back to the command line the ranks run (`--nproc` stays with the launcher)."""
         a: list[str] = []
         for f in cli_fields(type(self)):
-            if f.name == "nproc" or (f.name in BUILTIN_ONLY and (self.backend in ("sglang", "vllm") or self.model)):
+            if f.name == "nproc":
+                continue
+            if f.name in BUILTIN_ONLY and getattr(self, f.name) == BUILTIN[f.name]:    # its default needs no flag
                 continue
             if f.name == "layers" and not self.layers_given:    # each rank resolves the same default
                 continue
@@ -238,6 +221,25 @@ class ProbeOptions:
             elif v is not None:
                 a += [flag, show(v) if show else str(v)]
         return a
+
+
+def backend_alias(engine: Optional[str], backend: str, engine_given: bool) -> dict:
+    """`--backend sglang|vllm`, the old spelling of --engine, as {engine, backend: auto, engine_from_backend}
+    ({} for a communication backend); UsageError when --engine names another engine."""
+    if backend not in ENGINE_NAMES:
+        return {}
+    if engine_given and engine != backend:
+        raise UsageError(f"--backend {backend} is the old spelling of --engine {backend}, and --engine says {engine}: "
+                         f"give --engine only (--backend names the communication backend: auto, gloo or nccl)")
+    return {"engine": backend, "backend": "auto", "engine_from_backend": backend}
+
+
+def deprecation_line(engine: Optional[str]) -> Optional[str]:
+    """The one warning line for an engine given as `--backend sglang|vllm`."""
+    if engine is None:
+        return None
+    return (f"tpprobe: warning: --backend {engine} is deprecated: use --engine {engine} (--backend names the "
+            f"communication backend: auto, gloo or nccl)")
 
 
 def cli_fields(cls) -> list:

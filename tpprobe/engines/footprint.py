@@ -1,4 +1,4 @@
-"""How much memory a `--backend sglang|vllm --config` probe needs, from the config and the TP size alone.
+"""How much memory a `--engine sglang|vllm --config` probe needs, from the config and the TP size alone.
 
 Both engines' probes build a model the same way (tpprobe.engines.sglang.tiny, tpprobe.engines.vllm.tiny):
 every rank draws the FULL model's weights through the seeded HF model in float32 (identical on every

@@ -285,7 +285,8 @@ def check(metas: dict[int, dict], settings: dict) -> dict:
 
     records = {r: LoadedRank(r, m, {}) for r, m in metas.items()}
     evidence = FingerprintEvidence(records, dtype_from_str(settings.get("dtype", "float32")), {})
-    return run_checks(records, settings, None, evidence=evidence)
+    from tpprobe.engines.registry import recorded
+    return run_checks(records, settings, None, evidence=evidence, offset_rule=recorded(settings).offset_rule)
 
 
 def line(step: int, mode: str, f: dict) -> str:

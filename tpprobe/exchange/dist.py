@@ -50,8 +50,8 @@ BACKEND_ENV = "TPPROBE_DIST_BACKEND"     # the launcher's one decision, passed t
 
 def named_process_group(backend: str) -> Optional[str]:
     """`tpprobe probe --backend` as `init` and `choose_backend` take it: gloo or nccl when named; None when
-    the launcher decides (auto, or an engine, sglang or vllm, whose ranks run on the group it chose)."""
-    return None if backend in ("auto", "sglang", "vllm") else backend
+    the launcher decides (auto)."""
+    return None if backend == "auto" else backend
 
 
 def choose_backend(requested: Optional[str], local_world: int) -> str:

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.errors import UsageError
-from ..config.options import BUILTIN, ProbeOptions, cli_fields
+from ..config.options import BUILTIN, ProbeOptions, backend_alias, cli_fields
 from ..config.fields import opt
 
 # the rank side's own flags: set by the parent for one TP size, never by a user
 HIDDEN = frozenset(("part", "sites"))
 # the fields that shape the model and the run: the probe's options of the same name
-PROBE_FIELDS = ("model", "backend", "arch", "config", "num_layers", "hidden", "heads", "ffn", "vocab", "tokens",
-                "seed", "dtype", "out", "timeout", "json_out", "html", "markdown", "quiet", "debug")
+PROBE_FIELDS = ("model", "engine", "backend", "arch", "config", "num_layers", "hidden", "heads", "ffn", "vocab",
+                "tokens", "seed", "dtype", "out", "timeout", "json_out", "html", "markdown", "quiet", "debug")
 
 
 def cname(c) -> str:
@@ -70,9 +70,12 @@ class InvarianceOptions:
     expect: str = opt("--expect", "bitwise", "bitwise | noise: what every configuration must be for exit 0")
     model: Optional[str] = opt("--model", None, "your own model: package.module:factory (its "
                                "ProbeTarget.forward_batch batches)")
-    backend: str = opt("--backend", "auto", "auto (nccl with GPUs, else gloo) | gloo | nccl | sglang")
-    arch: str = opt("--arch", "llama", "with --backend sglang: llama | deepseek_v2")
-    config: Optional[str] = opt("--config", None, "with --backend sglang: a real config.json (random weights)")
+    engine: str = opt("--engine", "builtin", "builtin (default) | sglang: the model compared (SGLang's model "
+                      "classes)", cli_type=Optional[str], cli_default=None)
+    backend: str = opt("--backend", "auto", "the communication backend: auto (nccl with GPUs, else gloo) | gloo | "
+                       "nccl (sglang: the old spelling of --engine)")
+    arch: str = opt("--arch", "llama", "with --engine sglang: llama | deepseek_v2")
+    config: Optional[str] = opt("--config", None, "with --engine sglang: a real config.json (random weights)")
     reduce: str = opt("--reduce", "default", "built-in model: default (the backend's all-reduce) | ordered (TP- and "
                       "batch-invariant: fixed-order all-gather + tree sum, per-row matmuls)")
     switch_above: Optional[int] = opt("--switch-above", None, "with --reduce ordered: messages over this many bytes "
@@ -103,6 +106,7 @@ class InvarianceOptions:
     sites: list[str] = opt("--sites", [], "modules standing for collectives (internal)", cli_type=Optional[str],
                            parse=_sites, show=_csv, cli_default=None)
     probe: Any = None         # tpprobe.config.options.ProbeOptions: the model and run settings (None: from the fields)
+    engine_from_backend: Optional[str] = None    # the engine given as `--backend sglang` (the CLI says so once)
 
     def __post_init__(self):
         if self.probe is None:
@@ -120,6 +124,9 @@ class InvarianceOptions:
         for f in cli_fields(cls):
             v, parse = values.get(f.name), f.metadata["parse"]
             kw[f.name] = parse(v) if parse is not None else v
+        kw["engine"] = kw.get("engine") or "builtin"
+        kw["backend"] = kw.get("backend") or "auto"
+        kw.update(backend_alias(kw["engine"], kw["backend"], values.get("engine") is not None))
         return cls(**kw)
 
     def to_argv(self, tp: int, out) -> list[str]:
@@ -153,6 +160,7 @@ class InvarianceOptions:
 
 def validate(opts: InvarianceOptions) -> None:
     """Everything checkable before a process starts (raises UsageError)."""
+    from ..engines.registry import engine_of
     from ..probe.prepare import validate as probe_validate
     p = opts.probe
     if opts.expect not in ("bitwise", "noise"):
@@ -160,10 +168,14 @@ def validate(opts: InvarianceOptions) -> None:
     if opts.ref not in opts.configs:
         raise UsageError(f"--reference {cname(opts.ref)} is not in the grid (--tp {','.join(map(str, opts.tp))} "
                          f"--batch {','.join(map(str, opts.batch))}): add it to --tp/--batch or pick one inside")
-    builtin = p.model is None and p.backend != "sglang"
+    engine = engine_of(p)
+    if not engine.invariance:
+        raise UsageError(f"tpprobe invariance builds the built-in model, SGLang's (--engine sglang) or your --model, "
+                         f"not {engine.title}'s: drop --engine {engine.name}")
+    builtin = engine.builtin_shapes
     if (opts.reduce != "default" or opts.switch_above is not None) and not builtin:
         raise UsageError("--reduce / --switch-above choose the built-in model's reduction: drop them with "
-                         "--model or --backend sglang")
+                         "--model or --engine sglang")
     if opts.switch_above is not None and opts.reduce != "ordered":
         raise UsageError("--switch-above N makes the ordered reduction fall back to the backend's all-reduce above "
                          "N bytes: use it with --reduce ordered")
@@ -173,9 +185,6 @@ def validate(opts: InvarianceOptions) -> None:
         probe_validate(p, t)
         if builtin:
             builtin_cfg(opts, p.layers).validate(t)
-        elif p.backend == "sglang":      # the shapes' own rule, as the probe checks it (before any rank starts)
-            from ..engines.sglang.tiny_archs import check_tp
-            check_tp(p.arch, p.config, t)
     if p.tokens < 1:
         raise UsageError(f"--tokens must be >= 1 (got {p.tokens})")
     if len(opts.configs) < 2:
@@ -184,7 +193,7 @@ def validate(opts: InvarianceOptions) -> None:
 
 
 def builtin_cfg(opts: InvarianceOptions, layer_ids):
-    from ..builtin.model import BuiltinConfig
+    from ..engines.builtin.model import BuiltinConfig
     cfg = BuiltinConfig.from_options(opts.probe, layer_ids)
     cfg.reduce, cfg.switch_bytes = opts.reduce, opts.switch_above
     return cfg

@@ -261,12 +261,13 @@ def run_config(target, batch: int, opts: InvarianceOptions, world: int, watch: s
 
 
 def build(ctx, opts: InvarianceOptions):
-    from ..probe.prepare import build_target
+    from ..engines.registry import engine_of
     p = opts.probe
-    if p.model is None and p.backend != "sglang":
-        from ..builtin.model import build_builtin
+    engine = engine_of(p)
+    if engine.builtin_shapes:          # the built-in model with the grid's reduction (--reduce, --switch-above)
+        from ..engines.builtin.model import build_builtin
         return build_builtin(ctx, builtin_cfg(opts, p.layers))
-    return build_target(ctx, p, [] if p.backend == "sglang" else p.layers)
+    return engine.build(ctx, p, [])    # no aux capture: the grid compares the streams
 
 
 def _configs(target, opts: InvarianceOptions, world: int) -> tuple[list[dict], dict]:
@@ -287,7 +288,7 @@ def rank_main(opts: InvarianceOptions) -> int:
     import faulthandler
     from ..capture.audit import prepare as prepare_audit
     from ..formats.capture_dir import atomic_save_tensors, atomic_write_bytes
-    from ..exchange.dist import env_rank, init, shutdown
+    from ..exchange.dist import env_rank, init, named_process_group, shutdown
     p = opts.probe
     out = Path(p.out)
     faulthandler.enable()       # a rank that dies in native code (NCCL, a kernel) still says where
@@ -295,7 +296,7 @@ def rank_main(opts: InvarianceOptions) -> int:
     code, ctx = 0, None
     try:
         # inside the try: a rank whose process group cannot start writes why (never "wrote nothing")
-        ctx = init(None if p.backend in ("auto", "sglang") else p.backend, p.timeout, p.seed)
+        ctx = init(named_process_group(p.backend), p.timeout, p.seed)
         if ctx.world_size not in opts.tp or len(opts.tp) != 1:
             raise UsageError("the rank side runs one TP size: --tp N with N = the number of ranks")
         target = build(ctx, opts)

@@ -146,10 +146,9 @@ def verdict(configs, R, n_rows, opts, failing) -> dict:
 
 
 def model_name(opts) -> str:
-    p = opts.probe
-    if p.model:
-        return p.model
-    if p.backend == "sglang":
-        return f"sglang:{p.arch}"
+    from ..engines.registry import engine_of
+    engine = engine_of(opts.probe)
+    if not engine.builtin_shapes:
+        return engine.model_label(opts.probe)
     return "builtin" + (f" (reduce {opts.reduce}" + (f", switch above {opts.switch_above} B" if opts.switch_above
                                                      is not None else "") + ")" if opts.reduce != "default" else "")

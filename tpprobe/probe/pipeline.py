@@ -28,7 +28,7 @@ from .settle import Settled, leave_now, stacks_after_env
 from ..exchange.gather import bytes_post, exchange_records, exchange_summary, post_meta
 from ..exchange.liveness import collect_meta, liveness_of
 from .forward import forward_under_tap
-from ..builtin.model import BuiltinConfig, reference_streams
+from ..engines.registry import engine_of, recorded
 from ..config.options import ProbeOptions
 from ..report.emit import emit
 from ..report.model import build_report
@@ -202,10 +202,10 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     ch, world = me.ch, me.ctx.world_size
     liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
     settings = probe_settings(me.opts, me.ctx, me.target, me.layer_ids)
-    references = reference_streams(BuiltinConfig.from_options(me.opts)) \
-        if me.target.arch == "builtin" and not me.opts.model else None
+    references = engine_of(me.opts).reference_streams(me.opts)
     t2 = time.time()
-    result = run_checks(records, settings, liveness, references, evidence=evidence)
+    result = run_checks(records, settings, liveness, references, evidence=evidence,
+                        offset_rule=recorded(settings).offset_rule)
     report = build_report(settings, result, timings={**me.timings, "check_s": time.time() - t2,
                                                      "total_s": time.time() - me.t_start}, out=str(me.out))
     if liveness.get("flight_recorder"):

@@ -1,9 +1,8 @@
-"""Before the forward: the options checked (`validate`, also before any process starts) and the
-model each rank probes built (`build_target`: a user's --model factory, SGLang's tiny model, or
-the built-in one)."""
+"""Before the forward: the options completed by their engine (`options_from_cli`), checked (`validate`, also
+before any process starts) and the model each rank probes built (`build_target`: the engine's, from
+tpprobe.engines.registry: a user's --model factory, SGLang's or vLLM's tiny model, or the built-in one)."""
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -12,11 +11,52 @@ import torch
 
 from ..formats.capture_dir import check_file_path, estimate_capture_bytes
 from ..formats.settings import run_settings
-from ..core.errors import TPProbeError, UsageError
-from ..builtin.faults import check_backend, parse as parse_faults
-from ..builtin.model import BuiltinConfig
-from ..config.options import ProbeOptions
+from ..core.errors import UsageError
+from ..engines.builtin.faults import parse as parse_faults
+from ..engines import registry
+from ..engines.registry import check_faults, engine_of, slot_engine, source
+from ..config.options import BUILTIN, BUILTIN_ONLY, ProbeOptions
 from ..core.target import ProbeTarget, RankContext
+
+
+def options_from_cli(**values) -> ProbeOptions:
+    """From the typer command's keyword arguments: the options as given, completed by the engine they name
+    (tpprobe.engines.registry): its dtype, a --config's architecture and depth, its default ids."""
+    kw = ProbeOptions.cli_values(**values)
+    model = kw["model"]
+    engine = source(kw["engine"], model)
+    serving_config = engine.serving and kw["config"]
+    if kw["dtype"] is None:
+        kw["dtype"] = engine.default_dtype(kw["config"])
+    given = [f"--{n.replace('_', '-')}" for n in BUILTIN_ONLY if kw.get(n) is not None]
+    if given and not engine.builtin_shapes:
+        whose = (f"--model {model} builds its own model" if model else
+                 f"with --engine {engine.name} the shape comes from --arch or --config (a config.json)")
+        shrink = " (--num-experts / --vocab-size / --num-layers shrink a --config model)" \
+            if kw["config"] and not model else ""
+        raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}"
+                         f"{shrink}")
+    for n, flag in (("num_experts", "--num-experts"), ("vocab_size", "--vocab-size")):
+        if kw.get(n) is not None:
+            if not serving_config:
+                other = "the built-in model takes --vocab" if n == "vocab_size" else "the built-in has no experts"
+                raise UsageError(f"{flag} shrinks a --config model (--engine sglang or vllm --config "
+                                 f"config.json); {other}")
+            if kw[n] < 1:
+                raise UsageError(f"{flag} must be >= 1 (got {kw[n]})")
+    for n in ("num_layers", *BUILTIN_ONLY):
+        if kw.get(n) is None and not (n == "num_layers" and serving_config):
+            kw[n] = BUILTIN[n]
+    if serving_config:
+        # the config's own architecture and depth, unless --arch / --num-layers say otherwise
+        arch, layers = engine.config_shape(kw["config"])
+        kw["arch"] = kw["arch"] or arch
+        if kw["num_layers"] is None:
+            kw["num_layers"] = layers or BUILTIN["num_layers"]
+    kw["arch"] = kw["arch"] or "llama"
+    if not kw["layers_given"] and not model:
+        kw["layers"] = engine.default_layer_ids(kw["arch"], kw["num_layers"])
+    return ProbeOptions(**kw)
 
 
 def validate(opts: ProbeOptions, world: int) -> None:
@@ -30,16 +70,15 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"--timeout must be > 0 seconds (got {opts.timeout})")
     if opts.exchange not in ("full", "fingerprint"):
         raise UsageError(f"unknown --exchange {opts.exchange!r}: use full or fingerprint")
-    if opts.backend not in ("auto", "gloo", "nccl", "sglang", "vllm"):
-        raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo, nccl, sglang or vllm")
-    from ..engines.sglang.tiny_archs import ARCHES as SGLANG_ARCHES, canonical_arch
-    if opts.backend == "vllm":
-        _validate_vllm(opts, world)
-    elif canonical_arch(opts.arch) not in SGLANG_ARCHES:   # the tiny SGLang models tpprobe builds
-        raise UsageError(f"unknown --arch {opts.arch!r}: use {', '.join(SGLANG_ARCHES)} (with --backend sglang)")
-    if opts.config is not None and opts.backend not in ("sglang", "vllm"):
-        raise UsageError(f"--config {opts.config} builds SGLang's model classes: add --backend sglang "
-                         f"(the built-in model takes --num-layers/--hidden/--heads/--ffn/--vocab instead)")
+    if opts.backend not in ("auto", "gloo", "nccl"):
+        raise UsageError(f"unknown --backend {opts.backend!r}: use auto, gloo or nccl")
+    named = registry.named(opts.engine)        # an unknown --engine: one line
+    engine = engine_of(opts)
+    if opts.model is not None:
+        named.check_with_model(opts.model)
+    engine.check_arch(opts, world)
+    if opts.config is not None:
+        named.check_config(opts.config)
     check_config_file(opts.config)          # before any engine is imported (seconds, not tens of them)
     if opts.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs a CUDA device on every rank; use --backend gloo on CPU")
@@ -58,17 +97,14 @@ def validate(opts: ProbeOptions, world: int) -> None:
         if bad:
             raise UsageError(f"--layers {bad} out of range for a model of {opts.num_layers} layers: "
                              f"ids run from -1 (embedding) to {opts.num_layers - 1}")
-        if opts.backend not in ("sglang", "vllm"):
-            BuiltinConfig.from_options(opts).validate(world)
+        engine.check_model(opts, world)
     if opts.model is not None and ":" not in opts.model:
         raise UsageError(f"--model {opts.model!r} must be package.module:factory")
-    check_backend(opts.inject, opts.backend, opts.model)
-    _validate_dp_attention(opts, world)
-    if opts.backend == "sglang" and opts.model is None:   # shapes before any rank starts, not after a build
-        from ..engines.sglang.tiny_archs import check_tp
-        check_tp(canonical_arch(opts.arch), opts.config, world, opts.dp_attention, opts.num_experts)
+    check_faults(engine, [s.partition("@")[0] for s in opts.inject or []])
+    _validate_dp_attention(opts, world, named.dp_attention)
+    engine.check_tp(opts, world)          # shapes before any rank starts, not after a build
     parse_faults(opts.inject, world, opts.num_layers, ids)
-    if opts.config and opts.backend in ("sglang", "vllm") and opts.model is None:
+    if opts.config and engine.serving:
         check_memory(opts, world)
 
 
@@ -90,21 +126,12 @@ def check_memory(opts: ProbeOptions, world: int) -> None:
           opts.num_experts, opts.vocab_size)
 
 
-def _validate_vllm(opts: ProbeOptions, world: int) -> None:
-    """--backend vllm: the arch it builds, its shapes over tp, and what it does not take yet."""
-    from ..engines.vllm.tiny import check_arch, check_tp
-    if opts.model is not None:
-        raise UsageError("--backend vllm builds vLLM's tiny models; with --model your factory builds the model: "
-                         "drop --backend vllm")
-    check_tp(check_arch(opts.arch), world, opts.config, opts.num_experts)
-
-
-def _validate_dp_attention(opts: ProbeOptions, world: int) -> None:
+def _validate_dp_attention(opts: ProbeOptions, world: int, runs_it: bool) -> None:
     if opts.dp_attention < 1:
         raise UsageError(f"--dp-attention must be >= 1 (got {opts.dp_attention})")
     if opts.dp_attention > 1:
-        if opts.backend != "sglang":
-            raise UsageError("--dp-attention runs SGLang's DP attention: add --backend sglang")
+        if not runs_it:
+            raise UsageError("--dp-attention runs SGLang's DP attention: add --engine sglang")
         if world % opts.dp_attention or world == opts.dp_attention:
             raise UsageError(f"--dp-attention {opts.dp_attention} needs a tp (--nproc, now {world}) it divides into "
                              f"attention-TP groups of 2 or more ranks, e.g. --nproc 4 --dp-attention 2")
@@ -117,27 +144,15 @@ def _validate_dp_attention(opts: ProbeOptions, world: int) -> None:
 
 
 def build_target(ctx: RankContext, opts: ProbeOptions, layer_ids: list[int]) -> ProbeTarget:
-    """The model this rank probes: the user's --model factory, SGLang's tiny model, or the built-in one."""
-    if opts.model:
-        return user_target(ctx, opts.model)
-    if opts.backend == "sglang":
-        from ..engines.sglang.tiny import build_target as sglang_target
-        return sglang_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                             dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
-                             attn_dp=opts.dp_attention, num_experts=opts.num_experts, vocab=opts.vocab_size)
-    if opts.backend == "vllm":
-        from ..engines.vllm.tiny import build_target as vllm_target
-        return vllm_target(ctx, arch=opts.arch, num_layers=opts.num_layers, tokens=opts.tokens, seed=opts.seed,
-                           dtype=opts.torch_dtype, layer_ids=layer_ids, config_path=opts.config,
-                           num_experts=opts.num_experts, vocab=opts.vocab_size)
-    from ..builtin.model import build_builtin
-    return build_builtin(ctx, BuiltinConfig.from_options(opts, layer_ids))
+    """The model this rank probes, as its engine builds it: the user's --model factory, SGLang's or vLLM's
+    tiny model, or the built-in one."""
+    return engine_of(opts).build(ctx, opts, layer_ids)
 
 
 def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget, list[int]]:
     """The target, broken as --inject asks (faults act on the model, never on the probe), and the
     layer ids it captures (a fault may move them)."""
-    from ..builtin import faults
+    from ..engines.builtin import faults
     flt = faults.parse(opts.inject, ctx.world_size, opts.num_layers, opts.layers)
     layer_ids = faults.adjust_layer_ids(flt, list(opts.layers), opts.num_layers)
     groups = faults.prepare_groups(flt, ctx)
@@ -153,13 +168,13 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     if opts.model:   # a user's model: its own depth bounds the ids
         L = target.num_layers
         if not opts.layers_given:      # the default ids follow the depth, known only now
-            from ..config.options import builtin_layer_ids
-            opts.layers = layer_ids = builtin_layer_ids(L)
+            opts.layers = layer_ids = engine_of(opts).default_layer_ids(opts.arch, L)
         bad = [i for i in opts.layers if i < -1 or i >= L]
         if bad:
             raise UsageError(f"--layers {bad} out of range for {opts.model} ({L} layers): ids run from -1 "
                              f"(embedding) to {L - 1}")
-    faults.apply(flt, target, ctx, groups)
+    if flt:
+        engine_of(opts).inject(flt, target, ctx, groups)
     return target, layer_ids
 
 
@@ -173,62 +188,16 @@ def capture_size(target: ProbeTarget, layer_ids: list[int], opts: ProbeOptions) 
     return est
 
 
-def _debugging() -> bool:
-    """--debug is on for this run (the ranks get the launcher's argv)."""
-    import sys
-    return "--debug" in sys.argv
-
-
-def user_target(ctx: RankContext, spec: str) -> ProbeTarget:
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UsageError(f"--model {spec}: cannot import the module {mod_name!r} ({e}); "
-                         f"check the module is on PYTHONPATH") from e
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        names = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")
-                       and getattr(v, "__module__", None) == mod.__name__)
-        raise UsageError(f"--model {spec}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no factory "
-                         f"{fn_name!r}{'; it defines ' + ', '.join(names[:8]) if names else ''}")
-    try:
-        target = fn(ctx)
-    except TPProbeError:
-        raise
-    except Exception as e:
-        raise UsageError(f"--model {spec}: the factory raised {type(e).__name__}: {e}"
-                         f"{'' if _debugging() else '; run with --debug for the traceback'}") from e
-    if not isinstance(target, ProbeTarget):
-        raise UsageError(f"--model {spec}: the factory returned {type(target).__name__}, expected "
-                         f"tpprobe.ProbeTarget(model=..., forward=..., input_ids=..., ...)")
-    if any(type(m).__module__.startswith("sglang.") for m in target.model.modules()):
-        import tpprobe.engines.sglang.stream  # noqa: F401  registers SGLang's layer extensions with the Tap
-    if any(type(m).__module__.startswith("vllm.") for m in target.model.modules()):
-        import tpprobe.engines.vllm.audit  # noqa: F401  registers vLLM's coordinator door with the Tap
-    return target
-
-
 def probe_settings(opts: ProbeOptions, ctx: RankContext, target: ProbeTarget, layer_ids: list[int]) -> dict:
     """The probe's run settings as the report and the manifest show them (formats/settings.py builds them)."""
     shown_ids = target.model_layer_ids if opts.model and target.model_layer_ids is not None else layer_ids
     dtype = str(target.dtype).removeprefix("torch.") if opts.model else opts.dtype   # judge in the model's dtype
-    slots = None
-    if opts.backend == "vllm" and target.packed_aux is not None:
-        # vLLM's rule: slots in ascending id (tpprobe.engines.vllm.tiny)
-        from ..engines.vllm.tiny import expected_slots as vllm_slots
-        slots = vllm_slots(layer_ids)
-    if opts.backend == "sglang" or str(target.info.get("backend", "")).startswith("sglang"):
-        # SGLang's capture-id rules per arch (DeepSeek: +1 only when the first id is 1)
-        from ..engines.sglang.tiny_archs import ARCHES as SGLANG_ARCHES
-        from ..engines.sglang.layer_ids import expected_slots, plan
-        if target.arch in SGLANG_ARCHES:
-            slots = expected_slots(plan(target.arch, target.model_layer_ids, target.num_layers))
+    slots = slot_engine(opts, target).expected_slots(target, layer_ids)
     return run_settings(
         world_size=ctx.world_size, backend=ctx.backend, dtype=dtype, layer_ids=shown_ids,
         requested_layer_ids=list(opts.layers), num_layers=target.num_layers, hidden=target.hidden_size,
         tokens=int(target.input_ids.numel()), arch=target.arch,
-        model=opts.model or (f"{opts.backend}:{opts.arch}" if opts.backend in ("sglang", "vllm") else "builtin"),
+        model=engine_of(opts).model_label(opts),
         inject=list(opts.inject), exchange=opts.exchange, timeout_s=opts.timeout,
         model_packs_aux=target.packed_aux is not None, seed=opts.seed, slots=slots,
         extra={k: v for k, v in target.info.items() if isinstance(v, (int, float, str))})
@@ -256,12 +225,7 @@ def check_config_file(path: Optional[str]) -> None:
 
 def full_default_ids(opts) -> list[int]:
     """The default ids of a deep model of this arch (what a user reads in --help: -1,1,3 or 0,2,4)."""
-    from ..config.options import builtin_layer_ids
-    if opts.backend == "sglang" or (opts.backend == "vllm" and opts.arch in ("deepseek_v2", "deepseek_v3",
-                                                                             "kimi_k2")):
-        from ..engines.sglang.tiny_archs import default_layer_ids
-        return default_layer_ids(opts.arch, 64)
-    return builtin_layer_ids(64)
+    return engine_of(opts).default_layer_ids(opts.arch, 64)
 
 
 def default_ids_note(opts) -> Optional[str]:

@@ -11,7 +11,7 @@ from ..engines.sglang.layer_ids import SGLANG_VERSION, LayerPlan, plan, point_of
 from .model import Cell, Column, Report, Table, Text
 
 STATUS_LEVEL = {"ok": "ok", "dropped": "warning", "crash": "failure"}
-# the SGLang architectures the probe builds (--backend sglang --arch ...): their runs show the plan
+# the SGLang architectures the probe builds (--engine sglang --arch ...): their runs show the plan
 PROBE_ARCHS = ("llama", "deepseek_v2", "qwen3", "qwen3_moe", "qwen2")
 
 
@@ -33,8 +33,9 @@ def plan_table(p: LayerPlan) -> Table:
 def probe_plan_sections(settings: dict) -> list:
     """The plan of a probe run on SGLang's own model (not vLLM's rule): its table, or one dim line
     when it cannot be made (a table is a courtesy: it never breaks the report)."""
+    from ..engines.registry import recorded
     if settings.get("arch") not in PROBE_ARCHS or settings.get("layer_ids") is None \
-            or str(settings.get("backend", "")).startswith("vllm"):
+            or not recorded(settings).offset_rule:
         return []
     try:
         return [plan_table(plan(settings["arch"], list(settings["layer_ids"]), int(settings["num_layers"])))]

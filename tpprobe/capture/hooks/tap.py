@@ -187,8 +187,9 @@ class Tap(Collectives):
                 # owed partial sum, so the stream is read where SGLang materializes it, and the reduces
                 # at GroupCoordinator level (tpprobe.engines.sglang.stream registers itself here)
                 self.extensions += tuple(e for e in factory() if e not in self.extensions)
-                # vLLM's layers return (hidden_states, residual): the stream is read from them
-                self.sglang_layers = self.sglang_layers or prefix == "sglang."
+                # vLLM's layers return (hidden_states, residual): the stream is read from them; a family whose
+                # stream comes from its layers' boundaries says so on its factory (SGLang's)
+                self.sglang_layers = self.sglang_layers or getattr(factory, "stream_at_boundaries", False)
         for ext in self.extensions:
             self._ext_handles += list(ext(self) or [])
         if self.audit:

@@ -1,5 +1,5 @@
-"""The draft forward: tpprobe's re-implementation (torch, any device) and SGLang's own class (CPU), and
-which one runs where (--engine, --device)."""
+"""The draft forward: tpprobe's re-implementation (torch, any device) and an engine's own class (SGLang's, CPU:
+tpprobe.engines.sglang.eagle3_draft), and which one runs where (--engine, --device)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from .draft import Draft
 from ...core.errors import UsageError
+from ...engines.registry import DRAFT_ENGINES
 
 
-# ---- the draft forward: a re-implementation (torch) and SGLang's own class -----------------------
+# ---- the draft forward: a re-implementation (torch) -------------------------------------------------
 def _rms(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -77,69 +78,16 @@ class Eagle3Forward(torch.nn.Module):
         return self.hidden(feats, next_ids) @ self.w("lm_head.weight")[: self.d.draft_vocab].t()
 
 
-class SGLangEagle3:
-    """SGLang's own `LlamaForCausalLMEagle3` on CPU (tp 1 in this process), weights through its
-    `load_weights` (legacy names, d2t handling and all). Logits are its final hidden state times
-    its lm_head (the logits processor itself keeps only the last token of an EXTEND batch)."""
-
-    def __init__(self, d: Draft):
-        from ...engines.sglang import require
-        require()
-        from ...engines.sglang import cpu_mode
-        cpu_mode.enable()
-        _init_single_process()
-        from transformers import LlamaConfig
-        from sglang.srt.model_loader.utils import set_default_torch_dtype
-        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
-
-        c = dict(d.config)
-        for drop in ("architectures", "auto_map", "_name_or_path", "torch_dtype", "dtype"):
-            c.pop(drop, None)
-        cfg = LlamaConfig(**c)
-        cfg.draft_vocab_size = d.draft_vocab
-        self.d = d
-        self.device = torch.device("cpu")
-        with set_default_torch_dtype(torch.float32):
-            self.model = LlamaForCausalLMEagle3(cfg).eval()
-        ws = [(("model." if not k.startswith("lm_head") else "") + k, v.float()) for k, v in d.weights.items()]
-        if d.d2t is not None:
-            ws.append(("d2t", d.d2t))
-        self.model.load_weights(ws)
-
-    def logits(self, feats, next_ids):
-        from types import SimpleNamespace
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-        rt = SimpleNamespace(ids=next_ids, model=self.model, config=SimpleNamespace(num_hidden_layers=1),
-                             dtype=torch.float32, mla=False, capture=False, attn_dp=1)
-        from ...engines.sglang.tiny import extend_batch
-        fb, backend = extend_batch(rt)
-        fb.spec_info = SimpleNamespace(hidden_states=feats.float())
-        with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
-            backend.init_forward_metadata(fb)
-            h, _ = self.model.model(next_ids, fb.positions, fb)
-        return h @ self.model.lm_head.weight[: self.d.draft_vocab].t()
-
-
-def _init_single_process() -> None:
-    import tempfile
-    import torch.distributed as dist
-    if dist.is_initialized():
-        return
-    f = tempfile.NamedTemporaryFile(prefix="tpprobe-accept-", delete=False)
-    f.close()
-    dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
-    from ...engines.sglang.dist import publish_parallel_state
-    publish_parallel_state(0, 1, 0, "gloo", "cpu")
-
-
-ENGINES = ("auto", "sglang", "torch")
+# auto | an engine with its own draft class (tpprobe.engines.registry: sglang) | torch; auto runs the first
+# such engine's class when it imports, else the torch re-implementation
+ENGINES = ("auto", *DRAFT_ENGINES, "torch")
 
 
 def resolve_device(device: str, engine: str) -> torch.device:
     """The device the draft runs on, from --device and --engine (checked before anything is
     loaded): auto = cuda when torch sees one (cpu for --engine sglang), else cpu."""
     if engine not in ENGINES:
-        raise UsageError(f"--engine {engine!r}: use auto, sglang or torch")
+        raise UsageError(f"--engine {engine!r}: use {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")
     dev = (device or "auto").strip().lower()
     idx = None
     if dev.startswith("cuda:"):
@@ -151,12 +99,14 @@ def resolve_device(device: str, engine: str) -> torch.device:
             raise UsageError(f"--device {device!r}: use auto, cpu, cuda or cuda:N (N a GPU index)")
     elif dev not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
-    if dev.startswith("cuda") and engine == "sglang":
-        raise UsageError(f"--engine sglang --device {device}: SGLang's class runs on CPU in this tool; use "
-                         f"--engine torch on GPU (or --device cpu for SGLang's class)")
+    own = DRAFT_ENGINES.get(engine)
+    cpu_only = own is not None and own.draft_cpu_only
+    if dev.startswith("cuda") and cpu_only:
+        raise UsageError(f"--engine {engine} --device {device}: {own.title}'s class runs on CPU in this tool; use "
+                         f"--engine torch on GPU (or --device cpu for {own.title}'s class)")
     has = torch.cuda.is_available()
     if dev == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if has and engine != "sglang" else torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if has and not cpu_only else torch.device("cpu")
     if dev == "cpu":
         return torch.device("cpu")
     if not has:
@@ -172,18 +122,17 @@ def resolve_device(device: str, engine: str) -> torch.device:
 
 
 def engine_for(d: Draft, name: str, device: Optional[torch.device] = None):
-    if device is not None and device.type != "cpu":      # resolve_device has refused --engine sglang here
+    auto = next(iter(DRAFT_ENGINES.values()))
+    if device is not None and device.type != "cpu":      # resolve_device has refused a CPU-only class here
         why = ("" if name == "torch" else
-               f"; --engine auto on {device}: SGLang's class runs on CPU in this tool")
+               f"; --engine auto on {device}: {auto.title}'s class runs on CPU in this tool")
         return Eagle3Forward(d, device), f"torch (tpprobe's re-implementation of LlamaForCausalLMEagle3{why})"
     if name == "torch":
         return Eagle3Forward(d), "torch (tpprobe's re-implementation of LlamaForCausalLMEagle3)"
     if name == "auto":
-        try:
-            import sglang  # noqa: F401
-        except ImportError:
-            return Eagle3Forward(d), "torch (sglang is not installed; tpprobe's re-implementation)"
+        if not auto.importable():
+            return Eagle3Forward(d), f"torch ({auto.name} is not installed; tpprobe's re-implementation)"
+        name = auto.name
     if name not in ENGINES:
-        raise UsageError(f"--engine {name!r}: use auto, sglang or torch")
-    from ...engines import sglang as sg
-    return SGLangEagle3(d), f"sglang {sg.SGLANG_VERSION} LlamaForCausalLMEagle3 (CPU)"
+        raise UsageError(f"--engine {name!r}: use {', '.join(ENGINES[:-1])} or {ENGINES[-1]}")
+    return DRAFT_ENGINES[name].draft_forward(d)

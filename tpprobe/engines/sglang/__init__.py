@@ -6,7 +6,7 @@ Modules:
              without importing SGLang
   cpu_mode   every workaround SGLang 0.5.23 needs to run on CPU (imported only by the CPU mode)
   dist       publish SGLang's parallel state over an already-initialized torch.distributed world
-  tiny       tiny random-weight SGLang targets for `tpprobe probe --backend sglang` (tiny_archs: the
+  tiny       tiny random-weight SGLang targets for `tpprobe probe --engine sglang` (tiny_archs: the
              architectures and their configs; tiny_weights: the seeded weights and HF's reference)
   faults     --inject for SGLang's own models; audit, stream: the audit's door and layer extensions
   plugin     `sglang.srt.plugins` entry point for live servers (GPU path: never imports cpu_mode),

@@ -1,4 +1,4 @@
-"""Serving-path faults injected into SGLang's own model (`tpprobe probe --backend sglang --inject`).
+"""Serving-path faults injected into SGLang's own model (`tpprobe probe --engine sglang --inject`).
 
 Each one changes what SGLang's EAGLE-3 aux capture stores the way the real bug did, at the stage
 boundary where SGLang 0.5.23 captures (`StageBoundary._prepare_attention`), and never touches

@@ -332,3 +332,20 @@ def slots_from_layers_to_capture(layers_to_capture, num_layers: int
     outside = [c for c in ltc if not 0 <= c < num_layers]
     return ([layer_point(c) for c in inside] + [None] * len(outside),
             [c - 1 for c in inside] + [c - 1 for c in outside])
+
+
+def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
+    """One row per SGLang architecture: what its rule captures for `ids` (`tpprobe layers --arch all`)."""
+    from tpprobe.engines.sglang import rules, rules_replay
+
+    if rules_replay.use_table():     # SGLang 0.5.23's rules as data: no SGLang needed, none imported
+        pairs = [(f, name, rules_replay.derive_from_table(key, ids, num_layers))
+                 for f, name, key in rules_replay.table_rows()]
+    else:                            # another SGLang release installed: its own code
+        pairs = [(f, cls.__name__, rules.derive(cls, ids, num_layers)) for f, cls in rules.all_architectures()]
+    out = []
+    for f, name, d in pairs:
+        p = plan_from_derived(name, d)
+        out.append({"arch": name, "file": f, "rule": p.rule, "layers_to_capture": p.layers_to_capture,
+                    "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash})
+    return out

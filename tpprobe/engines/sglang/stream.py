@@ -149,5 +149,7 @@ def sglang_extensions() -> tuple:
     return (residual_stream_extension, moe_reduce_extension, coordinator_audit_extension)
 
 
-# the Tap adds these extensions by itself wherever it finds SGLang's layers (a --model factory too)
+# the Tap adds these extensions by itself wherever it finds SGLang's layers (a --model factory too), and reads
+# the stream from their boundaries (their output is an owed partial sum)
+sglang_extensions.stream_at_boundaries = True
 LAYER_EXTENSIONS["sglang."] = sglang_extensions

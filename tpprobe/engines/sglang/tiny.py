@@ -1,4 +1,4 @@
-"""Tiny random-weight SGLang models on CPU gloo: `tpprobe probe --backend sglang --arch ...`.
+"""Tiny random-weight SGLang models on CPU gloo: `tpprobe probe --engine sglang --arch ...`.
 
 `build_target(ctx, arch, ...)` builds SGLang's own `LlamaForCausalLM` or `DeepseekV2ForCausalLM`
 (MLA, optionally with an MoE layer) on this rank, sharded by SGLang's parallel state, which
@@ -259,7 +259,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
         info.update({"attn_dp": attn_dp, "attn_tp": par.attn_tp_size,
                      "dp attention": f"{attn_dp} attention-DP groups of {par.attn_tp_size} ranks "
                                      f"(attention_tp), FFN over tp:0; every group runs the same tokens"})
-    # tpprobe.builtin.faults.apply reads `model.layers` even when nothing is injected; SGLang keeps them
+    # `model.layers`, as the built-in model has them (readers of a target use it); SGLang keeps them
     # at model.model.layers. A plain (unregistered) alias: named_modules/state_dict are unchanged.
     model.__dict__.setdefault("layers", model.model.layers)
     from tpprobe.engines.sglang.stream import sglang_extensions

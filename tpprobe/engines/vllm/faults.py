@@ -1,4 +1,4 @@
-"""Faults made vLLM's own way, in vLLM's own model (`tpprobe probe --backend vllm --inject`).
+"""Faults made vLLM's own way, in vLLM's own model (`tpprobe probe --engine vllm --inject`).
 
 Each breaks the model where the real bug lives and never touches what tpprobe observes: the probe's
 door at `GroupCoordinator.all_reduce` sees the broken call as vLLM issues it.
@@ -58,7 +58,7 @@ def _o_projs(model) -> list:
 def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
     """Apply fault `name` to vLLM model `model` on this rank."""
     if name not in SUPPORTED:
-        raise UsageError(f"--inject {name} is not made on vLLM's models yet; with --backend vllm inject "
+        raise UsageError(f"--inject {name} is not made on vLLM's models yet; with --engine vllm inject "
                          f"{', '.join(SUPPORTED)}")
     if name == "allreduce-once":
         rank, _, call = str(arg).partition(":")

@@ -1,4 +1,4 @@
-"""Tiny random-weight vLLM models on CPU gloo: `tpprobe probe --backend vllm --arch llama|qwen3|qwen3_moe|deepseek_v2`.
+"""Tiny random-weight vLLM models on CPU gloo: `tpprobe probe --engine vllm --arch llama|qwen3|qwen3_moe|deepseek_v2`.
 
 `build_target(ctx, arch, ...)` builds vLLM's own model class for the arch (resolved by vLLM's model
 registry from the config's `architectures`: `LlamaForCausalLM`, vllm/model_executor/models/llama.py;
@@ -91,7 +91,7 @@ def check_tp(arch: str, tp: int, config_path: Optional[str] = None, num_experts:
     if bad:
         ok = [t for t in (1, 2, 4, 8) if not fits(t)]
         model = f"--config {config_path}" if config_path else f"--arch {arch}"
-        raise UsageError(f"--backend vllm {model} at tp={tp}: {'; '.join(bad)}; use --nproc "
+        raise UsageError(f"--engine vllm {model} at tp={tp}: {'; '.join(bad)}; use --nproc "
                          f"{', '.join(map(str, ok)) or '1'}")
 
 
@@ -250,7 +250,7 @@ def build_target(ctx: RankContext, arch: str, num_layers: int, tokens: int, seed
                              f"{type(model.model).__name__}.forward raises on it ({e}: it adds hidden + residual "
                              f"before layer 0, where the residual is None): drop -1 from --layers") from None
         raise
-    # tpprobe.faults.apply reads `model.layers`; vLLM keeps them at model.model.layers (a plain alias)
+    # `model.layers`, as the built-in model has them; vLLM keeps them at model.model.layers (a plain alias)
     model.__dict__.setdefault("layers", model.model.layers)
     from tpprobe.engines.vllm.audit import vllm_extensions
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture.points import EMBED_OUT, layer_out
-from ..core.errors import UsageError
-from ..config.options import BUILTIN
-from ..core.target import ProbeTarget, RankContext
+from ...capture.points import EMBED_OUT, layer_out
+from ...core.errors import UsageError
+from ...config.options import BUILTIN
+from ...core.target import ProbeTarget, RankContext
 
 
 @dataclass
@@ -272,7 +272,7 @@ class TPModel(nn.Module):
         self.layers = nn.ModuleList(TPDecoderLayer(w, ctx, cfg) for w in weights["layers"])
         self.norm = RMSNorm(weights["norm"], cfg.dtype)
         self.layers_to_capture: list[int] = []
-        # Fault switches (tpprobe.builtin.faults sets them; all off in a healthy model).
+        # Fault switches (tpprobe.engines.builtin.faults sets them; all off in a healthy model).
         self.capture_fn = None          # how one aux capture is taken (default: clone of h + r)
         self.pack_fn = None             # how the captures are packed (default: cat(dim=-1))
         for m in self.modules():        # the reduction every sharded module uses (cfg.reduce)

@@ -16,33 +16,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..core.errors import UsageError
-from ..config.knobs import knob
-from ..core.target import ProbeTarget, RankContext
+from ...core.errors import UsageError
+from ...config.knobs import knob
+from ...core.target import ProbeTarget, RankContext
 
-from ..config.fault_names import BOTH, BUILTIN_TOO, FAULTS, SGLANG_ONLY, SGLANG_TOO, VLLM
-from ..engines.fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
-
-
-def check_backend(specs: list[str], backend: str, model: Optional[str]) -> None:
-    """Built-in faults need the built-in model; the serving faults need SGLang's (UsageError)."""
-    names = [s.partition("@")[0] for s in specs or []]
-    serving = [n for n in names if n in SGLANG_ONLY and not (backend not in ("sglang", "vllm") and n in BUILTIN_TOO)]
-    builtin = [n for n in names if n in FAULTS and n not in SGLANG_ONLY + VLLM + BOTH
-               and not (backend == "sglang" and n in SGLANG_TOO)]
-    vllm_only = [n for n in names if n in VLLM]
-    if model and names:
-        raise UsageError("--inject works on the built-in model and on --backend sglang, not on --model")
-    if backend in ("sglang", "vllm") and builtin:
-        raise UsageError(f"--inject {builtin[0]} breaks the built-in model; with --backend {backend} inject "
-                         f"{', '.join((SGLANG_ONLY + SGLANG_TOO if backend == 'sglang' else VLLM) + BOTH)}")
-    if backend == "vllm" and "capture-no-residual" in serving:
-        raise UsageError("--inject capture-no-residual is named aux-no-residual on vLLM's model: --backend vllm "
-                         "--inject aux-no-residual")
-    if backend != "sglang" and serving:
-        raise UsageError(f"--inject {serving[0]} breaks SGLang's serving path: add --backend sglang")
-    if backend != "vllm" and vllm_only:
-        raise UsageError(f"--inject {vllm_only[0]} breaks vLLM's EAGLE-3 capture: add --backend vllm")
+from ...config.fault_names import FAULTS
+from ..fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
 
 
 @dataclass(frozen=True)
@@ -105,23 +84,14 @@ def prepare_groups(faults: list[Fault], ctx: RankContext) -> dict:
 
 
 def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: dict) -> None:
+    """Break the built-in model (SGLang's and vLLM's models: their engine's `inject`)."""
     from .model import TPModel, all_reduce
 
     if not faults:
         return
     model = target.model
-    if all(f.name in VLLM + BOTH for f in faults) and type(model).__module__.startswith("vllm."):
-        from ..engines.vllm.faults import inject as vllm_inject
-        for f in faults:
-            vllm_inject(f.name, model, f.arg, ctx)
-        return
-    if all(f.name in SGLANG_ONLY + SGLANG_TOO + BOTH for f in faults) and not isinstance(model, TPModel):
-        from ..engines.sglang.faults import inject
-        for f in faults:
-            inject(f.name, model, f.arg, ctx)
-        return
     if not isinstance(model, TPModel):
-        raise UsageError("--inject works on the built-in model only (drop --model / --backend sglang)")
+        raise UsageError("--inject works on the built-in model only here (drop --model)")
     L = len(model.layers)
     mid = L // 2
     for f in faults:
@@ -223,7 +193,7 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
 #
 # Each corrupt call still runs the real reduce, so every rank issues the same collectives (a rank
 # that skipped one would hang its peers, a different fault: F12/F14).
-PATH = "tpprobe.builtin.faults.Communicator.all_reduce"
+PATH = "tpprobe.engines.builtin.faults.Communicator.all_reduce"
 
 
 class Communicator:

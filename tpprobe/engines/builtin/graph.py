@@ -28,12 +28,12 @@ from typing import Optional
 
 import torch
 
-from ..capture.graph_tap import CompiledTaps, GraphTap, StaticFingerprints, replayed
-from ..capture.hooks import Tap
-from ..capture.points import AUX_PACKED, EMBED_OUT, allreduce_in, allreduce_out, id_point
-from ..capture.record import Sketch, rank_record
-from ..fingerprint.reference import Deferred, resolved, sketch_close
-from ..formats.settings import run_settings
+from ...capture.graph_tap import CompiledTaps, GraphTap, StaticFingerprints, replayed
+from ...capture.hooks import Tap
+from ...capture.points import AUX_PACKED, EMBED_OUT, allreduce_in, allreduce_out, id_point
+from ...capture.record import Sketch, rank_record
+from ...fingerprint.reference import Deferred, resolved, sketch_close
+from ...formats.settings import run_settings
 
 FP_SEED, FP_K = 0, 32
 
@@ -95,7 +95,7 @@ class GraphedForward:
 
 def eager_fingerprints(model, ids) -> tuple[Tap, object]:
     """The same forward, eager, under the ordinary Tap with the dynamic fingerprint path."""
-    from ..fingerprint.reference import fingerprint
+    from ...fingerprint.reference import fingerprint
 
     with torch.no_grad(), Tap(model, keep=lambda n: False, keep_allreduce_tensors=False,
                               summarize=lambda t: fingerprint(t, seed=FP_SEED, k=FP_K)) as tap:
@@ -140,7 +140,7 @@ def device_weights(cfg, device) -> dict:
 def build_on_device(ctx, cfg):
     """`model.build_builtin` with the weights drawn on the rank's device."""
     from .model import TPModel, input_ids
-    from ..core.target import ProbeTarget
+    from ...core.target import ProbeTarget
 
     cfg.validate(ctx.world_size)
     model = TPModel(device_weights(cfg, ctx.device), ctx, cfg).to(ctx.device).eval()
@@ -187,10 +187,10 @@ def graph_probe_rank(ctx, cfg, faults: list[str], tokens: int, input_seed: int =
 
 def graph_findings(metas: dict[int, dict], settings: dict) -> list[dict]:
     """run_checks on the ranks' graph-replay metadata (fingerprints only, as `tpprobe report`)."""
-    from ..checks.evidence import FingerprintEvidence
-    from ..core.noise import dtype_from_str
-    from ..checks.run import run_checks
-    from ..formats.capture_dir import LoadedRank
+    from ...checks.evidence import FingerprintEvidence
+    from ...core.noise import dtype_from_str
+    from ...checks.run import run_checks
+    from ...formats.capture_dir import LoadedRank
 
     records = {r: LoadedRank(r, m, {}) for r, m in metas.items()}
     ev = FingerprintEvidence(records, dtype_from_str(settings["dtype"]), {})
