@@ -80,7 +80,7 @@ def test_a_specforge_sample_that_cannot_be_matched_says_why(tmp_path):
     got, why = trained_slots(f"specforge:{p}", [0, 1], lambda: fw)
     assert got is None and "shares no 2+ leading tokens with a captured prefill: serve its input_ids" in why, why
     # a slot that is no stream of this target (another model's sample, or other weights)
-    p = _sample(tmp_path, [5, 9, 2], [s[1][:3], torch.randn(3, 16)], "data_1.ckpt")
+    p = _sample(tmp_path, [5, 9, 2], [s[1][:3], _streams(seed=1)[0][:3]], "data_1.ckpt")   # other weights' stream
     got, why = trained_slots(f"specforge:{p}", [0, 1], lambda: fw)
     assert got is None and f"slot 1 of the SpecForge sample {p} is no stream of the target's forward" in why, why
 

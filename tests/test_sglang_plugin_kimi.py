@@ -45,6 +45,13 @@ def worker(ctx):
     config.encoder_only, config.language_only = False, True       # what SGLang's ModelConfig sets on it
     with set_default_torch_dtype(torch.float32):
         model = KimiK25ForConditionalGeneration(config).eval()
+    # the wrapper's own weights (vision tower, mm_projector) are allocated, not loaded: give them the same
+    # values on every rank, as a checkpoint load would, or the report rightly names a replicated parameter
+    # that differs across ranks
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
     model.language_model = t.model            # the seeded, sharded DeepSeek-V3 text model
     model.set_eagle3_layers_to_capture(IDS)   # the wrapper hands the ids to its language model
     rt = tiny._Runtime(model=model, config=t.model.config, ids=t.input_ids, dtype=torch.float32, mla=True,
