@@ -29,6 +29,15 @@ if [ "$VLLM" = 1 ]; then
   ) >"$VLLM_LOG" 2>&1 &
   VLLM_TIER=$!
 fi
+# Debian's chromium renders the HTML report in a test (root only; the test says how otherwise); installed
+# from apt beside the pip installs below, which do not wait on it
+(
+  if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "scripts/test.sh: could not install chromium; the HTML screenshot test will say so" >&2
+  fi
+) &
+CHROMIUM=$!
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/pip install -q torch==2.13.0
@@ -38,13 +47,9 @@ bash ci/sglang-cpu/install.sh .venv
 # the TP-libraries tier: transformers (SGLang's pin) + accelerate, megatron-core 0.16.1, --no-deps
 bash ci/tp-libs/install.sh .venv
 # (the bare venv the README's main job is proven on, .venv-bare, is built by tests/test_bare_venv.py)
-# Debian's chromium renders the HTML report in a test (root only; the test says how otherwise)
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "scripts/test.sh: could not install chromium; the HTML screenshot test will say so" >&2
-fi
+wait "$CHROMIUM" || true
 rc=0
-timeout -k 30 "$SUITE_LIMIT_S" .venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
+timeout -k 30 "$SUITE_LIMIT_S" .venv/bin/python -m pytest -q --durations=40 "$@" || rc=$?
 [ "$rc" != 124 ] || echo "scripts/test.sh: the main suite ran past ${SUITE_LIMIT_S} s and was stopped"
 [ "$VLLM" = 1 ] || exit $rc
 # the vLLM tier (tests/test_vllm_*.py, run above in the background): vLLM's own models probed at tp 2 and 4,
