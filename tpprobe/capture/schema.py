@@ -29,34 +29,20 @@ def any_(v, where: str):
     return v
 
 
-def int_(v, where: str) -> int:
-    if type(v) is not int:
-        raise _fail(where, "an integer", v)
-    return v
+def _of(want: str, ok: Callable[[object], bool]) -> Parse:
+    """A parser that returns the value when `ok(value)`, else raises naming `want`."""
+    def parse(v, where: str):
+        if not ok(v):
+            raise _fail(where, want, v)
+        return v
+    return parse
 
 
-def str_(v, where: str) -> str:
-    if not isinstance(v, str):
-        raise _fail(where, "a string", v)
-    return v
-
-
-def bool_(v, where: str) -> bool:
-    if not isinstance(v, bool):
-        raise _fail(where, "true or false", v)
-    return v
-
-
-def dict_(v, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise _fail(where, "an object", v)
-    return v
-
-
-def list_(v, where: str) -> list:
-    if not isinstance(v, list):
-        raise _fail(where, "a list", v)
-    return v
+int_ = _of("an integer", lambda v: type(v) is int)        # not a bool
+str_ = _of("a string", lambda v: isinstance(v, str))
+bool_ = _of("true or false", lambda v: isinstance(v, bool))
+dict_ = _of("an object", lambda v: isinstance(v, dict))
+list_ = _of("a list", lambda v: isinstance(v, list))
 
 
 def optional(parse: Parse) -> Parse:

@@ -127,3 +127,21 @@ class Engine:
     def draft_forward(self, draft):
         """(the engine's own draft class loaded with `draft`'s weights, a line naming it); None: it has none."""
         return None
+
+
+class ServingEngine(Engine):
+    """A serving engine's own model classes (SGLang's, vLLM's): --arch/--config shape them, and a --config
+    reads as the HF config it is (tpprobe.probe.prepare.check_config_file checks the file)."""
+
+    serving = True
+    has_capture_rule = True
+
+    def check_config(self, config: str) -> None:
+        """It reads a --config."""
+
+    def config_shape(self, config: str):
+        from .sglang.tiny_archs import config_arch_and_layers
+        return config_arch_and_layers(config)
+
+    def model_label(self, opts) -> str:
+        return f"{self.name}:{opts.arch}"

@@ -5,17 +5,15 @@ from __future__ import annotations
 from typing import Optional
 
 from ...config.fault_names import BOTH, SGLANG_ONLY, SGLANG_TOO
-from ..engine import Engine
+from ..engine import ServingEngine
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(ServingEngine):
     name = "sglang"
     title = "SGLang"
-    serving = True
     faults = SGLANG_ONLY + SGLANG_TOO + BOTH
     breaks = "SGLang's serving path"
     dp_attention = True
-    has_capture_rule = True
     settings_prefix = "sglang"
     module_prefix = "sglang."
     has_draft_class = True
@@ -29,16 +27,6 @@ class SGLangEngine(Engine):
     def default_dtype(self, config: Optional[str]) -> str:
         from ...config.options import config_dtype
         return config_dtype(config) if config else "float32"
-
-    def check_config(self, config: str) -> None:
-        """It reads a --config (tpprobe.probe.prepare.check_config_file checks the file)."""
-
-    def config_shape(self, config: str):
-        from .tiny_archs import config_arch_and_layers
-        return config_arch_and_layers(config)
-
-    def model_label(self, opts) -> str:
-        return f"{self.name}:{opts.arch}"
 
     def check_tp(self, opts, world: int) -> None:
         from .tiny_archs import canonical_arch, check_tp

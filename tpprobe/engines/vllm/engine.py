@@ -3,23 +3,21 @@ capture-id rule (layer_ids: the ids as written), its faults and its model runner
 from __future__ import annotations
 
 from ...config.fault_names import BOTH, VLLM
-from ..engine import Engine
+from ..engine import ServingEngine
 
 # the architectures whose vLLM model cannot capture the embedding (-1): their default ids are SGLang's
 # DeepSeek ids, 0,2,4 (DeepseekV2Model raises for id 0 = before layer 0; tests/test_vllm_probe.py)
 NO_EMBED_ID = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(ServingEngine):
     name = "vllm"
     title = "vLLM"
-    serving = True
     faults = VLLM + BOTH
     fault_aliases = {"capture-no-residual": "aux-no-residual"}
     breaks = "vLLM's EAGLE-3 capture"
     offset_rule = False
     invariance = False
-    has_capture_rule = True
     model_runners = ("v1", "v2")
     settings_prefix = "vllm"
     module_prefix = "vllm."
@@ -29,17 +27,6 @@ class VLLMEngine(Engine):
             from ..sglang.tiny_archs import default_layer_ids
             return default_layer_ids(arch, num_layers)
         return super().default_layer_ids(arch, num_layers)
-
-    def check_config(self, config: str) -> None:
-        """It reads a --config (tpprobe.probe.prepare.check_config_file checks the file)."""
-
-    def config_shape(self, config: str):
-        # its --config reads as SGLang's (the same HF config; dtype: float32)
-        from ..sglang.tiny_archs import config_arch_and_layers
-        return config_arch_and_layers(config)
-
-    def model_label(self, opts) -> str:
-        return f"{self.name}:{opts.arch}"
 
     def check_arch(self, opts, world: int) -> None:
         """The arch it builds and its shapes over tp."""
