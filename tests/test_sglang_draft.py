@@ -151,3 +151,85 @@ def test_draft_input_checked_against_training(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(group / "step-000002-draft_input")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "HEALTHY" not in p.stdout and "draft-unverified" in p.stdout, p.stdout[-2000:]
+
+
+def specforge_worker(ctx, sample_dir):
+    """A SpecForge sample given as what the draft was trained on: written from the target's own prefill with
+    ids [1, 2, 3] (HF hidden_states [2, 3, 4]), then served with ids [0, 1, 2] (hidden_states [1, 2, 3]: the
+    seed's shift), with ids [1, 2, 3] (healthy), and with a sample whose tokens were never served."""
+    import os
+
+    import torch.distributed as dist
+
+    from tpprobe.engines.sglang import cpu_mode
+
+    cpu_mode.enable()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from tpprobe.engines.sglang import tiny_draft
+    from tpprobe.engines.sglang.tiny import build_target, packed_aux
+    from tpprobe.formats.specforge import write_sample
+
+    t = build_target(ctx, "llama", L + 1, TOKENS, SEED, torch.float32, [1, 2, 3])    # hidden_states 0..5
+    seqs = [t.input_ids[:2], t.input_ids[2:]]
+    aux = packed_aux(t.forward_batch(seqs))                   # step 0: the prefill the sample is written from
+    sample, unserved = os.path.join(sample_dir, "data_0.ckpt"), os.path.join(sample_dir, "data_1.ckpt")
+    if ctx.rank == 0:                                         # request 1's prompt and its aux rows
+        write_sample(sample, seqs[1], aux[2:])
+        write_sample(unserved, (seqs[1] + 1) % t.model.config.vocab_size, aux[2:])
+    dist.barrier()
+    for ids, path in (([0, 1, 2], sample), ([1, 2, 3], sample), ([1, 2, 3], unserved)):     # steps 1, 2, 3
+        os.environ["TPPROBE_DRAFT_TRAINED"] = f"specforge:{path}"
+        t.model.set_eagle3_layers_to_capture(ids)
+        draft = tiny_draft.build_draft(tiny_draft.draft_config(t.model.config, ids), SEED)
+        res = t.forward_batch(seqs)
+        tiny_draft.draft_extend_for_prefill(draft, seqs, packed_aux(res), res.next_token_logits.argmax(-1))
+    return None
+
+
+def test_a_specforge_sample_is_what_the_draft_input_is_checked_against(tmp_path):
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    out = tmp_path / "capture"
+    env = {"TPPROBE_CAPTURE_DIR": str(out), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "4",
+           "TPPROBE_KEEP": "aux.packed"}
+    run_ranks("test_sglang_draft:specforge_worker", 2, {"sample_dir": str(samples)}, env=env, timeout=300)
+    group = out / "dp0-pp0"
+    sample = samples / "data_0.ckpt"
+    # matched at step 1 to request 1's rows: the sample holds hidden_states [2, 3, 4]; served with ids [0, 1, 2]
+    # the engine captures [1, 2, 3], exactly what the config says: the seed's shift, with the ids that fix it
+    code, rep = _report(group / "step-000001-draft_input")
+    assert code == 1 and _failures(rep) == [("capture-offset", "aux slots [0, 1, 2]", [0, 1])], rep["findings"]
+    f = rep["findings"][0]
+    assert f["evidence"]["class"] == "F32"
+    assert (f["evidence"]["captured_hs"], f["evidence"]["trained_hs"]) == ([1, 2, 3], [2, 3, 4])
+    assert f"TPPROBE_DRAFT_TRAINED=specforge:{sample}: the SpecForge sample {sample}: its 3 slots are HF " \
+           f"hidden_states [2, 3, 4] (matched to the target's streams at step 1 (extend), request 1's rows 2..5" \
+        in f["detail"]
+    assert "one layer early" in f["detail"] and "set eagle_config.eagle_aux_hidden_state_layer_ids to [1, 2, 3]" \
+        in f["detail"]
+    # the prefill the sample was matched on kept its streams (under the byte budget) to match it
+    assert {"embed.out", "layer.4.out"} <= set(load_file(group / "step-000001-extend")), "streams not kept"
+    # the fix served: the draft and the target's own step are HEALTHY against the sample, full coverage
+    for step in ("step-000002-draft_input", "step-000002-extend"):
+        code, rep = _report(group / step)
+        assert (code, rep["findings"]) == (0, []), rep["findings"]
+        assert rep["coverage"]["layers_found"] == L + 1 and rep["coverage"]["embed"]
+        assert [s["ok"] for s in rep["slots"]] == [True] * 3, rep["slots"]
+    # after the match a prefill keeps only what TPPROBE_KEEP says
+    assert set(load_file(group / "step-000002-extend")) <= {"aux.packed", "input_ids"}
+    # a sample whose tokens were never served: checked against the config only, saying why
+    code, rep = _report(group / "step-000003-draft_input")
+    assert code == 0 and [(x["kind"], x["where"], x["ranks"], x["severity"]) for x in rep["findings"]] == [
+        ("draft-unverified", "aux slots", [0, 1], "warning")], rep["findings"]
+    assert f"could not be read from TPPROBE_DRAFT_TRAINED=specforge:{samples / 'data_1.ckpt'}: the SpecForge " \
+           f"sample" in rep["findings"][0]["detail"] and "shares no 2+ leading tokens with a captured prefill" \
+        in rep["findings"][0]["detail"]
+
+
+def load_file(step) -> dict:
+    """Rank 0's kept tensors of a step folder."""
+    from tpprobe.formats.capture_dir import load_run
+
+    return load_run(step).records[0].tensors

@@ -61,13 +61,19 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
                                          "in the draft's config (the fix named) or retrain the draft on what the "
                                          "engine captures"}
         return []
-    if basis == "config":
+    if basis == "config" and settings.get("draft_training_unmatched"):
+        text = (f"the aux slots were checked against the draft's config only (ids "
+                f"{settings.get('draft_config_ids')} under the engine's rule: hidden_states "
+                f"{settings.get('draft_rule_hs')}): what the draft was trained on could not be read from "
+                f"{settings['draft_training_unmatched']}; agreeing slots are no evidence the draft gets its "
+                f"training's tensors")
+    elif basis == "config":
         text = (f"the aux slots were checked against the draft's config only (ids "
                 f"{settings.get('draft_config_ids')} under the engine's rule: hidden_states "
                 f"{settings.get('draft_rule_hs')}); what the draft was trained on is unknown, so agreeing slots are "
                 f"no evidence the draft gets its training's tensors: set "
-                f"TPPROBE_DRAFT_TRAINED=ids:A,B,C (the HF hidden_states it was trained on) or "
-                f"convention:output|before|vllm and capture again")
+                f"TPPROBE_DRAFT_TRAINED=ids:A,B,C (the HF hidden_states it was trained on), "
+                f"convention:output|before|vllm or specforge:PATH (a SpecForge training sample) and capture again")
     else:
         text = (f"the aux slots were checked against the engine's own capture list only "
                 f"({settings.get('sglang layers_to_capture') or settings.get('engine_capture') or '?'}): the engine "

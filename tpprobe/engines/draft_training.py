@@ -150,6 +150,10 @@ def match_sample(path: str, forwards) -> tuple[Optional[list[int]], str]:
         return None, (f"the SpecForge sample {path} shares no {MIN_SHARED}+ leading tokens with a captured prefill: "
                       f"serve its input_ids (its first tokens: {ids[:8].tolist()}) as a prompt and capture it")
     n, streams, where = best
+    n = min([n, *(int(s.shape[0]) for s in streams.values())])      # a capture may keep only its first rows
+    if n < MIN_SHARED:
+        return None, (f"the SpecForge sample {path}: the capture kept {n} rows of the prefill it shares tokens with "
+                      f"({where}): raise TPPROBE_KEEP_TOKENS")
     H = int(next(iter(streams.values())).shape[-1])
     if aux.shape[-1] % H:
         return None, (f"the SpecForge sample {path}'s aux_hidden_state is {aux.shape[-1]} wide, not a multiple of "

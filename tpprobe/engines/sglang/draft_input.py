@@ -21,7 +21,10 @@ tensor as `aux.packed`, matched slot by slot on the rank against the target forw
 rows of each request (`requests`: rid, first row, rows, accepted rows after a verify; rejected rows are the
 rest). The expected slots come from the draft's own config (its `eagle_aux_hidden_state_layer_ids`, nested
 or top level, under SGLang's rule for the target's architecture) and, when the user says it, from what the
-draft was trained on (tpprobe/engines/draft_training.py).
+draft was trained on (tpprobe/engines/draft_training.py). A SpecForge sample (`specforge:PATH`) is matched,
+slot by slot, to the streams of the first captured prefill that served its tokens: until then the plugin
+keeps each prefill's streams (SAMPLE_STREAMS, under the byte budget), and the match holds for the worker's
+later steps, the target's included.
 
 Under CUDA graphs (a GPU server), the draft-extend after a verify replays a graph
 (`cuda_graph_runner_for_draft_extend.execute`, eagle_worker_v2.py:1203-1210) and runs no Python of the
@@ -37,6 +40,11 @@ import torch
 
 # process-wide by nature: the last captured target forward of this SGLang worker, awaiting its draft
 _LAST: dict = {}
+# a SpecForge sample's slots once matched to a captured prefill (TPPROBE_DRAFT_TRAINED=specforge:PATH):
+# path -> (HF hidden_states index per slot, how it was matched); the worker's later steps reuse it
+_MATCHED: dict = {}
+# the target's streams a sample is matched to, kept (under the byte budget) while no sample is matched yet
+SAMPLE_STREAMS = ("embed.out", "layer.*.out")
 
 
 @dataclass(frozen=True)
@@ -98,9 +106,51 @@ def requests(forward_batch, spec_info, rows: int) -> list[dict]:
     return out
 
 
-def expectation(draft_config, target_model, num_layers: int, training: Optional[dict]) -> tuple[tuple, dict]:
+def sample_pending(training: Optional[dict]) -> bool:
+    """Whether the user gave a SpecForge sample not matched to a captured prefill yet."""
+    return bool(training) and "specforge" in training and training["specforge"] not in _MATCHED
+
+
+def tap_forwards(tap, input_ids, reqs: list[dict], where: str) -> list:
+    """(token ids, {HF index: stream}, where) of each request of a captured target forward whose streams
+    the tap kept: what a SpecForge sample's slots are matched to (draft_training.match_sample)."""
+    from tpprobe.engines.draft_training import hs_of_point
+
+    streams = {hs_of_point(n): t for n, t in tap.captures.items()
+               if hs_of_point(n) is not None and isinstance(t, torch.Tensor) and t.dim() == 2}
+    if not streams or input_ids is None:
+        return []
+    ids = input_ids.reshape(-1)
+    kept = min(int(t.shape[0]) for t in streams.values())
+    out = []
+    for r in reqs:
+        lo = int(r["first_row"])
+        hi = min(lo + int(r["rows"]), kept, int(ids.shape[0]))
+        if hi > lo:
+            out.append((ids[lo:hi], {h: t[lo:hi] for h, t in streams.items()},
+                        f"{where}, request {r['rid']}'s rows {lo}..{hi - 1}"))
+    return out
+
+
+def sample_slots(training: dict, forwards: Optional[Callable]) -> tuple[Optional[list[int]], str]:
+    """The SpecForge sample's HF hidden_states per slot, matched once to a captured prefill and then
+    reused; (None, why) while no captured prefill matches it."""
+    from tpprobe.engines import draft_training as dt
+
+    path = training["specforge"]
+    if path not in _MATCHED:
+        got, how = dt.match_sample(path, forwards() if forwards is not None else [])
+        if got is None:
+            return None, how
+        _MATCHED[path] = (got, how)
+    return _MATCHED[path]
+
+
+def expectation(draft_config, target_model, num_layers: int, training: Optional[dict],
+                forwards: Optional[Callable] = None) -> tuple[tuple, dict]:
     """((expected points, ids), settings) of the draft's input: its config's ids under SGLang's rule for the
-    target's architecture, or what the draft was trained on when the user said it."""
+    target's architecture, or what the draft was trained on when the user said it (`forwards()`: the
+    captured target forward's requests, a SpecForge sample's slots are matched to)."""
     from tpprobe.engines import draft_training as dt
     from tpprobe.engines.sglang import layer_ids as lid
 
@@ -123,11 +173,16 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
           # where the draft and the target were loaded from: `tpprobe report` replays the draft on the target's
           # captured streams (tpprobe/cli/drafter.py)
           **model_paths(draft_config, target_model)}
-    trained = dt.trained_hidden_states(training, ids)
+    trained, said = dt.trained_hidden_states(training, ids), (training or {}).get("from")
+    if trained is None and training and "specforge" in training:
+        trained, how = sample_slots(training, forwards)
+        if trained is None:
+            st["draft_training_unmatched"] = f"{said}: {how}"
+        said = f"{said}: {how}"
     if trained is None:
         st["draft_basis"] = "config"
         return (points, exp_ids), st
-    st.update(draft_basis="trained", draft_trained_hs=trained, draft_training_from=training["from"])
+    st.update(draft_basis="trained", draft_trained_hs=trained, draft_training_from=said)
     if trained != rule_hs:
         fix, why = dt.propose_ids(trained, slots_for, num_layers)
         st["draft_fix"] = (f"fix: set eagle_config.eagle_aux_hidden_state_layer_ids to {fix} ({why})" if fix
@@ -191,7 +246,8 @@ def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, 
                               "draft_input": "forward_batch.spec_info.hidden_states (models/llama_eagle3.py:237)",
                               "spec_info": type(spec).__name__, "requests": reqs,
                               "kept_rows": tap.sample_rows, "budget_refused": budget_.refused})
-        slots, extra = expectation(model.config, target, rec.layers_hooked, training)
+        slots, extra = expectation(model.config, target, rec.layers_hooked, training, lambda: tap_forwards(
+            tap, ids_, reqs, f"step {step} ({last['mode']})"))
         extra["target step"] = f"step-{step:06d}-{last['mode']}"
         return rec, step_settings(rec, target, backend="sglang (live server, plugin: the draft's input)",
                                   tokens=int(h.shape[0]), mode=mode_, step=step, par=par, slots=slots, extra=extra)
@@ -215,8 +271,11 @@ def target_expectation(slots: tuple, has_aux: bool) -> tuple[tuple, dict]:
     from tpprobe.engines import draft_training as dt
 
     training = dt.from_env()
-    trained = dt.trained_hidden_states(training, None)
+    trained, said = dt.trained_hidden_states(training, None), (training or {}).get("from")
+    if trained is None and training and training.get("specforge") in _MATCHED:      # matched at an earlier step
+        trained, how = _MATCHED[training["specforge"]]
+        said = f"{said}: {how}"
     if trained is None:
         return slots, {"draft_basis": "engine"}
     return ([dt.hs_point(h) for h in trained], [h - 1 for h in trained]), {
-        "draft_basis": "trained", "draft_trained_hs": trained, "draft_training_from": training["from"]}
+        "draft_basis": "trained", "draft_trained_hs": trained, "draft_training_from": said}

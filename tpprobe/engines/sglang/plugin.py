@@ -235,6 +235,8 @@ def _capture_forward(original_fn, self, input_ids, positions, forward_batch, *ar
 
     rank, world, tp_group = _tp()
     budget = Budget(s)
+    if "extend" in mode and _sample_pending():      # a SpecForge sample is matched to a prefill's streams
+        budget.patterns = [*budget.patterns, *draft_input.SAMPLE_STREAMS]
     text, where = text_model(self)
     layers = decoder_layers(text)
     if not _STEPS["announced"]:
@@ -271,6 +273,15 @@ def _capture_forward(original_fn, self, input_ids, positions, forward_batch, *ar
         from tpprobe.capture.audit import release
         release()
     return result
+
+
+def _sample_pending() -> bool:
+    from tpprobe.engines.draft_training import from_env
+    from tpprobe.engines.sglang import draft_input
+    try:
+        return draft_input.sample_pending(from_env())
+    except Exception:  # noqa: BLE001 - a bad setting is said at the draft's step
+        return False
 
 
 def _aux(result, tokens: int):
