@@ -124,6 +124,22 @@ def test_an_offline_report_never_points_at_the_folders_own_report_json(capture, 
     assert f"captures: {capture} (this report is read from them and not saved)" in flat
 
 
+# ---- a model too big for this machine: one line, exit 2, its size whole -----------------------------------
+def test_a_model_that_cannot_be_allocated_is_one_line_with_its_size_and_the_options_that_shrink_it(tmp_path):
+    """The built-in model's embedding at a vocabulary of 4e9 rows needs 1024 GB: torch's allocator refuses it
+    on the rank; the probe says so in one line with the size (never cut mid-number) and the built-in model's
+    own options, exit 2, nothing written."""
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1":
+        pytest.skip("this kernel overcommits every allocation: the refusal would be an OOM kill")
+    cp = run_cli(["probe", "--vocab", "4000000000", "--out", str(tmp_path / "r")], timeout=300)
+    assert cp.returncode == 2, cp.stderr[-2000:]
+    line = one_line(cp.stderr)        # both ranks fail alike; the line names one of them
+    assert line.replace("rank 1 ", "rank 0 ") == (
+        "tpprobe: error: rank 0 ran out of memory building the model (an allocation of 1024.0 GB failed); shrink it: "
+        "--vocab, --hidden, --ffn, --num-layers, --tokens, or fewer --nproc"), line
+    assert not (tmp_path / "r").exists()
+
+
 # ---- ids and configs: never silently changed, never the wrong file taken for the right one ----------
 @pytest.mark.parametrize("args, says", [
     (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),

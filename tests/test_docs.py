@@ -117,3 +117,15 @@ def test_every_link_between_the_pages_leads_to_a_file_and_heading_that_exist():
                 if anchor not in heads:
                     bad.append(f"{page.relative_to(ROOT)}: {target}#{anchor}: no such heading")
     assert bad == []
+
+
+def test_the_sglang_pages_name_every_arch_the_probe_builds_under_its_model_type_names():
+    """`--engine sglang --arch` takes its five archs and the model_type names SGLang serves them under
+    (deepseek_v3, kimi_k2: Kimi-K2.5's text model); the pages that list the archs name them all."""
+    from tpprobe.engines.sglang.tiny_archs import ARCH_ALIASES, ARCHES
+
+    names = [*ARCHES, *(a for a in ARCH_ALIASES if "_" in a)]
+    assert {"deepseek_v3", "kimi_k2"} <= set(names)
+    for page in ("docs/sglang.md", "docs/commands.md"):
+        text = (ROOT / page).read_text()
+        assert [n for n in names if not re.search(rf"(?<!\w){n}(?!\w)", text)] == [], page

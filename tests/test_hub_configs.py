@@ -82,6 +82,29 @@ def test_the_shrink_options_keep_the_tp_structure():
     assert c.architectures == ["DeepseekV3ForCausalLM"] and c.num_experts_per_tok == 8
 
 
+def test_a_config_with_several_leading_dense_layers_keeps_them_in_the_build_and_the_estimate(tmp_path):
+    """DeepSeek-V3's own config has 3 dense layers first: the suggested cut (--num-layers 4) builds 3 dense layers
+    and 1 MoE layer, and the estimate counts the same (a cut to fewer keeps at least one MoE layer)."""
+    pytest.importorskip("transformers")
+    from tpprobe.config.hub import read_config
+    from tpprobe.engines.footprint import params, suggestion
+    from tpprobe.engines.sglang.tiny_archs import load_config
+
+    text = dict(json.loads(KIMI.read_text())["text_config"], model_type="deepseek_v3", first_k_dense_replace=3,
+                architectures=["DeepseekV3ForCausalLM"])
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(text))
+    hub = read_config(cfg)
+    assert suggestion(hub, "deepseek_v2", 61, 8)["num_layers"] == 4
+    assert [load_config(None, str(cfg), L, num_experts=8, vocab=4096).first_k_dense_replace
+            for L in (61, 4, 2, 1)] == [3, 3, 1, 0]
+    # against Kimi-K2.5 (the same text model, 1 leading dense layer): layers 1 and 2 are dense here, MoE there
+    # (8 routed experts, 1 shared, the router)
+    h, ffn, moe_ffn = 7168, 18432, 2048
+    assert params(hub, "deepseek_v2", 4, 1, 8, 4096)[0] - params(read_config(KIMI), "deepseek_v2", 4, 1, 8, 4096)[0] \
+        == 2 * (3 * h * ffn - (8 + 1) * 3 * h * moe_ffn - 8 * h)
+
+
 @pytest.mark.parametrize("backend", ["sglang", "vllm"])
 def test_kimi_at_tp8_is_refused_with_the_estimate_in_seconds(tmp_path, backend):
     t0 = time.time()

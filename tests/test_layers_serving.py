@@ -88,6 +88,9 @@ def test_the_seed_on_stock_sglang_shows_every_ids_capture_and_the_ids_to_write(t
         (30, "HF hidden_states[31]", "HF hidden_states[30]")]
     assert res["verdict"]["kind"] == "capture-offset" and res["verdict"]["where"] == "ids 2, 30"
     assert "one layer early" in res["verdict"]["detail"]
+    # the two engines side by side: SGLang's crash on id -1 does not blank what ids 2 and 30 capture there
+    assert [(r["draft_id"], r["draft_expects"], r["sglang"]) for r in res["engines"]["rows"]] == [
+        (-1, 0, None), (2, 3, 2), (30, 31, 30)]
     assert res["proposal"] == {
         "ids": [0, 3, 31], "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
         "line": "write eagle_config.eagle_aux_hidden_state_layer_ids = [0, 3, 31] for this draft on SGLang: it then "

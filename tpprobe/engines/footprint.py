@@ -75,8 +75,8 @@ def params(hub: HubConfig, arch: str, num_layers: int, tp: int, num_experts: Opt
         kv = g("num_key_value_heads", default=heads)
         attn_rep = 0
         attn_tp = 2 * heads * hd * h + 2 * kv * hd * h        # kv replicated when kv < tp: counted split
-    # as tiny_archs.load_config cuts it: at most layer 0 dense (a 1-layer model is one MoE layer)
-    first = min(g("first_k_dense_replace", default=0), 1 if L >= 2 else 0) if arch == "deepseek_v2" else 0
+    # as tiny_archs.load_config cuts it: the config's leading dense layers, at least one MoE layer after them
+    first = min(g("first_k_dense_replace", default=0), L - 1 if L >= 2 else 0) if arch == "deepseek_v2" else 0
     n_moe = _moe_layers(arch, L, first)
     E = num_experts or g("n_routed_experts", "num_experts", "num_local_experts", default=0)
     ffn, moe_ffn = g("intermediate_size", default=4 * h), g("moe_intermediate_size", default=0)
@@ -138,7 +138,7 @@ def _count(n: float) -> str:
 
 
 def suggestion(hub: HubConfig, arch: str, L: int, tp: int) -> dict:
-    """A shrink that keeps the TP structure: layer 0 dense and one MoE layer after it (DeepSeek), as
+    """A shrink that keeps the TP structure: the leading dense layers and one MoE layer after them (DeepSeek), as
     many experts as ranks (at least 8, SGLang's MoE wants experts >= tp), a 4096-token vocabulary."""
     out: dict = {}
     first = hub.get("first_k_dense_replace", default=0) if arch == "deepseek_v2" else 0

@@ -30,8 +30,15 @@ def draft_ids(draft: dict) -> Optional[list[int]]:
     return list(ids) if ids else None
 
 
-def _slots(p) -> list[int]:
-    return [] if p.crash else p.slot_hf_indices
+def _slots(p, ids: Optional[list[int]]) -> list[Optional[int]]:
+    """Slot by slot, the HF hidden_states index each holds. When the engine crashes on the draft's own ids,
+    what each id would capture in the draft's order (None for an id that captures nothing), so a crash on one
+    id never hides what the others read."""
+    if not p.crash:
+        return p.slot_hf_indices
+    if ids is not None and p.ids is not None and list(p.ids) == list(ids) and len(p.rows) == len(ids):
+        return [r.hf_index if r.captured else None for r in p.rows]
+    return []
 
 
 def compare(draft: dict, arch: str, num_layers: int, convention: str = "output", runner: str = "v2",
@@ -51,8 +58,8 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     rules = id_rules or {}      # a patched build's capture of some ids, per engine (engines.capture_rule)
     sp = plan_for("sglang", arch, s_ids, N, rules.get("sglang"))
     vp = plan_for("vllm", arch, v_ids, N, rules.get("vllm"))
-    s_slots, v_slots = _slots(sp), _slots(vp)
     ids = draft_ids(draft)
+    s_slots, v_slots = _slots(sp, ids), _slots(vp, ids)
     shift = 1 if convention == "output" else 0
     want = [i + shift for i in ids] if ids is not None else None
     rows = []

@@ -162,9 +162,8 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
         if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
             raise
         # a resource limit is bad input: what would not fit and how to shrink it (tpprobe.engines.footprint)
-        raise UsageError(f"rank {ctx.rank} ran out of memory building the model ({str(e).splitlines()[0][:120]}); "
-                         f"shrink it: --num-experts, --vocab-size, --num-layers (the TP structure stays), or "
-                         f"fewer --nproc") from None
+        raise UsageError(f"rank {ctx.rank} ran out of memory building the model ({_failed_allocation(e)}); "
+                         f"shrink it: {_shrink_options(opts)}") from None
     if opts.model:   # a user's model: its own depth bounds the ids
         L = target.num_layers
         if not opts.layers_given:      # the default ids follow the depth, known only now
@@ -176,6 +175,27 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     if flt:
         engine_of(opts).inject(flt, target, ctx, groups)
     return target, layer_ids
+
+
+def _failed_allocation(e: BaseException) -> str:
+    """The allocation that failed, its size whole (torch's own line names it in bytes)."""
+    import re
+
+    m = re.search(r"(\d{4,}) bytes", str(e))
+    if m:
+        return f"an allocation of {int(m.group(1)) / 1e9:.1f} GB failed"
+    return str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+
+
+def _shrink_options(opts: ProbeOptions) -> str:
+    """The options that make this probe's model smaller, as its engine takes them."""
+    if opts.model:
+        return f"a smaller {opts.model}, or fewer --nproc"
+    if opts.config:
+        return "--num-experts, --vocab-size, --num-layers (the TP structure stays), or fewer --nproc"
+    if engine_of(opts).serving:
+        return "--num-layers, or fewer --nproc"
+    return "--vocab, --hidden, --ffn, --num-layers, --tokens, or fewer --nproc"
 
 
 def capture_size(target: ProbeTarget, layer_ids: list[int], opts: ProbeOptions) -> int:

@@ -203,6 +203,13 @@ def _first_dense(num_layers: int, moe: bool) -> int:
     return (1 if num_layers >= 2 else 0) if moe else num_layers
 
 
+def config_first_dense(num_layers: int, moe: bool = True) -> int:
+    """The most leading dense layers a --config DeepSeek model cut to `num_layers` keeps: all but the last
+    (one layer alone is made MoE), so a config's own first_k_dense_replace (DeepSeek-V3: 3) survives a cut
+    to first_k_dense_replace + 1 layers; without moe, every layer may be dense."""
+    return (num_layers - 1 if num_layers >= 2 else 0) if moe else num_layers
+
+
 def load_config(arch: Optional[str], config_path: str, num_layers: int, moe: bool = True,
                 num_experts: Optional[int] = None, vocab: Optional[int] = None):
     """A user's config.json (file or its folder; a wrapper's text model under `text_config`) cut to
@@ -240,9 +247,8 @@ def load_config(arch: Optional[str], config_path: str, num_layers: int, moe: boo
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(d.get(key), int) and d[key] >= vocab:
                 d[key] = vocab - 1
-    if _MODEL_TYPES[mt] == "deepseek_v2":
-        d["first_k_dense_replace"] = min(int(d.get("first_k_dense_replace", 0)),
-                                         _first_dense(num_layers, moe))
+    if _MODEL_TYPES[mt] == "deepseek_v2":     # the config's dense layers first, at least one MoE layer after them
+        d["first_k_dense_replace"] = min(int(d.get("first_k_dense_replace", 0)), config_first_dense(num_layers, moe))
         d.pop("num_nextn_predict_layers", None)
     from transformers import AutoConfig
 
