@@ -1,14 +1,15 @@
 """The watch's cost (TPPROBE_WATCH=N, tpprobe/engines/watch.py) on the built-in model, one process, side by side.
 
     python bench/watch_builtin.py [--small] [--decode 1,8,64] [--prefill 8192] [--iters 7] [--decode-iters 30]
-        [--no-graph] [--out FILE.json]
+        [--reps 10] [--no-graph] [--out FILE.json]
 
 The built-in model of bench/graph_decode.py (hidden 7168, 56 heads, ffn 18432, 4 layers, bf16, weights drawn on
 the GPU); on CPU (or --small) hidden 256, 4 heads, ffn 512, float32. World 1: one process, a world-1 NCCL group
 on CUDA (gloo on CPU), the embedding's and every row-parallel output all-reduced over it where a tp-2 model
 reduces (bench/nccl_overhead.py --collectives: 9 all-reduces the watch checks). Each forward is driven the way
-both engines' plugins drive it (`watched(step)`, then `forward(side, ...)`), variants alternated, median of N,
-each timed from a synchronised start to the end of the forward's work on the device:
+both engines' plugins drive it (`watched(step)`, then `forward(side, ...)`), variants alternated, median of N
+rounds; a decode round is --reps forwards of its variant back to back (so a forward follows one of its own
+kind, as in an engine), each timed from a synchronised start to the end of its work on the device:
   off             no watch (the audit's kernels released: an engine without the plugin)
   idle            a watched engine's unchecked forward (N = 512, a step not a multiple of N)
   watch 1         N = 1: every forward checked; the audit stays registered between forwards
@@ -181,8 +182,8 @@ def graph_rows(a, model, cfg, ctx) -> list:
 
     rows = []
     for tokens in a.decode:
-        plain = GraphedForward(model, tokens, ctx.device, taps=False, vocab=cfg.vocab)
-        taps = GraphedForward(model, tokens, ctx.device, taps=True, vocab=cfg.vocab)
+        gfs = {v: GraphedForward(model, tokens, ctx.device, taps=v != "graph", vocab=cfg.vocab)
+               for v in ("graph", "graph checked")}
         ids = torch.randint(0, cfg.vocab, (tokens,), device=ctx.device)
         settings = run_settings(world_size=1, backend="builtin (watch bench, CUDA graph)", dtype=cfg.dtype,
                                 layer_ids=[], num_layers=cfg.num_layers, hidden=cfg.hidden, tokens=tokens,
@@ -193,14 +194,12 @@ def graph_rows(a, model, cfg, ctx) -> list:
             sync(ctx.device)
             t0 = time.perf_counter()
             with torch.no_grad():
-                if v == "graph":
-                    plain(ids)
-                    sync(ctx.device)
-                    return time.perf_counter() - t0
-                taps(ids)
+                gfs[v](ids)
                 sync(ctx.device)
+                if v == "graph":
+                    return time.perf_counter() - t0
                 t1 = time.perf_counter()
-                view = taps.read()
+                view = gfs[v].read()
                 t2 = time.perf_counter()
                 meta = rank_record(view, rank=0, world=1, input_ids=None, model=model, hidden=cfg.hidden,
                                    device=ctx.device, fingerprints=Sketch(FP_SEED, FP_K), with_coverage=False).to_json()
@@ -220,10 +219,11 @@ def graph_rows(a, model, cfg, ctx) -> list:
                      "graph_checked_ms": med["graph checked"], "graph_checked_x": med["graph checked"] / med["graph"],
                      "graph_checked phases_ms": {k: 1e3 * statistics.median(p[k] for p in ps) for k in ps[0]},
                      f"graph_amortised_{EVERY}_ms": amort, f"graph_amortised_{EVERY}_x": amort / med["graph"],
-                     "static_bytes": taps.slots.nbytes, "all_ms": {v: [1e3 * t for t in ts] for v, ts in times.items()}})
+                     "static_bytes": gfs["graph checked"].slots.nbytes,
+                     "all_ms": {v: [1e3 * t for t in ts] for v, ts in times.items()}})
         print(f"  graph decode {tokens}: replay {med['graph']:.3f} ms, checked {med['graph checked']:.3f} ms, "
               f"amortised at N={EVERY} {amort:.4f} ms ({amort / med['graph']:.4f}x)", flush=True)
-        del plain, taps
+        gfs.clear()
         torch.cuda.empty_cache()
     return rows
 
@@ -235,7 +235,8 @@ def main():
     ap.add_argument("--prefill", type=int, default=0, help="prefill tokens (default 8192; --small: 128)")
     ap.add_argument("--iters", type=int, default=0, help="rounds of the prefill (default 7; --small: 5)")
     ap.add_argument("--decode-iters", type=int, default=0, help="rounds of each decode size (default 30; --small: 8)")
-    ap.add_argument("--reps", type=int, default=0, help="decode forwards timed back to back per round (default 10; --small: 2)")
+    ap.add_argument("--reps", type=int, default=0,
+                    help="decode forwards timed back to back per round (default 10; --small: 2)")
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variant")
     ap.add_argument("--out", default="", help="write the results as JSON to this file")
