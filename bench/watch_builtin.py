@@ -268,7 +268,7 @@ def main():
         st = watch.status()
     res = {"bench": "watch_builtin", "device": device, "torch": torch.__version__, "hidden": a.hidden,
            "heads": a.heads, "ffn": a.ffn, "num_layers": a.num_layers, "dtype": dtype, "world": 1,
-           "backend": ctx.backend, "every": EVERY, "rows": rows,
+           "backend": ctx.backend, "every": EVERY, "reps": a.reps, "rows": rows,
            "watch": {k: st[k] for k in ("checked", "healthy", "failing", "warned", "stopped")}}
     write(a.out, res)           # the eager rows kept if the graph part fails
     if cuda and not a.no_graph:
