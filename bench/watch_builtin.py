@@ -233,8 +233,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="the CPU shapes (the default without CUDA)")
     ap.add_argument("--decode", default="1,8,64")
     ap.add_argument("--prefill", type=int, default=0, help="prefill tokens (default 8192; --small: 128)")
-    ap.add_argument("--iters", type=int, default=0, help="rounds of the prefill (default 7; --small: 5)")
-    ap.add_argument("--decode-iters", type=int, default=0, help="rounds of each decode size (default 30; --small: 8)")
+    ap.add_argument("--iters", type=int, default=0, help="rounds of the prefill (default 7; --small: 3)")
+    ap.add_argument("--decode-iters", type=int, default=0, help="rounds of each decode size (default 30; --small: 4)")
     ap.add_argument("--reps", type=int, default=0,
                     help="decode forwards timed back to back per round (default 10; --small: 2)")
     ap.add_argument("--num-layers", type=int, default=4)
@@ -245,7 +245,7 @@ def main():
     a.decode = [int(x) for x in a.decode.split(",") if x]
     a.hidden, a.heads, a.ffn, dtype = (7168, 56, 18432, "bfloat16") if cuda else (256, 4, 512, "float32")
     a.torch_dtype, a.prefill = getattr(torch, dtype), a.prefill or (8192 if cuda else 128)
-    a.iters, a.decode_iters = a.iters or (7 if cuda else 5), a.decode_iters or (30 if cuda else 8)
+    a.iters, a.decode_iters = a.iters or (7 if cuda else 3), a.decode_iters or (30 if cuda else 4)
     a.reps = a.reps or (10 if cuda else 2)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
