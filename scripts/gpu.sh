@@ -128,6 +128,7 @@ suite_bench() {
   run nccl-overhead-tp1-coll 400 0 $PY bench/nccl_overhead.py --nproc 1 --collectives --kernel --iters 5 \
       --out "$D/nccl-overhead-tp1-coll"
   run graph-decode-tp1 300 0 $PY bench/graph_decode.py --tp 1 --rounds 12 --iters 40 --out "$D/graph_decode_tp1.json"
+  run watch-builtin 200 0 $PY bench/watch_builtin.py --iters 5 --decode-iters 20 --out "$D/watch_builtin.json"
   run collective-split 150 0 $PY bench/collective_split.py --tokens 1 --rounds 300
   run tap-phases-coll 150 0 $PY bench/tap_phases.py --tokens 1 --rounds 60 --collectives --out "$D/tap-phases-coll"
   run launch-path 150 0 $PY bench/launch_path.py --rows 1
