@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on ONE H200 (`nvidia-h200`; torch, no sglang): `tpprobe accept` with the draft on CUDA.
-#   1. the GPU test of tests/test_accept.py: the same accept on cuda and on cpu over the test's
+#   1. the GPU test of tests/ranks/test_accept.py: the same accept on cuda and on cpu over the test's
 #      trained draft and captures (agreement per position, accept lengths, JSON device/engine);
 #   2. the worked example of docs/accept.md, generated here: `tpprobe probe` healthy and
 #      `--inject slot-order` (built-in model, 2 gloo ranks), the toy draft trained on the healthy
@@ -27,8 +27,8 @@ secs() { $PY -c "print(f'{$2-$1:.1f}')"; }
 
 if [[ $DEV == cuda* ]]; then
   s=$(date +%s.%N)
-  timeout -k 3 ${PYTEST_S:-300} $PY -m pytest -m gpu -p no:cacheprovider -v -rA --basetemp=$W/pt tests/test_accept.py > $W/pytest-gpu.log 2>&1
-  echo "pytest -m gpu tests/test_accept.py: rc=$? wall=$(secs $s $(date +%s.%N))s"; tail -6 $W/pytest-gpu.log
+  timeout -k 3 ${PYTEST_S:-300} $PY -m pytest -m gpu -p no:cacheprovider -v -rA --basetemp=$W/pt tests/ranks/test_accept.py > $W/pytest-gpu.log 2>&1
+  echo "pytest -m gpu tests/ranks/test_accept.py: rc=$? wall=$(secs $s $(date +%s.%N))s"; tail -6 $W/pytest-gpu.log
 fi
 
 # 2. the worked example's inputs, made here (docs/accept.md)

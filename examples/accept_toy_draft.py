@@ -1,5 +1,5 @@
 """Train a toy EAGLE-3 draft on a healthy capture, then ask `tpprobe accept` what a broken capture
-costs it. Used by tests/test_accept.py (which imports `train` from here) and runnable on its own:
+costs it. Used by tests/ranks/test_accept.py (which imports `train` from here) and runnable on its own:
 
     python -m examples.accept_toy_draft [WORKDIR]
 

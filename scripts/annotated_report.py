@@ -6,7 +6,7 @@ machine line) and the notes (`← ...`) added to the lines they explain.
   python scripts/annotated_report.py            # print it
   python scripts/annotated_report.py --write    # replace docs/report.md's block (between the markers)
 
-tests/test_annotated_report.py runs it and fails when the page's block differs."""
+tests/house/test_annotated_report.py runs it and fails when the page's block differs."""
 from __future__ import annotations
 
 import os

@@ -2,7 +2,7 @@
 
 Runs `tpprobe probe --inject FAULT` for every fault of the catalogue on the built-in model (CPU,
 gloo) and prints one Markdown row per fault with the verdict line tpprobe printed; `--write`
-puts the table into docs/faults.md. tests/test_faults.py builds the same table from the runs it makes
+puts the table into docs/faults.md. tests/ranks/test_faults.py builds the same table from the runs it makes
 anyway (this module's `table`) and fails when the page's differs, so the table cannot drift.
 
 What depends on timing is not in the table: a dead or hung rank's last heartbeat (which layer,

@@ -3,7 +3,7 @@
     python scripts/import_graph.py            # one line per module: its imports (lazy ones marked ~)
     python scripts/import_graph.py --cycles   # only the cycles, counting lazy imports too
 
-Nothing is imported or executed; tests/test_house.py checks the same graph in CI.
+Nothing is imported or executed; tests/house/test_house.py checks the same graph in CI.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "tpprobe"
 
 # The floors, top to bottom: a module imports only modules of its own wing or of a wing on a
 # lower floor, never one beside it or above it. A wing is the longest prefix named here.
-# tests/test_house.py holds the code to them; scripts/layout.py lists the wings so.
+# tests/house/test_house.py holds the code to them; scripts/layout.py lists the wings so.
 FLOORS = [
     ["cli"],                             # one module per command
     ["invariance"],

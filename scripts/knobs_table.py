@@ -5,7 +5,7 @@ docs/configuration.md; those for diagnosing tpprobe, for its tests and its inter
   python scripts/knobs_table.py            # print both
   python scripts/knobs_table.py --write    # replace both pages' tables (between the markers)
 
-tests/test_knobs.py fails when a page's table differs from this."""
+tests/house/test_knobs.py fails when a page's table differs from this."""
 from __future__ import annotations
 
 import sys

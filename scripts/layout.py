@@ -4,7 +4,7 @@ first (import_graph.FLOORS), and every module in it with the first sentence of i
   python scripts/layout.py            # print it
   python scripts/layout.py --write    # replace the page's section (between the markers)
 
-tests/test_house.py fails when the page's section differs from this, so a module added, moved or
+tests/house/test_house.py fails when the page's section differs from this, so a module added, moved or
 renamed without `--write` is caught, and so is a module without a docstring."""
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Every command the README and the docs pages show, and what tests/test_readme.py does with it.
+"""Every command the README and the docs pages show, and what tests/house/test_readme.py does with it.
 
 `python scripts/readme_commands.py` lists them: each shell line of a ```bash block and each inline
 `tpprobe …` / `PYTHONPATH=. tpprobe …` / `bash …` / `pip …` command of README.md and docs/*.md (the
 dated records under docs/results/ are history, not instructions), with its class:
 
-  run     tests/test_readme.py runs it as written, in a fresh bash with the venv activated
+  run     tests/house/test_readme.py runs it as written, in a fresh bash with the venv activated
           (the sweep tier runs the costly ones: `bash scripts/test.sh -m sweep`)
   flags   a benchmark: too long for a test, so its script must exist and its `--help` name every
           flag the command passes
@@ -38,15 +38,15 @@ RULES = [
     (r"^bash ci/sglang-cpu/install\.sh", "skip", "", "installs the SGLang CPU tier (scripts/test.sh runs it)"),
     (r"^bash ci/tp-libs/install\.sh", "skip", "", "installs the TP-libraries tier (scripts/test.sh runs it)"),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build --nproc 2$", "skip", "",
-     "tests/test_tp_libs.py runs it as written in the default tier and checks its report's coverage"),
+     "tests/libs/test_tp_libs.py runs it as written in the default tier and checks its report's coverage"),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|megatron_gpt):build(_sequence_parallel)? "
      r"--nproc [24]$",
      "run", "slow", ""),
-    (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/test_reports.py renders the page"),
+    (r"^bash scripts/screenshot\.sh", "skip", "", "needs chromium; tests/ranks/test_reports.py renders the page"),
     (r"^pytest -m gpu", "skip", "", "needs a GPU"),
     (r"^python scripts/(fault_table|layout|annotated_report|knobs_table)\.py --write$", "skip", "",
-     "regenerates a generated doc section (tests/test_faults.py, test_house.py, test_annotated_report.py, "
-     "test_knobs.py check it)"),
+     "regenerates a generated doc section (tests/ranks/test_faults.py and tests/house/: test_house.py, "
+     "test_annotated_report.py, test_knobs.py check it)"),
     (r"^bash scripts/gpu\.sh", "skip", "", "needs a GPU (the GPU tier: docs/results/gpu.md)"),
     (r"^(python -m )?pytest ", "skip", "", "a test run: scripts/test.sh runs the suite"),
     (r"^(tpprobe (probe|report|diff|specforge|torchrun|invariance|accept|layers|fix)|pip install|pytest -s)$",
@@ -55,11 +55,11 @@ RULES = [
     (r"^POLARS=", "skip", "", "installs polars into a temp folder for bench/dumper_vs_comparator.py"),
     (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+ .*--out tpprobe-runs/\w+", "run", "slow", ""),
     (r"^tpprobe probe --exchange full( --tokens \d+)?$", "run", "fast", ""),
-    (r"--engine sglang", "skip", "", "SGLang's real models: tests/test_sglang_probe.py runs them"),
+    (r"--engine sglang", "skip", "", "SGLang's real models: tests/engines/sglang/test_sglang_probe.py runs them"),
     (r"^TPPROBE_CAPTURE_DIR=\S+ .*vllm serve |^tpprobe report /tmp/cap(/dp0-pp0/step-\d+-\w+)?$", "skip", "",
-     "a live vLLM server: tests/test_vllm_live.py runs vLLM's engine with the plugin under -m vllm_live"),
+     "a live vLLM server: tests/engines/vllm/test_vllm_live.py runs vLLM's engine with the plugin under -m vllm_live"),
     (r"^bash ci/vllm-cpu/install\.sh|^\.venv-vllm/|--engine vllm", "skip", "",
-     "the vLLM tier (its own venv; scripts/test.sh installs it and runs tests/test_vllm_*.py under -m vllm)"),
+     "the vLLM tier (its own venv; scripts/test.sh installs it and runs tests/engines/vllm/ under -m vllm)"),
     (r"^python scripts/import_graph\.py$", "run", "fast", ""),
     (r"^block .*: tpprobe (probe|specforge|diff) ", "run", "fast", ""),
     (r"^tpprobe probe --inject [a-z-]+(@\d+)?( --\S+ \S+)*$", "run", "slow", ""),
@@ -67,13 +67,13 @@ RULES = [
     (r"^tpprobe invariance --tp [\d,]+ --batch [\d,]+$", "run", "slow", ""),
     (r"^python -m examples\.accept_toy_draft$", "run", "slow", ""),
     (r"^tpprobe accept$", "skip", "",
-     "the command's name in prose; tests/test_accept.py and examples/accept_toy_draft.py run it"),
+     "the command's name in prose; tests/ranks/test_accept.py and examples/accept_toy_draft.py run it"),
     (r"^tpprobe fix$", "skip", "",
-     "the command's name in prose; tests/test_fix.py runs it on a capture and a draft"),
+     "the command's name in prose; tests/ranks/test_fix.py runs it on a capture and a draft"),
     (r"^tpprobe (layers|--version)\b", "run", "fast", ""),
     (r"^tpprobe probe$", "run", "fast", ""),
     (r"^PYTHONPATH=\. tpprobe probe --model examples\.my_model:build", "run", "slow",
-     ""),   # fast tier: tests/test_cli.py
+     ""),   # fast tier: tests/ranks/test_cli.py
     (r"^(tpprobe|python) ", "skip-if-placeholder", "", "a template with placeholders (DIR, N, …), not a command"),
 ]
 

@@ -23,7 +23,7 @@ if [ "$VLLM" = 1 ]; then
     START=$(date +%s)
     rc=0
     timeout -k 30 "$SUITE_LIMIT_S" .venv-vllm/bin/python -m pytest -q --durations=15 --basetemp="$(mktemp -d)" \
-      -m "(vllm or vllm_live) and not sweep" tests/test_vllm_*.py || rc=$?
+      -m "(vllm or vllm_live) and not sweep" tests/engines/vllm/ || rc=$?
     echo "scripts/test.sh: the vLLM tier took $(( $(date +%s) - START )) s"
     exit $rc
   ) >"$VLLM_LOG" 2>&1 &
@@ -46,16 +46,16 @@ CHROMIUM=$!
 bash ci/sglang-cpu/install.sh .venv
 # the TP-libraries tier: transformers (SGLang's pin) + accelerate, megatron-core 0.16.1, --no-deps
 bash ci/tp-libs/install.sh .venv
-# (the bare venv the README's main job is proven on, .venv-bare, is built by tests/test_bare_venv.py)
+# (the bare venv the README's main job is proven on, .venv-bare, is built by tests/house/test_bare_venv.py)
 wait "$CHROMIUM" || true
 rc=0
 timeout -k 30 "$SUITE_LIMIT_S" .venv/bin/python -m pytest -q --durations=40 "$@" || rc=$?
 [ "$rc" != 124 ] || echo "scripts/test.sh: the main suite ran past ${SUITE_LIMIT_S} s and was stopped"
 [ "$VLLM" = 1 ] || exit $rc
-# the vLLM tier (tests/test_vllm_*.py, run above in the background): vLLM's own models probed at tp 2 and 4,
+# the vLLM tier (tests/engines/vllm/, run above in the background): vLLM's own models probed at tp 2 and 4,
 # its engine with the plugin, its capture rule and its extract_hidden_states file. Its `sweep` cases (the rest
 # of the tp-4 matrix, the plugin's three-engine cost run) are run by hand:
-#   .venv-vllm/bin/python -m pytest -m "(vllm or vllm_live) and sweep" tests/test_vllm_*.py
+#   .venv-vllm/bin/python -m pytest -m "(vllm or vllm_live) and sweep" tests/engines/vllm/
 vrc=0
 wait "$VLLM_TIER" || vrc=$?
 echo "--- the vLLM tier (.venv-vllm)"

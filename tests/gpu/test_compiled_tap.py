@@ -1,4 +1,4 @@
-"""Fingerprint taps inside PyTorch's own CUDA graphs (GPU only: `pytest -m gpu tests/test_compiled_tap.py`).
+"""Fingerprint taps inside PyTorch's own CUDA graphs (GPU only: `pytest -m gpu tests/gpu/test_compiled_tap.py`).
 
 The built-in model under torch.compile: ``mode="reduce-overhead"`` (Inductor's kernels, recorded and
 replayed by cudagraph trees) and ``backend="cudagraphs"`` (eager's aten kernels in cudagraph trees),
@@ -15,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-# (inject, tokens, backend, kind, where, ranks) at tp 1, as tests/test_graph_tap.py expects them
+# (inject, tokens, backend, kind, where, ranks) at tp 1, as tests/gpu/test_graph_tap.py expects them
 CASES = [
     (None, 1, "inductor", None, None, None),
     (None, 8, "inductor", None, None, None),

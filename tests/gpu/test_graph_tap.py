@@ -1,4 +1,4 @@
-"""Fingerprint taps inside a CUDA graph (GPU only: `pytest -m gpu tests/test_graph_tap.py`).
+"""Fingerprint taps inside a CUDA graph (GPU only: `pytest -m gpu tests/gpu/test_graph_tap.py`).
 
 The built-in model's forward is captured in a torch.cuda.CUDAGraph at decode shapes (1, 8, 64
 tokens) with the GraphTap inside it, replayed with NEW input ids, and the fingerprints read after
@@ -23,7 +23,7 @@ TPS = [1, pytest.param(2, marks=needs_gpus(2))]
 
 TOKENS = (1, 8, 64)
 HEALTHY_TP2_TOKENS = TOKENS
-# (inject, tokens, kind, where, ranks) at tp 2 (the catalogue's expectations, tests/test_faults.py)
+# (inject, tokens, kind, where, ranks) at tp 2 (the catalogue's expectations, tests/ranks/test_faults.py)
 TP2_FAULTS = [
     ("skip-embed-allreduce", 8, "partial-allreduce", "embedding (embed_tokens)", [0, 1]),
     ("skip-allreduce@2", 1, "partial-allreduce", "layer 2 (layers.2.self_attn.o_proj)", [0, 1]),

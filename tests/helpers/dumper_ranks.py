@@ -2,7 +2,7 @@
 gloo ranks, with SGLang's parallel state published over the world (so each file's meta carries
 `sglang_parallel_info` with tp_rank / tp_size, exactly as under a server).
 
-    run_ranks("helpers.dumper_ranks:write", world=2, kwargs={"base": DIR, "exps": {...}})
+    run_ranks("tests.helpers.dumper_ranks:write", world=2, kwargs={"base": DIR, "exps": {...}})
 
 `exps` maps an experiment name (the folder DIR/<name>) to a list of steps; each step is a list of
 (name, kind, dims) records. The values are seeded and identical on every rank (the "full" tensor,

@@ -1,4 +1,4 @@
-"""Run by tests/test_fingerprint_host.py under Triton's CPU interpreter (TRITON_INTERPRET=1, set
+"""Run by tests/unit/test_fingerprint_host.py under Triton's CPU interpreter (TRITON_INTERPRET=1, set
 before triton imports): every launch of a `fingerprint.triton.Batch` (the probe's path) against
 the fingerprints the launch path it replaced gave on the same kernels and tensors, bit for bit
 (tests/assets/fp_interp_golden.json, written by that path before it was removed; git keeps it);

@@ -1,11 +1,11 @@
 """Spawn N real gloo ranks (separate python processes) running one function; collect results.
 
-    results = run_ranks("test_sglang_models:_worker", world=2, kwargs={...}, timeout=120)
+    results = run_ranks(f"{__name__}:worker", world=2, kwargs={...}, timeout=120)   # a test module's own worker
 
 Each child (forked from the test process where that is safe, else a fresh python): initializes
-torch.distributed (gloo, file:// rendezvous in a fresh temp dir), builds
-a tpprobe RankContext, calls `fn(ctx, **kwargs)` (fn given as "module:function"; the tests folder
-is on sys.path), pickles the return value, destroys the process group. The parent waits up to
+torch.distributed (gloo, file:// rendezvous in a fresh temp dir), builds a tpprobe RankContext,
+calls `fn(ctx, **kwargs)` (fn given as "module:function", the module by its dotted path from the
+checkout), pickles the return value, destroys the process group. The parent waits up to
 `timeout` seconds in total, kills every straggler, and raises RanksFailed with each failed
 child's exit code and stderr tail (its traceback).
 """
@@ -18,9 +18,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)     # "module:function" is looked up with tests/ on the path
-ROOT = os.path.dirname(TESTS)
+# "module:function" is looked up with the checkout on the path, by its dotted path (tests.engines.sglang.test_x);
+# tests/ itself is not put on it (its tier folders would become top-level packages: engines, gpu, ...)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class RanksFailed(AssertionError):
@@ -39,7 +39,7 @@ def run_ranks(fn: str, world: int, kwargs: dict | None = None, timeout: float = 
         init = "file://" + os.path.join(tmp, "rendezvous")
         child_env = dict(os.environ)
         child_env.update(env or {})
-        child_env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT, child_env.get("PYTHONPATH", "")])
+        child_env["PYTHONPATH"] = os.pathsep.join([ROOT, child_env.get("PYTHONPATH", "")])
         child_env.setdefault("OMP_NUM_THREADS", "1")
         procs, logs = [], []
         fork = _fork_ok()
@@ -122,7 +122,7 @@ class _Forked:
                 sys.stdout = open(1, "w", closefd=False)
                 sys.stderr = open(2, "w", closefd=False)
                 os.environ.update(env)
-                sys.path[:0] = [TESTS, ROOT]
+                sys.path[:0] = [ROOT]
                 _child(argv[0], int(argv[1]), int(argv[2]), *argv[3:])
                 code = 0
             except BaseException:

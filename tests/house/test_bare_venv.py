@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BARE = Path(os.environ.get("TPPROBE_BARE_VENV") or ROOT / ".venv-bare")
 # what the test venv has and a user's bare install must not need
 TEST_ONLY = ("matplotlib", "pytest", "hypothesis", "sglang", "transformers", "pillow")

@@ -6,13 +6,13 @@ full (`test_x`, `tests/file.py::test_x`, `tests/file.py::test_x[param]`); every 
 backticks that looks like a test or a test helper must be defined in tests/ (in the file named,
 when one is); a parametrized id must be one the file spells out; a row that says "xfail" must
 name a test that is one. docs/faults.md's table is checked against real runs in
-tests/test_faults.py (the last test there); the commands the pages show, in tests/test_readme.py.
+tests/ranks/test_faults.py (the last test there); the commands the pages show, in tests/house/test_readme.py.
 """
 import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUARANTEES = ROOT / "docs" / "guarantees.md"
 
 

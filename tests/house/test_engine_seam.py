@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "tpprobe"
 spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
 import_graph = importlib.util.module_from_spec(spec)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ONE_GPU = '''
 import torch
@@ -20,14 +20,14 @@ torch.cuda.device_count = lambda: 1
 '''
 
 TWO_GPU_CASES = [
-    "tests/test_faults.py::test_a_hung_rank_stops_the_others_within_the_timeout[nccl]",
-    "tests/test_faults.py::test_a_hung_rank_stops_the_others_within_the_timeout[nccl-torchrun]",
-    "tests/test_faults.py::test_a_killed_rank_leaves_the_live_ranks_capture_written[nccl]",
-    "tests/test_faults.py::test_a_killed_rank_leaves_the_live_ranks_capture_written[nccl-torchrun]",
-    "tests/test_faults.py::test_an_extra_collective_is_named_not_a_timeout[nccl-torchrun]",
-    "tests/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2]",
-    "tests/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2]",
-    "tests/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]",
+    "tests/ranks/test_faults.py::test_a_hung_rank_stops_the_others_within_the_timeout[nccl]",
+    "tests/ranks/test_faults.py::test_a_hung_rank_stops_the_others_within_the_timeout[nccl-torchrun]",
+    "tests/ranks/test_faults.py::test_a_killed_rank_leaves_the_live_ranks_capture_written[nccl]",
+    "tests/ranks/test_faults.py::test_a_killed_rank_leaves_the_live_ranks_capture_written[nccl-torchrun]",
+    "tests/ranks/test_faults.py::test_an_extra_collective_is_named_not_a_timeout[nccl-torchrun]",
+    "tests/gpu/test_graph_tap.py::test_graph_replay_fingerprints_equal_eager_at_every_point[2]",
+    "tests/gpu/test_graph_tap.py::test_healthy_graph_replay_has_no_findings[2]",
+    "tests/gpu/test_graph_tap.py::test_faults_in_the_graphed_model_are_named_exactly[2]",
 ]
 
 

@@ -19,7 +19,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
 import_graph = importlib.util.module_from_spec(spec)
 sys.modules["import_graph"] = import_graph

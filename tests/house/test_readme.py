@@ -14,7 +14,7 @@ number that stops being true fails here.
   an output it shows or in a docs page it links to: the README carries no number of its own.
 
 docs/faults.md's table, docs/report.md's annotated report, the variables' tables and the layout are
-generated from real runs or the code, and checked by tests/test_faults.py, test_annotated_report.py,
+generated from real runs or the code, and checked by tests/ranks/test_faults.py, test_annotated_report.py,
 test_knobs.py and test_house.py.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import readme_commands as rc  # noqa: E402
 

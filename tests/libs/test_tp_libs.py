@@ -211,8 +211,8 @@ def test_each_library_is_healthy_at_tp2_in_fp32_and_bf16_and_each_fault_is_named
               for d in ("float32", "bfloat16")]
     cases.append(("hf-sp_norms-bfloat16", "examples.hf_tp:build_sequence_parallel_norms", {"TPLIBS_DTYPE": "bfloat16"}))
     cases += [(name, factory, {}) for name, (factory, _) in FAULTS.items()]
-    cases.append(("dtensor-meta_param", "tests.test_tp_libs:build_with_meta_param", {}))
-    cases.append(("dtensor-partial_stream", "tests.test_tp_libs:build_partial_stream", {}))
+    cases.append(("dtensor-meta_param", "tests.libs.test_tp_libs:build_with_meta_param", {}))
+    cases.append(("dtensor-partial_stream", "tests.libs.test_tp_libs:build_partial_stream", {}))
     res = _probe_all(tmp_path, 2, cases)
     for name, *_ in cases:
         if name in FAULTS or name in ("dtensor-meta_param", "dtensor-partial_stream"):
@@ -315,7 +315,7 @@ CLI = r"^PYTHONPATH=\. tpprobe probe --model examples\.(dtensor_llama|hf_tp|mega
 def test_the_command_line_probes_each_library_healthy_at_tp2(tmp_path, lib):
     """The path the issue's crash was on: the documented `tpprobe probe --model examples.X:build
     --nproc 2`, run as written (a fresh bash with only the venv activated, in a folder holding the
-    checkout, as tests/test_readme.py runs README commands): tpprobe's launcher starts the ranks, each
+    checkout, as tests/house/test_readme.py runs README commands): tpprobe's launcher starts the ranks, each
     imports the user's factory by name and builds the library's model. Exit 0, HEALTHY, and its
     report.json is healthy with complete coverage (assert_healthy)."""
     import re
@@ -326,7 +326,7 @@ def test_the_command_line_probes_each_library_healthy_at_tp2(tmp_path, lib):
     import importlib.util
     if NEEDS[lib] and importlib.util.find_spec(NEEDS[lib].split(".")[0]) is None:   # not imported here: the
         pytest.skip("the tp-libs tier: bash ci/tp-libs/install.sh .venv")           # ranks do (megatron: 12 s)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "scripts"))
     import readme_commands as rc
     cmds = {re.match(CLI, c.text).group(1): c.text for c in rc.commands() if re.match(CLI, c.text)}
@@ -454,5 +454,5 @@ def test_the_documented_parameter_attributes_are_honoured_for_any_library():
     model["b"].gain.tp_replicated = True
     hashes = replicated_param_hashes(model)
     assert {n: e["replicated"] for n, e in hashes.items()} == {"a.scale": True, "b.gain": True}
-    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tp-libraries.md")).read()
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "tp-libraries.md")).read()
     assert "p.tp_sharded = True" in page and "p.tp_replicated = True" in page

@@ -322,8 +322,7 @@ def test_the_draft_on_cuda_agrees_with_cpu_position_by_position(runs):
 
 
 def test_the_cli_writes_html_and_markdown_like_every_command(runs, tmp_path):
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_sinks import assert_written
+    from tests.ranks.test_sinks import assert_written
     cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]), "--engine", "torch",
                   "--target", str(runs["slot-order"]), "--html", str(tmp_path / "a.html"),
                   "--markdown", str(tmp_path / "a.md")], timeout=240)

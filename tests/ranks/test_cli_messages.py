@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from tpprobe.cli import app, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(args: list[str], cap) -> tuple[int, str, str]:

@@ -18,7 +18,7 @@ import pytest
 
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 M = "tests.zoo.disagree"
 
 

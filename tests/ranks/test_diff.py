@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TPPROBE = [str(Path(sys.executable).with_name("tpprobe"))] if Path(sys.executable).with_name("tpprobe").exists() \
     else [sys.executable, "-m", "tpprobe"]
 BASE = ["--layers", "-1,2,5", "--num-layers", "8", "--quiet"]
@@ -263,7 +263,7 @@ def test_code_executing_pickle_refused(caps, tmp_path):
 def _vllm_file(caps, path, points):
     """A file as vLLM's ExampleHiddenStatesConnector writes it (safetensors: hidden_states [T, K, H] stacked
     in slot order, token_ids [T]), its slots taken from the base capture's residual streams; the vLLM tier
-    (tests/test_vllm_layers.py) writes it with vLLM's own writer."""
+    (tests/engines/vllm/test_vllm_layers.py) writes it with vLLM's own writer."""
     from safetensors.torch import save_file
 
     from tpprobe.eagle3.diff import load_side

@@ -7,7 +7,7 @@ passing in both files proves the two protocols name the same fault at the same p
 import pytest
 
 from tests.helpers.ranks import failures, probe
-from tests.test_faults import CASES
+from tests.ranks.test_faults import CASES
 
 
 @pytest.mark.parametrize("inject,nproc,extra,kind,where,ranks", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])

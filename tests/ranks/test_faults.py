@@ -16,7 +16,7 @@ from tests.conftest import LAUNCHES, ranks_for
 from tests.helpers.ranks import failures
 from tests.helpers.ranks import probe as _probe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("fault_table", ROOT / "scripts" / "fault_table.py")
 fault_table = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fault_table)

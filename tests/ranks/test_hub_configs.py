@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers.ranks import run_cli
 
-KIMI = Path(__file__).resolve().parent / "assets" / "kimi-k2.5" / "config.json"
+KIMI = Path(__file__).resolve().parents[1] / "assets" / "kimi-k2.5" / "config.json"
 
 
 def one_line(cp) -> str:

@@ -146,7 +146,7 @@ def test_a_factory_that_cannot_be_imported_is_one_line_from_the_ranks(tmp_path):
 
 @pytest.mark.parametrize("name", list(USAGE))
 def test_bad_usage_is_one_line_exit_2(tmp_path, name):
-    from tests.test_cli_usage import _fork_cli
+    from tests.ranks.test_cli_usage import _fork_cli
     args, want = USAGE[name]
     p = _fork_cli(["invariance", "--out", str(tmp_path / "never"), *args], tmp_path)
     lines = p.stderr.strip("\n").splitlines()

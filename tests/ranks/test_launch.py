@@ -82,7 +82,7 @@ def test_ranks_forked_after_the_launcher_ran_parallel_torch_ops_do_not_hang(tmp_
     assert rep["findings"] == [] and rep["coverage"]["layers_ran"] == 6
 
 
-# A rank that dies under the fork launcher: tests/test_robustness.py (kill-rank, hang-rank, ...) runs on it.
+# A rank that dies under the fork launcher: tests/ranks/test_robustness.py (kill-rank, hang-rank, ...) runs on it.
 
 
 def test_no_forked_rank_outlives_a_launcher_that_was_killed(tmp_path):

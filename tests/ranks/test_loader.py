@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from tpprobe.formats.capture_dir import MANIFEST, CaptureError, check_out_dir, load_run, read_manifest, safe_torch_load
 from tpprobe.core.errors import TPProbeError, UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

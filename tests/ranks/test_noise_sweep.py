@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from tests.test_zoo import _got, _probe_all
+from tests.ranks.test_zoo import _got, _probe_all
 
 REQUIRED = {"bfloat16": 0.01, "float16": 0.01, "float32": 0.001}
 

@@ -19,7 +19,7 @@ import pytest
 
 from tpprobe.engines.sglang.plugin import step_dir, step_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 

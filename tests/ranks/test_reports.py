@@ -26,7 +26,7 @@ from tpprobe.report import envinfo
 from tpprobe.report.words import cell_label
 from tpprobe.probe.report import render_html, render_markdown, write_html
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import gpu_count
 from tpprobe.formats.capture_dir import load_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 8            # --timeout of the fault runs
 # The tight bound is the ranks' own clock (report.json timings: total_s - start_s, from every rank
 # ready to the verdict) < TIMEOUT + 6. The wall-clock bound only guards against a hang: it also holds the

@@ -126,7 +126,7 @@ WRONG = wrong_configs()
 
 
 def _same_verdict_both_modes(tmp_path, args, env, nproc, want, unchecked_in_sketches):
-    from tests.test_audit_verdicts import probe as vprobe, render
+    from tests.ranks.test_audit_verdicts import probe as vprobe, render
     got = {}
     for exchange in ("full", "fingerprint"):
         rc, rep, cp = vprobe(tmp_path / exchange, *args, "--exchange", exchange, nproc=nproc, env=env)

@@ -4,7 +4,7 @@ Every healthy model must come out with complete coverage (embedding found, all 4
 reduces audited on every rank, every path readable) and zero findings; every model with one reduce
 dropped must be named exactly: partial-allreduce at layer 2 and the module that issues the reduce,
 on all ranks. A stale replicated parameter (an MoE router; a stale row-parallel bias is tested on
-megatron-core itself, tests/test_tp_libs.py) and a small drift on one rank (F21) must be named on
+megatron-core itself, tests/libs/test_tp_libs.py) and a small drift on one rank (F21) must be named on
 that rank; reduces through doors the audit cannot read (F20)
 must be said.
 

@@ -1,5 +1,6 @@
 """What a draft was trained on (TPPROBE_DRAFT_TRAINED) and the ids that give it to vLLM: the words of the live
-drafter report (tpprobe.engines.vllm.acceptance), with no engine. The engine runs: tests/test_vllm_draft_live.py."""
+drafter report (tpprobe.engines.vllm.acceptance), with no engine. The engine runs:
+tests/engines/vllm/test_vllm_draft_live.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """Fingerprint layer: exact bit hash, linear sketch, completeness rule.
 
 The default suite runs on CPU; the tests marked `gpu` compare the Triton kernels with the CUDA
-torch path on a GPU machine (`pytest -m gpu tests/test_fingerprint.py`)."""
+torch path on a GPU machine (`pytest -m gpu tests/unit/test_fingerprint.py`)."""
 import json
 import math
 import subprocess
@@ -393,7 +393,7 @@ def test_triton_nan_inf_and_dispatch():
                            torch.bfloat16)[0]
 
 
-# every shape class of tests/test_kernel_compile.py, run: tokens 1..65536 with tile remainders
+# every shape class of tests/unit/test_kernel_compile.py, run: tokens 1..65536 with tile remainders
 # and primes against a few widths, every width (odd ones too) against a few token counts, the
 # three dtypes, contiguous and not (a transposed view takes the torch path, the same answer)
 _GRID_TOKENS = [1, 2, 3, 7, 16, 17, 31, 33, 47, 63, 64, 65, 127, 129, 251, 509, 1021, 4093, 8191, 16381, 65521, 65536]

@@ -7,8 +7,8 @@ which a CUDA-graph tap uses after replay; bench/fp_small.py times both).
 Without a GPU the kernels run in Triton's CPU interpreter (tests/helpers/fp_interp.py, a subprocess:
 TRITON_INTERPRET must be set before triton imports): every kernel branch at small shapes, each
 shape twice (the cached entry), buffers small enough that a batch spills into several, NaN / Inf.
-tests/test_kernel_compile.py checks that the direct launch hands Triton's launcher exactly what
-JITFunction.run binds.  The GPU tests (`-m gpu`, tests/test_fingerprint.py) run `fingerprints`,
+tests/unit/test_kernel_compile.py checks that the direct launch hands Triton's launcher exactly what
+JITFunction.run binds.  The GPU tests (`-m gpu`, tests/unit/test_fingerprint.py) run `fingerprints`,
 which is this path, against the torch path.
 """
 import json
@@ -25,7 +25,7 @@ import torch
 from tpprobe.fingerprint import reference as FP
 from tpprobe.fingerprint.reference import Deferred, Fingerprint, resolved
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_batched_launches_equal_the_replaced_path_bit_for_bit_in_the_interpreter():

@@ -9,7 +9,7 @@ allocated), asks Triton's own binder which specialization each launch causes, an
 distinct one with Triton's compiler for sm_90 (the H100 / H200) and sm_80 (the A100), as
 bench/kernel_asm.py does.  Shapes: tokens 1 to 65536 (tile remainders and primes), hidden 64 to
 16384 (odd widths), fp32 / bf16 / fp16, contiguous and not.  The GPU tests that run the same
-shapes against the torch path are in tests/test_fingerprint.py (``-m gpu``).
+shapes against the torch path are in tests/unit/test_fingerprint.py (``-m gpu``).
 """
 from __future__ import annotations
 

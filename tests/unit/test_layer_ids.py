@@ -1,5 +1,5 @@
 """SGLang 0.5.23 EAGLE-3 layer-id rules (pure; the same table is proven against real captures
-in tests/test_sglang_models.py)."""
+in tests/engines/sglang/test_sglang_models.py)."""
 import io
 
 import pytest

@@ -1,7 +1,7 @@
 """A small TP model whose layers switch sharding with an all-to-all (DeepSpeed-Ulysses style):
 each rank takes its chunk of the tokens, an all-to-all hands every rank all tokens of its slice of
 the features, a row-parallel matmul on that slice is all-reduced, and a replicated MLP finishes
-the layer. Used by tests/test_audit_verdicts.py: the audit checks each all-to-all by its own
+the layer. Used by tests/ranks/test_audit_verdicts.py: the audit checks each all-to-all by its own
 definition (output chunk q, on rank r, is bit for bit rank q's input chunk r).
 
 Factories (`tpprobe probe --model tests.zoo.a2a:NAME`, from the repository root):

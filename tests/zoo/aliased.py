@@ -1,5 +1,5 @@
 """A reduce bound by an ALIASED import, on a 2-D [tokens, hidden] stream: kept in the zoo because it is
-a shape none of the real TP libraries has (tests/test_tp_libs.py probes megatron-core's own GPTModel,
+a shape none of the real TP libraries has (tests/libs/test_tp_libs.py probes megatron-core's own GPTModel,
 transformers' TP and torch's DTensor TP for real): each of them reaches `torch.distributed` through the
 module attribute or functional collectives, and holds the stream as [b, s, h] or [s, b, h].
 

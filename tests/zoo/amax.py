@@ -1,7 +1,7 @@
 """The built-in TP model with an FP8-style amax sync in every layer: the absmax of each rank's
 shard of the MLP activation (down_proj's input) is all-reduced with op=MAX, as FP8 scaling syncs
 its amax over the TP ranks, then each rank's share of it with op=MIN and a product of per-rank
-factors with op=PRODUCT. Used by tests/test_audit_verdicts.py: the audit checks each op by its
+factors with op=PRODUCT. Used by tests/ranks/test_audit_verdicts.py: the audit checks each op by its
 own definition, and says what an exchange mode cannot check.
 
 Factories (`tpprobe probe --model tests.zoo.amax:NAME`, from the repository root):
@@ -15,7 +15,7 @@ Factories (`tpprobe probe --model tests.zoo.amax:NAME`, from the repository root
             layer 2's PRODUCT returns the product x 2 on every rank (a wrong value everywhere)
           each call still runs the real reduce, so every rank issues the same collectives; the
           values only feed the syncs, so the stream agrees and only the audit's pairs show it
-  drawn   one such fault, as AMAX_FAULT says (tests/test_sweep.py draws it): OP:HOW@K[:R], OP MAX or
+  drawn   one such fault, as AMAX_FAULT says (tests/ranks/test_sweep.py draws it): OP:HOW@K[:R], OP MAX or
           MIN, at layer K: own@K:R (rank R's own value on rank R), rank0@K (rank 0's on every rank),
           scaled@K (the reduction x 2 on every rank)
 """

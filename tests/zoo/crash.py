@@ -1,4 +1,4 @@
-"""Models for tests/test_internal_errors.py: the example model, with one of tpprobe's own steps
+"""Models for tests/ranks/test_internal_errors.py: the example model, with one of tpprobe's own steps
 broken on rank 1 only, the way a bug in tpprobe breaks it (a name tpprobe's code calls is
 unusable, so the TypeError is raised in tpprobe's own frame): the run must end with the
 internal-error line and exit code, and the live rank's report must name the rank and the step."""

@@ -1,4 +1,4 @@
-"""Random faults outside the catalogue for the full-vs-fingerprint sweep (tests/test_noise_sweep.py):
+"""Random faults outside the catalogue for the full-vs-fingerprint sweep (tests/ranks/test_noise_sweep.py):
 the GPT-J zoo model with rank ZOO_RANK's stream changed at the output of layer ZOO_LAYER.
 
 ZOO_FAULT (seeded by ZOO_SEED):

@@ -1,7 +1,7 @@
 """The built-in TP model made DeepSeek-shaped: layer 0 dense, layers 1-3 MoE-like, with a replicated
 router (`mlp.router`) and a shared expert (`mlp.shared`) whose partial sum is reduced on its own
 (a hand-written `torch.distributed.all_reduce`, as unfused shared-expert paths do), so an MoE layer
-issues 3 reduces where the dense one issues 2. Used by tests/test_audit_verdicts.py: reduce counts
+issues 3 reduces where the dense one issues 2. Used by tests/ranks/test_audit_verdicts.py: reduce counts
 are compared within a layer kind (a dense layer is never held to the MoE layers' count).
 
 Factories (`tpprobe probe --model tests.zoo.moe_kinds:NAME`, from the repository root):

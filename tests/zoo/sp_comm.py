@@ -2,7 +2,7 @@
 own, as an engine's do (a custom kernel above c10d that reports each call to the audit through
 `tap.collective`, like SGLang's GroupCoordinator and the F22 faults of the built-in model). Each
 layer reduce-scatters its row-parallel partial sum over the tokens and all-gathers the chunks back:
-the all-reduce split in two. Used by tests/test_audit_verdicts.py and tests/test_sweep.py: a wrong
+the all-reduce split in two. Used by tests/ranks/test_audit_verdicts.py and tests/ranks/test_sweep.py: a wrong
 reduce-scatter (not the slice of the sum) and a wrong all-gather (not the concatenation) are named
 at their collective, by their own definition.
 

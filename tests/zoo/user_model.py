@@ -1,4 +1,4 @@
-"""Factories for tests/test_run_folders.py: docs/tp-libraries.md's "Probe your own model" snippet as a user
+"""Factories for tests/ranks/test_run_folders.py: docs/tp-libraries.md's "Probe your own model" snippet as a user
 writes it (no `arch`, so nothing of the built-in model's reference may apply), and a factory that raises."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """vLLM's GPU all-reduce paths, made to run on CPU over gloo, in one tiny model (`--model` factories for
-tests/test_vllm_gpu_paths.py, the vLLM tier).
+tests/engines/vllm/test_vllm_gpu_paths.py, the vLLM tier).
 
 The TP group is vLLM's own (`init_distributed_environment` + `initialize_model_parallel` over the probe's
 gloo world); its device communicator is vLLM's `CudaCommunicator`, whose `all_reduce` picks the path with

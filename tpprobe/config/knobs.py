@@ -2,7 +2,7 @@
 
 The SGLang plugin's settings (TPPROBE_CAPTURE_DIR, TPPROBE_MAX_STEPS, ...) are declared with their
 parsing in `tpprobe/engines/sglang/options.py` (`PluginOptions`); everything else is here, and code
-reads it with `knob(NAME)`, never `os.environ` directly (tests/test_knobs.py holds that, and that the
+reads it with `knob(NAME)`, never `os.environ` directly (tests/house/test_knobs.py holds that, and that the
 tables in docs/, written by `python scripts/knobs_table.py --write`, list every one)."""
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class FastPath:
     what: str
 
 
-# The one place the private internals tpprobe touches are pinned to releases: tests/test_fast_paths.py.
+# The one place the private internals tpprobe touches are pinned to releases: tests/ranks/test_fast_paths.py.
 FAST_PATHS = {
     "hooks": FastPath("torch", (2, 11), (2, 14), "TPPROBE_FAST_HOOKS", True,
                       "the Tap writes torch.nn.Module's private hook dicts and swaps a hookless module's forward"),

@@ -369,7 +369,7 @@ def fast_level(x: torch.Tensor, ref: torch.Tensor, context: str = CROSS_RANK) ->
                 included) or a larger k: None.
       rel_norm, row_rel  from float32 row norms of x - ref (exact in float32: two values of one sign
                 within k steps), accepted only below bound × (1 - margin), the margin covering float32
-                rounding of a sum of squares over a row (tests/test_noise_fast.py checks the edges).
+                rounding of a sum of squares over a row (tests/unit/test_noise_fast.py checks the edges).
 
     Work per element: a memcmp; then, only if the bytes differ, integer passes over the views and
     two float32 conversions into reused buffers."""

@@ -2,7 +2,7 @@
 
 torch.load(weights_only=True) refuses any pickle that would import or call something, so loading a
 capture, a dumper record, a SpecForge sample or a draft checkpoint never executes code. This is the
-only call of torch.load in the package (tests/test_loader.py holds it to that); callers turn its
+only call of torch.load in the package (tests/ranks/test_loader.py holds it to that); callers turn its
 errors into their own one-line CaptureError, naming the file and what they expected there.
 """
 from __future__ import annotations

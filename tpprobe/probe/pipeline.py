@@ -64,7 +64,7 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
             ch.post("final", {"code": code}, rank=0)
     if "me" in box and not box["me"].device.ok:
         leave_now(code)       # the model's stream is held by a dead peer's collective: no NCCL teardown
-    if not keep_group:      # keep_group: a caller that probes again on the same group (tests/test_zoo.py)
+    if not keep_group:      # keep_group: a caller that probes again on the same group (tests/ranks/test_zoo.py)
         shutdown(ctx)
     return code
 

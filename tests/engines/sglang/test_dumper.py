@@ -10,15 +10,13 @@ import contextlib
 import io
 import json
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 
 pytest.importorskip("sglang.srt.debug_utils.dumper")
 
@@ -52,7 +50,8 @@ TP1 = {"base": [S(16, [("input_ids", "input_ids", None), ("embed", "embed", None
 def dumps(tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     with ThreadPoolExecutor(2) as ex:
-        jobs = [ex.submit(run_ranks, "helpers.dumper_ranks:write", w, {"base": str(root / f"tp{w}"), "exps": e}, 240)
+        jobs = [ex.submit(run_ranks, "tests.helpers.dumper_ranks:write", w, {"base": str(root / f"tp{w}"), "exps": e},
+                          240)
                 for w, e in ((2, TP2), (1, TP1))]
         for j in jobs:
             j.result()
@@ -281,7 +280,7 @@ def test_load_maps_new_files_and_reads_old_ones_whole(tmp_path):
 
 # ---- one sink: the dumper's report and diff write --html and --markdown like every command
 def test_report_and_diff_write_html_and_markdown(dumps, tmp_path):
-    from test_sinks import assert_written
+    from tests.ranks.test_sinks import assert_written
     code, out, err = cli("report", str(dumps / "tp2" / "row_sum"), "--html", str(tmp_path / "rep.html"),
                          "--markdown", str(tmp_path / "rep.md"))
     assert code == 1, out + err

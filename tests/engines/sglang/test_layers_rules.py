@@ -2,7 +2,7 @@
 own `set_eagle3_layers_to_capture` and capture condition (tpprobe.engines.sglang.rules), the names people
 use resolve, the exit code says when ids crash or drop, and the draft/target contract (F19) is
 read slot by slot from two config.json files. No model is run; the real captures that prove these
-rules are in tests/test_sglang_archs.py and tests/test_sglang_models.py.
+rules are in tests/engines/sglang/test_sglang_archs.py and tests/engines/sglang/test_sglang_models.py.
 
 CLI cases are forked from this warm interpreter (sglang imported once), as in test_cli_usage.
 """
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.test_cli_usage import _fork_cli
+from tests.ranks.test_cli_usage import _fork_cli
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,

@@ -20,7 +20,7 @@ import pytest
 
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sglang_tier = [pytest.mark.sglang, pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
 
 

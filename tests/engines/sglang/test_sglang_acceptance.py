@@ -4,14 +4,12 @@ counts each verify's accepted drafts per request, the plugin's hook writes them 
 DIR/dp0-pp0/acceptance.json, and `tpprobe report DIR` shows them in JSON, the terminal, HTML and Markdown.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -65,7 +63,7 @@ def worker(ctx):
 
 
 def test_sglang_acceptance_in_the_report(tmp_path):
-    res = run_ranks("test_sglang_acceptance:worker", 2, {}, timeout=240,
+    res = run_ranks(f"{__name__}:worker", 2, {}, timeout=240,
                     env={"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe"})
     # SGLang's own counters on the requests: 3 verifies each, 3+1+0 and 0+2+0 accepted drafts
     assert res[0] == [(3, 4, [1, 1, 0, 1]), (3, 2, [2, 0, 1])]

@@ -5,14 +5,11 @@ tpprobe.engines.sglang.layer_ids.plan) says it does, including the ids that cras
 
 Several architectures per rank process: SGLang's parallel state is published once.
 """
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.engines.sglang.layer_ids import plan
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
@@ -94,7 +91,7 @@ def _check_tap(per_rank, archs):
 
 def test_qwen3_and_qwen3_moe_tp2_captures_match_hf_and_derived_rule():
     archs = {k: IDS[k] for k in ("qwen3", "qwen3_moe")}
-    per_rank = run_ranks("test_sglang_archs:worker", 2, dict(archs=archs), timeout=300)
+    per_rank = run_ranks(f"{__name__}:worker", 2, dict(archs=archs), timeout=300)
     _check(per_rank, archs)
     _check_tap(per_rank, archs)
     assert "Qwen3MoeSparseMoeBlock" in per_rank[0]["qwen3_moe"]["info"]["mlp per layer"]
@@ -103,6 +100,6 @@ def test_qwen3_and_qwen3_moe_tp2_captures_match_hf_and_derived_rule():
 @pytest.mark.sweep
 def test_qwen2_tp2_captures_match_hf_and_derived_rule():
     archs = {"qwen2": IDS["qwen2"]}
-    per_rank = run_ranks("test_sglang_archs:worker", 2, dict(archs=archs), timeout=300)
+    per_rank = run_ranks(f"{__name__}:worker", 2, dict(archs=archs), timeout=300)
     _check(per_rank, archs)
     _check_tap(per_rank, archs)

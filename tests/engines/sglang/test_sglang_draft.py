@@ -6,15 +6,13 @@ what the config says, the draft was trained one layer earlier) fails naming each
 and the layer trained on, and the fix; without the training the verdict says it checked the config only.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -91,7 +89,7 @@ def test_draft_input_checked_against_training(tmp_path):
 
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "4",
            "TPPROBE_KEEP": "aux.packed"}
-    res = run_ranks("test_sglang_draft:worker", 2, {}, env=env, timeout=300)
+    res = run_ranks(f"{__name__}:worker", 2, {}, env=env, timeout=300)
     group = tmp_path / "dp0-pp0"
     assert sorted(p.name for p in group.iterdir()) == [
         f"step-00000{n}-{m}" for n in range(4) for m in ("draft_input", "extend")]
@@ -194,7 +192,7 @@ def test_a_specforge_sample_is_what_the_draft_input_is_checked_against(tmp_path)
     out = tmp_path / "capture"
     env = {"TPPROBE_CAPTURE_DIR": str(out), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "4",
            "TPPROBE_KEEP": "aux.packed"}
-    run_ranks("test_sglang_draft:specforge_worker", 2, {"sample_dir": str(samples)}, env=env, timeout=300)
+    run_ranks(f"{__name__}:specforge_worker", 2, {"sample_dir": str(samples)}, env=env, timeout=300)
     group = out / "dp0-pp0"
     sample = samples / "data_0.ckpt"
     # matched at step 1 to request 1's rows: the sample holds hidden_states [2, 3, 4]; served with ids [0, 1, 2]

@@ -19,8 +19,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -70,7 +69,7 @@ def serve(tmp_path, target, draft, ids, capture=None) -> list:
            "TEST_SERVED_IDS": json.dumps(ids)}
     if capture:
         env.update(TPPROBE_CAPTURE_DIR=str(capture), TPPROBE_MAX_STEPS="1", TPPROBE_KEEP="*")    # the streams, replayed
-    return run_ranks("test_sglang_fix:worker", 2, {}, env=env, timeout=300)
+    return run_ranks(f"{__name__}:worker", 2, {}, env=env, timeout=300)
 
 
 def right_drafts(res) -> int:

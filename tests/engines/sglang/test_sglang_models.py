@@ -3,16 +3,13 @@ EAGLE-3 aux slot holds exactly the HF hidden state that tpprobe.engines.sglang.l
 
 One process set per (arch, tp): the model is built once and re-told its ids between forwards.
 """
-import os
-import sys
 
 import json
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.core.errors import UsageError
 from tpprobe.engines.sglang.layer_ids import plan
 from tpprobe.engines.sglang import INSTALL_HINT, available
@@ -78,20 +75,21 @@ def _check(arch, per_rank, id_sets):
 
 
 def test_llama_tp2_captures_match_hf_and_table():
-    per_rank = run_ranks("test_sglang_models:worker", 2,
+    per_rank = run_ranks(f"{__name__}:worker", 2,
                          dict(arch="llama", id_sets=LLAMA_IDS), timeout=150)
     _check("llama", per_rank, LLAMA_IDS)
     assert per_rank[0]["info"]["sglang layers_to_capture"] == [0, 1, 3]
 
 
 def test_deepseek_v2_mla_moe_tp2_captures_match_hf_and_table():
-    per_rank = run_ranks("test_sglang_models:worker", 2,
+    per_rank = run_ranks(f"{__name__}:worker", 2,
                          dict(arch="deepseek_v2", id_sets=DEEPSEEK_IDS), timeout=150)
     _check("deepseek_v2", per_rank, DEEPSEEK_IDS)
     assert "DeepseekV2MoE" in per_rank[0]["info"]["mlp per layer"]
 
 
-# tp 4 from a config file: tests/test_sglang_probe.py::test_cli_llama_tp4_from_config_file (through the CLI)
+# tp 4 from a config file (through the CLI):
+# tests/engines/sglang/test_sglang_probe.py::test_cli_llama_tp4_from_config_file
 
 
 def test_bad_arch_and_config_are_usage_errors(tmp_path):

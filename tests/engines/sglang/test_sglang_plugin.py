@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -25,7 +24,7 @@ L, TOKENS, SEED = 3, 6, 5
 IDS = {"llama": [0, 1], "deepseek_v2": [0, 2]}
 # what the drafts were trained on: Llama adds 1 to every id; DeepSeek not when the first id is not 1
 TRAINED = {"llama": "ids:1,2", "deepseek_v2": "ids:0,2"}
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
 
 
 def worker(ctx, arch, broken_step, rank1_budget=None):
@@ -84,7 +83,7 @@ def test_plugin_capture_checked_offline_by_tpprobe_report(tmp_path, arch):
         env.update(TPPROBE_KEEP="layer.*.out,aux.packed", TPPROBE_KEEP_TOKENS="2", TPPROBE_MAX_BYTES=str(BUDGET))
     # deepseek: rank 1 has no byte budget at all (rank-local state): it must still capture the step
     # and join the manifest's gather, with nothing kept (the old plugin skipped the step there: hang)
-    res = run_ranks("test_sglang_plugin:worker", 2,
+    res = run_ranks(f"{__name__}:worker", 2,
                     dict(arch=arch, broken_step=broken, rank1_budget=None if broken else 0), env=env, timeout=240)
     group = tmp_path / "dp0-pp0"
     assert [p.name for p in tmp_path.iterdir()] == ["dp0-pp0"]
@@ -184,12 +183,12 @@ def test_unwritable_capture_dir_is_logged_once_and_the_forwards_go_on(tmp_path):
     """The shared step writer (vLLM's plugin writes through it too): every rank's mkdir fails (the
     folder is under a regular file), the ranks learn it from the step's all-gather, TP rank 0 logs
     it in ONE line, every rank stops capturing, and every forward still returns."""
-    from helpers.sglang_ranks import LAST_LOGS
+    from tests.helpers.sglang_ranks import LAST_LOGS
 
     (tmp_path / "a-file").write_text("not a folder")
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path / "a-file" / "cap"), "SGLANG_PLUGINS": "tpprobe",
            "TPPROBE_MAX_STEPS": "3"}
-    res = run_ranks("test_sglang_plugin:error_worker", 2, {}, env=env, timeout=240)
+    res = run_ranks(f"{__name__}:error_worker", 2, {}, env=env, timeout=240)
     assert len(res) == 2 and all(len(r) == 3 for r in res), res
     lines = [x for log in LAST_LOGS for x in log.splitlines() if "capture FAILED" in x]
     assert len(lines) == 1, "\n".join(LAST_LOGS)[-4000:]
@@ -205,7 +204,7 @@ def test_a_described_build_sets_the_slots_the_plugin_expects(tmp_path):
     output (hidden_states[3]), the same capture reads one layer early at aux slot 1."""
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "1",
            "TPPROBE_KEEP": "*", "TPPROBE_ID_RULE": "2=out:2"}
-    run_ranks("test_sglang_plugin:worker", 2, dict(arch="deepseek_v2", broken_step=False), env=env, timeout=240)
+    run_ranks(f"{__name__}:worker", 2, dict(arch="deepseek_v2", broken_step=False), env=env, timeout=240)
     from tpprobe.formats.capture_dir import load_run
     step = tmp_path / "dp0-pp0" / "step-000000-extend"
     code, failures, rep = _report(step)

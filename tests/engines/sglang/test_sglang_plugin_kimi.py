@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers.sglang_ranks import run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import run_ranks
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -68,7 +67,7 @@ def test_the_plugin_captures_sglangs_kimi_wrapper_with_its_embedding(tmp_path):
     # slots are checked against the training, not only against the engine's own ids
     env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_KEEP": "*",
            "TPPROBE_DRAFT_TRAINED": "ids:0,2"}
-    res = run_ranks("test_sglang_plugin_kimi:worker", 2, {}, env=env, timeout=300)
+    res = run_ranks(f"{__name__}:worker", 2, {}, env=env, timeout=300)
     assert res[0]["inner"] == "DeepseekV3ForCausalLM"
     group = tmp_path / "dp0-pp0"
     assert sorted(p.name for p in group.iterdir()) == ["step-000000-extend"]     # one step, not two

@@ -17,7 +17,7 @@ from tpprobe.engines.sglang import INSTALL_HINT, available
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 L, TOKENS, SEED = 4, 7, 0
 
 

@@ -11,13 +11,10 @@ wrong (tpprobe/engines/sglang/faults.py), and each named exactly: class, place, 
 Guesses 1 and 3 run in CI; 2 and 4 (the same mechanisms CI proves on the plugin's and on qwen3's runs) are sweep.
 The wording of the slot verdicts is checked without ranks.
 """
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_sglang_probe import failures, probe  # noqa: E402
+from tests.engines.sglang.test_sglang_probe import failures, probe
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 needs_sglang = [pytest.mark.sglang, pytest.mark.skipif(not available(), reason=f"sglang not installed: {INSTALL_HINT}")]

@@ -11,15 +11,12 @@
   group; F17 `--inject dp-attention-gather` is named dp-gather-group with the groups involved.
 
 Healthy runs of the other architectures are `sweep` (the captures themselves are proven equal to
-HF for qwen3 and qwen3_moe by tests/test_sglang_archs.py in the default run).
+HF for qwen3 and qwen3_moe by tests/engines/sglang/test_sglang_archs.py in the default run).
 """
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_sglang_probe import failures, probe  # noqa: E402
+from tests.engines.sglang.test_sglang_probe import failures, probe
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,

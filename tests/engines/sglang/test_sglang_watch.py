@@ -1,22 +1,20 @@
-"""The watch (TPPROBE_WATCH=N) in the SGLang plugin, loaded through SGLang's own load_plugins() in two real gloo
-ranks running SGLang's Llama on CPU (tpprobe.engines.sglang.tiny, as tests/test_sglang_plugin.py): one forward in
-N checked on both ranks; a reduce SGLang's GroupCoordinator returns scaled on rank 1 in one call is named at its
-step, layer and rank in one log line and by `tpprobe report`; the live toggle through SGLang's RPC hook
-(`Scheduler.handle_rpc_request`, as `Engine.collective_rpc("tpprobe_watch", n=...)` reaches it); a fault in
-the watch's own code on one rank stops the watch on both, and every forward still returns.
+"""The watch (TPPROBE_WATCH=N) in the SGLang plugin, loaded through SGLang's own load_plugins() in two real gloo ranks
+running SGLang's Llama on CPU (tpprobe.engines.sglang.tiny, as tests/engines/sglang/test_sglang_plugin.py): one
+forward in N checked on both ranks; a reduce SGLang's GroupCoordinator returns scaled on rank 1 in one call is named
+at its step, layer and rank in one log line and by `tpprobe report`; the live toggle through SGLang's RPC hook
+(`Scheduler.handle_rpc_request`, as `Engine.collective_rpc("tpprobe_watch", n=...)` reaches it); a fault in the
+watch's own code on one rank stops the watch on both, and every forward still returns.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when tests/ is a package
-from helpers.sglang_ranks import LAST_LOGS, run_ranks  # noqa: E402
+from tests.helpers.sglang_ranks import LAST_LOGS, run_ranks
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -96,9 +94,9 @@ def test_one_wrong_reduce_in_a_checked_forward_is_named_at_its_step_layer_and_ra
     """Forwards 0..7 at TPPROBE_WATCH=2; the 2nd reduce of forward 4 (layer 0's o_proj: the embedding's is the
     1st) returns the sum x 2 on rank 1: forward 4 is the one failing step; 0, 2 and 6 (the same input, no KV
     cache in between) are healthy."""
-    per_forward = run_ranks("test_sglang_watch:worker", 2, dict(forwards=1), env=_env(tmp_path / "count", 1),
+    per_forward = run_ranks(f"{__name__}:worker", 2, dict(forwards=1), env=_env(tmp_path / "count", 1),
                             timeout=240)[0]["calls"]
-    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=8, bad_call=4 * per_forward + 1),
+    res = run_ranks(f"{__name__}:worker", 2, dict(forwards=8, bad_call=4 * per_forward + 1),
                     env=_env(tmp_path / "w", 2), timeout=240)
     log = "".join(LAST_LOGS)
     lines = [x[x.index("[tpprobe] step"):] for x in log.splitlines() if "[tpprobe] step" in x]
@@ -145,7 +143,7 @@ def test_watch_toggled_through_sglangs_rpc_hook_is_healthy_with_full_counts(tmp_
     """TPPROBE_WATCH unset at start (the plugin on for its capture folder only), turned on at forward 2 with
     n=1 and off at forward 5 through SGLang's RPC handler: forwards 2, 3, 4 checked and healthy."""
     env = {**_env(tmp_path, 0), "TPPROBE_WATCH": "0", "TPPROBE_MAX_STEPS": "0"}
-    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=7, toggles={2: 1, 5: 0}), env=env, timeout=240)
+    res = run_ranks(f"{__name__}:worker", 2, dict(forwards=7, toggles={2: 1, 5: 0}), env=env, timeout=240)
     for r in res:
         assert r["rpc"] == [(True, 1), (True, 0)], r["rpc"]
         st = r["status"]
@@ -158,7 +156,7 @@ def test_watch_toggled_through_sglangs_rpc_hook_is_healthy_with_full_counts(tmp_
 
 def test_a_fault_in_the_watch_on_one_rank_stops_it_on_both_and_the_forwards_go_on(tmp_path):
     env = {**_env(tmp_path, 1), "TPPROBE_VLLM_INJECT": "plugin-error@1"}
-    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=4), env=env, timeout=240)
+    res = run_ranks(f"{__name__}:worker", 2, dict(forwards=4), env=env, timeout=240)
     log = "".join(LAST_LOGS)
     lines = [x for x in log.splitlines() if "watch FAILED" in x]
     assert len(lines) == 1 and "at step 0 (extend) on tp rank(s) [1]" in lines[0], lines or log[-3000:]
@@ -170,7 +168,7 @@ def test_failing_records_past_max_bytes_are_counted_not_kept(tmp_path):
     """TPPROBE_MAX_BYTES=50000 per rank holds one failing forward's record (~31 KB a rank), not two: forwards 1 and
     2 both fail, the first is kept, the second is counted and listed, and the report names both."""
     env = {**_env(tmp_path, 1), "TPPROBE_MAX_BYTES": "50000"}
-    res = run_ranks("test_sglang_watch:worker", 2, dict(forwards=4, bad_forwards=(1, 2)), env=env, timeout=240)
+    res = run_ranks(f"{__name__}:worker", 2, dict(forwards=4, bad_forwards=(1, 2)), env=env, timeout=240)
     st = res[0]["status"]
     assert (st["checked"], st["healthy"], st["failing"], st["not_kept"]) == (4, 2, 2, 1), st
     assert [(f["step"], f["folder"] is not None) for f in st["findings"]] == [(1, True), (2, False)], st

@@ -7,11 +7,11 @@ token vLLM verifies it against only when that slot holds the stream it was built
 vLLM's acceptance is 1.00 with the right ids and 0.00 when the slot holds another stream: the symptom (vLLM's
 counters, `llm.get_metrics()`) and the cause (tpprobe's verdict) come from the same engine run.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_draft_live.py` runs ONE engine (the
-off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training also given
-as a SpecForge sample); the long matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again (vLLM's own
-acceptance back to 1.00, HEALTHY), ids out of layer order, a capture without the residual, a wrong all-reduce in
-the target, a partial capture, and the same tokens with and without the plugin.
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_draft_live.py` runs ONE
+engine (the off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training
+also given as a SpecForge sample); the long matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again
+(vLLM's own acceptance back to 1.00, HEALTHY), ids out of layer order, a capture without the residual, a wrong
+all-reduce in the target, a partial capture, and the same tokens with and without the plugin.
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_vllm_live import _need_vllm, _plugin_path  # noqa: F401 - the tier's fixture (fails under -m)
+# the tier's fixture (fails under -m)
+from tests.engines.vllm.test_vllm_live import _need_vllm, _plugin_path  # noqa: F401
 from tpprobe.engines.vllm.planted import build_draft, build_target, expected_tokens, next_token
 
 pytestmark = [pytest.mark.vllm_live]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 FIELD = "eagle_aux_hidden_state_layer_ids"
 
 ENGINE = r'''

@@ -2,7 +2,7 @@
 text model under `text_config`), shrunk with the options that keep the TP structure and run at real width 7168
 on CPU gloo at tp 2: vLLM resolves the text model's class (DeepseekV3ForCausalLM) and the run is healthy.
 Sweep: measured 181 s wall and 5.5 GB per rank on 2 cores (the refusal at tp 8, in seconds, is in the CI tier:
-tests/test_hub_configs.py)."""
+tests/ranks/test_hub_configs.py)."""
 import json
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.ranks import run_cli
 
-KIMI = Path(__file__).resolve().parent / "assets" / "kimi-k2.5" / "config.json"
+KIMI = Path(__file__).resolve().parents[2] / "assets" / "kimi-k2.5" / "config.json"
 
 
 @pytest.mark.vllm

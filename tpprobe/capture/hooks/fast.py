@@ -5,7 +5,7 @@ installs its hooks for every forward; writing the dicts as torch writes them is 
 cheaper (docs/benchmarks.md, bench/tap_enter.py).  A module with no hook at all keeps torch's fast
 call path when its forward is wrapped instead (`Wrap`).  Both depend on torch's private layout, so
 they are taken only on the torch releases ``config.knobs.FAST_PATHS["hooks"]`` names and while
-TPPROBE_FAST_HOOKS allows (tests/test_fast_paths.py); the public path otherwise (install.py)."""
+TPPROBE_FAST_HOOKS allows (tests/ranks/test_fast_paths.py); the public path otherwise (install.py)."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -20,7 +20,7 @@ How acceptance is estimated (teacher-forced, from one forward per source):
 
 Engines: `sglang` runs SGLang's own `LlamaForCausalLMEagle3` (CPU, one process, torch_native
 attention, an EXTEND batch), `torch` a re-implementation of the same forward
-(`Eagle3Forward`, proved equal to SGLang's class on the same weights in tests/test_accept.py).
+(`Eagle3Forward`, proved equal to SGLang's class on the same weights in tests/ranks/test_accept.py).
 `auto` takes sglang when it is importable.
 
 Devices (`--device auto|cpu|cuda[:N]`): `auto` is cuda when torch sees one, else cpu. The torch

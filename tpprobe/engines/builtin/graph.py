@@ -7,9 +7,9 @@ catalogue faults (before capture, so they are part of the graph), replays with n
 the fingerprints after replay, fingerprints the same forward eagerly with the ordinary `Tap` and
 compares every point, and returns the rank record (capture/record.py, of the replay's fingerprints) and
 the run settings (formats/settings.py) `run_checks` judges (`graph_findings`).
-Used by tests/test_graph_tap.py (`pytest -m gpu`) and bench/graph_decode.py.
+Used by tests/gpu/test_graph_tap.py (`pytest -m gpu`) and bench/graph_decode.py.
 
-`compiled_probe_rank` is the same proof for the model under torch.compile (tests/test_compiled_tap.py):
+`compiled_probe_rank` is the same proof for the model under torch.compile (tests/gpu/test_compiled_tap.py):
 catalogue faults injected before compiling, `CompiledTaps` planned in one eager forward, the model
 compiled with ``mode="reduce-overhead"`` (Inductor, then cudagraph trees record and replay) or
 ``backend="cudagraphs"`` (the same aten kernels as eager, in cudagraph trees), replayed with new

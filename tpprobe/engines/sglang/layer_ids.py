@@ -6,8 +6,8 @@ The ids here are the ids a user hands SGLang, i.e. what `set_eagle3_layers_to_ca
 receives (a draft model's `eagle_aux_hidden_state_layer_ids`). tpprobe passes them to SGLang
 verbatim; this module says what SGLang then does with them.
 
-SGLang's rules (read in the 0.5.23 source; tests/test_layer_ids.py pins each rule, and
-tests/test_sglang_models.py checks them against real captures of SGLang's tiny models vs HF):
+SGLang's rules (read in the 0.5.23 source; tests/unit/test_layer_ids.py pins each rule, and
+tests/engines/sglang/test_sglang_models.py checks them against real captures of SGLang's tiny models vs HF):
 
 * Decoder layer ``i`` in SGLang's ``layers_to_capture`` captures the residual stream *entering*
   layer ``i`` (previous layer's output after its all-reduce, plus residual; before the input norm)

@@ -54,7 +54,7 @@ class Derived:
 
 # ---- the table: the same rules as data, for a machine without SGLang (and fast with it) ------------
 # rules.py `tabulate()` names, for each architecture, the rule among MAPS x STORES (or "raises") that
-# reproduces SGLang's setter; `derive_from_table` replays a rule on any ids. tests/test_layers_table.py
+# reproduces SGLang's setter; `derive_from_table` replays a rule on any ids. tests/engines/sglang/test_layers_table.py
 # regenerates the table from the installed SGLang and asserts it equals the shipped one, and that the
 # replay equals `derive` on another grid.
 TABLE_MODULE = "tpprobe/engines/sglang/rules_table.py"

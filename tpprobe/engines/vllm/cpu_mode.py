@@ -24,7 +24,7 @@ own model classes outside its engine, on the probe's gloo world. Imported only b
 6. The attention core: vLLM's `Attention` reads the KV cache and attention metadata only its engine
    builds. Outside the engine it is replaced by causal SDPA over the rank's local heads (GQA repeated)
    for a prefill of one sequence; no TP communication is inside it, every TP layer stays vLLM's own.
-   tests/test_vllm_probe.py proves it equal to HF's model on the same checkpoint (every layer's stream).
+   tests/engines/vllm/test_vllm_probe.py proves it equal to HF's model on the same checkpoint (every layer's stream).
    MLA (`MLAAttention`, DeepSeek-V2/V3) likewise, un-absorbed as vLLM's MLA prefill computes it, through the
    module's own `kv_b_proj`; its backend is named `CPU_MLA` (vLLM's reference CPU MLA): on an AMX host vLLM
    picks `AMX_MLA` for any dtype, and that one is bf16-only (float32 fails in process_weights_after_loading,

@@ -6,7 +6,7 @@ from ...config.fault_names import BOTH, VLLM
 from ..engine import ServingEngine
 
 # the architectures whose vLLM model cannot capture the embedding (-1): their default ids are SGLang's
-# DeepSeek ids, 0,2,4 (DeepseekV2Model raises for id 0 = before layer 0; tests/test_vllm_probe.py)
+# DeepSeek ids, 0,2,4 (DeepseekV2Model raises for id 0 = before layer 0; tests/engines/vllm/test_vllm_probe.py)
 NO_EMBED_ID = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 

@@ -5,7 +5,7 @@ Pure Python (no vllm import): used by `tpprobe layers --engine vllm` and by the 
 (tpprobe/engines/vllm/rules_table.py, written by `python -m tpprobe.engines.vllm.rules --write`); with
 another vLLM installed, tpprobe.engines.vllm.rules derives it from that vLLM's code.
 
-vLLM's rule (the installed code says so; tests/test_vllm_layers.py checks the table against it):
+vLLM's rule (the installed code says so; tests/engines/vllm/test_vllm_layers.py checks the table against it):
 
 * The ids are used as written: `set_aux_hidden_state_layers(ids)` stores them (the interface stores
   them sorted and deduplicated, PR #50514; a few models as given), and the decoder's forward offers

@@ -228,7 +228,7 @@ def _proj(S, a_ptr, w0: tl.constexpr, W: tl.constexpr, KP: tl.constexpr):
 
 
 # The sizes are runtime values, never specialised (no constant 1, no divisibility by 16): one
-# binary per dtype / k / flags takes every shape (tests/test_kernel_compile.py compiles them all).
+# binary per dtype / k / flags takes every shape (tests/unit/test_kernel_compile.py compiles them all).
 # Their loads and stores need no size hints: full tiles are unmasked or masked by a scalar.
 @triton.jit(do_not_specialize=["nwords", "nbrows", "nfull", "ntiles", "salt_b0", "NPROG", "bpt_m", "bpt_s"])
 def fp16_kernel(w_ptr, a_ptr, fpart_ptr, ipart_ptr, flag_ptr,

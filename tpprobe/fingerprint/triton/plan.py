@@ -90,7 +90,7 @@ def tuning(block_r=None, num_warps=None, progs_per_sm=None, maxnreg=None, split=
 def plan(tensors, k: int, nsm: int, block_r: int, progs_per_sm: int, **_) -> tuple[list, int, int, int]:
     """Per tensor: the sizes launch() passes its kernel; and the partial buffers' sizes
     (int64 words, float32 words, token flags).  Needs only shape, dtype and element size, so the
-    CI test (tests/test_kernel_compile.py) plans meta tensors of any size exactly as launch() does."""
+    CI test (tests/unit/test_kernel_compile.py) plans meta tensors of any size exactly as launch() does."""
     plans = []
     foff = ioff = ntok = 0
     for t in tensors:
