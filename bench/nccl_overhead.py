@@ -1,4 +1,4 @@
-"""The probe's overhead at tp 2 over NCCL, measured side by side in one run (issue 14).
+"""The probe's overhead at tp 2 over NCCL, measured side by side in one run.
 
     python bench/nccl_overhead.py [--nproc 2] [--hidden 7168] [--num-layers 4] [--dtype bfloat16]
         [--prefill 8192] [--decode 1,8,64] [--iters 7] [--decode-iters 30] [--out DIR]

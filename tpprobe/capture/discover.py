@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from ..core.errors import UsageError
-from .rowparallel import NAME_PATTERNS
 from .rowparallel import is_row_parallel as row_parallel_rule
 
 _IDX = re.compile(r"(\d+)$")
@@ -76,9 +75,6 @@ def _elements(name: str, m: nn.Module) -> list[tuple[int, str, nn.Module]]:
     by_key = isinstance(m, nn.ModuleDict) and all(k.isdigit() for k, _ in kids)
     out = [(int(k) if by_key else i, f"{name}.{k}" if name else k, c) for i, (k, c) in enumerate(kids)]
     return sorted(out, key=lambda x: x[0]) if by_key else out
-
-
-ROW_PATTERNS = NAME_PATTERNS     # the class-name fallback, for code that reads it here
 
 
 def is_row_parallel(m: nn.Module) -> bool:
@@ -211,10 +207,6 @@ def is_sequence_shard(t: torch.Tensor, layout: Optional[str], ids_shape: Optiona
     if layout == SBH_SP:
         return tuple(t.shape[:2]) == (ids_shape[1] // world, ids_shape[0])
     return layout == BSH_SP and tuple(t.shape[:2]) == (ids_shape[0], ids_shape[1] // world)
-
-
-def emits_hidden(output, ids: torch.Tensor) -> bool:
-    return hidden_layout(output, ids) is not None
 
 
 def rows(t: torch.Tensor, layout: Optional[str], ids_shape: Optional[tuple]) -> torch.Tensor:

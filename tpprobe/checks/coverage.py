@@ -161,11 +161,3 @@ def unreadable_findings(records, live) -> list[Finding]:
     return [Finding("coverage", "unreadable tensors", ranks, severity=WARNING, detail=(
         f"tpprobe could not read {len(what)} tensor(s), so they are not compared across ranks: {text}{more}"),
         evidence={"unreadable": [{"kind": k, "name": n, "why": w, "ranks": rs} for (k, n, w), rs in what.items()]})]
-
-
-def expected_reduces(records, live) -> dict:
-    """The typical number of reduces per decoder layer (the most common count over layers)."""
-    cov = summary(records, live).get("reduces_per_place", {})
-    ref = str(live[0])
-    counts = [v.get(ref, 0) for w, v in cov.items() if is_layer_place(w)]
-    return {"typical": Counter(counts).most_common(1)[0][0] if counts else 0, "per_place": cov}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 FAILURE, WARNING, INFO = "failure", "warning", "info"
 SEVERITIES = (FAILURE, WARNING, INFO)          # worst first: every sort of findings by severity
@@ -95,9 +94,3 @@ class Finding:
 def exit_code(findings: list) -> int:
     sev = [f["severity"] if isinstance(f, dict) else f.severity for f in findings]
     return 1 if FAILURE in sev else 0
-
-
-def ranks_text(ranks: Optional[list[int]], world: int) -> str:
-    if ranks is None or len(ranks) == world:
-        return "all ranks"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"

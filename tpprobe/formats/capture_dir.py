@@ -105,10 +105,6 @@ def write_manifest(out: Path, settings: dict, files: list[dict]) -> None:
     atomic_write_bytes(out / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
-def estimate_bytes(n_tensors: int, tokens: int, hidden: int, dtype: torch.dtype) -> int:
-    return n_tensors * tokens * hidden * torch.empty((), dtype=dtype).element_size()
-
-
 RUNS_DIR = "tpprobe-runs"
 
 

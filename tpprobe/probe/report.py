@@ -14,8 +14,6 @@ from ..report.words import (audit_text, cell_label, coverage_parts, coverage_tex
                             slot_values_differ, timing_text, verdict_lines)
 from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, Text
 
-SEVERITY_STYLE = {"failure": "bold red", "warning": "yellow", "info": "cyan"}
-
 
 def title(st: dict) -> str:
     return (f"{st.get('model')} · tp={st['world_size']} · {st.get('backend')} · {st.get('dtype')} · "

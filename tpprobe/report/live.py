@@ -4,7 +4,7 @@ It reads the `tpprobe.capture.progress.Progress` object the probe already update
 (`progress.set(phase, where)`), so the pipeline needs no other call than start/stop. It stays
 invisible for phases shorter than `delay` seconds, draws nothing under --quiet / --json or when
 stdout is not a terminal, and is transient: it disappears before the report is rendered
-(`tpprobe.report.console()` calls `stop_all()`). Colours follow rich (NO_COLOR respected).
+(`tpprobe.report.emit.console()` calls `stop_all()`). Colours follow rich (NO_COLOR respected).
 """
 from __future__ import annotations
 

@@ -84,8 +84,6 @@ from typing import Optional
 
 import torch
 
-ENV_DIR = "TPPROBE_CAPTURE_DIR"
-
 # process-wide by nature: the plugin's per-process state in an SGLang worker (one server, one step count)
 _state = threading.local()
 _STEPS = {"n": 0, "captured": 0, "bytes": 0, "announced": False, "failed": False}

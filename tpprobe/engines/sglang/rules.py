@@ -153,10 +153,6 @@ def _hf_causal_lm(model_type: str) -> Optional[str]:
 _LINES: dict = {}
 
 
-def _forward_class(owner) -> type:
-    return type(owner)
-
-
 @contextlib.contextmanager
 def _last_pp_rank():
     """Setters that read get_parallel().pp_group (exaone_moe, minimax_m2) see the last PP rank."""

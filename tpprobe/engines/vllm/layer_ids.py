@@ -32,10 +32,6 @@ RUNNERS = ("v1", "v2")
 
 
 # ---- the draft config -> the ids vLLM hands set_aux_hidden_state_layers --------------------------
-def _get(cfg: dict, key: str):
-    return cfg.get(key) if isinstance(cfg, dict) else None
-
-
 def config_ids(draft: dict, runner: str = "v1") -> tuple[Optional[list[int]], str]:
     """(ids, where they came from) as vLLM 0.32.0's model runner reads a draft's config (None: the
     model's default). A replay of `GPUModelRunner._get_eagle3_aux_layers_from_config` (runner v1)
