@@ -82,7 +82,7 @@ def test_every_guarantee_names_tests_that_exist():
 
 
 def test_every_test_file_the_code_and_docs_cite_exists():
-    """A module docstring or a doc citing tests/test_x.py (as layer_ids.py once cited a file that was
+    """A module docstring or a doc citing tests/unit/test_x.py (as layer_ids.py once cited a file that was
     never there) must point at a file that exists."""
     texts = [*(ROOT / "tpprobe").rglob("*.py"), *_pages()]
     cited = {(str(p.relative_to(ROOT)), m) for p in texts
