@@ -20,7 +20,6 @@ The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_kim
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
