@@ -200,8 +200,10 @@ def _forward(model, inner, args, kwargs):
     # the same on every rank of the TP group (forward index and mode), never rank-local state
     if input_ids is None and kwargs.get("inputs_embeds") is not None and not _STEPS.get("embeds_said"):
         _STEPS["embeds_said"] = True      # a multimodal model (Kimi-K2.5): the runner embeds outside the model
-        say("forwards with inputs_embeds and no input_ids are not captured (vLLM embeds the prompt outside a "
-            "multimodal model's forward): serve with --language-model-only to capture the text model")
+        if parallel_ranks().get("tp_rank", 0) == 0:     # one line for the TP group, not one per rank
+            say(f"{type(model).__name__}: forwards with inputs_embeds and no input_ids are not captured (vLLM "
+                f"embeds the prompt outside a multimodal model's forward): serve with --language-model-only to "
+                f"capture the text model")
     if input_ids is None or _STEPS["failed"] or not _wanted(s, mode):
         if input_ids is not None and _watched(s, step):      # TPPROBE_WATCH: tpprobe/engines/watch.py
             from tpprobe.engines.vllm.watch import watch_forward
