@@ -15,7 +15,7 @@ with vLLM's `language_model_only=True` (`--language-model-only`), the runner pas
 captures the text model inside the wrapper: every step HEALTHY with full coverage, the prefill's streams equal to
 HF's DeepSeek-V3 forward of the same seeded text weights.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/test_vllm_kimi.py`.
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_kimi.py`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_vllm_live import _need_vllm, report, serve, steps  # noqa: F401 - _need_vllm: the tier's skip/fail
+from tests.engines.vllm.test_vllm_live import _need_vllm, report, serve, steps  # noqa: F401 - _need_vllm: the tier's skip/fail
 
 pytestmark = [pytest.mark.vllm_live]
 L, SEED = 3, 7
@@ -131,7 +131,7 @@ def test_served_multimodal_forwards_are_not_captured_said_once_tokens_unchanged(
     assert [(x["tp_rank"], x["forwards"], x["captured"], x["bytes"], x["failed"]) for x in res["status"]] == \
         [(0, 4, 0, 0, False), (1, 4, 0, 0, False)], res["status"]
     assert not cap.exists() or not list(cap.rglob("*")), list(cap.rglob("*"))
-    assert f'File "{Path(__file__).resolve().parents[1] / "tpprobe"}' not in log, log[-4000:]
+    assert f'File "{Path(__file__).resolve().parents[3] / "tpprobe"}' not in log, log[-4000:]
 
 
 def test_language_model_only_captures_the_text_model_healthy(checkpoint, tmp_path):
