@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engines.vllm.test_vllm_live import _need_vllm, report, serve, steps  # noqa: F401 - _need_vllm: the tier's skip/fail
+from tests.engines.vllm.test_vllm_live import _need_vllm, report, serve, steps  # noqa: F401 - the tier's skip
 
 pytestmark = [pytest.mark.vllm_live]
 L, SEED = 3, 7
