@@ -39,6 +39,17 @@ def running_modules(known: dict, frame=None, limit: int = 1000) -> list:
     return out
 
 
+# process-wide by nature: a pure function of the layer index (points.layer_place), made once per index
+_PLACES: dict = {}
+
+
+def _place(layer: Optional[int]) -> str:
+    p = _PLACES.get(layer)
+    if p is None:
+        p = _PLACES[layer] = layer_place(layer)
+    return p
+
+
 _Event = getattr(torch._C, "_CudaEventBase", None)
 if not hasattr(_Event, "record"):           # a CPU build's stub
     _Event = torch.cuda.Event
@@ -93,14 +104,38 @@ class Collectives:
             time.sleep(0.0001)
 
     def _attribution(self, tensor):
-        # the modules running this collective, innermost first: the layers' (from the frames) and
-        # the embedding's (its hooks keep a stack: it is known only once it consumed the ids)
-        running = running_modules(self._known, sys._getframe(1))
-        module = running[0][0] if running else self._stack[-1][0] if self._stack else "<outside hooked modules>"
-        layer = next((idx for _, kind, idx in running if kind == "layer"), None)
+        # the modules running this collective, innermost first, read from the frames of
+        # torch.nn.Module._call_impl as running_modules reads them: the innermost known module names
+        # it, the first row-parallel one is its source, the first layer its place; the embedding's
+        # (its hooks keep a stack: it is known only once it consumed the ids). A row-parallel module
+        # of the layer the layer hooks say is running ends the walk: the first layer above it is that
+        # one. One shared by layers, or called outside its own layer, names another layer than the
+        # running one (or there is none): then the walk goes on to the layer's own frame
+        known, code, now = self._known, _CALL_IMPL, self._layer_now
+        module = source = layer = None
+        f = sys._getframe(1)
+        limit = 1000
+        while f is not None and limit:
+            if f.f_code is code:
+                e = known.get(id(f.f_locals.get("self")))
+                if e is not None:
+                    if module is None:
+                        module = e[0]
+                    kind = e[1]
+                    if kind == "layer":
+                        layer = e[2]
+                        break
+                    if kind == "row" and source is None:
+                        source = e[0]
+                        if now is not None and e[2] == now:
+                            layer = now
+                            break
+            f = f.f_back
+            limit -= 1
         in_embed = bool(self._stack)
-        where = layer_place(-1 if in_embed else layer)
-        source = next((name for name, kind, _ in running if kind == "row"), None)
+        if module is None:
+            module = self._stack[-1][0] if in_embed else "<outside hooked modules>"
+        where = _place(-1 if in_embed else layer)
         if source is None and isinstance(tensor, torch.Tensor):
             # reduced after the row-parallel module returned (reduce_results=False)
             ptr, storage = tensor.data_ptr(), None
@@ -111,7 +146,7 @@ class Collectives:
                         continue
                     row["reduced"], source = True, row["module"]
                     if not in_embed and row["layer"] is not None:
-                        layer, where = row["layer"], layer_place(row["layer"])
+                        layer, where = row["layer"], _place(row["layer"])
                     break
         return module, layer, where, source
 

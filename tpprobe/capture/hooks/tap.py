@@ -88,6 +88,7 @@ class Tap(Collectives):
         self.embed_name: Optional[str] = None
         self.layer_indices: list[int] = []
         self._stack: list[tuple[str, str, Optional[int]]] = []   # the embedding while it runs
+        self._layer_now: Optional[int] = None      # the decoder layer running (its hooks: pre sets, post clears)
         self._known: dict = {}
         self._plan_cache = None                    # the cached plan (its `found` embedding)
         self._auditing = False
@@ -249,9 +250,10 @@ class Tap(Collectives):
         """A decoder layer: pre says where the forward is (the watchdog's heartbeat), post reads its
         output; another module: post only. ``post(handle, args, output)``."""
         if handle.kind == "layer":
-            progress, where = self.progress, f"layer {handle.index}"
+            progress, where, idx = self.progress, f"layer {handle.index}", handle.index
 
             def pre(mod, args):
+                self._layer_now = idx
                 progress.set("forward", where)
         else:
             pre = None
@@ -354,6 +356,7 @@ class Tap(Collectives):
         self._record(name, t, copied=copied)
 
     def _layer_post(self, handle, args, output) -> None:
+        self._layer_now = None
         name = layer_out(handle.index)
         self.layers_ran.add(handle.index)
         if not self.stream_from_layer_output or self.sglang_layers or self.stream_from_extension or is_owed(output):
