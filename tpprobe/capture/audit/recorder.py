@@ -128,22 +128,26 @@ class Audit:
         if self.before is not None:
             self.before(inp)
         module, layer, where, source = self.attribute(inp)
-        t = inp if isinstance(inp, torch.Tensor) else None
-        rec = CollectiveRecord(len(self.records), module, source, layer, where,
-                               tuple(t.shape) if t is not None else (), dtype_name(t) if t is not None else "?",
-                               group_size, op, kind, path, [], checked and t is not None)
+        if isinstance(inp, torch.Tensor):
+            rec = CollectiveRecord(len(self.records), module, source, layer, where, tuple(inp.shape), dtype_name(inp),
+                                   group_size, op, kind, path, [], checked)
+        else:
+            rec = CollectiveRecord(len(self.records), module, source, layer, where, (), "?", group_size, op, kind,
+                                   path, [], False)
         rec.splits = splits
         if rec.checked:
             if self.keep(where):
-                rec.inp = self.copy(allreduce_in(rec.seq), t, where)
+                rec.inp = self.copy(allreduce_in(rec.seq), inp, where)
             if self.summarize is not None:
-                rec.inp_summary = self._summ(t, kind, group_size, is_input=True, splits=rec.splits)
+                rec.inp_summary = self.summarize(inp) if kind == "all_reduce" else \
+                    self._summ(inp, kind, group_size, is_input=True, splits=splits)
         self.records.append(rec)
         if self.progress is not None:
             self.progress.collective = {"seq": rec.seq, "module": module, "where": where,
                                         "shape": list(rec.shape), "since": time.time(), "kind": kind}
-        for fn in tuple(self._observers.values()) if self._observers else ():
-            fn(rec, inp)
+        if self._observers:
+            for fn in tuple(self._observers.values()):
+                fn(rec, inp)
         rec.t0 = time.perf_counter()
         return rec
 
@@ -165,12 +169,13 @@ class Audit:
         if not rec.checked or not isinstance(out, torch.Tensor):
             rec.checked = rec.checked and isinstance(out, torch.Tensor)
             return
-        if self.keep(rec.where) and rec.inp is not None:
+        if rec.inp is not None and self.keep(rec.where):
             rec.out = self.copy(allreduce_out(rec.seq), out, rec.where)
             if rec.out is None:
                 rec.inp = None            # both or neither: the budget refused the output
         if self.summarize is not None:
-            rec.out_summary = self._summ(out, rec.kind, rec.group_size, is_input=False, splits=rec.splits)
+            rec.out_summary = self.summarize(out) if rec.kind == "all_reduce" else \
+                self._summ(out, rec.kind, rec.group_size, is_input=False, splits=rec.splits)
 
     def _summ(self, t, kind, group_size, is_input, splits=None):
         # reduce-scatter inputs and all-gather outputs are checked chunk by chunk (dim 0, one per rank);

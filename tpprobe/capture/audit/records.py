@@ -22,7 +22,7 @@ _NOT_REDUCE = frozenset(("broadcast_", "barrier", "send", "recv_", "recv_any_sou
                          "isend", "irecv", "batch_p2p_ops", "check_for_nan"))
 
 
-@dataclass
+@dataclass(slots=True)          # slots: one is made per collective, in the forward
 class CollectiveRecord:
     seq: int
     module: str                     # innermost hooked module running when it was issued
@@ -47,6 +47,7 @@ class CollectiveRecord:
     out_summary: Any = None
     seconds: float = 0.0
     t0: float = 0.0                 # when it was issued (perf_counter), for `seconds`
+    _out: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)   # rec.output()
 
     def meta(self) -> dict:
         return {"seq": self.seq, "module": self.module, "source": self.source, "layer": self.layer,
