@@ -284,10 +284,12 @@ class Tap(Collectives):
     def _record(self, name: str, t: Optional[torch.Tensor], copied: bool) -> None:
         if t is None:
             return
-        t = self._readable(name, t)
-        if t is None:
-            return
-        if self.embed_layout is not None and parse(name).kind in _ROW_KINDS:
+        if type(t) is not torch.Tensor:       # a plain tensor is readable as it is
+            t = self._readable(name, t)
+            if t is None:
+                return
+        # a 2-D tensor is never a sequence shard and is its own rows (discover.rows)
+        if self.embed_layout is not None and t.dim() != 2 and parse(name).kind in _ROW_KINDS:
             if discover.is_sequence_shard(t, self.embed_layout, self._ids_shape, self._world):
                 self.after[name] = len(self.allreduces)
                 self.order.append(name)
@@ -371,6 +373,9 @@ class Tap(Collectives):
         """A layer's output with DTensors replaced by their local tensors, placements recorded: any op
         on a DTensor (even the clone that reads the stream) may redistribute it, a collective of the
         probe's own inside the model's forward (a Partial one would be reduced and read as healthy)."""
+        if type(output) is tuple and len(output) == 2 and type(output[0]) is torch.Tensor \
+                and type(output[1]) is torch.Tensor:
+            return output                      # (hidden, residual) of plain tensors: nothing to replace
         if isinstance(output, torch.Tensor):
             return self._readable(name, output)
         if isinstance(output, (tuple, list)):
@@ -394,10 +399,14 @@ class Tap(Collectives):
         """A module's output that holds a partial sum until a reduce (row-parallel, an MoE block).
         Its storage is held weakly: a later tensor at the same address, once this output was freed,
         is not this output (the allocator reuses addresses, differently on every rank)."""
+        # reduced already (inside the module, its own all-reduce): never matched to a later reduce, so
+        # neither its address nor its storage is kept
+        reduced = any(r.source == module for r in reversed(self.allreduces))
+        held = out is not None and not reduced
         self.row_outputs.append({"module": module, "layer": layer,
-                                 "ptr": out.data_ptr() if out is not None else None,
-                                 "storage": StorageWeakRef(out.untyped_storage()) if out is not None else None,
-                                 "reduced": any(r.source == module for r in self.allreduces)})
+                                 "ptr": out.data_ptr() if held else None,
+                                 "storage": StorageWeakRef(out.untyped_storage()) if held else None,
+                                 "reduced": reduced})
 
 
     def coverage(self) -> dict:
