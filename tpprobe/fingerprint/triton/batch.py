@@ -42,6 +42,8 @@ class Entry:
     ni: int = 0                  # int64 words of its int partials
     nf: int = 0                  # int64 words of its float32 partials
     words: int = 0               # int64 words of its slice of the batch buffer (even)
+    fbyte: int = 0               # byte offsets of its float partials and token flags in its slice
+    tbyte: int = 0
     extra: bool = False          # token-row flags by torch (a 2-D width that is not k * 128)
     nprog: int = 0               # programs (partial rows)
     kp: int = 0                  # sketch columns per partial row
@@ -73,6 +75,7 @@ class Staging:
     key: Any = None
     words: int = 0
     kp_max: int = 0
+    view: Any = None             # (out, words, out[:words]): the slice the one copy reads, made once
 
 
 class Batch:
@@ -100,6 +103,7 @@ class Batch:
         self.chunks: list = []   # [device buffer, words used]
         self.buf = None
         self.base = self.cap = self.used = 0
+        self.chunk = -1                       # the index of the buffer in use (len(chunks) - 1)
 
     def add(self, t: torch.Tensor, tag) -> bool:
         """Queue t's kernel (its fingerprint goes to ``tag.fp`` on ``read``); False, with nothing
@@ -122,10 +126,10 @@ class Batch:
             b = self.base + off * 8
             # JITFunction.run's own last step, with no launch hooks (so no launch metadata)
             d.launch(e.grid, 1, 1, self.stream(e.dev), d.function, *d.middle,
-                     ptr, e.aptr, b + e.ni * 8, b, b + (e.ni + e.nf) * 8, *e.tail)
+                     ptr, e.aptr, b + e.fbyte, b, b + e.tbyte, *e.tail)
         else:
             self._launch_jit(e, t, off)
-        self.items.append(Item(tag, e, len(self.chunks) - 1, off, t, (t != 0).any(dim=1) if e.extra else None))
+        self.items.append(Item(tag, e, self.chunk, off, t, (t != 0).any(dim=1) if e.extra else None))
         return True
 
     def entry(self, t: torch.Tensor) -> Entry:
@@ -140,6 +144,7 @@ class Batch:
                                      multiprocessors(t.device, self.state), **self.knobs)
             e.nf = (nf + 1) // 2
             e.words = e.ni + e.nf + (nt + 1) // 2            # even: every batch offset 16-byte aligned
+            e.fbyte, e.tbyte = e.ni * 8, (e.ni + e.nf) * 8
             e.sign = sign_table(self.seed, self.k, p["kp"], t.device, self.state)
             e.aptr = e.sign.data_ptr()
             meta = buffers(e.ni, nf, nt, "meta")
@@ -172,6 +177,7 @@ class Batch:
             buf = torch.empty(want, dtype=torch.int64, device=device)
         buf.zero_()                     # the token flags; the partials are all written
         self.chunks.append([buf, 0])
+        self.chunk = len(self.chunks) - 1
         self.buf, self.base, self.cap, self.used = buf, buf.data_ptr(), buf.numel(), 0
 
     def read(self, only=None) -> None:
@@ -211,7 +217,6 @@ class Batch:
             st = self.state.staging[dev] = Staging(pin, torch.empty((cap, DESC), dtype=torch.int64, device=dev),
                                                    pin.numpy())
         key = (tuple(caddr), tuple([(id(it.entry), it.chunk, it.off) for it in items]))   # entries live in State
-        desc = st.device[:m]
         if key != st.key:           # else: the descriptors on the device are these already
             at, bw, kp_max, rows = 2 * m * row, 0, 0, []
             for i, it in enumerate(items):
@@ -225,24 +230,29 @@ class Batch:
                     kp_max = e.kp
             st.key = None           # not valid until the upload is queued
             st.host[:m] = rows
-            desc.copy_(st.pinned[:m], non_blocking=True)
+            st.device[:m].copy_(st.pinned[:m], non_blocking=True)
             st.key, st.words, st.kp_max = key, m * row + (bw + 1) // 2, kp_max
         words, kp_max = st.words, st.kp_max
         out = st.out
         if out is None or out.numel() < words:
             out = st.out = torch.empty(max(words, 4096), dtype=torch.int64, device=dev)
         try:
-            self._combine_run(desc, base_t, out, m, kp_max, dev)
+            self._combine_run(st.device, base_t, out, m, kp_max, dev)
         except Exception as ex:        # noqa: BLE001 - said once, and the host combines
             st.key = None
             self.state.combine_why.append(
                 f"device combine unavailable ({type(ex).__name__}: {ex}); combining on the host")
             self.host_combine = True
             return None
+        view = st.view
+        if view is None or view[0] is not out or view[1] != words:
+            view = st.view = (out, words, out[:words])
         extra = [it.rows.to(torch.int64) for it in items if it.rows is not None]
-        return torch.cat([out[:words], *extra]) if extra else out[:words]
+        return torch.cat([view[2], *extra]) if extra else view[2]
 
     def _combine_run(self, desc, base_t, out, m: int, kp_max: int, dev) -> None:
+        """The combine of the first m descriptor rows of desc (its address is theirs: the direct
+        launch needs no view of them)."""
         key = (dev, combine_cb(kp_max))
         c = self.state.combine_launch.get(key)
         if c is not None and self.direct:
@@ -252,8 +262,8 @@ class Batch:
             c.launch(m, 1, 1, self.stream(dev.index), c.function, *c.middle,
                      desc.data_ptr(), b, b, b, o, o, o, self.k, *c.tail)
             return
-        # the views below are 4 aten ops: built only for a launch through JITFunction.run
-        kern, grid, args, kw = combine_call(desc, base_t, out, m, self.k, kp_max)
+        # the views below are 5 aten ops: built only for a launch through JITFunction.run
+        kern, grid, args, kw = combine_call(desc[:m], base_t, out, m, self.k, kp_max)
         ck = kern[grid](*args, **kw)
         if self.direct and fastlaunch.launchable(ck):
             self.state.combine_launch[key] = fastlaunch.direct_launch(kern, ck, len(args), kw)
@@ -323,15 +333,17 @@ class Batch:
     def _to_host(self, dev: torch.Tensor) -> np.ndarray:
         if not dev.is_cuda:
             return dev.numpy()
-        d = dev.get_device()
+        d, n = dev.get_device(), dev.numel()
         pin = self.state.pinned.get(d)
-        if pin is None or pin.numel() < dev.numel():
-            pin = self.state.pinned[d] = torch.empty(max(dev.numel(), self.CHUNK), dtype=torch.int64,
-                                                     pin_memory=True)
-        h = pin[:dev.numel()]
-        h.copy_(dev, non_blocking=True)
+        if pin is None or pin.numel() < n:
+            pin = self.state.pinned[d] = torch.empty(max(n, self.CHUNK), dtype=torch.int64, pin_memory=True)
+        view = self.state.pinned_view.get(d)
+        if view is None or view[0] is not pin or view[1] != n:     # a decode forward reads the same n
+            h = pin[:n]
+            view = self.state.pinned_view[d] = (pin, n, h, h.numpy())
+        view[2].copy_(dev, non_blocking=True)
         current_stream(d).synchronize()      # the kept Stream (core/cuda.py)
-        return h.numpy()
+        return view[3]
 
     def _give_back(self) -> None:
         """The buffers go back for the next batch (read: every kernel writing them has finished)."""

@@ -15,6 +15,7 @@ class State:
     free: dict = field(default_factory=dict)        # device -> partial buffers a finished batch gave back
     want: dict = field(default_factory=dict)        # device -> words the last batch needed
     pinned: dict = field(default_factory=dict)      # device index -> pinned host buffer for the one copy
+    pinned_view: dict = field(default_factory=dict)  # device index -> (buffer, n, its first n words, as numpy)
     staging: dict = field(default_factory=dict)     # device -> the device combine's Staging
     combine_launch: dict = field(default_factory=dict)   # (device, CB) -> the combine's DirectLaunch
     combine_why: list = field(default_factory=list)  # why the device combine was given up (host from then on)
