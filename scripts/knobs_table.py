@@ -30,7 +30,8 @@ def rows() -> list[tuple[str, str, str, str]]:
     for f in fields(PluginOptions):
         d = f.default
         shown = "unset" if d in (None, "") else (f"{d:.0e}".replace("+0", "") if isinstance(d, float) else str(d))
-        out.append((f.metadata["env"], "SGLang plugin", shown, f.metadata["help"]))
+        who = "SGLang plugin" if f.metadata["env"] == "TPPROBE_SGLANG_MODELS" else "SGLang and vLLM plugins"
+        out.append((f.metadata["env"], who, shown, f.metadata["help"]))
     for name, k in KNOBS.items():
         out.append((name, k.who, "unset" if k.default is None else k.default, k.meaning))
     return out

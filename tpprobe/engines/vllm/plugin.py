@@ -7,7 +7,7 @@ nothing wrapped) unless TPPROBE_CAPTURE_DIR is set.
 
 Settings: the SGLang plugin's (tpprobe/engines/sglang/options.py PluginOptions: TPPROBE_CAPTURE_DIR,
 TPPROBE_MAX_STEPS, TPPROBE_FORWARD_MODES, TPPROBE_KEEP, TPPROBE_KEEP_TOKENS, TPPROBE_MAX_BYTES,
-TPPROBE_EMBED, TPPROBE_LAYER_LIST), meaning the same here; TPPROBE_SGLANG_MODELS is not read. The
+TPPROBE_EMBED, TPPROBE_LAYER_LIST, TPPROBE_WATCH), meaning the same here; TPPROBE_SGLANG_MODELS is not read. The
 forward modes are named as SGLang names them: `extend` (a forward with a prompt's first token in it:
 prefill; a batch that mixes prefill and decode counts as extend) and `decode` (every other forward).
 Test knobs (TPPROBE_VLLM_INJECT, TPPROBE_VLLM_AUX_LAYERS): tpprobe.engines.vllm.worker.
