@@ -28,7 +28,7 @@ later steps, the target's included.
 
 Under CUDA graphs (a GPU server), the draft-extend after a verify replays a graph
 (`cuda_graph_runner_for_draft_extend.execute`, eagle_worker_v2.py:1203-1210) and runs no Python of the
-model's: only prefill draft-extends, which run eagerly, are captured (docs/acceptance-sglang.md).
+model's: only prefill draft-extends, which run eagerly, are captured (docs/acceptance.md, SGLang).
 """
 from __future__ import annotations
 
