@@ -55,9 +55,22 @@ def test_a_draft_trained_on_the_last_layers_output_has_no_id_list_on_sglang_and_
                         "(sglang/srt/models/deepseek_v2.py:3458) (or describe a patched build with --id-rule)")
     assert p.reachable is not None and p.reachable.score.first_position < 1.0
     assert "; the best this engine can give: set eagle_aux_hidden_state_layer_ids to " in p.line
-    v = propose(d, s, EngineRule("vllm", DS, 12))
+    v = propose(d, s, EngineRule("vllm", "LlamaForCausalLM", 12))
     assert v.fix_ids == [0, 6, 12] and v.line.startswith(
         "set eagle_aux_hidden_state_layer_ids to [0, 6, 12]: replayed first-position acceptance 0.00 -> 1.00")
+
+
+def test_a_draft_trained_with_the_embedding_has_no_id_list_on_vllms_deepseek(tmp_path):
+    """vLLM 0.32's DeepseekV2Model cannot capture id 0 (before layer 0 its residual is None and the forward raises):
+    no id list gives the embedding there, so the fix names the code to patch and the best the engine can give."""
+    s = planted_streams(12)
+    d = load_draft(hand_draft(s, [0, 6, 12], tmp_path / "d", [-1, 5, 11]))
+    v = propose(d, s, EngineRule("vllm", DS, 12))
+    assert v.fix_ids is None and v.best.streams == [0, 6, 12]
+    assert v.no_fix == ("no id list gives the embedding on this engine: patch DeepseekV2Model.forward "
+                        "(vllm/model_executor/models/deepseek_v2.py:1508), which offers the loop points to the aux "
+                        "capture (or describe a patched build with --id-rule)")
+    assert "; the best this engine can give: set eagle_aux_hidden_state_layer_ids to [1, 6, 12]" in v.line, v.line
 
 
 def test_a_draft_trained_with_slots_out_of_layer_order_names_the_slots_and_the_fc_permutation(tmp_path):

@@ -179,3 +179,17 @@ def test_sglangs_deepseek_rule_reads_the_lists_order_so_the_ids_to_write_may_be_
         "unless the draft was trained in layer order: this engine's rule reads the list's order (written as [1, 30, "
         "58] the ids give HF hidden_states[2, 31, 59]), so the order may be on purpose; tpprobe fix tells which "
         "from the draft's weights")
+
+
+def test_vllms_deepseek_cannot_capture_id_0():
+    """vLLM's DeepseekV2Model offers point 0 but adds hidden_states + residual there while its residual is still
+    None: id 0 crashes the engine (run in tests/engines/vllm/test_vllm_probe.py), it is never an embedding slot."""
+    from tpprobe.engines.vllm.layer_ids import plan
+
+    p = plan("DeepseekV3ForCausalLM", [0, 3, 7], 12)
+    assert p.crash == ("DeepseekV2Model.forward (vllm/model_executor/models/deepseek_v2.py:1508) captures "
+                       "hidden_states + residual before layer 0, where its residual is still None: TypeError at the "
+                       "first forward")
+    assert [(r.requested, r.status, r.slot, r.hf_index) for r in p.rows] == [
+        (0, "crash", None, None), (3, "ok", 0, 3), (7, "ok", 1, 7)]
+    assert plan("LlamaForCausalLM", [0, 3, 7], 12).crash is None       # vLLM's Llama captures the embedding at 0

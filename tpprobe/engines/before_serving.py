@@ -74,7 +74,7 @@ def findings(draft: dict, arch: str, num_layers: int, hidden: Optional[int] = No
             if r.status not in ("dropped", "crash") or r.layer is None or r.layer <= limit:
                 continue
             width = f"[-1, {len(rows) * hidden}]" if hidden else "[-1, K*hidden]"
-            if engine == "vllm" and p.crash:
+            if engine == "vllm" and r.status == "crash":       # the id itself makes vLLM raise at load
                 what = f"vLLM refuses the draft at load: {p.crash}"
             elif engine == "vllm":
                 what = (f"vLLM's ids go up to {N} (the last layer's output): it drops id {r.requested} at load "

@@ -68,7 +68,8 @@ def target(tmp_path_factory):
     return build_target(tmp_path_factory.mktemp("planted") / "target")
 
 
-def serve(tmp: Path, target: Path, draft, capture: bool = True, **env_extra) -> tuple[dict, Path, str]:
+def serve(tmp: Path, target: Path, draft, capture: bool = True, ok: bool = True,
+          **env_extra) -> tuple[dict, Path, str]:
     (tmp / "engine.py").write_text(ENGINE)
     cap = tmp / "capture"
     env = dict(os.environ)
@@ -83,6 +84,9 @@ def serve(tmp: Path, target: Path, draft, capture: bool = True, **env_extra) -> 
     p = subprocess.run([sys.executable, "engine.py", str(target), str(draft or "-"), json.dumps(PROMPTS),
                         str(TOKENS)], env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     log = p.stdout + p.stderr
+    if not ok:                  # an engine expected to die
+        assert p.returncode != 0 and "RESULT " not in p.stdout, log[-6000:]
+        return {}, cap, log
     assert p.returncode == 0, log[-6000:]
     line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):]), cap, log
@@ -264,6 +268,78 @@ def test_ids_out_of_layer_order_are_named_and_no_id_list_can_fix_them(target, tm
     assert "not in layer order and vLLM sorts them (catalogue F30)" in f[0]["detail"], f[0]
     assert "no id list gives that order" in f[0]["detail"] and "permute the column blocks" in f[0]["detail"], f[0]
     assert rep["drafter"]["fix_ids"] is None
+
+
+@pytest.mark.sweep
+def test_the_embedding_missing_from_the_config_is_named_with_its_fix_in_every_sink(target, tmp_path):
+    """The seed's own case: a draft trained on [the embedding, layer 1's output, layer 2's output] (HF hidden_states
+    [0, 2, 3]), reading the embedding's slot, served with a config that drops the embedding and reads the layers
+    after ([2, 3, 4]). vLLM's acceptance is 0; the report names the slots that are not what the draft was trained
+    on, that they explain the acceptance, and the ids to write ([0, 2, 3]: vLLM's id 0 is the embedding); the
+    draft replayed on the captured streams with those ids accepts every position. The terminal, Markdown and HTML
+    pages say the same as the JSON: vLLM's acceptance, the finding and the fix."""
+    draft = build_draft(tmp_path / "draft", [2, 3, 4], read_slot=0, trained_ids=[0, 2, 3])
+    res, cap, _ = serve(tmp_path, target, draft)
+    assert res["tokens"] == want_tokens(), res["tokens"]
+    # nothing said about the training: the draft, replayed on the captured streams for candidate id lists (each
+    # id +-1, with and without the embedding), says which ids serve it
+    rc0, rep0 = report(cap)
+    f0 = fails(rep0)
+    assert rc0 == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f0] == \
+        [("id-contract", "drafter slots, step 0 (extend)", [0, 1])], rep0["findings"]
+    assert "reads other streams than its config gives it" in f0[0]["detail"], f0[0]
+    rp = rep0["drafter"]["replay"]
+    assert rp["available"] and rp["fix_ids"][0] == 0, rp
+    assert f"set {FIELD} to {rp['fix_ids']}: replayed first-position acceptance 0.00 -> 1.00" in f0[0]["detail"], \
+        f0[0]["detail"]
+    # the training given: the slots against it, the fix, and the fix replayed
+    rc, rep = report(cap, TPPROBE_DRAFT_TRAINED="ids:0,2,3")
+    run = same_counts(rep, res)
+    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    f = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("id-contract", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep["findings"]
+    assert "slot 0 holds HF hidden_states[2], trained on HF hidden_states[0]" in f[0]["detail"], f[0]
+    assert "explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
+    assert f"fix: set `{FIELD}` to [0, 2, 3]" in f[0]["detail"], f[0]
+    assert rep["drafter"]["fix_ids"] == [0, 2, 3], rep["drafter"]
+    chk = rep["drafter"]["replay"]["fix_check"]
+    assert (chk["ids"], chk["streams"]) == ([0, 2, 3], [0, 2, 3]), chk
+    assert (chk["current"]["first_position"], chk["score"]["first_position"]) == (0.0, 1.0), chk
+    # each verify row set carries its one draft token, rejected every time (acceptance 0), marked per request
+    ver = [r for st in rep["drafter"]["steps"] for r in st["requests"] if r["kind"] == "verify"]
+    assert ver and all(r["rejected_rows"] == 1 and r["rows"][1] - r["rows"][0] == 2 for r in ver), ver
+    # every sink says it: the terminal, the Markdown page and the HTML page
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TPPROBE_DRAFT_TRAINED": "ids:0,2,3", "COLUMNS": "400"}
+    md, html = tmp_path / "report.md", tmp_path / "report.html"
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap), "--markdown", str(md),
+                        "--html", str(html)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    line = f"vLLM's acceptance, run so far: {run['drafts']} drafts, {run['draft_tokens']} draft tokens, 0 accepted"
+    import html as html_text
+    import re
+
+    page = html_text.unescape(re.sub(r"<[^>]+>", " ", html.read_text()))        # the HTML page's text
+    for name, text in (("terminal", p.stdout), ("markdown", md.read_text()), ("html", page)):
+        flat = " ".join(text.replace("`", "").split())
+        assert line in flat, (name, flat[-3000:])
+        assert "id-contract" in flat and "explains vLLM's acceptance 0.00" in flat, (name, flat[-3000:])
+        assert "to [0, 2, 3]" in flat, (name, flat[-3000:])
+
+
+@pytest.mark.sweep
+def test_an_id_past_the_last_layer_is_named_from_what_the_drafter_received_before_the_engine_died(target, tmp_path):
+    """F31 in vLLM's engine: the draft's config asks for id 5 of a 4-layer target (ids 0..4). vLLM drops it at load
+    without a word, the drafter receives two slots where its fc reads three, and the engine dies at its first draft
+    step. What the drafter received was written first, on both ranks; the report names the layout and the id."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 5], read_slot=1)
+    _, cap, log = serve(tmp_path, target, draft, ok=False)
+    rc, rep = report(cap)
+    lay = [x for x in fails(rep) if x["kind"] == "layout-mismatch"]
+    assert rc == 1 and [(x["where"], x["ranks"]) for x in lay] == [("drafter input, step 0 (extend)", [0, 1])], \
+        (rep["findings"], log[-3000:])
+    assert "target_hidden_states is 512 wide = 2 × hidden 256; the draft's fc reads 3 × 256 = 768" in lay[0]["detail"]
+    assert "id(s) [5] of the draft's config are past the last layer (4 layers: ids 0..4)" in lay[0]["detail"]
 
 
 @pytest.mark.sweep

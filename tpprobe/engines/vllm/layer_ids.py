@@ -179,6 +179,13 @@ def rule_line(rule: dict) -> str:
             f"id, a duplicate once, an id outside the offered points dropped; each capture is {value}")
 
 
+# loop holders that offer point 0 but cannot capture it: they start the loop with `residual = None` and capture
+# `hidden_states + residual` inline, so an id 0 raises TypeError at the first forward (vLLM 0.32's
+# DeepseekV2Model.forward: DeepSeek-V2/V3, Kimi-K2; run in tests/engines/vllm/test_vllm_probe.py::
+# test_deepseek_embedding_id_is_refused_in_one_line)
+NONE_RESIDUAL_AT_0 = ("DeepseekV2Model",)
+
+
 def plan(arch: str, ids: Optional[list[int]], num_layers: int, tab: Optional[dict] = None) -> LayerPlan:
     """What vLLM does with `ids` on a model of `num_layers` layers of architecture `arch`."""
     N = int(num_layers)
@@ -202,10 +209,16 @@ def plan(arch: str, ids: Optional[list[int]], num_layers: int, tab: Optional[dic
     if rule["kind"] == "hf-recorder":
         return _plan_recorder(p, rule, requested, asked, N)
     offered = set(offered_points(rule, N))
-    captured = sorted({k for k in asked if k in offered})
+    none_at_0 = rule.get("holder") in NONE_RESIDUAL_AT_0 and rule["value"] == "h+r" and 0 in offered
+    captured = sorted({k for k in asked if k in offered and not (none_at_0 and k == 0)})
     seen: set[int] = set()
     for req, k in zip(requested, asked):
-        if k not in offered:
+        if none_at_0 and k == 0:
+            p.crash = (f"{rule['holder']}.forward ({rule['capture_at']}) captures hidden_states + residual before "
+                       f"layer 0, where its residual is still None: TypeError at the first forward")
+            p.rows.append(LayerIdRow(req, k, False, None, None, "nothing", "crash",
+                                     "the residual is None before layer 0: the forward raises"))
+        elif k not in offered:
             why = ("negative: vLLM uses ids as written and no loop point is negative" if k < 0 else
                    f"past the last point {N}" if k > N else f"point {k} is never offered by this model's loop")
             p.rows.append(LayerIdRow(req, k, False, None, None, "nothing", "dropped",
@@ -221,7 +234,7 @@ def plan(arch: str, ids: Optional[list[int]], num_layers: int, tab: Optional[dic
         for r in p.rows:
             if r.slot is not None:
                 r.note = (r.note + "; " if r.note else "") + "slots follow id order ascending, not the order given"
-    if not captured:
+    if not captured and not p.crash:
         p.crash = ("no id captures anything: the forward returns no aux hidden states although EAGLE-3 is on "
                    "(the proposer's torch.cat of an empty list fails)")
     return p
