@@ -273,49 +273,56 @@ def test_ids_out_of_layer_order_are_named_and_no_id_list_can_fix_them(target, tm
 @pytest.mark.sweep
 def test_the_embedding_missing_from_the_config_is_named_with_its_fix_in_every_sink(target, tmp_path):
     """The seed's own case: a draft trained on [the embedding, layer 1's output, layer 2's output] (HF hidden_states
-    [0, 2, 3]), reading the embedding's slot, served with a config that drops the embedding and reads the layers
-    after ([2, 3, 4]). vLLM's acceptance is 0; the report names the slots that are not what the draft was trained
-    on, that they explain the acceptance, and the ids to write ([0, 2, 3]: vLLM's id 0 is the embedding); the
-    draft replayed on the captured streams with those ids accepts every position. The terminal, Markdown and HTML
-    pages say the same as the JSON: vLLM's acceptance, the finding and the fix."""
-    draft = build_draft(tmp_path / "draft", [2, 3, 4], read_slot=0, trained_ids=[0, 2, 3])
+    [0, 2, 3]), served with a config that drops the embedding and reads the layers after ([2, 3, 4]); it reads slot
+    1 (HF hidden_states[2]; a planted draft reading the embedding's slot finds the token's code in its own input
+    embedding too, so it would accept anyway). vLLM's acceptance is low; the report names the slots that are not
+    what the draft was trained on, that they explain the acceptance, and the ids to write ([0, 2, 3]: vLLM's id 0
+    is the embedding); the draft replayed on the captured streams with those ids accepts every position. The
+    terminal, Markdown and HTML pages say the same as the JSON: vLLM's acceptance, the finding and the fix."""
+    draft = build_draft(tmp_path / "draft", [2, 3, 4], read_slot=1, trained_ids=[0, 2, 3])
     res, cap, _ = serve(tmp_path, target, draft)
     assert res["tokens"] == want_tokens(), res["tokens"]
     # nothing said about the training: the draft, replayed on the captured streams for candidate id lists (each
     # id +-1, with and without the embedding), says which ids serve it
     rc0, rep0 = report(cap)
+    run0 = rep0["drafter"]["run"]
+    assert run0["draft_tokens"] > 0 and run0["rate"] < 0.5, run0
     f0 = fails(rep0)
     assert rc0 == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f0] == \
         [("id-contract", "drafter slots, step 0 (extend)", [0, 1])], rep0["findings"]
     assert "reads other streams than its config gives it" in f0[0]["detail"], f0[0]
     rp = rep0["drafter"]["replay"]
-    assert rp["available"] and rp["fix_ids"][0] == 0, rp
-    assert f"set {FIELD} to {rp['fix_ids']}: replayed first-position acceptance 0.00 -> 1.00" in f0[0]["detail"], \
-        f0[0]["detail"]
+    assert rp["available"] and rp["fix_ids"][1] == 2, rp        # what this draft reads: HF hidden_states[2] in slot 1
+    assert f"set {FIELD} to {rp['fix_ids']}: replayed first-position acceptance " in f0[0]["detail"] and \
+        " -> 1.00 (accept length" in f0[0]["detail"], f0[0]["detail"]
     # the training given: the slots against it, the fix, and the fix replayed
     rc, rep = report(cap, TPPROBE_DRAFT_TRAINED="ids:0,2,3")
     run = same_counts(rep, res)
-    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    assert run["draft_tokens"] > 0 and run["rate"] < 0.5, run
+    rate = f"{run['rate']:.2f}"
     f = fails(rep)
     assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
         [("id-contract", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep["findings"]
     assert "slot 0 holds HF hidden_states[2], trained on HF hidden_states[0]" in f[0]["detail"], f[0]
-    assert "explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
+    assert f"explains vLLM's acceptance {rate}" in f[0]["detail"], f[0]
     assert f"fix: set `{FIELD}` to [0, 2, 3]" in f[0]["detail"], f[0]
     assert rep["drafter"]["fix_ids"] == [0, 2, 3], rep["drafter"]
     chk = rep["drafter"]["replay"]["fix_check"]
     assert (chk["ids"], chk["streams"]) == ([0, 2, 3], [0, 2, 3]), chk
-    assert (chk["current"]["first_position"], chk["score"]["first_position"]) == (0.0, 1.0), chk
-    # each verify row set carries its one draft token, rejected every time (acceptance 0), marked per request
+    assert chk["current"]["first_position"] < 0.5 and chk["score"]["first_position"] == 1.0, chk
+    # each verify row set carries its one draft token, the rejected ones marked per request: as many as vLLM
+    # counted rejected
     ver = [r for st in rep["drafter"]["steps"] for r in st["requests"] if r["kind"] == "verify"]
-    assert ver and all(r["rejected_rows"] == 1 and r["rows"][1] - r["rows"][0] == 2 for r in ver), ver
+    assert ver and all(r["rows"][1] - r["rows"][0] == 2 and r["rejected_rows"] in (0, 1) for r in ver), ver
+    assert sum(r["rejected_rows"] for r in ver) == run["draft_tokens"] - run["accepted"], (ver, run)
     # every sink says it: the terminal, the Markdown page and the HTML page
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TPPROBE_DRAFT_TRAINED": "ids:0,2,3", "COLUMNS": "400"}
     md, html = tmp_path / "report.md", tmp_path / "report.html"
     p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap), "--markdown", str(md),
                         "--html", str(html)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-    line = f"vLLM's acceptance, run so far: {run['drafts']} drafts, {run['draft_tokens']} draft tokens, 0 accepted"
+    line = (f"vLLM's acceptance, run so far: {run['drafts']} drafts, {run['draft_tokens']} draft tokens, "
+            f"{run['accepted']} accepted")
     import html as html_text
     import re
 
@@ -323,7 +330,7 @@ def test_the_embedding_missing_from_the_config_is_named_with_its_fix_in_every_si
     for name, text in (("terminal", p.stdout), ("markdown", md.read_text()), ("html", page)):
         flat = " ".join(text.replace("`", "").split())
         assert line in flat, (name, flat[-3000:])
-        assert "id-contract" in flat and "explains vLLM's acceptance 0.00" in flat, (name, flat[-3000:])
+        assert "id-contract" in flat and f"explains vLLM's acceptance {rate}" in flat, (name, flat[-3000:])
         assert "to [0, 2, 3]" in flat, (name, flat[-3000:])
 
 
