@@ -102,12 +102,23 @@ def test_both_engines_one_layer_apart_from_configs_alone(tmp_path):
 
 def test_both_engines_agree_and_model_runners_read_differently(tmp_path):
     # capture-before ids whose first is not 1: DeepSeek on SGLang uses them as given, vLLM as written
-    draft = {**SPECFORGE_DRAFT, "eagle_aux_hidden_state_layer_ids": [0, 30, 58],
-             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}}
+    draft = {**SPECFORGE_DRAFT, "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
     d, t = _write(tmp_path, "draft.json", draft), _write(tmp_path, "target.json", DEEPSEEK_TARGET)
     rc, out, err = _cli(tmp_path, "layers", "--draft-config", d, "--target-config", t, "--draft-convention", "before")
     assert rc == 0 and "SGLang and vLLM capture the same stream at every slot" in out, out + err
     assert "engine-id-mismatch" not in out
+    # id 0 is the embedding on SGLang's DeepSeek; vLLM's DeepseekV2Model raises on it (its residual is None before
+    # layer 0): slot 0 differs, with the reason
+    draft0 = {**SPECFORGE_DRAFT, "eagle_aux_hidden_state_layer_ids": [0, 30, 58],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 30, 58]}}
+    d0 = _write(tmp_path, "draft0.json", draft0)
+    rc, out, err = _cli(tmp_path, "layers", "--draft-config", d0, "--target-config", t, "--draft-convention", "before",
+                        "--json")
+    e = json.loads(out)["engines"]
+    assert rc == 1 and [(r["sglang"], r["vllm"]) for r in e["rows"]] == [(0, None), (30, 30), (58, 58)], e
+    assert any("before layer 0, where its residual is still None: TypeError at the first forward" in n
+               for n in e["notes"]), e["notes"]
     # nested ids only (no top-level copy): vLLM's V1 runner reads them, Model Runner V2 does not (its default)
     nested = {k: v for k, v in SPECFORGE_DRAFT.items() if k != "eagle_aux_hidden_state_layer_ids"}
     d = _write(tmp_path, "nested.json", nested)
