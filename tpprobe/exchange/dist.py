@@ -259,6 +259,11 @@ class Channel:
             time.sleep(poll)
 
 
+# phases in which a rank is not stuck once rank 0's verdict is out: rank 0 writing it, a rank
+# waiting to read it, a rank on its way out
+NOT_STUCK = ("report", "verdict", "done")
+
+
 class Watchdog(threading.Thread):
     """Heartbeats, stall reports, and the end of a rank stuck after the verdict."""
 
@@ -308,8 +313,10 @@ class Watchdog(threading.Thread):
                     self.ch.post("stall", {"t": time.time(), "collective": c, "where": p.where, "audit": audit})
                     self.stall_posted = True
                 final = self.ch.get("final", 0)
-                if final is not None and p.phase not in ("report", "done") and self.end_stuck:
-                    # the verdict is out and this rank's main thread is still stuck: end it
+                if final is not None and p.phase not in NOT_STUCK and self.end_stuck:
+                    # the verdict is out and this rank's main thread is still stuck: end it, with the
+                    # engines' shared memory released first (nothing else of ours runs after this)
+                    release_engine_memory()
                     os._exit(int(final.get("code", 1)))
             except Exception:
                 # the store is gone (the launcher ended): nobody is left to report to
@@ -353,12 +360,18 @@ def await_final(ch: Channel, wait: float) -> int:
     return int(v["code"]) if v else 1
 
 
-def shutdown(ctx) -> None:
+def release_engine_memory() -> None:
+    """The shared memory an engine's groups created in this process, unlinked (a segment left
+    registered makes Python's resource tracker warn of a leak at exit)."""
     import sys
-    if "tpprobe.engines.sglang.dist" in sys.modules:     # SGLang's model ran here: its shared memory goes first
+    if "tpprobe.engines.sglang.dist" in sys.modules:     # SGLang's model ran here
         sys.modules["tpprobe.engines.sglang.dist"].release_shared_memory()
-    if "tpprobe.engines.vllm.cpu_mode" in sys.modules:     # vLLM's groups (and their shared memory) likewise
+    if "tpprobe.engines.vllm.cpu_mode" in sys.modules:     # vLLM's groups (and their shared memory)
         sys.modules["tpprobe.engines.vllm.cpu_mode"].release()
+
+
+def shutdown(ctx) -> None:
+    release_engine_memory()      # the engines' shared memory goes first
     try:
         if dist.is_initialized():
             # let every rank read the verdict before the store's host (rank 0's agent) may go; at

@@ -111,6 +111,7 @@ def _run(opts, ctx, ch, progress, grace, t_start, box: dict) -> int:
     tap, result, status, error = _forward(me)
     tensors, meta = _rank_record(me, tap, result, status, error)
     if ch.get("final", 0) is not None:   # stalled past the verdict: the manifest is already written
+        me.progress.set("verdict")
         return await_final(ch, 0)
     files = write_rank(me.out, ctx.rank, tensors, meta)
     me.progress.set("exchange")    # metadata through the store first: a dead or hung rank never hangs this one
@@ -118,6 +119,7 @@ def _run(opts, ctx, ch, progress, grace, t_start, box: dict) -> int:
     posts = collect_meta(ch, ctx.world_size, time.time() + (grace if meta["status"] == "error" else opts.timeout))
     records, evidence = _exchange(me, tensors, meta, posts)
     if ctx.rank != 0:
+        me.progress.set("verdict")      # waiting for rank 0's verdict: not stuck (the watchdog lets it end)
         return await_final(ch, opts.timeout + grace)
     return _check_and_report(me, records, evidence, posts, tensors)
 

@@ -20,7 +20,7 @@ from rich.text import Text
 
 PHASE_LABEL = {"start": "starting", "build": "building the model", "forward": "forward under the hooks",
                "write": "writing this rank's capture", "exchange": "exchanging captures between ranks",
-               "report": "checks and report"}
+               "report": "checks and report", "verdict": "waiting for rank 0's verdict"}
 _ACTIVE: set = set()     # the live displays on screen now: one terminal per process, emptied when each stops
 _LOCK = threading.Lock()
 

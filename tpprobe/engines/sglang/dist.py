@@ -86,14 +86,18 @@ def release_shared_memory() -> None:
         if mq is None or id(g) in seen:
             continue
         seen.add(id(g))
-        buf = getattr(mq, "buffer", None)
-        shm = getattr(buf, "shared_memory", None)
-        if shm is not None:
-            try:
-                shm.close()
-                if getattr(buf, "is_creator", False):
-                    shm.unlink()
-            except (OSError, BufferError):
-                pass
-            del buf.shared_memory      # ShmRingBuffer.__del__ then has nothing left to do
         g.mq_broadcaster = None
+        buf = getattr(mq, "buffer", None)
+        # ShmRingBuffer.__del__ then has nothing left to do (popped once, whichever thread gets here first)
+        shm = vars(buf).pop("shared_memory", None) if buf is not None else None
+        if shm is None:
+            continue
+        if getattr(buf, "is_creator", False):
+            try:
+                shm.unlink()           # the name, and its resource-tracker entry, whatever close() says
+            except OSError:
+                pass
+        try:
+            shm.close()
+        except (OSError, BufferError):
+            pass
