@@ -85,7 +85,8 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
         elif p.problems:
             notes.append(f"{name}: {'; '.join(p.problems)}")
     differ = [r for r in rows if not r["same"]]
-    verdict = _verdict(rows, differ, convention, want) if differ else None
+    crashed = [(name, p.crash) for name, p in (("SGLang", sp), ("vLLM", vp)) if p.crash]
+    verdict = _verdict(rows, differ, convention, want, crashed) if differ else None
     return {"target_arch": arch, "sglang_arch": sp.sglang_class, "vllm_arch": vp.sglang_class, "num_layers": N,
             "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
             "vllm_runner": runner, "sglang_ids": s_ids, "sglang_ids_from": s_from, "sglang_rule": sp.rule,
@@ -94,7 +95,12 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
             "finding": "engine-id-mismatch" if differ else None}
 
 
-def _verdict(rows, differ, convention: str, want) -> str:
+def _verdict(rows, differ, convention: str, want, crashed=()) -> str:
+    if crashed:     # an engine that raises at its first forward captures nothing: that is the difference
+        other = [r["slot"] for r in differ if r["sglang"] is not None and r["vllm"] is not None]
+        rest = (f"; at slot(s) {', '.join(map(str, other))} the two capture different streams" if other
+                else "; every other slot is the same stream on both")
+        return "; ".join(f"{name} cannot serve this draft's ids: {why}" for name, why in crashed) + rest
     d = {r["sglang"] - r["vllm"] for r in rows if r["sglang"] is not None and r["vllm"] is not None}
     complete = all(r["sglang"] is not None and r["vllm"] is not None for r in rows)
     matches = None

@@ -119,6 +119,11 @@ def test_both_engines_agree_and_model_runners_read_differently(tmp_path):
     assert rc == 1 and [(r["sglang"], r["vllm"]) for r in e["rows"]] == [(0, None), (30, 30), (58, 58)], e
     assert any("before layer 0, where its residual is still None: TypeError at the first forward" in n
                for n in e["notes"]), e["notes"]
+    # the verdict names the crash, not a different reading of the config
+    assert e["verdict"] == ("vLLM cannot serve this draft's ids: DeepseekV2Model.forward "
+                            "(vllm/model_executor/models/deepseek_v2.py:1508) captures hidden_states + residual before "
+                            "layer 0, where its residual is still None: TypeError at the first forward; every other "
+                            "slot is the same stream on both"), e["verdict"]
     # nested ids only (no top-level copy): vLLM's V1 runner reads them, Model Runner V2 does not (its default)
     nested = {k: v for k, v in SPECFORGE_DRAFT.items() if k != "eagle_aux_hidden_state_layer_ids"}
     d = _write(tmp_path, "nested.json", nested)
