@@ -7,7 +7,8 @@ terminal and --json output did not change (byte-identical after timings are mask
     python scripts/outputs.py compare /tmp/before /tmp/after                 # exit 1 on any difference
 
 Each command's stdout, stderr and exit code go to DIR/<name>.txt; timings, durations, the run's folder
-and the environment block (versions, hostname) are masked, nothing else. Every command writes under DIR.
+and the environment block (versions, hostname) are masked, nothing else. Every command writes under DIR
+and runs from the root of the tree PYTHONPATH picks (its relative paths, examples/..., are that tree's).
 """
 from __future__ import annotations
 
@@ -56,6 +57,17 @@ COMMANDS = {
                              "--target-config", "examples/eagle3/target_config.json", "--json"],
     "invariance": ["invariance", "--tp", "1,2", "--batch", "1,3", "--out", "{d}/inv"],
     "invariance-json": ["invariance", "--json", "--tp", "1,2", "--batch", "1,3", "--out", "{d}/inv-j"],
+    # the rest of the commands: torchrun, specforge, and a toy draft's accept and fix
+    "torchrun": ["torchrun", "--nproc-per-node", "2", "probe", "--out", "{d}/torchrun"],
+    "specforge": ["specforge", "{d}/healthy", "{d}/healthy.ckpt"],
+    "accept-toy": ["@examples.accept_toy_draft", "{d}/acc"],      # @: a module the tree ships, run with -m
+    "accept": ["accept", "--draft", "{d}/acc/draft", "--baseline", "{d}/acc/healthy", "--target", "{d}/acc/slot-order",
+               "--fix"],
+    "accept-json": ["accept", "--json", "--draft", "{d}/acc/draft", "--baseline", "{d}/acc/healthy", "--target",
+                    "{d}/acc/slot-order", "--fix"],
+    "fix": ["fix", "--draft", "{d}/acc/draft", "--streams", "{d}/acc/healthy", "--engine", "sglang", "--arch", "llama"],
+    "fix-json": ["fix", "--json", "--draft", "{d}/acc/draft", "--streams", "{d}/acc/slot-order", "--engine", "sglang",
+                 "--arch", "llama"],
 }
 
 MASKS = [
@@ -81,23 +93,29 @@ def record(d: Path, names: list[str]) -> None:
     """Every command, or only those named (a recording made in parts: later cases read earlier folders)."""
     d.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, COLUMNS="120", NO_COLOR="1", TERM="dumb")
+    # the commands run from the root of the tree recorded: their relative paths (examples/...) are that tree's
+    tree = subprocess.run([sys.executable, "-P", "-c", "import os, tpprobe; print(os.path.dirname(os.path.dirname("
+                           "tpprobe.__file__)))"], capture_output=True, text=True, env=env, check=True).stdout.strip()
     for name, args in COMMANDS.items():
         if names and name not in names:
             continue
         # -P: the current folder is not put before PYTHONPATH, so PYTHONPATH picks the tree recorded even when
         # this runs from another checkout (python -m would otherwise import ./tpprobe first)
-        argv = [sys.executable, "-P", "-m", "tpprobe"] + [a.format(d=d) for a in args]
-        p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-        (d / f"{name}.txt").write_text(mask(f"exit {p.returncode}\n--- stdout\n{p.stdout}--- stderr\n{p.stderr}",
-                                            str(d)))
+        head = [args[0][1:]] if args[0].startswith("@") else ["tpprobe", args[0]]
+        argv = [sys.executable, "-P", "-m", *head] + [a.format(d=d) for a in args[1:]]
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=tree)
+        out = f"exit {p.returncode}\n--- stdout\n{p.stdout}--- stderr\n{p.stderr}"
+        (d / f"{name}.txt").write_text(mask(out, str(d)).replace(tree, "{tree}"))
         print(f"{name}: exit {p.returncode}")
 
 
 def compare(a: Path, b: Path) -> int:
     bad = 0
-    names = [n for n in COMMANDS if (a / f"{n}.txt").exists()]   # a recording older than a case has none
-    if len(names) < len(COMMANDS):
-        print(f"not recorded in {a}: {', '.join(n for n in COMMANDS if n not in names)}")
+    names = [n for n in COMMANDS if (a / f"{n}.txt").exists() and (b / f"{n}.txt").exists()]
+    for d in (a, b):        # a recording older than a case, or one made in parts, has none for it
+        missing = [n for n in COMMANDS if not (d / f"{n}.txt").exists()]
+        if missing:
+            print(f"not recorded in {d}: {', '.join(missing)}")
     for name in names:
         # masked again: a recording made before a mask was added compares under it too
         x, y = mask((a / f"{name}.txt").read_text()), mask((b / f"{name}.txt").read_text())
