@@ -85,6 +85,8 @@ def test_cli_deepseek_v2_mla_moe_tp2_healthy_and_equal_to_hf(tmp_path):
     assert moe == [f"model.layers.{k}.mlp" for k in range(1, L)]   # the MoE block's own reduce
 
 
+# CI builds SGLang's models from a --config at tp 2 (tests/ranks/test_accept.py, test_model_shapes.py)
+@pytest.mark.sweep
 def test_cli_llama_tp4_from_config_file(tmp_path):
     from tpprobe.engines.sglang.tiny_archs import tiny_config
 
