@@ -314,9 +314,10 @@ class Watchdog(threading.Thread):
                     self.stall_posted = True
                 final = self.ch.get("final", 0)
                 if final is not None and p.phase not in NOT_STUCK and self.end_stuck:
-                    # the verdict is out and this rank's main thread is still stuck: end it, with the
-                    # engines' shared memory released first (nothing else of ours runs after this)
-                    release_engine_memory()
+                    # the verdict is out and this rank's main thread is still stuck: end it, with SGLang's
+                    # shared-memory names unlinked first (file operations only: no group is torn down under
+                    # a main thread that may be blocked in one of its collectives)
+                    unlink_engine_segments()
                     os._exit(int(final.get("code", 1)))
             except Exception:
                 # the store is gone (the launcher ended): nobody is left to report to
@@ -360,18 +361,19 @@ def await_final(ch: Channel, wait: float) -> int:
     return int(v["code"]) if v else 1
 
 
-def release_engine_memory() -> None:
-    """The shared memory an engine's groups created in this process, unlinked (a segment left
-    registered makes Python's resource tracker warn of a leak at exit)."""
+def unlink_engine_segments() -> None:
+    """The shared-memory segments SGLang's groups created in this process, closed and unlinked (a segment
+    left registered makes Python's resource tracker warn of a leak at exit)."""
     import sys
     if "tpprobe.engines.sglang.dist" in sys.modules:     # SGLang's model ran here
         sys.modules["tpprobe.engines.sglang.dist"].release_shared_memory()
-    if "tpprobe.engines.vllm.cpu_mode" in sys.modules:     # vLLM's groups (and their shared memory)
-        sys.modules["tpprobe.engines.vllm.cpu_mode"].release()
 
 
 def shutdown(ctx) -> None:
-    release_engine_memory()      # the engines' shared memory goes first
+    import sys
+    unlink_engine_segments()      # the engines' shared memory goes first
+    if "tpprobe.engines.vllm.cpu_mode" in sys.modules:     # vLLM's groups (and their shared memory) likewise
+        sys.modules["tpprobe.engines.vllm.cpu_mode"].release()
     try:
         if dist.is_initialized():
             # let every rank read the verdict before the store's host (rank 0's agent) may go; at
