@@ -285,6 +285,58 @@ def test_collectives_are_placed_in_the_module_that_runs_them_hooked_or_not():
         assert r["hooks_left"] == 2                         # the test's two hooks only
 
 
+def _walk_and_row(rank, world):
+    """Every collective named twice: as the Tap names it (a leaf row-parallel module of the running
+    layer, known from its hooks, ends the search at once) and by the frame walk alone; a hook-issued
+    reduce on a row module (after its forward, before the Tap's post hook) and a reduce the row module
+    leaves to its caller (reduce_results=False) are among them."""
+
+    class Both(Tap):
+        pairs: list = []
+
+        def _attribution(self, tensor):
+            row = self._row_now
+            fast = super()._attribution(tensor)
+            if row is None:           # the walk itself (it marks a matched row output reduced: once)
+                Both.pairs.append((fast, fast, False))
+                return fast
+            self._row_now = None
+            try:
+                walk = super()._attribution(tensor)
+            finally:
+                self._row_now = row
+            Both.pairs.append((fast, walk, True))
+            return fast
+
+    t = _target(rank, world)
+    m = t.model
+    m.layers[0].mlp.down_proj.register_forward_hook(lambda mod, a, out: dist.all_reduce(torch.zeros(2)))
+    m.layers[2].self_attn.o_proj.reduce_results = False       # reduced by the caller, after it returned
+    orig = type(m.layers[2].self_attn).forward
+
+    def attn(x, *a, _s=m.layers[2].self_attn, **k):
+        out = orig(_s, x, *a, **k)
+        dist.all_reduce(out)
+        return out
+    m.layers[2].self_attn.forward = attn
+    with torch.no_grad(), Both(m) as tap:
+        t.forward()
+    return {"pairs": [(f[:3], w[:3], used) for f, w, used in Both.pairs],
+            "records": [(a.module, a.where, a.source) for a in tap.allreduces]}
+
+
+def test_a_running_leaf_row_module_names_its_collective_as_the_frame_walk_does():
+    for r in spawn(_walk_and_row, 2).values():
+        assert all(f == w for f, w, _ in r["pairs"]), r["pairs"]
+        # named from the hooks: the 2 row modules of layers 0 and 1 (layer 0's down_proj twice: its own
+        # reduce and its hook's) and layer 2's down_proj; its o_proj leaves its reduce to the attention
+        assert sum(used for _, _, used in r["pairs"]) == 6
+        recs = r["records"]
+        assert ("layers.0.mlp.down_proj", "layer.0", "layers.0.mlp.down_proj") in recs
+        assert ("layers.2.self_attn", "layer.2", "layers.2.self_attn.o_proj") in recs
+        assert len(recs) == 1 + 2 * 3 + 1
+
+
 def _embed_cache(rank, world):
     """The embedding found by one Tap is the only candidate the next Taps of the model watch; a
     Tap that does not find it there (here: the model switched embeddings) sends the next back to

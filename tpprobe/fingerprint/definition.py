@@ -149,3 +149,11 @@ def enc_floats(vs) -> list:
     an Inf makes the sum non-finite), which is nearly always, then the floats are the list."""
     vs = list(map(float, vs))
     return vs if math.isfinite(sum(vs)) else [enc_float(v) for v in vs]
+
+
+class Pending:
+    """A fingerprint launched on the GPU and not read yet (``Deferred.resolve`` fills ``fp``)."""
+    __slots__ = ("fp",)
+
+    def __init__(self):
+        self.fp = None

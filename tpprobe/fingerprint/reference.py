@@ -40,7 +40,8 @@ import torch
 from ..core.tensors import tensor_bytes
 from ..config.knobs import knob_set
 
-from .definition import M32, QA, QB, SA, SKETCH_ROW, Fingerprint, column_signs, hash_hex, mix_a, row_signs
+from .definition import (M32, QA, QB, SA, SKETCH_ROW, Fingerprint, Pending, column_signs, hash_hex, mix_a,
+                         row_signs)
 
 __all__ = ["Fingerprint", "fingerprint", "fingerprints", "sum_matches", "sketch_close",
            "SKETCH_ROW"]
@@ -217,14 +218,6 @@ def fingerprints(tensors: list, seed: int = 0, k: int = 32) -> list[Fingerprint]
     return [resolved(x) for x in out]
 
 
-class Pending:
-    """A fingerprint launched on the GPU and not read yet (``Deferred.resolve`` fills ``fp``)."""
-    __slots__ = ("fp",)
-
-    def __init__(self):
-        self.fp = None
-
-
 class Deferred:
     """Fingerprints for a whole forward with no host sync inside it: each CUDA tensor's kernel is
     queued on the current stream when it is captured (stream order keeps the in-place all-reduce
@@ -243,9 +236,9 @@ class Deferred:
         if t.is_cuda:
             b = self.batch if self.batch is not None else self._start()
             if b:
-                ph = Pending()
-                if b.add(t, ph):
-                    return ph
+                it = b.take(t)          # the queued launch is itself the Pending its read fills
+                if it is not None:
+                    return it
             self._refused(t)
         return _fingerprint_torch(t, self.seed, self.k)
 

@@ -113,7 +113,15 @@ class Collectives:
         # running one (or there is none): then the walk goes on to the layer's own frame
         known, code, now = self._known, _CALL_IMPL, self._layer_now
         module = source = layer = None
-        f = sys._getframe(1)
+        row = self._row_now
+        if row is not None and now is not None and row[1] == now:
+            # a leaf row-parallel module of the running layer is running (its hooks say so): the walk
+            # would end at its frame with the same three names
+            module = source = row[0]
+            layer = now
+            f = None
+        else:
+            f = sys._getframe(1)
         limit = 1000
         while f is not None and limit:
             if f.f_code is code:

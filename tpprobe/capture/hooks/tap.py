@@ -89,6 +89,9 @@ class Tap(Collectives):
         self.layer_indices: list[int] = []
         self._stack: list[tuple[str, str, Optional[int]]] = []   # the embedding while it runs
         self._layer_now: Optional[int] = None      # the decoder layer running (its hooks: pre sets, post clears)
+        # the row-parallel module running, when it has no child module: (name, layer index) (pre sets, post
+        # clears): a collective it issues is named from it, without the frame walk (collectives._attribution)
+        self._row_now: Optional[tuple] = None
         self._known: dict = {}
         self._plan_cache = None                    # the cached plan (its `found` embedding)
         self._auditing = False
@@ -253,8 +256,22 @@ class Tap(Collectives):
             progress, where, idx = self.progress, f"layer {handle.index}", handle.index
 
             def pre(mod, args):
-                self._layer_now = idx
+                self._layer_now, self._row_now = idx, None     # (a row module that raised never cleared it)
                 progress.set("forward", where)
+        elif handle.kind == "row" and not module._modules:
+            # a leaf: nothing known runs inside its call, so while it runs it is the innermost known module
+            row = (handle.name, handle.index)
+
+            def pre(mod, args):
+                self._row_now = row
+
+            def post_(mod, args, output):
+                self._row_now = None
+                post(handle, args, output)
+
+            handle.handles += add_hooks(module, pre, post_, wrap=True, fast_path=self._fast)
+            self.handles.append(handle)
+            return
         else:
             pre = None
 

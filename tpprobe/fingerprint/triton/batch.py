@@ -51,15 +51,19 @@ class Entry:
     direct: Optional[fastlaunch.DirectLaunch] = None    # set after its first launch, where taken
 
 
-@dataclass(slots=True)
-class Item:
-    """One queued launch: its fingerprint goes to ``tag.fp`` on read."""
-    tag: Any
-    entry: Entry
-    chunk: int                   # which of the batch's buffers
-    off: int                     # its word offset there
-    tensor: Optional[torch.Tensor]
-    rows: Optional[torch.Tensor]     # torch-side token-row flags (Entry.extra), else None
+class Item(fpdef.Pending):
+    """One queued launch, and the Pending its read fills (``fp``; also ``tag.fp`` where a tag was given)."""
+    __slots__ = ("tag", "entry", "chunk", "off", "tensor", "rows")
+
+    def __init__(self, tag, entry: Entry, chunk: int, off: int, tensor: Optional[torch.Tensor],
+                 rows: Optional[torch.Tensor]):
+        self.fp = None
+        self.tag = tag               # None: the Item is the Pending (`Batch.take`)
+        self.entry = entry
+        self.chunk = chunk           # which of the batch's buffers
+        self.off = off               # its word offset there
+        self.tensor = tensor
+        self.rows = rows             # torch-side token-row flags (Entry.extra), else None
 
 
 @dataclass(slots=True)
@@ -108,12 +112,21 @@ class Batch:
     def add(self, t: torch.Tensor, tag) -> bool:
         """Queue t's kernel (its fingerprint goes to ``tag.fp`` on ``read``); False, with nothing
         queued, when the fused kernel does not take t (``unsupported_reason`` says why)."""
+        it = self.take(t)
+        if it is None:
+            return False
+        it.tag = tag
+        return True
+
+    def take(self, t: torch.Tensor) -> Optional[Item]:
+        """Queue t's kernel; the queued Item is a Pending whose ``fp`` the read fills. None, with
+        nothing queued, when the fused kernel does not take t (``unsupported_reason`` says why)."""
         e = self.entries.get((t.shape, t.dtype, t.get_device()))
         if e is None:
             e = self.entry(t)
         ptr = t.data_ptr()
         if e.why or ptr % 16 or not t.is_contiguous():
-            return False
+            return None
         off = self.used
         if off + e.words > self.cap:
             self._new_buffer(e.words, t.device)
@@ -129,8 +142,9 @@ class Batch:
                      ptr, e.aptr, b + e.fbyte, b, b + e.tbyte, *e.tail)
         else:
             self._launch_jit(e, t, off)
-        self.items.append(Item(tag, e, self.chunk, off, t, (t != 0).any(dim=1) if e.extra else None))
-        return True
+        it = Item(None, e, self.chunk, off, t, (t != 0).any(dim=1) if e.extra else None)
+        self.items.append(it)
+        return it
 
     def entry(self, t: torch.Tensor) -> Entry:
         """The launch entry of t's (shape, dtype, device), built and kept at its first tensor."""
@@ -185,7 +199,8 @@ class Batch:
         read, e.g. those queued after a collective that never completed) into ``tag.fp``: on the
         device (``combine_kernel``) with one small copy, or, where it is not used, on the host
         from a copy of every partial."""
-        items = self.items if only is None else [it for it in self.items if id(it.tag) in only]
+        items = self.items if only is None else \
+            [it for it in self.items if id(it if it.tag is None else it.tag) in only]
         if self.chunks:
             self.chunks[-1][1] = self.used
         if items:
@@ -297,8 +312,9 @@ class Batch:
             if not (isfinite(s) and isfinite(a)):
                 s, a, n_nan, n_inf = exact_nonfinite(p, s, a, n_nan, n_inf, it.tensor)
             # positional: shape, dtype, bit_hash, sketch, sumsq, absmax, n_nan, n_inf, row_nonzero, seed
-            it.tag.fp = Fp(list(p["shape"]), p["dtype_s"], hx[32 * i:32 * i + 32], sk[i], s, a, n_nan, n_inf, rows,
-                           seed)
+            it.fp = Fp(list(p["shape"]), p["dtype_s"], hx[32 * i:32 * i + 32], sk[i], s, a, n_nan, n_inf, rows, seed)
+            if it.tag is not None:
+                it.tag.fp = it.fp
 
     def _read_host(self, items: list[Item]) -> None:
         """The host combine: every partial copied (one copy), ``combine_many`` per shape."""
@@ -328,7 +344,10 @@ class Batch:
             fps = combine_many(e.p, host, hf, hflag, o, 2 * (o + e.ni), 2 * (o + e.ni + e.nf), self.seed,
                                self.k, rows_extra=extra, tensors=[items[i].tensor for i in idx])
             for i, fp in zip(idx, fps):
-                items[i].tag.fp = fp
+                it = items[i]
+                it.fp = fp
+                if it.tag is not None:
+                    it.tag.fp = fp
 
     def _to_host(self, dev: torch.Tensor) -> np.ndarray:
         if not dev.is_cuda:

@@ -1,0 +1,173 @@
+"""Which of the probe's own functions the host time of a checked decode forward goes to.
+
+    python bench/forward_split.py [--tokens 1] [--forwards 200] [--collectives] [--out DIR]
+
+The model and the fingerprint variant of tap_phases.py (`--exchange fingerprint`: the 3 EAGLE-3
+slots, embed.* and in_norm kept, every other point and every audited collective's input and output
+fingerprinted, read with one copy after the forward). Each function named in SPLIT is wrapped by an
+inclusive timer (perf_counter, a few hundred nanoseconds a call of its own), so the table says, per
+forward, how often each one ran and how long it took with everything it called: nested ones are
+inside their callers' numbers. The bare forward (`off`) and the unwrapped checked one are timed first,
+alternated, for the totals the split is a part of. Writes forward_split.json to --out.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.harness import alternate, medians  # noqa: E402
+from bench.hook_overhead import weights_on  # noqa: E402
+from tpprobe.capture import audit  # noqa: E402
+from tpprobe.capture.hooks import Tap  # noqa: E402
+from tpprobe.capture.points import id_point  # noqa: E402
+from tpprobe.capture.progress import Progress  # noqa: E402
+from tpprobe.core.target import RankContext  # noqa: E402
+from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
+from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
+
+# (module path, attribute path): the functions timed, outermost first
+SPLIT = [
+    ("torch.distributed", "ProcessGroup.allreduce"),
+    ("tpprobe.capture.hooks.tap", "Tap.__init__"),
+    ("tpprobe.capture.hooks.tap", "Tap.__enter__"),
+    ("tpprobe.capture.hooks.plan", "PlanCache.plan"),
+    ("tpprobe.capture.hooks.tap", "Tap._remove"),
+    ("tpprobe.capture.hooks.tap", "Tap._layer_post"),
+    ("tpprobe.capture.hooks.tap", "Tap._row_post"),
+    ("tpprobe.capture.hooks.tap", "Tap._in_norm_post"),
+    ("tpprobe.capture.hooks.tap", "Tap._embed_post"),
+    ("tpprobe.capture.hooks.tap", "Tap._record"),
+    ("tpprobe.capture.hooks.outputs", "residual_stream"),
+    ("tpprobe.capture.audit.recorder", "Audit.begin"),
+    ("tpprobe.capture.audit.recorder", "Audit.end"),
+    ("tpprobe.capture.hooks.collectives", "Collectives._attribution"),
+    ("tpprobe.capture.hooks.collectives", "Collectives._after_collective"),
+    ("tpprobe.fingerprint.reference", "Deferred.__call__"),
+    ("tpprobe.fingerprint.triton.batch", "Batch.add"),
+    ("tpprobe.fingerprint.reference", "Deferred.resolve"),
+    ("tpprobe.fingerprint.triton.batch", "Batch._combine_launch"),
+    ("tpprobe.fingerprint.triton.batch", "Batch._to_host"),
+    ("tpprobe.fingerprint.triton.batch", "Batch._format"),
+]
+
+
+def wrap_all(acc):
+    import importlib
+    undo = []
+    for mod, path in SPLIT:
+        m = importlib.import_module(mod)
+        owner_name, _, attr = path.rpartition(".")
+        owner = getattr(m, owner_name) if owner_name else m
+        raw = owner.__dict__[attr] if owner_name else getattr(m, attr)
+        slot = acc[path]
+        pc = time.perf_counter
+
+        def timed(*a, _raw=raw, _slot=slot, **k):
+            t0 = pc()
+            try:
+                return _raw(*a, **k)
+            finally:
+                _slot[0] += pc() - t0
+                _slot[1] += 1
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, raw))
+        if not owner_name:      # a function imported by name elsewhere: patch those names too
+            for other in list(sys.modules.values()):
+                if other is not m and getattr(other, attr, None) is raw:
+                    setattr(other, attr, timed)
+                    undo.append((other, attr, raw))
+    return undo
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--heads", type=int, default=56)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--forwards", type=int, default=200)
+    ap.add_argument("--collectives", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if cuda:
+        dev = torch.device("cuda", dev.index or 0)
+        torch.cuda.set_device(dev)
+    nccl = cuda and a.collectives
+    dist.init_process_group("nccl" if nccl else "gloo", rank=0, world_size=1, **({"device_id": dev} if nccl else {}))
+    layer_ids = [-1, 1, 3]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden, vocab=a.vocab,
+                        tokens=a.tokens, dtype=dtype, layer_ids=layer_ids)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=dev, backend="nccl" if nccl else "gloo")
+    with torch.no_grad():
+        model = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
+    model.set_eagle3_layers_to_capture(layer_ids)
+    if a.collectives:
+        for m in [model.embed_tokens] + [x for l in model.layers for x in (l.self_attn.o_proj, l.mlp.down_proj)]:
+            m.register_forward_hook(lambda mod, args, o: dist.all_reduce(o))
+    ids = torch.randint(0, a.vocab, (a.tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
+    keep_ids = {id_point(i) for i in layer_ids}
+    keep5 = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
+
+    def one(v):
+        if v == "off":
+            audit.release()
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if v == "off":
+                model(ids)
+            else:
+                fp = Deferred(0x7470, 32)
+                with Tap(model, keep=keep5, summarize=fp, keep_allreduce_tensors=False, progress=Progress()) as tap:
+                    model(ids)
+                fp.resolve()
+                _ = [resolved(s).to_json() for s in tap.summaries.values()]
+        sync()
+        t = time.perf_counter() - t0
+        if v == "off":
+            audit.sync()
+        return t
+
+    med = medians(alternate(["off", "fingerprint"], one, 60, warmup=3))
+    acc = defaultdict(lambda: [0.0, 0])
+    undo = wrap_all(acc)
+    one("fingerprint")
+    for slot in acc.values():      # the timers hold their slots: zeroed, never replaced
+        slot[0], slot[1] = 0.0, 0
+    wrapped = [one("fingerprint") for _ in range(a.forwards)]
+    for owner, attr, raw in undo:
+        setattr(owner, attr, raw)
+    n = a.forwards
+    rows = [{"function": p, "calls": acc[p][1] / n, "us": acc[p][0] / n * 1e6} for _, p in SPLIT if acc[p][1]]
+    name = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    print(f"forward split: {name}, torch {torch.__version__}, {a.tokens} token(s), "
+          f"{'9 all-reduces, ' if a.collectives else ''}off {med['off'] * 1e6:.0f} us, "
+          f"fingerprint {med['fingerprint'] * 1e6:.0f} us ({med['fingerprint'] / med['off']:.3f}x), "
+          f"with the timers {statistics.median(wrapped) * 1e6:.0f} us; per forward, inclusive:")
+    for r in rows:
+        print(f"  {r['function']:<36} {r['calls']:6.1f} calls {r['us']:9.1f} us")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "forward_split.json"), "w") as f:
+        json.dump({"bench": "forward_split", "device": name, "tokens": a.tokens, "collectives": a.collectives,
+                   "off_us": med["off"] * 1e6, "fingerprint_us": med["fingerprint"] * 1e6,
+                   "wrapped_us": statistics.median(wrapped) * 1e6, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
