@@ -118,7 +118,9 @@ def main():
         fwd = [e for e in evs if e.name == f"forward_{v}" and e.device_type.name == "CPU"]
         rows = []
         starts = sorted(f.time_range.start for f in fwd)
-        gpu = [(k.time_range.start, k.time_range.end) for k in evs if k.device_type.name == "CUDA"]
+        # the device's own work: kernels and copies (not the annotation record_function mirrors on the device)
+        gpu = [(k.time_range.start, k.time_range.end) for k in evs
+               if k.device_type.name == "CUDA" and not k.name.startswith("forward_")]
         for f in fwd:
             # this forward's device work: what starts before the next forward does (each one ends synchronised)
             s, e = f.time_range.start, f.time_range.end

@@ -7,7 +7,8 @@ slots, embed.* and in_norm kept, every other point and every audited collective'
 fingerprinted, read with one copy after the forward). Each function named in SPLIT is wrapped by an
 inclusive timer (perf_counter, a few hundred nanoseconds a call of its own), so the table says, per
 forward, how often each one ran and how long it took with everything it called: nested ones are
-inside their callers' numbers. The bare forward (`off`) and the unwrapped checked one are timed first,
+inside their callers' numbers; each number is the median over the forwards of that function's time in
+one forward. The bare forward (`off`) and the unwrapped checked one are timed first,
 alternated, for the totals the split is a part of. Writes forward_split.json to --out.
 """
 import argparse
@@ -149,11 +150,16 @@ def main():
     one("fingerprint")
     for slot in acc.values():      # the timers hold their slots: zeroed, never replaced
         slot[0], slot[1] = 0.0, 0
-    wrapped = [one("fingerprint") for _ in range(a.forwards)]
+    wrapped, per = [], []          # per forward: each function's (seconds, calls) in it
+    for _ in range(a.forwards):
+        before = {k: tuple(v) for k, v in acc.items()}
+        wrapped.append(one("fingerprint"))
+        per.append({k: (acc[k][0] - before[k][0], acc[k][1] - before[k][1]) for k in acc})
     for owner, attr, raw in undo:
         setattr(owner, attr, raw)
-    n = a.forwards
-    rows = [{"function": p, "calls": acc[p][1] / n, "us": acc[p][0] / n * 1e6} for _, p in SPLIT if acc[p][1]]
+    # the median forward, function by function (a one-off, a collection or a compile, is not spread over all)
+    rows = [{"function": p, "calls": statistics.median(f[p][1] for f in per),
+             "us": statistics.median(f[p][0] for f in per) * 1e6} for _, p in SPLIT if acc[p][1]]
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     print(f"forward split: {name}, torch {torch.__version__}, {a.tokens} token(s), "
           f"{'9 all-reduces, ' if a.collectives else ''}off {med['off'] * 1e6:.0f} us, "

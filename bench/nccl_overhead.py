@@ -57,7 +57,7 @@ def worker(rank: int, a, port: int, q):
     layer_ids = [-1, 1, 3]
     variants = VARIANTS + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
     out = {"rows": []}
-    for tokens, iters in [(a.prefill, a.iters)] + [(n, a.decode_iters) for n in a.decode]:
+    for tokens, iters in ([(a.prefill, a.iters)] if a.prefill else []) + [(n, a.decode_iters) for n in a.decode]:
         cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
                             vocab=a.vocab, tokens=tokens, dtype=dtype, layer_ids=layer_ids)
         ctx = RankContext(rank=rank, world_size=a.nproc, local_rank=rank, device=dev, backend="nccl")
@@ -145,7 +145,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--prefill", type=int, default=8192, help="0: no prefill row")
     ap.add_argument("--decode", default="1,8,64")
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--decode-iters", type=int, default=30)

@@ -13,7 +13,9 @@ class Progress:
     """Shared with the watchdog thread: where this rank is, cheaply updated by the hooks."""
     phase: str = "start"
     where: str = ""
-    collective: Optional[dict] = None       # the all-reduce this rank is blocked in, if any
+    # the collective this rank is blocked in, if any: (its record, time.time() at its issue), set by the
+    # audit at every collective; `collective` makes the dict the watchdog posts only when it reads it
+    issued: Optional[tuple] = None
     since: float = field(default_factory=time.time)
     audit: Optional[list] = None            # this rank's all-reduce records so far (for stall posts)
     # CUDA tensors: (seq, event recorded on the stream right after all-reduce #seq). The host does
@@ -22,6 +24,16 @@ class Progress:
     _done: int = -1
 
     changed: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def collective(self) -> Optional[dict]:
+        """The collective this rank is blocked in, if any: seq, module, where, shape, since, kind."""
+        c = self.issued
+        if c is None:
+            return None
+        rec, since = c
+        return {"seq": rec.seq, "module": rec.module, "where": rec.where, "shape": list(rec.shape),
+                "since": since, "kind": rec.kind}
 
     def device_done(self) -> int:
         """The last all-reduce the device completed (-1: none), from the events (never blocks; one

@@ -143,8 +143,7 @@ class Audit:
                     self._summ(inp, kind, group_size, is_input=True, splits=splits)
         self.records.append(rec)
         if self.progress is not None:
-            self.progress.collective = {"seq": rec.seq, "module": module, "where": where,
-                                        "shape": list(rec.shape), "since": time.time(), "kind": kind}
+            self.progress.issued = (rec, time.time())
         if self._observers:
             for fn in tuple(self._observers.values()):
                 fn(rec, inp)
@@ -163,7 +162,7 @@ class Audit:
     def end(self, rec: CollectiveRecord, out: Optional[torch.Tensor]) -> None:
         rec.seconds = time.perf_counter() - rec.t0 if rec.t0 else 0.0
         if self.progress is not None:
-            self.progress.collective = None
+            self.progress.issued = None
         if self.after is not None:
             self.after(rec, out)
         if not rec.checked or not isinstance(out, torch.Tensor):
