@@ -23,14 +23,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.decode_setup import add_model_args, decode_model  # noqa: E402
 from bench.harness import alternate, medians  # noqa: E402
-from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
-from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
-from tpprobe.core.target import RankContext  # noqa: E402
-from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
 
 # (module path, attribute path): the functions timed, outermost first
@@ -89,40 +86,13 @@ def wrap_all(acc):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--heads", type=int, default=56)
-    ap.add_argument("--num-layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--tokens", type=int, default=1)
+    add_model_args(ap)
     ap.add_argument("--forwards", type=int, default=200)
-    ap.add_argument("--collectives", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    dev = torch.device(a.device)
+    model, ids, keep5, dev, sync = decode_model(a)
     cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    if cuda:
-        dev = torch.device("cuda", dev.index or 0)
-        torch.cuda.set_device(dev)
-    nccl = cuda and a.collectives
-    dist.init_process_group("nccl" if nccl else "gloo", rank=0, world_size=1, **({"device_id": dev} if nccl else {}))
-    layer_ids = [-1, 1, 3]
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden, vocab=a.vocab,
-                        tokens=a.tokens, dtype=dtype, layer_ids=layer_ids)
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=dev, backend="nccl" if nccl else "gloo")
-    with torch.no_grad():
-        model = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
-    model.set_eagle3_layers_to_capture(layer_ids)
-    if a.collectives:
-        for m in [model.embed_tokens] + [x for l in model.layers for x in (l.self_attn.o_proj, l.mlp.down_proj)]:
-            m.register_forward_hook(lambda mod, args, o: dist.all_reduce(o))
-    ids = torch.randint(0, a.vocab, (a.tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
-    keep_ids = {id_point(i) for i in layer_ids}
-    keep5 = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
 
     def one(v):
         if v == "off":

@@ -28,15 +28,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.decode_setup import add_model_args, decode_model  # noqa: E402
 from bench.harness import alternate  # noqa: E402
-from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
-from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
-from tpprobe.engines.builtin.model import BuiltinConfig, TPModel  # noqa: E402
-from tpprobe.core.target import RankContext  # noqa: E402
 
 VARIANTS = ["off", "installed", "keep5", "fp_only", "fingerprint", "fp_no_coll"]
 PHASES = ["enter", "forward", "exit", "resolve", "json", "total"]
@@ -45,43 +42,14 @@ PHASES = ["enter", "forward", "exit", "resolve", "json", "total"]
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--heads", type=int, default=56)
-    ap.add_argument("--num-layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--tokens", type=int, default=1)
+    add_model_args(ap)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--collectives", action="store_true", help="all-reduce the embedding's and every "
-                    "row-parallel output (a world-1 NCCL group on CUDA), where a tp-2 model issues them")
     ap.add_argument("--profile", default="", help="then cProfile 30 forwards of this variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    dev = torch.device(a.device)
+    model, ids, keep5, dev, sync = decode_model(a, getattr(torch, a.dtype))
     cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    nccl = cuda and a.collectives
-    if nccl:
-        torch.cuda.set_device(dev.index or 0)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", dev.index or 0))
-    else:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    layer_ids = [-1, 1, 3]
-    cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden, vocab=a.vocab,
-                        tokens=a.tokens, dtype=getattr(torch, a.dtype), layer_ids=layer_ids)
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=dev, backend="gloo")
-    with torch.no_grad():
-        model = TPModel(weights_on(cfg, dev), ctx, cfg).to(dev).eval()
-    model.set_eagle3_layers_to_capture(layer_ids)
-    if a.collectives:
-        # what a tp-2 model issues: the embedding's and every row-parallel output all-reduced (world 1)
-        for m in [model.embed_tokens] + [x for l in model.layers for x in (l.self_attn.o_proj, l.mlp.down_proj)]:
-            m.register_forward_hook(lambda mod, args, o: dist.all_reduce(o))
-    ids = torch.randint(0, a.vocab, (a.tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
-    keep_ids = {id_point(i) for i in layer_ids}
-    keep5 = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
     pc = time.perf_counter
 
     def one(v):
