@@ -294,6 +294,7 @@ def assert_fault(name, res, world):
             (name, f)
 
 
+@pytest.mark.sweep       # tp 2 runs in CI: each library healthy in both dtypes and each fault named
 def test_each_library_is_healthy_at_tp4(tmp_path):
     _need("dtensor", "hf", "megatron")
     cases = [("dtensor-bfloat16", "examples.dtensor_llama:build", {"TPLIBS_DTYPE": "bfloat16"}),
