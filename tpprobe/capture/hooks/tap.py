@@ -251,7 +251,13 @@ class Tap(Collectives):
 
     def _hook(self, module, handle: HookHandle, post) -> None:
         """A decoder layer: pre says where the forward is (the watchdog's heartbeat), post reads its
-        output; another module: post only. ``post(handle, args, output)``."""
+        output; a row-parallel module with no child module: pre and post say it is running; another
+        module: post only. ``post(handle, args, output)``."""
+        pre = None
+
+        def post_(mod, args, output):
+            post(handle, args, output)
+
         if handle.kind == "layer":
             progress, where, idx = self.progress, f"layer {handle.index}", handle.index
 
@@ -268,15 +274,6 @@ class Tap(Collectives):
             def post_(mod, args, output):
                 self._row_now = None
                 post(handle, args, output)
-
-            handle.handles += add_hooks(module, pre, post_, wrap=True, fast_path=self._fast)
-            self.handles.append(handle)
-            return
-        else:
-            pre = None
-
-        def post_(mod, args, output):
-            post(handle, args, output)
 
         handle.handles += add_hooks(module, pre, post_, wrap=True, fast_path=self._fast)
         self.handles.append(handle)

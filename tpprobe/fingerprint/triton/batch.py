@@ -65,6 +65,11 @@ class Item(fpdef.Pending):
         self.tensor = tensor
         self.rows = rows             # torch-side token-row flags (Entry.extra), else None
 
+    def fill(self, fp) -> None:
+        self.fp = fp
+        if self.tag is not None:
+            self.tag.fp = fp
+
 
 @dataclass(slots=True)
 class Staging:
@@ -312,9 +317,7 @@ class Batch:
             if not (isfinite(s) and isfinite(a)):
                 s, a, n_nan, n_inf = exact_nonfinite(p, s, a, n_nan, n_inf, it.tensor)
             # positional: shape, dtype, bit_hash, sketch, sumsq, absmax, n_nan, n_inf, row_nonzero, seed
-            it.fp = Fp(list(p["shape"]), p["dtype_s"], hx[32 * i:32 * i + 32], sk[i], s, a, n_nan, n_inf, rows, seed)
-            if it.tag is not None:
-                it.tag.fp = it.fp
+            it.fill(Fp(list(p["shape"]), p["dtype_s"], hx[32 * i:32 * i + 32], sk[i], s, a, n_nan, n_inf, rows, seed))
 
     def _read_host(self, items: list[Item]) -> None:
         """The host combine: every partial copied (one copy), ``combine_many`` per shape."""
@@ -344,10 +347,7 @@ class Batch:
             fps = combine_many(e.p, host, hf, hflag, o, 2 * (o + e.ni), 2 * (o + e.ni + e.nf), self.seed,
                                self.k, rows_extra=extra, tensors=[items[i].tensor for i in idx])
             for i, fp in zip(idx, fps):
-                it = items[i]
-                it.fp = fp
-                if it.tag is not None:
-                    it.tag.fp = fp
+                items[i].fill(fp)
 
     def _to_host(self, dev: torch.Tensor) -> np.ndarray:
         if not dev.is_cuda:
