@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.decode_setup import add_model_args, decode_model  # noqa: E402
+from bench.harness import settled  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
@@ -55,9 +56,13 @@ def main():
     a = ap.parse_args()
     model, ids, keep5, dev, _ = decode_model(a)
 
+    def bare():
+        with torch.no_grad():
+            model(ids)
+
     def one(v):
         if v == "off":
-            audit.release()
+            settled(bare, audit.release)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad(), torch.profiler.record_function(f"forward_{v}"):
@@ -74,7 +79,7 @@ def main():
         torch.cuda.synchronize()
         t = time.perf_counter() - t0
         if v == "off":
-            audit.sync()
+            settled(bare, audit.sync)
         return t
 
     for _ in range(5):

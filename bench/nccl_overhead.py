@@ -19,7 +19,11 @@ one forward per variant, alternating the variants (so drift hits all alike), med
 With --kernel, installed_kernel / fingerprint_kernel: the same with ProcessGroup's doors closed
 (every collective through the audit's dispatcher kernel, as before the doors).
 Each timing runs from a synchronised start to the end of the forward's work on the device (and,
-for fingerprint, the host having its fingerprints).  Rank 0 writes nccl_overhead.json to --out.
+for fingerprint, the host having its fingerprints); `off` releases the audit and registers it again
+with an untimed forward after each (harness.settled), so no timed forward runs cold behind either.
+Printed and written: the ratio of the medians, and the median and quartiles of each round's own ratio
+(harness.paired: a host whose speed drifts moves a round's two timings alike).  Rank 0 writes
+nccl_overhead.json to --out.
 Targets: fingerprint <= 1.05x off in prefill, <= 1.2x in eager decode; idle 1.00x within noise.
 """
 import argparse
@@ -33,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench.harness import alternate, medians, write_json  # noqa: E402
+from bench.harness import alternate, medians, paired, settled, write_json  # noqa: E402
 from bench.hook_overhead import weights_on  # noqa: E402
 from tpprobe.capture.points import id_point  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred, resolved  # noqa: E402
@@ -77,11 +81,15 @@ def worker(rank: int, a, port: int, q):
         ids = torch.randint(0, a.vocab, (tokens,), generator=g, device=dev)
         keep_ids = {id_point(i) for i in layer_ids}
 
+        def bare():
+            with torch.no_grad():
+                model(ids)
+
         def run(v):
             audit.set_doors(not v.endswith("_kernel"))
             v = v.replace("_kernel", "")
             if v == "off":       # probe off: none of the audit's kernels or doors on the way
-                audit.release()
+                settled(bare, audit.release)
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda.synchronize()
@@ -106,11 +114,12 @@ def worker(rank: int, a, port: int, q):
             torch.cuda.synchronize()
             t = time.perf_counter() - t0
             if v == "off":       # registered again outside the timing (the next Tap would pay 5 ms)
-                audit.sync()
+                settled(bare, audit.sync)
             return t
 
         times = alternate(variants, run, iters, warmup=2)      # warm-up: the kernels compile once
         med = medians(times)
+        pair = paired(times)
         if a.profile and rank == 0 and tokens == min(a.decode or [0]):
             import cProfile
             import io
@@ -128,6 +137,8 @@ def worker(rank: int, a, port: int, q):
         out["rows"].append({"phase": "prefill" if tokens == a.prefill else "decode", "tokens": tokens,
                             "iters": iters, **{f"{v}_ms": med[v] * 1e3 for v in variants},
                             **{f"{v}_x": med[v] / med["off"] for v in variants[1:]},
+                            # round by round (harness.paired): quartiles of each round's ratio to off
+                            **{f"{v}_paired_x": pair[v] for v in variants[1:]},
                             "all_ms": {v: [t * 1e3 for t in times[v]] for v in variants}})
     if rank == 0:
         q.put({"rows": out["rows"], "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
@@ -191,6 +202,11 @@ def main():
     for r in res["rows"]:
         cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in shown[1:]]
         print(f"{r['phase']:<8} {r['tokens']:>6} " + " ".join(cells))
+    print("round by round, each round's ratio to off: median [first, third quartile]")
+    for r in res["rows"]:
+        print(f"{r['phase']:<8} {r['tokens']:>6} " + " ".join(
+            f"{v} {r[v + '_paired_x'][1]:.3f} [{r[v + '_paired_x'][0]:.3f}, {r[v + '_paired_x'][2]:.3f}]"
+            for v in shown[1:]))
     write_json(a.out, "nccl_overhead.json", res)
 
 

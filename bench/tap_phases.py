@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.decode_setup import add_model_args, decode_model  # noqa: E402
-from bench.harness import alternate  # noqa: E402
+from bench.harness import alternate, settled  # noqa: E402
 from tpprobe.capture import audit  # noqa: E402
 from tpprobe.capture.hooks import Tap  # noqa: E402
 from tpprobe.capture.progress import Progress  # noqa: E402
@@ -52,10 +52,14 @@ def main():
     cuda = dev.type == "cuda"
     pc = time.perf_counter
 
+    def bare():
+        with torch.no_grad():
+            model(ids)
+
     def one(v):
         ph = dict.fromkeys(PHASES, 0.0)
         if v == "off":
-            audit.release()              # probe off: no kernel or door of the audit on the way
+            settled(bare, audit.release)     # probe off: no kernel or door of the audit on the way
         sync()
         t0 = pc()
         with torch.no_grad():
@@ -65,7 +69,7 @@ def main():
                 ph["forward"] = t1 - t0
                 sync()
                 ph["total"] = pc() - t0
-                audit.sync()      # registered again outside the timing
+                settled(bare, audit.sync)      # registered again outside the timing
                 return ph
             else:
                 fp = Deferred(0x7470, 32) if v in ("fp_only", "fingerprint", "fp_no_coll") else None
