@@ -73,7 +73,24 @@ def main():
     dev_host = device_vs_host(tensors, new, g)
     print(json.dumps({"n": len(tensors), "buffers": nbuf, "same": same, "torch_ok": torch_ok,
                       "entries": entries, "device_combine": not b.host_combine and not tf.STATE.combine_why,
-                      **dev_host, "synthetic": synthetic(g)}))
+                      **dev_host, **later_reads(tensors, new), "synthetic": synthetic(g)}))
+
+
+def later_reads(tensors, new) -> dict:
+    """Every other tensor's launch made by the read (``take(later=True)``), over several buffers:
+    the fingerprints of the batch above, to the bit; a partial read makes only the wanted launches."""
+    out = {}
+    for part in (False, True):
+        b = tf.Batch(3, 32)
+        items = [b.take(t, later=i % 2 == 1) for i, t in enumerate(tensors)]
+        queued = len(b.later)
+        wanted = [i for i in range(len(tensors)) if not part or i % 3 == 0]
+        b.read({id(items[i]) for i in wanted} if part else None)
+        got = [None if it.fp is None else _js(it.fp) for it in items]
+        out["later_partial" if part else "later"] = (
+            queued == len(tensors) // 2 and not b.later and [i for i, v in enumerate(got) if v] == wanted
+            and all(got[i] == _js(new[i]) for i in wanted))
+    return out
 
 
 def _same(fp, ref: dict, dtype) -> bool:

@@ -337,6 +337,47 @@ def test_a_running_leaf_row_module_names_its_collective_as_the_frame_walk_does()
         assert len(recs) == 1 + 2 * 3 + 1
 
 
+class _Summaries:
+    """A summarize with a ``later`` (as Deferred has): which tensors came through which door."""
+
+    def __init__(self):
+        self.now, self.later_ = [], []
+
+    def __call__(self, t):
+        self.now.append(t)
+        return "now"
+
+    def later(self, t):
+        self.later_.append(t)
+        return "later"
+
+
+def _owned(rank, world):
+    t = _target(rank, world)
+    s = _Summaries()
+    keep = ("layer.1.out", "embed.out", "layer.0.in_norm")
+    with torch.no_grad(), Tap(t.model, keep=lambda n: n in keep, summarize=s, keep_allreduce_tensors=False) as tap:
+        t.forward()
+    return {"later": sorted(n for n, v in tap.summaries.items() if v == "later"),
+            "now": sorted(n for n, v in tap.summaries.items() if v == "now"),
+            "kept": sorted(tap.captures),
+            "kept_is_summarized": all(any(x is c for x in s.later_) for c in tap.captures.values()),
+            "n": (len(s.now), len(s.later_)), "collectives": len(tap.allreduces)}
+
+
+def test_the_tensors_the_tap_owns_are_fingerprinted_when_read_and_the_models_at_once():
+    """A layer's hidden + residual (a sum the Tap makes) and every whole copy it keeps go to
+    ``summarize.later``: a fingerprint made when the forward is read, not between the model's ops; a
+    copy is fingerprinted itself, not the model's tensor it came from. Everything else (the model's
+    own tensors, the collectives' inputs and outputs) is summarized at once."""
+    for r in spawn(_owned, 2).values():
+        assert r["later"] == ["embed.out", "layer.0.in_norm", "layer.0.out", "layer.1.out", "layer.2.out"], r
+        assert r["kept"] == ["embed.out", "layer.0.in_norm", "layer.1.out"] and r["kept_is_summarized"], r
+        # embed.local is the embedding all-reduce's input summary, taken at once with the other
+        # collectives' inputs and outputs (7 all-reduces at tp 2)
+        assert r["now"] == ["embed.local"] and r["n"] == (2 * 7, 5) and r["collectives"] == 7, r
+
+
 def _embed_cache(rank, world):
     """The embedding found by one Tap is the only candidate the next Taps of the model watch; a
     Tap that does not find it there (here: the model switched embeddings) sends the next back to

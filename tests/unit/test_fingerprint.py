@@ -443,6 +443,8 @@ def test_fingerprint_mode_never_syncs_the_host_inside_the_forward():
                 model(ids)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+        # the 4 layers' hidden + residual sums are the Tap's own: their launches wait for the read
+        assert len(fp.batch.later) == 4
         fp.resolve()
     got = {n: resolved(v) for n, v in tap.summaries.items()}
     assert len(got) >= 5 and all(f is not None for f in got.values())
@@ -459,9 +461,9 @@ def test_device_combine_equals_the_host_combine_to_the_bit():
     (`combine_many`, TPPROBE_FP_HOST_COMBINE=1; a CUDA-graph tap's read): the same fingerprints to
     the bit, over 4 to 396 programs a tensor (decode to prefill sizes), several tensors of a shape
     and several shapes in one batch, token flags and torch-side row flags, NaN / Inf, fp32 / bf16 /
-    fp16; and a partial read (``only``)."""
+    fp16; a partial read (``only``); and all of it again with every other launch made by the read
+    (``take(later=True)``, a tensor the Tap owns)."""
     import tpprobe.fingerprint.triton as tf
-    from tpprobe.fingerprint.reference import Pending
     g = torch.Generator(device="cuda").manual_seed(5)
     ts = []
     for dt in DTYPES:
@@ -474,15 +476,22 @@ def test_device_combine_equals_the_host_combine_to_the_bit():
                         t[5, 1], t[7, 2], t[8, 0] = float("nan"), float("inf"), -float("inf")
                 ts.append(t)
 
-    def read(host_combine, only=None):
+    def read(host_combine, only=None, later=False):
+        # later: every other tensor's launch made by the read (take(later=True)), not when queued
         b = tf.Batch(9, 32, host_combine=host_combine)
-        tags = [Pending() for _ in ts]
-        assert all(b.add(t, p) for t, p in zip(ts, tags))
-        b.read(None if only is None else {id(tags[i]) for i in only})
-        return [None if p.fp is None else json.dumps(p.fp.to_json()) for p in tags]
+        items = [b.take(t, later=later and i % 2 == 1) for i, t in enumerate(ts)]
+        assert all(it is not None for it in items) and len(b.later) == (len(ts) // 2 if later else 0)
+        b.read(None if only is None else {id(items[i]) for i in only})
+        assert b.later == []
+        return [None if it.fp is None else json.dumps(it.fp.to_json()) for it in items]
     dev, host = read(False), read(True)
     assert not tf.STATE.combine_why, tf.STATE.combine_why
     assert [i for i, (a, b) in enumerate(zip(dev, host)) if a != b] == []
     only = list(range(1, len(ts), 4))
     part = read(False, only)
+    assert [i for i, v in enumerate(part) if v is not None] == only and all(part[i] == dev[i] for i in only)
+    # launched by the read: the same fingerprints to the bit, both combines, whole and partial reads
+    # (a partial read launches only the wanted ones: the others stay unread)
+    assert read(False, later=True) == dev and read(True, later=True) == dev
+    part = read(False, only, later=True)
     assert [i for i, v in enumerate(part) if v is not None] == only and all(part[i] == dev[i] for i in only)

@@ -44,6 +44,8 @@ def test_batched_launches_equal_the_replaced_path_bit_for_bit_in_the_interpreter
     assert got["device_combine"] is True
     assert got["dev_eq_host"] == [True] * 25
     assert got["only_eq"] is True
+    # launches made by the read (a tensor the Tap owns: take(later=True)), whole and partial reads
+    assert got["later"] is True and got["later_partial"] is True
     assert got["synthetic"] == [True] * 5
 
 

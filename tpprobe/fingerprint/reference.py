@@ -242,6 +242,18 @@ class Deferred:
             self._refused(t)
         return _fingerprint_torch(t, self.seed, self.k)
 
+    def later(self, t: torch.Tensor):
+        """As a call, for a tensor that is the caller's own and is never written again (a copy, a sum
+        it made): its kernel is launched by ``resolve`` with the others so queued, not now."""
+        if t.is_cuda:
+            b = self.batch if self.batch is not None else self._start()
+            if b:
+                it = b.take(t, later=True)
+                if it is not None:
+                    return it
+            self._refused(t)
+        return _fingerprint_torch(t, self.seed, self.k)
+
     def _start(self):
         if knob_set("TPPROBE_FINGERPRINT_TORCH"):
             self.why, self.batch = "TPPROBE_FINGERPRINT_TORCH is set", False

@@ -59,6 +59,7 @@ class Tap(Collectives):
         # keep only the first rows of each kept tensor (both: the SGLang plugin's bounded memory)
         self.admit, self.sample_rows = admit, sample_rows
         self.keep, self.summarize = keep, summarize
+        self._later = getattr(summarize, "later", None)     # Deferred.later: a launch the read makes
         self.keep_ar = keep_allreduce_tensors
         self.audit = audit
         self.progress = progress or Progress()
@@ -313,9 +314,13 @@ class Tap(Collectives):
         self.after[name] = len(self.allreduces)
         self.order.append(name)
         if self.keep(name) and self._admitted(name, t):
-            self.captures[name] = self._copy(t, copied)
+            c = self.captures[name] = self._copy(t, copied)
+            if c is not t and c.shape == t.shape:      # a whole copy: the Tap's own, as t is when copied
+                t, copied = c, True
         if self.summarize is not None:
-            self.summaries[name] = self.summarize(t)
+            # a tensor of the Tap's own is never written again: its fingerprint can wait for the read
+            later = self._later if copied else None
+            self.summaries[name] = later(t) if later is not None else self.summarize(t)
 
     def _readable(self, name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
         """A DTensor as this rank's local tensor, its placements recorded (a Partial one owes a

@@ -109,6 +109,7 @@ class Batch:
         self.direct = fastlaunch.direct_launch_ok()    # per batch: a hook a profiler adds takes effect
         self.stream = None                    # the driver's current-stream getter, at the first launch
         self.items: list[Item] = []
+        self.later: list[Item] = []   # queued by ``take(later=True)``: launched by ``read``, first
         self.chunks: list = []   # [device buffer, words used]
         self.buf = None
         self.base = self.cap = self.used = 0
@@ -123,9 +124,12 @@ class Batch:
         it.tag = tag
         return True
 
-    def take(self, t: torch.Tensor) -> Optional[Item]:
+    def take(self, t: torch.Tensor, later: bool = False) -> Optional[Item]:
         """Queue t's kernel; the queued Item is a Pending whose ``fp`` the read fills. None, with
-        nothing queued, when the fused kernel does not take t (``unsupported_reason`` says why)."""
+        nothing queued, when the fused kernel does not take t (``unsupported_reason`` says why).
+        later=True: t is the caller's own (a copy, a sum it made) and nothing writes it again, so its
+        slot is laid out now and its kernel launched by ``read`` with the others so queued, one after
+        another, rather than here, between the model's ops."""
         e = self.entries.get((t.shape, t.dtype, t.get_device()))
         if e is None:
             e = self.entry(t)
@@ -137,19 +141,38 @@ class Batch:
             self._new_buffer(e.words, t.device)
             off = 0
         self.used = off + e.words
+        if later:
+            it = Item(None, e, self.chunk, off, t, None)
+            self.later.append(it)
+        else:
+            self._launch(e, t, ptr, self.buf, self.base, off)
+            it = Item(None, e, self.chunk, off, t, (t != 0).any(dim=1) if e.extra else None)
+        self.items.append(it)
+        return it
+
+    def _launch(self, e: Entry, t: torch.Tensor, ptr: int, buf: torch.Tensor, base: int, off: int) -> None:
         d = e.direct
         if d is not None and self.direct:
             if self.stream is None:
                 self.stream = triton.runtime.driver.active.get_current_stream
-            b = self.base + off * 8
+            b = base + off * 8
             # JITFunction.run's own last step, with no launch hooks (so no launch metadata)
             d.launch(e.grid, 1, 1, self.stream(e.dev), d.function, *d.middle,
                      ptr, e.aptr, b + e.fbyte, b, b + e.tbyte, *e.tail)
         else:
-            self._launch_jit(e, t, off)
-        it = Item(None, e, self.chunk, off, t, (t != 0).any(dim=1) if e.extra else None)
-        self.items.append(it)
-        return it
+            self._launch_jit(e, t, buf, off)
+
+    def _launch_later(self, items: list[Item]) -> None:
+        """The launches ``take(later=True)`` queued, of the items to be read, in one loop."""
+        chunks = self.chunks
+        for it in items:
+            if it.tensor is None:
+                continue
+            e, t = it.entry, it.tensor
+            buf = chunks[it.chunk][0]
+            self._launch(e, t, t.data_ptr(), buf, buf.data_ptr(), it.off)
+            if e.extra:
+                it.rows = (t != 0).any(dim=1)
 
     def entry(self, t: torch.Tensor) -> Entry:
         """The launch entry of t's (shape, dtype, device), built and kept at its first tensor."""
@@ -177,9 +200,9 @@ class Batch:
         self.entries[(t.shape, t.dtype, dev)] = e
         return e
 
-    def _launch_jit(self, e: Entry, t: torch.Tensor, off: int) -> None:
+    def _launch_jit(self, e: Entry, t: torch.Tensor, buf: torch.Tensor, off: int) -> None:
         """A launch through JITFunction.run (tensor arguments); keeps the CompiledKernel it returns."""
-        buf = self.buf[off:off + e.words]
+        buf = buf[off:off + e.words]
         ipart, fpart, flags = split_buffer(buf, e.ni, 2 * e.nf)
         ck = e.kern[(e.grid,)](t.view(-1).view(torch.int32), e.sign, fpart, ipart, flags, *e.ints, **e.kw)
         if self.direct and fastlaunch.launchable(ck):
@@ -208,6 +231,11 @@ class Batch:
             [it for it in self.items if id(it if it.tag is None else it.tag) in only]
         if self.chunks:
             self.chunks[-1][1] = self.used
+        if self.later:
+            wanted = self.later if only is None else \
+                [it for it in self.later if id(it if it.tag is None else it.tag) in only]
+            self.later = []
+            self._launch_later(wanted)
         if items:
             res = None if self.host_combine else self._combine_launch(items)
             if res is None:
@@ -376,6 +404,7 @@ class Batch:
     def drop(self) -> None:
         """The stream stayed blocked (a dead peer's collective): nothing is read, and the buffers
         are not reused (kernels queued behind the collective may still write them)."""
+        self.later = []
         self.items, self.chunks, self.buf, self.base, self.cap, self.used = [], [], None, 0, 0, 0
 
 
