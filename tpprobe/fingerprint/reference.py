@@ -232,11 +232,11 @@ class Deferred:
         self.batch = None          # False: no CUDA tensor takes the fused kernel (self.why)
         self.why = ""
 
-    def __call__(self, t: torch.Tensor):
+    def __call__(self, t: torch.Tensor, later: bool = False):
         if t.is_cuda:
             b = self.batch if self.batch is not None else self._start()
             if b:
-                it = b.take(t)          # the queued launch is itself the Pending its read fills
+                it = b.take(t, later)   # the queued launch is itself the Pending its read fills
                 if it is not None:
                     return it
             self._refused(t)
@@ -245,14 +245,7 @@ class Deferred:
     def later(self, t: torch.Tensor):
         """As a call, for a tensor that is the caller's own and is never written again (a copy, a sum
         it made): its kernel is launched by ``resolve`` with the others so queued, not now."""
-        if t.is_cuda:
-            b = self.batch if self.batch is not None else self._start()
-            if b:
-                it = b.take(t, later=True)
-                if it is not None:
-                    return it
-            self._refused(t)
-        return _fingerprint_torch(t, self.seed, self.k)
+        return self(t, True)
 
     def _start(self):
         if knob_set("TPPROBE_FINGERPRINT_TORCH"):

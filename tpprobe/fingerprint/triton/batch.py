@@ -166,8 +166,6 @@ class Batch:
         """The launches ``take(later=True)`` queued, of the items to be read, in one loop."""
         chunks = self.chunks
         for it in items:
-            if it.tensor is None:
-                continue
             e, t = it.entry, it.tensor
             buf = chunks[it.chunk][0]
             self._launch(e, t, t.data_ptr(), buf, buf.data_ptr(), it.off)
@@ -227,15 +225,14 @@ class Batch:
         read, e.g. those queued after a collective that never completed) into ``tag.fp``: on the
         device (``combine_kernel``) with one small copy, or, where it is not used, on the host
         from a copy of every partial."""
-        items = self.items if only is None else \
-            [it for it in self.items if id(it if it.tag is None else it.tag) in only]
+        def wanted(queued):
+            return queued if only is None else [it for it in queued if id(it if it.tag is None else it.tag) in only]
+        items = wanted(self.items)
         if self.chunks:
             self.chunks[-1][1] = self.used
         if self.later:
-            wanted = self.later if only is None else \
-                [it for it in self.later if id(it if it.tag is None else it.tag) in only]
-            self.later = []
-            self._launch_later(wanted)
+            later, self.later = wanted(self.later), []
+            self._launch_later(later)
         if items:
             res = None if self.host_combine else self._combine_launch(items)
             if res is None:
