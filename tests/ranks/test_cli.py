@@ -19,6 +19,21 @@ def test_cli_runner_probe_prints_the_report_and_exits_0(tmp_path):
     assert rep["findings"] == [] and rep["settings"]["world_size"] == 2
 
 
+def test_the_short_dtype_names_probe_as_their_long_ones(tmp_path):
+    # --help offers bf16 / fp16 / fp32 beside bfloat16 / float16 / float32: the run, its report and its
+    # manifest carry the one long name
+    from tpprobe.probe.prepare import options_from_cli
+    for short, long in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
+        assert options_from_cli(dtype=short).dtype == long
+    res = CliRunner().invoke(app, ["probe", "--dtype", "bf16", "--out", str(tmp_path / "r"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["findings"] == [] and rep["settings"]["dtype"] == "bfloat16"
+    assert rep["coverage"]["layers_ran"] == rep["coverage"]["layers_found"] == 6 and rep["coverage"]["embed"]
+    assert rep["allreduce"]["checked"] == 13 and rep["allreduce"]["unchecked"] == 0
+    assert json.loads((tmp_path / "r" / "manifest.json").read_text())["settings"]["dtype"] == "bfloat16"
+
+
 def test_console_script_exits_1_on_a_fault(tmp_path):
     exe = shutil.which("tpprobe", path=os.path.dirname(sys.executable))
     assert exe, "the tpprobe console script is installed next to the interpreter"

@@ -16,7 +16,8 @@ import pytest
 from tests.helpers.ranks import run_cli
 
 MODELS = "tests.zoo.crash"
-RUNS = {"write": ["crash_in_write"], "forward": ["crash_in_forward"], "model": ["model_raises"],
+RUNS = {"write": ["crash_in_write"], "forward": ["crash_in_forward"], "report": ["crash_in_report"],
+        "model": ["model_raises"],
         "debug": ["crash_in_write", "--debug"]}
 
 
@@ -32,7 +33,9 @@ def runs(tmp_path_factory):
         rep = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
         return name, (cp, rep)
     with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, RUNS))
+        got = dict(pool.map(one, RUNS))
+    got["folders"] = base       # each run's folder: base / its name
+    return got
 
 
 def _internal_lines(err: str) -> list[str]:
@@ -53,6 +56,21 @@ def test_an_internal_error_on_one_rank_ends_with_one_line_exit_3_and_the_live_ra
     assert "HEALTHY" not in cp.stdout
     # the embedding was found (write) or the forward stopped before it returned (forward): never "NOT FOUND"
     assert "NOT FOUND" not in cp.stdout
+
+
+def test_checks_that_crash_leave_a_folder_the_report_command_reads(runs):
+    # rank 0's checks fail after every rank's capture is written: exit 3, one line, and nothing lost
+    cp, _ = runs["report"]
+    assert cp.returncode == 3, cp.stderr[-2000:]
+    [line] = _internal_lines(cp.stderr)
+    assert line.startswith("tpprobe: internal error on rank 0 in report: TypeError: ")
+    out = runs["folders"] / "report"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["ranks"] == [0, 1] and {f["rank"] for f in manifest["files"]} == {0, 1}
+    again = run_cli(["report", str(out), "--json"], timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rep = json.loads(again.stdout)
+    assert rep["findings"] == [] and rep["allreduce"]["checked"] == 3 and rep["allreduce"]["unchecked"] == 0
 
 
 def test_with_debug_the_internal_error_shows_its_traceback_and_no_debug_hint(runs):

@@ -23,6 +23,13 @@ def crash_in_forward(ctx):
     return build(ctx)
 
 
+def crash_in_report(ctx):
+    """rank 0: the checks (after every rank's capture is gathered) fail."""
+    if ctx.rank == 0:
+        probe.run_checks = None
+    return build(ctx)
+
+
 def model_raises(ctx):
     """rank 1: the model's own forward raises in layer 1 (not tpprobe's code): a rank-error on rank 1,
     and rank 0's collective that then fails is its consequence, not a failure of its own."""

@@ -181,8 +181,12 @@ def eps_of(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def dtype_from_str(s: str) -> torch.dtype:
-    d = getattr(torch, str(s).replace("torch.", ""), None)
+    name = str(s).replace("torch.", "")
+    d = getattr(torch, _ALIASES.get(name, name), None)
     if not isinstance(d, torch.dtype):
         raise ValueError(f"unknown dtype {s!r}")
     return d

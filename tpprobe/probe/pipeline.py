@@ -30,6 +30,7 @@ from ..exchange.liveness import collect_meta, liveness_of
 from .forward import forward_under_tap
 from ..engines.registry import engine_of, recorded
 from ..config.options import ProbeOptions
+from .. import __version__
 from ..report.emit import emit
 from ..report.model import build_report
 from .report import probe_report
@@ -205,6 +206,16 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
     settings = probe_settings(me.opts, me.ctx, me.target, me.layer_ids)
     references = engine_of(me.opts).reference_streams(me.opts)
+    files = [f for p in posts.values() for f in p["files"]]
+
+    def manifest(timings: dict) -> None:
+        # what only the live run knew (which rank died or hung, how long each phase took) stays with the files
+        write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
+                                "tool": f"tpprobe {__version__}",
+                                "liveness": {str(r): v for r, v in liveness["missing"].items()},
+                                "timings": timings}, files)
+    # first before the checks: a run whose checks fail still leaves a folder `tpprobe report` reads
+    manifest(dict(me.timings))
     t2 = time.time()
     result = run_checks(records, settings, liveness, references, evidence=evidence,
                         offset_rule=recorded(settings).offset_rule)
@@ -213,9 +224,6 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
     if liveness.get("flight_recorder"):
         report["flight_recorder"] = liveness["flight_recorder"]
     report["exchange"] = exchange_summary(me.opts.exchange, ch, posts, tensors, time.time() + me.grace)
-    # what only the live run knew (which rank died or hung, how long each phase took) stays with the files
-    write_manifest(me.out, {"world_size": world, "ranks": sorted(posts), "settings": settings,
-                            "tool": report["tool"], "liveness": {str(r): v for r, v in liveness["missing"].items()},
-                            "timings": report["timings"]}, [f for p in posts.values() for f in p["files"]])
+    manifest(report["timings"])
     emit(probe_report(report, me.out), me.out, me.opts)
     return exit_code(report["findings"])

@@ -15,7 +15,7 @@ from ..core.errors import UsageError
 from ..engines.builtin.faults import parse as parse_faults
 from ..engines import registry
 from ..engines.registry import check_faults, engine_of, slot_engine, source
-from ..config.options import BUILTIN, BUILTIN_ONLY, ProbeOptions
+from ..config.options import BUILTIN, BUILTIN_ONLY, DTYPE_TORCH, ProbeOptions
 from ..core.target import ProbeTarget, RankContext
 
 
@@ -28,6 +28,7 @@ def options_from_cli(**values) -> ProbeOptions:
     serving_config = engine.serving and kw["config"]
     if kw["dtype"] is None:
         kw["dtype"] = engine.default_dtype(kw["config"])
+    kw["dtype"] = DTYPE_TORCH.get(kw["dtype"], kw["dtype"])    # bf16 -> bfloat16: one name from here on
     given = [f"--{n.replace('_', '-')}" for n in BUILTIN_ONLY if kw.get(n) is not None]
     if given and not engine.builtin_shapes:
         whose = (f"--model {model} builds its own model" if model else
