@@ -24,6 +24,7 @@ RUNS = {
     "perm": ["--nproc", "2", "--inject", "slot-order"],
     "offset": ["--nproc", "1", "--inject", "capture-offset"],
     "drop": ["--nproc", "1", "--inject", "drop-embed-slot"],
+    "skip": ["--nproc", "2", "--inject", "skip-allreduce@2"],
 }
 
 
@@ -90,6 +91,18 @@ def test_off_by_one(caps):
     assert "layer 1's output was captured where layer 2's output (baseline slot 1) was expected, one layer early" \
         in res["verdict"]
     assert res["cause"]["kind"] == "capture-offset"
+    # the target's slots are named by position: the baseline's ids are not the target's
+    assert res["cause"]["detail"].startswith("slot 1 equals layer 1's output, expected layer 2's output")
+
+
+def test_the_right_slot_with_other_values_is_named_as_such(caps):
+    # a reduce skipped in layer 2: slots 1 and 2 hold layers 2 and 5 as the baseline's do, computed differently
+    rc, res = jdiff(caps["base"], caps["skip"], "--rank", "1")
+    assert rc == 1 and res["kinds"] == ["values-differ"] and res["match"] == [0, None, None]
+    for j, layer in ((1, 2), (2, 5)):
+        assert f"target slot {j} holds layer {layer}'s output, as baseline slot {j} does, with other values (rel " \
+            "diff² " in res["verdict"]
+    assert "was captured where" not in res["verdict"] and res["cause"] is None
 
 
 def test_missing_embedding_slot(caps):

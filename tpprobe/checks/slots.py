@@ -78,10 +78,11 @@ def _whole_slots(match) -> bool:
     return bool(match) and all(m is not None for m in match)
 
 
-def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
+def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bool = True):
     """The slot table's verdict. `offset_rule`: the engine adds 1 to an id (SGLang), so an id whose
     layer is num_layers maps past the loop; vLLM's ids are as written (its id N is valid), so a lost
-    one was dropped by the engine."""
+    one was dropped by the engine. name_ids=False: a slot is named by its position alone (`tpprobe diff`,
+    where ``ids`` are the baseline's and the target's own ids differ)."""
     def lab(p):
         return point_label(p) if p else "no candidate"
 
@@ -103,7 +104,10 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True):
         return None
     wrong = [i for i, (m, e) in enumerate(zip(match, expected)) if m != e]
     where = f"aux slot {wrong[0]}" if len(wrong) == 1 else f"aux slots {wrong}"
-    text = "; ".join(f"slot {i} (id {ids[i] if i < len(ids) else '?'}) equals {lab(match[i])}, expected "
+    def slot(i):
+        return f"slot {i} (id {ids[i] if i < len(ids) else '?'})" if name_ids else f"slot {i}"
+
+    text = "; ".join(f"{slot(i)} equals {lab(match[i])}, expected "
                      f"{lab(expected[i]) if i < len(expected) else 'nothing'}" for i in wrong)
     dup = [m for m, c in Counter(m for m in match if m).items() if c > 1]
     if dup:

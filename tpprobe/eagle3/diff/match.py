@@ -85,7 +85,8 @@ def diff_sides(b: Side, t: Side, al: dict, thresholds: list[float], id_thr: floa
     verdict, kinds = _verdict(match, M, thresholds, tp, bp, nb, nt, ok)
     cause = None
     if not ok and bid and tid and all(bp) and all(tp):
-        v = slot_verdict([point_layer(p) for p in bp], bp, tp, max(b.num_layers or 0, t.num_layers or 0) or None)
+        v = slot_verdict([point_layer(p) for p in bp], bp, tp, max(b.num_layers or 0, t.num_layers or 0) or None,
+                         name_ids=False)
         if v is not None:
             cause = {"kind": v[0], "where": v[1], "detail": v[2]}
     return {"ok": ok, "verdict": verdict, "kinds": kinds, "cause": cause, "match": match,
@@ -137,7 +138,12 @@ def _verdict(match, M, thr, tp, bp, nb, nt, ok) -> tuple[str, list[str]]:
     for j in un_t:
         e = pair.get(j)
         txt = f"target slot {j} has no match"
-        if tp[j] and e is not None and bp[e]:
+        if tp[j] and e is not None and tp[j] == bp[e]:
+            # the same capture point on both sides, computed differently: the slot is where it belongs
+            txt = (f"target slot {j} holds {_label(tp[j])}, as baseline slot {e} does, with other values (rel diff² "
+                   f"{M[j][e]:.2e} > threshold {thr[j]:.0e}): the streams themselves differ, not the slot's place")
+            kinds.append("values-differ")
+        elif tp[j] and e is not None and bp[e]:
             txt += f": {_label(tp[j])} was captured where {_label(bp[e])} (baseline slot {e}) was expected"
             lt, lb = point_position(tp[j]), point_position(bp[e])
             if lt is not None and lb is not None and abs(lt - lb) == 1:
