@@ -15,7 +15,7 @@ import pytest
 from tests.zoo.drafts import hand_draft, planted_streams
 from tests.helpers.ranks import run_cli
 from tpprobe.eagle3.accept.draft import load_draft
-from tpprobe.eagle3.fix import EngineRule, propose, streams_from_capture
+from tpprobe.eagle3.fix import SHOWN, EngineRule, propose, streams_from_capture
 
 DS = "DeepseekV3ForCausalLM"
 
@@ -34,6 +34,21 @@ def test_the_seeds_draft_on_stock_sglang_gets_ids_that_give_the_embedding(seed):
                       "0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00)")
     assert p.notes == ["the engine does not serve these ids as they are: id -1: crash"]
     assert p.best.streams == [0, 3, 31] and p.best.score.per_position == [1.0] * 5
+
+
+def test_every_candidate_the_table_shows_has_the_ids_that_give_it_or_none_do(seed):
+    s, d = seed
+    rule = EngineRule("sglang", DS, 61)
+    p = propose(d, s, rule)
+    shown = p.candidates[:SHOWN]
+    assert len(shown) == SHOWN and all(c.searched for c in shown)
+    for c in shown:
+        assert c.ids is None or rule.slots(c.ids) == c.streams, c
+    # past the first five too: SGLang's DeepSeek takes ids as given unless the first is 1 (then +1 to every
+    # one), so HF hidden_states[1] in slot 0 is out of reach and the others are their own ids
+    assert [(c.streams, c.ids) for c in shown[5:]] == [([0, 1, 31], [0, 1, 31]), ([1, 3, 31], None),
+                                                      ([0, 2, 31], [0, 2, 31])]
+    assert all(c.as_dict()["ids_searched"] is False and c.ids is None for c in p.candidates[SHOWN:])
 
 
 def test_the_seeds_draft_on_the_patched_sglang_moves_ids_2_and_30_one_layer(seed):

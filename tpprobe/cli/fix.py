@@ -89,19 +89,20 @@ def _target(path: Path, arch: Optional[str]) -> tuple[str, int]:
 
 
 def fix_report(rep: dict):
+    from tpprobe.eagle3.fix import SHOWN
     from tpprobe.engines.registry import rule_engine
     from tpprobe.report.model import Cell, Column, Report, Table, Text
 
     def s(c):
         return f"{c['score']['first_position']:.2f}", f"{c['score']['accept_length']:.2f}"
     rows = []
-    for c in rep["candidates"][:8]:
+    for c in rep["candidates"][:SHOWN]:
         fp, al = s(c)
         rows.append([str(c["streams"]), "-" if c["ids"] is None else str(c["ids"]), fp, al, c["label"]])
     cur = rep["current"]
     chain = cur["score"]["chain"]
     t = Table(f"the draft replayed on candidate captures (teacher-forced, {rep['tokens']} tokens from "
-              f"{rep['streams_from']}; first 8 of {len(rep['candidates'])})",
+              f"{rep['streams_from']}; first {SHOWN} of {len(rep['candidates'])})",
               [Column("slots = HF hidden_states"), Column("ids on this engine"),
                Column("first-position", justify="right"), Column(f"accept length (chain of {chain})",
                                                                  justify="right"), Column("candidate")], rows,

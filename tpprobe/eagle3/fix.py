@@ -159,17 +159,21 @@ def replay(draft, streams: Streams, hfs: list[int], chain: int = 5, engine=None)
 
 
 # ---- candidates ------------------------------------------------------------------------------------
+SHOWN = 8        # candidates the table shows, best first: each with the ids that give it, or none do
+
+
 @dataclass
 class Candidate:
     streams: list[int]                # HF index per slot, slot order
     label: str                        # how it was made
     score: Optional[Score] = None
-    ids: Optional[list[int]] = None   # ids that give it on this engine (None: none do)
+    ids: Optional[list[int]] = None   # ids that give it on this engine (None: none do, or not searched)
     moved: int = 0                    # slots that differ from the engine's current capture
+    searched: bool = False            # ids were searched for it (the best SHOWN candidates, and on to a fix)
 
     def as_dict(self) -> dict:
-        return {"streams": self.streams, "label": self.label, "ids": self.ids, "moved": self.moved,
-                "score": self.score.as_dict() if self.score else None}
+        return {"streams": self.streams, "label": self.label, "ids": self.ids, "ids_searched": self.searched,
+                "moved": self.moved, "score": self.score.as_dict() if self.score else None}
 
 
 def candidates(written: list[int], current: Optional[list[int]], L: int, trained: Optional[list[int]] = None
@@ -298,8 +302,8 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
         cur = Candidate(list(now or []), "the engine's now", Score(0.0, 1.0, chain, [0.0] * chain))
     cands.sort(key=_order_key)
     best = cands[0]
-    for c in cands[:5]:
-        c.ids = ids_for(rule, c.streams, written, any_order=c is best)
+    for c in cands[:SHOWN]:
+        c.ids, c.searched = ids_for(rule, c.streams, written, any_order=c is best), True
     best_ids = best.ids
     reachable = None
     no_fix = None
@@ -317,10 +321,10 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     else:
         fix_ids = None
         reachable = next((c for c in cands if c.ids is not None), None)
-        for c in cands[5:30]:
+        for c in cands[SHOWN:30]:
             if reachable is not None:
                 break
-            c.ids = ids_for(rule, c.streams, written, any_order=False)
+            c.ids, c.searched = ids_for(rule, c.streams, written, any_order=False), True
             reachable = c if c.ids is not None else None
         why = []
         if sorted(best.streams) != best.streams:
