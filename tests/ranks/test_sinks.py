@@ -107,10 +107,12 @@ def test_layers_writes_both_files_for_an_arch_every_arch_and_the_contract(tmp_pa
 
     p = tpprobe(["layers", "--arch", "all", "--num-layers", "8", *files(tmp_path, "all")], tmp_path)
     rows = json.loads(tpprobe(["layers", "--arch", "all", "--num-layers", "8", "--json"], tmp_path).stdout)
-    assert p.returncode == (1 if any(r["problems"] for r in rows) else 0)
-    ok = next(r for r in rows if not r["problems"])
-    verdict = next((f"{r['arch']}: {'; '.join(r['problems'])}" for r in rows if r["problems"]),
-                   f"every architecture captures one usable slot per id ({len(rows)} architectures)")
+    # every architecture's default ids are usable; one rule lives outside SGLang's code and is not checked
+    assert p.returncode == 0 and not any(r["problems"] for r in rows), p.stdout[-2000:]
+    assert [r["arch"] for r in rows if r["outside"]] == ["MindSporeForCausalLM"]
+    ok = next(r for r in rows if not r["outside"])
+    verdict = (f"every architecture checked captures one usable slot per id ({len(rows) - 1} of {len(rows)} "
+               f"architectures; not checked: MindSporeForCausalLM")
     assert_written(tmp_path, "all", verdict, [[ok["arch"], ok["file"], str(ok["layers_to_capture"])]])
 
     args = ["layers", "--draft-config", EXAMPLES / "draft_config.json", "--target-config",

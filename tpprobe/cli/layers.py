@@ -7,7 +7,9 @@ are derived from that release's code (tpprobe.engines.sglang.rules).
 
 Exit codes: 0 every id captures one slot the draft can use / draft and target agree; 1 a crash,
 a dropped or duplicate id, or (contract) any slot that differs, ids out of layer order (F30) or an id
-beyond the last layer (F31) on either engine (tpprobe.engines.before_serving); 2 bad input.
+beyond the last layer (F31) on either engine (tpprobe.engines.before_serving); 2 bad input, or an
+architecture whose rule is not in SGLang's code (its setter hands the ids to an object built elsewhere:
+MindSporeForCausalLM) and no `--id-rule` for every id (`--arch all` lists it as not checked).
 
 With a contract that differs, the ids to write for this draft on this engine (or why no id list
 gives what it expects, and which engine function to patch): tpprobe.engines.capture_rule.ids_to_write.
@@ -141,7 +143,7 @@ def plan_report(arch: str, ids: Optional[list[int]], num_layers: int, engine: st
 # ---- every architecture ------------------------------------------------------------------
 def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
     """One row per architecture: what SGLang's (or vLLM's) rule captures for `ids`, and any problem."""
-    from tpprobe.report.model import Cell, Column, Report, Table
+    from tpprobe.report.model import Cell, Column, Report, Table, Text
 
     from tpprobe.engines.registry import rule_engine
 
@@ -151,13 +153,25 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
     t = Table(f"EAGLE-3 capture of every {name} architecture, ids {given}, {num_layers} layers ({how})",
               [Column(c) for c in ("architecture", "file", "layers_to_capture", "aux slots = HF hidden_states[...]",
                                    "problem")],
-              [[r["arch"], r["file"], str(r["layers_to_capture"]), str(r["slots"]),
-                Cell("; ".join(r["problems"]), "failure") if r["problems"] else Cell("-", "ok")] for r in rows])
+              [[r["arch"], r["file"], "?" if r.get("outside") else str(r["layers_to_capture"]),
+                "?" if r.get("outside") else str(r["slots"]),
+                Cell("; ".join(r["problems"]), "failure") if r["problems"] else
+                Cell("not checked: its rule is outside SGLang's code", "warning") if r.get("outside") else
+                Cell("-", "ok")] for r in rows])
     bad = [r for r in rows if r["problems"]]
+    unread = [r["arch"] for r in rows if r.get("outside") and not r["problems"]]
+    checked = len(rows) - len(unread)
+    also = (f"; not checked: {', '.join(unread)} (its rule is outside SGLang's code: `tpprobe layers --arch "
+            f"{unread[0]}` says where)" if unread else "")
     verdict = ([Cell(f"{r['arch']}: {'; '.join(r['problems'])}", "failure") for r in bad]
-               or [Cell(f"every architecture captures one usable slot per id ({len(rows)} architectures)", "ok")])
+               or [Cell(f"every architecture checked captures one usable slot per id ({checked} of {len(rows)} "
+                        f"architectures{also})" if unread else
+                        f"every architecture captures one usable slot per id ({len(rows)} architectures)", "ok")])
+    # the verdict under the table too: the terminal draws sections only
+    lines = [Text(parts=[Cell("PROBLEM" if bad else "OK", "failure" if bad else "ok"), Cell(f": {v.text}")])
+             for v in verdict]
     return Report("tpprobe.layers/1", f"tpprobe layers: every {name} architecture, ids {given}, {num_layers} layers",
-                  rows, verdict=verdict, sections=[t], settings={"ids": given, "num_layers": num_layers},
+                  rows, verdict=verdict, sections=[t, *lines], settings={"ids": given, "num_layers": num_layers},
                   exit_code=1 if bad else 0, to_json=_json)
 
 

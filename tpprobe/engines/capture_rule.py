@@ -107,9 +107,13 @@ def plan_for(engine: str, arch: str, ids: Optional[list[int]], num_layers: int,
     """What `engine` captures for `ids` on a model of `arch` with `num_layers` layers, with the ids in
     `id_rule` captured as that rule says (a patched build). A tpprobe LayerPlan."""
     p = stock_plan(engine, arch, ids, num_layers)
-    if not id_rule or ids is None or not any(i in id_rule for i in ids):
-        return p
-    return apply_id_rule(p, id_rule)
+    if id_rule and ids is not None and any(i in id_rule for i in ids):
+        p = apply_id_rule(p, id_rule)
+    if getattr(p, "outside", None) and (ids is None or any(r.status == "unknown" for r in p.rows)):
+        # not a finding about these ids: nothing here can say what they capture
+        raise UsageError(f"{p.outside}; give your build's rule for every id with --id-rule (or {ENV}), "
+                         f"or probe the running server (tpprobe's SGLang plugin)")
+    return p
 
 
 def apply_id_rule(p, rule: dict[int, int]):

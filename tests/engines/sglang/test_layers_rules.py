@@ -42,8 +42,9 @@ def test_every_architecture_is_derived_from_sglang(rules):
     assert files >= set(rules.setter_files()) - {"mindspore"} and len(archs) >= 40
     for f, cls in archs:
         p = plan_from_derived(cls.__name__, rules.derive(cls, None, 8))
-        if f == "mindspore":            # delegates to a model outside SGLang: said, not guessed
-            assert p.crash and "set_eagle3_layers_to_capture" in p.rule
+        if f == "mindspore":            # delegates to a model outside SGLang: said, not guessed, not a crash
+            assert p.crash is None and p.problems == [] and p.rows == []
+            assert "hands the ids to self.model.set_eagle3_layers_to_capture" in p.outside
             continue
         assert p.crash is None and p.source.startswith("derived"), (cls, p.crash)
         want = [3, 5, 6] if f == "minimax_m3_vl" else [2, 4, 5]    # m3_vl applies +1 to its default
@@ -87,6 +88,10 @@ def test_layers_cli_names_exit_codes_and_contract(rules, tmp_path):
         "dropped": ["layers", "--arch", "llama", "--ids", "1,7", "--num-layers", "8"],
         "crash": ["layers", "--arch", "deepseek_v2", "--ids", "-1,2,30", "--num-layers", "61"],
         "unknown": ["layers", "--arch", "gpt9"],
+        "outside": ["layers", "--arch", "MindSporeForCausalLM", "--ids", "-1,2,30", "--num-layers", "61"],
+        "outside_rule": ["layers", "--arch", "MindSporeForCausalLM", "--ids", "-1,2,30", "--num-layers", "61",
+                         "--id-rule", "-1=embed,2=out:2,30=out:30"],
+        "all": ["layers", "--arch", "all", "--num-layers", "8"],
     }
     d = tmp_path
     (d / "target.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}))
@@ -105,6 +110,20 @@ def test_layers_cli_names_exit_codes_and_contract(rules, tmp_path):
     assert res["crash"].returncode == 1 and "captured 2 of 3" in text["crash"]
     assert res["unknown"].returncode == 2 and "unknown SGLang arch 'gpt9'" in res["unknown"].stderr
     assert "Traceback" not in res["unknown"].stderr
+    # the count it gives is the list `--arch all` prints, one row per architecture
+    from tpprobe.engines.sglang.rules_replay import table_rows
+    assert f"has EAGLE-3 capture in {len(table_rows())} architectures (`tpprobe layers --arch all` lists them)" \
+        in " ".join(res["unknown"].stderr.split())
+    # a rule outside SGLang's code: one line, exit 2 (nothing here can say what the ids capture), unless the
+    # user gives it for every id; `--arch all` says it did not check that one and exits on the others alone
+    out = " ".join(res["outside"].stderr.split())
+    assert res["outside"].returncode == 2 and out.startswith("tpprobe: error: MindSporeForCausalLM.set_eagle3_layers_"
+                                                             "to_capture (sglang/srt/models/mindspore.py:")
+    assert "--id-rule" in out and "crash" not in out and len(res["outside"].stderr.splitlines()) == 1
+    assert res["outside_rule"].returncode == 0 and "HF hidden_states[3]" in text["outside_rule"]
+    assert res["all"].returncode == 0, text["all"][-2000:]
+    assert f"OK: every architecture checked captures one usable slot per id ({len(rules.all_architectures()) - 1} " \
+        f"of {len(rules.all_architectures())} architectures; not checked: MindSporeForCausalLM" in text["all"]
     # F19: the contract, slot by slot
     assert res["nested"].returncode == 0 and "agree on every slot" in text["nested"]
     top = text["top"]

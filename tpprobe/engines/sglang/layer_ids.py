@@ -77,6 +77,7 @@ class LayerPlan:
     layers_to_capture: list[int]
     rows: list[LayerIdRow] = field(default_factory=list)
     crash: Optional[str] = None          # what SGLang's forward raises, if it does
+    outside: Optional[str] = None        # the rule lives outside SGLang's code (its setter hands the ids on)
     source: str = "pinned SGLang 0.5.23 table (sglang not installed)"
     sglang_class: str = ""
 
@@ -139,6 +140,13 @@ def plan_from_derived(arch: str, d) -> LayerPlan:
     p = LayerPlan(arch=arch, family=d.cls, num_layers=L, ids=ids, shift=shift, rule=rule,
                   layers_to_capture=ltc, source=f"derived from the installed SGLang ({d.file})",
                   sglang_class=d.cls)
+    if getattr(d, "outside", None):
+        p.outside = d.outside
+        p.rule = d.outside
+        for req in requested:
+            p.rows.append(LayerIdRow(req, -1, False, None, None, "not readable here", "unknown",
+                                     "its rule is outside SGLang's code"))
+        return p
     if d.set_error:
         p.crash = f"SGLang's setter raises at server start: {d.set_error}"
         for req, c in zip(requested, ltc or [None] * len(requested)):
@@ -347,5 +355,5 @@ def all_rows(ids: Optional[list[int]], num_layers: int) -> list[dict]:
     for f, name, d in pairs:
         p = plan_from_derived(name, d)
         out.append({"arch": name, "file": f, "rule": p.rule, "layers_to_capture": p.layers_to_capture,
-                    "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash})
+                    "slots": p.slot_hf_indices, "problems": p.problems, "crash": p.crash, "outside": p.outside})
     return out

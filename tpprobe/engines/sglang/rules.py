@@ -38,7 +38,7 @@ from typing import Optional
 
 from tpprobe.core.errors import UsageError
 from tpprobe.engines.sglang.rules_replay import ALIASES, MAPS, STORES, TABLE_MODULE, Derived, derive_from_table
-from tpprobe.engines.sglang.rules_shell import build_shell, layer_owner, source_of
+from tpprobe.engines.sglang.rules_shell import build_shell, is_bag, layer_owner, source_of
 
 SETTER = "set_eagle3_layers_to_capture"
 
@@ -184,6 +184,16 @@ def derive(name_or_cls, ids: Optional[list[int]], num_layers: int) -> Derived:
     try:
         with _last_pp_rank():
             setter(shell, None if ids is None else list(ids))
+    except AttributeError as e:
+        held = [a for a in ("model", "language_model") if shell.__dict__.get(a) is getattr(e, "obj", None)]
+        if held and is_bag(e.obj):
+            # the setter calls a method of an inner object whose class is not in SGLang's Python (the shell
+            # stands in for it with a bag): what that object captures cannot be read here; not SGLang's crash
+            d.outside = (f"{defining.__name__}.{SETTER} ({where}) hands the ids to self.{held[0]}.{e.name}, "
+                         f"an object {defining.__name__} builds outside SGLang's Python model classes: its rule "
+                         f"cannot be read from SGLang's code")
+        else:
+            d.set_error = f"{type(e).__name__}: {e}"
     except Exception as e:  # noqa: BLE001 - SGLang's own setter raised: that is the finding
         d.set_error = f"{type(e).__name__}: {e}"
     owner, path = layer_owner(shell)
@@ -240,7 +250,7 @@ def probe_grid(Ls=(1, 2, 3, 4, 5, 6, 8, 61)):
 
 
 def _fields(d: Derived) -> tuple:
-    return (d.cls, d.file, d.num_layers, d.ids, d.layers_to_capture, d.flagged, d.set_error, d.owner,
+    return (d.cls, d.file, d.num_layers, d.ids, d.layers_to_capture, d.flagged, d.set_error, d.outside, d.owner,
             d.loop_uses_flags, d.captures_last, d.packer, d.forward_of)
 
 
@@ -258,6 +268,8 @@ def _rule_for(cls: type) -> dict:
         if errs and errs != {base["owner"]}:
             base["owner_on_error"] = errs.pop()
     cands = []
+    if all(d.outside for d in got) and len({d.outside for d in got}) == 1:
+        cands.append({**base, "outside": first.outside})
     if all(d.layers_to_capture is None and d.set_error for d in got) and len({d.set_error for d in got}) == 1:
         cands.append({**base, "raises": first.set_error})
     cands += [{**base, "default_shift": ds, "map": m, "store": s} for ds in (0, 1, None) for m in MAPS for s in STORES]

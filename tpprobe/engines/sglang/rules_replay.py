@@ -31,6 +31,7 @@ class Derived:
     layers_to_capture: Optional[list[int]]   # as the setter stored it (None: flags only / raised)
     flagged: list[int] = field(default_factory=list)   # layers whose _is_layer_to_capture is set
     set_error: Optional[str] = None          # the setter raised
+    outside: Optional[str] = None            # the setter hands the ids to an object outside SGLang's code
     owner: str = ""                          # attribute path of the object holding the layers
     loop_uses_flags: bool = False            # the capture condition is the per-layer flag
     captures_last: bool = False              # point L (the last layer's output) is captured
@@ -40,7 +41,7 @@ class Derived:
     @property
     def captured(self) -> list[int]:
         """Capture points (0..L) the forward reaches, ascending, each once."""
-        if self.set_error:
+        if self.set_error or self.outside:
             return []
         L = self.num_layers
         if self.loop_uses_flags:
@@ -76,6 +77,8 @@ def _replay(rule: dict, ids: Optional[list[int]], L: int) -> tuple[Optional[list
     """(layers_to_capture, flagged layers, the setter's error) as SGLang's setter leaves them."""
     if rule.get("raises"):
         return None, [], rule["raises"]
+    if rule.get("outside"):
+        return None, [], None
     if ids is None:
         d = rule["default_shift"]
         if d is None:       # no default: the setter iterates the ids it was given (an inner model's setter)
@@ -103,7 +106,7 @@ def derive_from_table(name: str, ids: Optional[list[int]], num_layers: int, tabl
     ltc, flagged, err = _replay(e, ids, L)
     owner = e["owner"] if ltc is not None else e.get("owner_on_error", e["owner"])
     return Derived(cls=e["cls"], file=e["file"], num_layers=L, ids=None if ids is None else list(ids),
-                   layers_to_capture=ltc, flagged=flagged, set_error=err, owner=owner,
+                   layers_to_capture=ltc, flagged=flagged, set_error=err, outside=e.get("outside"), owner=owner,
                    loop_uses_flags=e["loop_uses_flags"], captures_last=e["captures_last"], packer=e["packer"],
                    forward_of=e["forward_of"])
 
@@ -128,7 +131,7 @@ def resolve_in_table(name: str, tab=None) -> str:
             return tab[where][low]
     raise UsageError(f"unknown SGLang arch {name!r}: give an architecture from config.json (e.g. "
                      f"Qwen3MoeForCausalLM), an SGLang model file or a model_type; SGLang {tab['SGLANG_VERSION']} "
-                     f"has EAGLE-3 capture in {len(tab['CLASSES'])} architectures (`tpprobe layers --arch all` "
+                     f"has EAGLE-3 capture in {len(tab['ARCHITECTURES'])} architectures (`tpprobe layers --arch all` "
                      f"lists them)")
 
 

@@ -96,8 +96,16 @@ def build_shell(cls: type, L: int, depth: int = 0):
     return obj
 
 
+class _Bag(SimpleNamespace):
+    """What the shell holds for an inner model whose class is not found in SGLang's Python."""
+
+
 def _bag(L: int):
-    return SimpleNamespace(layers=[_Layer() for _ in range(L)], start_layer=0, end_layer=L)
+    return _Bag(layers=[_Layer() for _ in range(L)], start_layer=0, end_layer=L)
+
+
+def is_bag(obj) -> bool:
+    return type(obj) is _Bag
 
 
 def layer_owner(obj, depth: int = 0):

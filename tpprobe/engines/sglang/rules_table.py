@@ -472,8 +472,11 @@ CLASSES = {'ApertusForCausalLM': {'cls': 'ApertusForCausalLM',
                           'packer': False,
                           'forward_of': 'MindSporeForCausalLM.forward',
                           'owner': 'model',
-                          'raises': "AttributeError: 'types.SimpleNamespace' object has no attribute "
-                                    "'set_eagle3_layers_to_capture'"},
+                          'outside': 'MindSporeForCausalLM.set_eagle3_layers_to_capture '
+                                     '(sglang/srt/models/mindspore.py:359) hands the ids to '
+                                     'self.model.set_eagle3_layers_to_capture, an object '
+                                     "MindSporeForCausalLM builds outside SGLang's Python model classes: its "
+                                     "rule cannot be read from SGLang's code"},
  'MiniMaxM2ForCausalLM': {'cls': 'MiniMaxM2ForCausalLM',
                           'file': 'sglang/srt/models/minimax_m2.py:1067',
                           'loop_uses_flags': False,
