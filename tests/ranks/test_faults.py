@@ -66,6 +66,10 @@ def test_fault_is_named_exactly(tmp_path, backend, inject, nproc, extra, kind, w
     got = [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)]
     assert got == [(kind, where, ranks)], rep.get("findings")
     assert rep["findings"][0]["explain"], "every kind explains itself in one sentence"
+    if kind == "non-finite":     # the NaN the next reduce spread to every rank is listed under the root
+        cons = rep["findings"][0]["consequences"]
+        assert [c.split(":")[0] for c in cons[:2]] == ["layer.4.out", "layer.5.out"], cons
+        assert all(" NaN and 0 Inf values on every rank" in c for c in cons[:2]), cons
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

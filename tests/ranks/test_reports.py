@@ -477,6 +477,15 @@ def test_html_without_matplotlib_says_how_to_get_the_heatmaps(faulty, monkeypatc
     assert faulty["report"]["findings"][0]["line"][:40] in text, "the verdict is still there"
 
 
+def test_a_cells_number_says_its_unit_and_a_nan_only_difference_shows_the_counts():
+    # one column mixes whole-tensor cells (max abs diff) and fingerprint cells (relative L2 diff)
+    assert cell_label({"level": "material", "max_abs": 2.6}) == "material 2.6 abs"
+    assert cell_label({"level": "material", "max_abs": None, "rel_norm": 0.5}) == "material ~0.5 rel"
+    # the finite values agree: the difference is the NaN, not a "0"
+    assert cell_label({"level": "material", "max_abs": 0.0, "nan": 1, "inf": 0}) == "material nan=1 inf=0"
+    assert cell_label({"level": "bitwise", "max_abs": 0.0, "nan": 1024, "inf": 0}) == "bitwise nan=1024 inf=0"
+
+
 def test_every_level_and_severity_has_its_words_and_styles_declared_once():
     """core/noise.py declares the levels and their order, checks/findings.py the severities; report/labels.py
     gives each its style in every renderer (one declaration, read everywhere)."""

@@ -120,9 +120,20 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
     # ---- consequences and noise ----------------------------------------------------------------
     material = [n for n in names if any(s["level"] in ("material", "shape") for s in point_stats.get(n, {}).values())]
     if roots:
-        roots[0].consequences = roots[0].consequences + [
-            f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
-            f"differ" for n in material if n != roots[0].where][:64]
+        follows = []
+        if roots[0].kind == "non-finite":
+            # NaN spreads through the reduces to every rank: later points that hold it agree across ranks,
+            # so they are named by what they hold, not by a difference
+            for n in names:
+                nf = {r: s for r, s in point_stats.get(n, {}).items() if s.get("nan") or s.get("inf")}
+                if n != roots[0].where and nf:
+                    worst = max(nf.values(), key=lambda s: (s.get("nan") or 0) + (s.get("inf") or 0))
+                    follows.append(f"{n}: {worst.get('nan') or 0} NaN and {worst.get('inf') or 0} Inf values on "
+                                   f"{'every rank' if len(nf) == len(live) else f'ranks {sorted(nf)}'}")
+        said = {f.split(":", 1)[0] for f in follows}
+        follows += [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
+                    f"differ" for n in material if n != roots[0].where and n not in said]
+        roots[0].consequences = roots[0].consequences + follows[:64]
     set_findings = capture_mismatches(records) if complete else []
     # ---- coverage: HEALTHY only when the probe saw the whole model -------------------------------
     out["coverage"] = coverage_summary(records, live)

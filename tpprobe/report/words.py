@@ -54,8 +54,10 @@ def cell_label(s: Optional[dict]) -> str:
         label = f"shape {s.get('shape')}"
     elif s.get("max_abs") is None:      # judged on fingerprints: the norm-wise relative difference
         label = f"{lv} ~{s.get('rel_norm', 0):.2g} rel"
-    else:
-        label = f"{lv} {s['max_abs']:.2g}"
+    elif not s["max_abs"] and (s.get("nan") or s.get("inf")):
+        label = lv                      # the finite values agree: the NaN / Inf counts below are the difference
+    else:                               # whole tensors: the max abs difference
+        label = f"{lv} {s['max_abs']:.2g} abs"
     if s.get("nan") or s.get("inf"):
         label += f" nan={s.get('nan')} inf={s.get('inf')}"
     return label
