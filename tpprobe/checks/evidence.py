@@ -168,6 +168,21 @@ class TensorEvidence:
         cands = {n: rec.tensors[n] for n in slot_candidates(names)}
         return match_slots(packed, hidden, cands, self.dtype)
 
+    def slot_differs(self, i: int, hidden: int, live: list[int]) -> Optional[list[int]]:
+        """Ranks whose slot i of the packed aux differs materially from the first live rank's (a slot can
+        equal no stream and still differ across ranks); None where some rank's packed aux is not held."""
+        packed = {r: self.records[r].tensors.get(AUX_PACKED) for r in live}
+        if not live or any(t is None or t.shape[-1] < (i + 1) * hidden for t in packed.values()):
+            return None
+        base = packed[live[0]][..., i * hidden:(i + 1) * hidden]
+        out = []
+        for r in live[1:]:
+            t = packed[r][..., i * hidden:(i + 1) * hidden]
+            if t.shape != base.shape or compare(t, base, dtype=judge_dtype(t.dtype, base.dtype, self.dtype))[
+                    "level"] in ("material", "shape"):
+                out.append(r)
+        return out
+
     def packed_width(self, r: int) -> Optional[int]:
         p = self.records[r].tensors.get(AUX_PACKED)
         if p is not None:

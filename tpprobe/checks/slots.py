@@ -53,7 +53,8 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
         if r == live[0]:
             rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
                          "expected": expected[i] if i < len(expected) else None, "matched": m,
-                         "ok": i < len(expected) and m == expected[i]} for i, m in enumerate(match)]
+                         "ok": i < len(expected) and m == expected[i],
+                         "differ": ev.slot_differs(i, hidden, live)} for i, m in enumerate(match)]
         if None in match:   # a serving-path cause the all-reduce audit can name (F16, F18)
             i = match.index(None)
             cause = explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..capture.points import place_layer
 from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
-                            slot_fault_first, slot_values_differ, timing_text, verdict_items)
+                            slot_fault_first, slot_holds, slot_values_differ, timing_text, verdict_items)
 from ..report.model import (FILES, Block, Bullets, Callout, Cell, Column, Fold, Heatmap, Heatmaps, KeyValue, Row,
                             Table, Text)
 
@@ -187,7 +187,7 @@ def _slots(doc: dict) -> Block:
     for s in doc.get("slots") or []:
         differ = slot_values_differ(doc, s)
         rows.append([str(s.get("slot")), str(s.get("id")), str(s.get("expected")),
-                     Cell(str(s.get("matched")), "ok" if s.get("ok") and not differ else "failure"),
+                     Cell(slot_holds(s), "ok" if s.get("ok") and not differ else "failure"),
                      Cell(f"differ on ranks {differ}" if differ else "agree", "failure" if differ else "ok")])
     cols = [Column(c) for c in ("slot", "id", "expected", "holds", "values across ranks")]
     return Block("slots", "Aux slots (what the draft model receives)",
@@ -274,7 +274,7 @@ def markdown_sections(doc: dict) -> list:
     if slots:
         bad = [s for s in slots if not s.get("ok")]
         tail.append(Text(f"Aux slots: {len(slots) - len(bad)}/{len(slots)} hold the expected layer"
-                         + ("; " + "; ".join(f"slot {s['slot']} holds {s['matched']} (expected {s['expected']})"
+                         + ("; " + "; ".join(f"slot {s['slot']} holds {slot_holds(s)} (expected {s['expected']})"
                                              for s in bad[:3]) if bad else "")
                          + "".join(f"; slot {s['slot']}'s values differ on ranks {d}"
                                    for s in slots for d in [slot_values_differ(doc, s)] if d) + ".", tag="div"))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
-                            slot_values_differ, timing_text, verdict_lines)
+                            slot_holds, slot_values_differ, timing_text, verdict_lines)
 from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, Text
 
 
@@ -39,7 +39,7 @@ def _slots(doc: dict) -> Table:
     for row in doc["slots"]:
         differ = slot_values_differ(doc, row)
         rows.append([Cell(str(row["slot"])), Cell(str(row["id"])), Cell(str(row["expected"])),
-                     Cell(str(row["matched"]), "ok" if row["ok"] else "failure"),
+                     Cell(slot_holds(row), "ok" if row["ok"] else "failure"),
                      Cell(f"differ on ranks {differ}" if differ else "agree", "failure" if differ else "ok")])
     return Table("aux slots (what the draft model receives)",
                  [Column(c) for c in ("slot", "id", "expected", "holds", "values across ranks")], rows,

@@ -211,6 +211,8 @@ def coverage_text(report: dict) -> str:
 def slot_values_differ(report: dict, row: dict) -> list[int]:
     """Ranks on which what a slot holds differs materially from the reference rank: a slot can hold the
     right layer and still carry wrong values (a partial sum, a stale weight)."""
+    if row.get("differ") is not None:       # the slot's own values, compared across ranks by the checks
+        return list(row["differ"])
     points = {p["name"]: p for p in report.get("points", [])}
     bad: set[int] = set()
     for name in (row.get("matched"), row.get("expected")):
@@ -218,6 +220,11 @@ def slot_values_differ(report: dict, row: dict) -> list[int]:
             if s and s.get("level") in ("material", "shape"):
                 bad.add(int(r))
     return sorted(bad)
+
+
+def slot_holds(row: dict) -> str:
+    """What a slot holds, in the slot table's words: a capture point, or none of them."""
+    return str(row["matched"]) if row.get("matched") else "no stream"
 
 
 def slot_fault_first(report: dict) -> bool:

@@ -74,6 +74,13 @@ def test_fused_allreduce_capture_is_a_partial_capture_at_its_slot(tmp_path):
     assert "partial sum" in f[0]["detail"] and "layer 1's output" in f[0]["detail"]
     # the residual stream tpprobe observes is unchanged: no other failure, every reduce complete
     assert rep["allreduce"]["incomplete"] == 0
+    # the slot table compares each slot's own values across ranks: the partial slots equal no stream and
+    # differ on rank 1, though the streams they were meant to hold agree
+    assert [(s["slot"], s["matched"], s["differ"]) for s in rep["slots"]] == \
+        [(0, "embed.out", []), (1, None, [1])], rep["slots"]
+    from tests.helpers.ranks import run_cli
+    text = " ".join(run_cli(["report", str(tmp_path)], timeout=120).stdout.split())
+    assert "│ 1 │ 1 │ layer.1.out │ no stream │ differ on ranks [1] │" in text and "None" not in text
 
 
 # CI runs the fingerprint exchange (the cause named from sketches alone); the full gather is the sweep's
