@@ -325,6 +325,15 @@ def report_data(path) -> dict:
                                                       f"(max {worst:g} ULP): not a failure").to_json())
     tps = Counter(g.tp_size for g in groups)
     tp_size = tps.most_common(1)[0][0] if tps else 1
+    absent = sorted(set(range(tp_size)) - set(run.ranks)) if len(run.ranks) < tp_size else []
+    if absent:
+        # a whole rank's files are not in the folder: its records were never compared, so nothing here is
+        # HEALTHY across ranks
+        findings.insert(0, Finding("capture-file", "the whole dump", absent,
+                                   detail=f"the records declare tp {tp_size} but the folder holds files of "
+                                          f"rank{'s' if len(run.ranks) > 1 else ''} {run.ranks} only: ranks "
+                                          f"{absent} are missing (not copied, or their dumper never wrote); "
+                                          f"no record was compared with them").to_json())
     return {"schema": SCHEMA_REPORT, "path": str(run.path), "ranks": run.ranks, "steps": run.steps, "tp_size": tp_size,
             "tp_source": groups[0].tp_source if groups else None, "hidden": res["hidden"],
             "coverage": {"files": len(run.files), "records_read": res["records"], "groups": len(groups),

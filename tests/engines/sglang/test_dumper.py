@@ -102,6 +102,18 @@ def test_healthy_run_zero_findings_full_coverage(dumps):
     assert code == 0 and "HEALTHY: all 12 records" in out
 
 
+def test_a_whole_rank_missing_is_named_not_healthy(dumps, tmp_path):
+    # rank 0's files alone of a tp-2 dump: every record looks "single", but the records say tp 2
+    for f in (dumps / "tp2" / "healthy").iterdir():
+        if "___rank=0___" in f.name:
+            shutil.copy(f, tmp_path / f.name)
+    code, rep = report(tmp_path)
+    assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [1])], rep["findings"]
+    assert "declare tp 2 but the folder holds files of rank [0] only" in rep["findings"][0]["detail"]
+    code, out, _ = cli("report", str(tmp_path))
+    assert code == 1 and "HEALTHY" not in out
+
+
 def test_one_ulp_bf16_is_noise_not_a_failure(dumps):
     code, rep = report(dumps / "tp2" / "noise")
     assert code == 0 and failures(rep) == []
