@@ -14,6 +14,7 @@ import torch
 from .measure import bitwise, flat, measure, nonfinite_count, one_thread, rows_nonzero
 from ..checks.crossrank import classes as rank_classes
 from ..checks.findings import INFO, SEVERITIES, WARNING, Finding, exit_code
+from ..core.noise import rel_l2
 from ..formats.sglang_dump import DumpRun, load, scan, token_dim, tp_layout, tp_of
 
 SCHEMA_REPORT = "tpprobe.dumper-report/1"
@@ -239,7 +240,8 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
         g.findings.append(Finding("partial-allreduce", where, list(ranks),
                                   detail=f"every rank holds different values over "
                                          f"{min(s['bad_fraction'] for s in stats):.0%}+ "
-                                         f"of the elements (rel diff ≥ {min(s['rel_diff'] for s in stats):.2g}): a "
+                                         f"of the elements (rel diff ≥ "
+                                         f"{rel_l2(min(s['rel_diff'] for s in stats)):.2g}): a "
                                          f"partial sum "
                                          f"(Σ over ranks is the value; annotate h[tp:partial] if that is intended) or "
                                          f"a "
@@ -258,7 +260,7 @@ def _divergent(g: GroupResult, bad, s: dict, against: str, note: str, declared: 
                               detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially "
                                      f"from "
                                      f"{against} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
-                                      f"{s.get('rel_diff', 0) or 0:.3g}, first token "
+                                      f"{rel_l2(s.get('rel_diff', 0) or 0):.3g}, first token "
                                       f"{s.get('first_token')}){note}{declared}",
                               evidence={"groups": classes, "explain": DUMP_DIVERGENCE}))
 

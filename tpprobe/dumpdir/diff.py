@@ -11,6 +11,7 @@ from .check import DUMP_DIVERGENCE, sum_over
 from .measure import measure, one_thread
 from ..checks.findings import WARNING, Finding, exit_code
 from ..core.errors import CaptureError, UsageError
+from ..core.noise import rel_l2
 from ..formats.sglang_dump import DumpFile, DumpRun, load, peek, scan, token_dim, tp_layout, tp_of
 
 SCHEMA_DIFF = "tpprobe.dumper-diff/1"
@@ -166,7 +167,8 @@ def _diff_data(bpath, tpath) -> dict:
     for r in bad:
         findings.append(Finding("reference-mismatch", f"{r['name']} (step {r['step']})", r.get("target_ranks", []),
                                 detail=f"target differs from the baseline ({r['level']}: max abs diff "
-                                       f"{r.get('max_abs') or 0:.3g}, rel diff {r.get('rel_diff') or 0:.3g}, first "
+                                       f"{r.get('max_abs') or 0:.3g}, rel diff "
+                                       f"{rel_l2(r.get('rel_diff') or 0):.3g}, first "
                                        f"token "
                                        f"{r.get('first_token')}); baseline {r['baseline_how']}, target "
                                        f"{r['target_how']}",

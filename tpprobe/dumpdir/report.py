@@ -66,7 +66,7 @@ def diff_sections(data: dict):
     sections: list = [Text(f"baseline: {data['baseline']}", style="dim"),
                       Text(f"target:   {data['target']}", style="dim")]
     sections += [Text(f"tokens:   {n}", style="dim", soft_wrap=True) for n in data["notes"]]
-    cols = ("name", "step", "shape", "baseline", "target", "level", "max abs", "rel diff", "ULP max")
+    cols = ("name", "step", "shape", "baseline", "target", "level", "max abs", "rel diff²", "ULP max")
     rows = [[r["name"], str(r["step"]), f"{r['shape']} {r['dtype']}", r["baseline_how"], r["target_how"],
              Cell(r["level"], r["level"]),
              "–" if r.get("max_abs") is None else f"{r['max_abs']:.3g}",

@@ -144,6 +144,10 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
     code, rep = report(dumps / "tp2" / "scale")
     assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
     assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
+    # the message's rel diff is linear (the relative L2 difference), the squared one is the record's rel_diff
+    from tpprobe.core.noise import rel_l2
+    sq = rep["records"][0]["per_rank"]["1"]["rel_diff"]
+    assert f"rel diff {rel_l2(sq):.3g}," in rep["findings"][0]["detail"] and 1e-3 < rel_l2(sq) < 1e-2, sq
     # a dump holds no parameters: its why never blames a weight shard
     why = rep["findings"][0]["explain"]
     assert "weight shard" not in why and "holds no parameters" in why, why
@@ -205,6 +209,11 @@ def test_diff_names_the_material_record(dumps):
     assert [(f["kind"], f["where"]) for f in rep["findings"] if f["severity"] == "failure"] == \
         [("reference-mismatch", "h (step 0)"), ("partial-allreduce", "embed (step 0, target)")]
     assert {r["name"]: r["first_token"] for r in rep["rows"] if r["level"] == "material"} == {"h": 3}
+    from tpprobe.core.noise import rel_l2
+    h = next(r for r in rep["rows"] if r["name"] == "h")
+    assert f"rel diff {rel_l2(h['rel_diff']):.3g}," in rep["findings"][0]["detail"]
+    code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "tgt_bad"))
+    assert "rel diff²" in out
 
 
 def test_unsafe_file_refused_in_one_line(dumps, tmp_path):
