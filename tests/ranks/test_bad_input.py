@@ -154,6 +154,21 @@ def test_an_id_list_with_an_empty_entry_is_refused_not_shortened(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("env, inject, says", [
+    ({"TPPROBE_INJECT_SCALE": "abc"}, ["--inject", "allreduce-scaled@1"],
+     "TPPROBE_INJECT_SCALE='abc': not a number (the factor a wrong-sum --inject (allreduce-scaled) multiplies"),
+    ({"TPPROBE_STOP_GRACE_S": "soon"}, [], "TPPROBE_STOP_GRACE_S='soon': not a number"),
+    ({"TPPROBE_RANK_START": "bogus"}, [], "TPPROBE_RANK_START='bogus': say auto, fork or spawn"),
+])
+def test_a_bad_setting_is_one_line_exit_2_and_leaves_no_folder(tmp_path, monkeypatch, capsys, env, inject, says):
+    # read before any rank starts (a rank's own ValueError would read as a bug in tpprobe, exit 3)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = cli(["probe", "--quiet", "--out", str(tmp_path / "r"), *inject], capsys)
+    assert code == 2 and one_line(err).startswith(f"tpprobe: error: {says}"), err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_target_config_given_as_the_draft_config_is_refused(tmp_path, capsys):
     target = tmp_path / "target.json"
     target.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}))

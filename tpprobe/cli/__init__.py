@@ -105,9 +105,11 @@ def probe(**kw) -> None:
     os.environ[tdist.BACKEND_ENV] = dist_backend
     from ..engines.registry import engine_of
     from ..probe.launch import launch_local
-    code = launch_local(opts.nproc, ["probe", *opts.to_argv()], warm=engine_of(opts).preload(opts.arch))
-    if not existed:
-        remove_if_empty(Path(opts.out))
+    try:
+        code = launch_local(opts.nproc, ["probe", *opts.to_argv()], warm=engine_of(opts).preload(opts.arch))
+    finally:                     # a launch refused (bad settings) leaves no folder it made behind either
+        if not existed:
+            remove_if_empty(Path(opts.out))
     raise typer.Exit(code)
 
 

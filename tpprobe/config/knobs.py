@@ -123,7 +123,31 @@ def knob(name: str) -> Optional[str]:
 
 
 def knob_int(name: str) -> int:
-    return int(knob(name))
+    return int(knob_float(name))
+
+
+def knob_float(name: str) -> float:
+    v = knob(name)
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        from ..core.errors import UsageError
+        raise UsageError(f"{name}={v!r}: not a number ({KNOBS[name].meaning}; default {KNOBS[name].default})")
+
+
+def check_numeric_knobs() -> None:
+    """Every set variable whose default is a number must be one: one clear line before any rank starts."""
+    for name, k in KNOBS.items():
+        if name in os.environ and k.default is not None and _number(k.default):
+            knob_float(name)
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def knob_set(name: str) -> bool:

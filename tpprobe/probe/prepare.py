@@ -15,6 +15,7 @@ from ..core.errors import UsageError
 from ..engines.builtin.faults import parse as parse_faults
 from ..engines import registry
 from ..engines.registry import check_faults, engine_of, slot_engine, source
+from ..config.knobs import check_numeric_knobs
 from ..config.options import BUILTIN, BUILTIN_ONLY, DTYPE_TORCH, ProbeOptions
 from ..core.target import ProbeTarget, RankContext
 
@@ -62,6 +63,7 @@ def options_from_cli(**values) -> ProbeOptions:
 
 def validate(opts: ProbeOptions, world: int) -> None:
     """Everything that can be checked before any process starts; raises UsageError."""
+    check_numeric_knobs()
     _ = opts.torch_dtype
     if world < 1:
         raise UsageError(f"--nproc must be >= 1 (got {world})")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.errors import UsageError
-from ...config.knobs import knob
+from ...config.knobs import knob_float
 from ...core.target import ProbeTarget, RankContext
 
 from ...config.fault_names import FAULTS
@@ -199,7 +199,7 @@ PATH = "tpprobe.engines.builtin.faults.Communicator.all_reduce"
 class Communicator:
     def __init__(self, ctx: RankContext, fault: str, at: torch.nn.Module, rank: Optional[int] = None):
         self.ctx, self.fault, self.at, self.rank = ctx, fault, at, rank
-        self.scale = float(knob("TPPROBE_INJECT_SCALE"))
+        self.scale = knob_float("TPPROBE_INJECT_SCALE")
         self.tap = None
         self.last: Optional[torch.Tensor] = None
         self.shm = shm_allreduce_op(ctx.group) if fault == "skip-unreadable-allreduce" else None

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ...config.knobs import knob
+from ...config.knobs import knob_float
 from ...core.errors import UsageError
 
 SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather", "embed-after-layer0",
@@ -261,7 +261,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
         tp.all_reduce = all_reduce
         return
 
-    scale = float(knob("TPPROBE_INJECT_SCALE"))
+    scale = knob_float("TPPROBE_INJECT_SCALE")
     orig = GroupCoordinator.__dict__["all_reduce"]
     last: dict = {}
 

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from tpprobe.core.errors import UsageError
-from tpprobe.config.knobs import knob
+from tpprobe.config.knobs import knob_float
 
 SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
              "allreduce-stale", "allreduce-rank", "skip-unreadable-allreduce", "aux-no-residual", "drop-final-id",
@@ -197,7 +197,7 @@ def communicator_fault(name: str, proj, arg: Optional[int], ctx) -> None:
     comm = tp.device_communicator
     orig = comm.all_reduce            # the bound method of vLLM's communicator (CpuCommunicator on CPU)
     rank = ctx.rank if ctx is not None else dist.get_rank()
-    scale = float(knob("TPPROBE_INJECT_SCALE"))
+    scale = knob_float("TPPROBE_INJECT_SCALE")
     inside = threading.local()
     last: dict = {}
 
@@ -238,7 +238,7 @@ def communicator_once(bad_rank: int, bad_call: int, ctx=None) -> None:
     comm = tp.device_communicator
     orig = comm.all_reduce
     rank = tp.rank_in_group
-    scale = float(knob("TPPROBE_INJECT_SCALE"))
+    scale = knob_float("TPPROBE_INJECT_SCALE")
     calls = {"n": 0}
 
     def all_reduce(input_):
