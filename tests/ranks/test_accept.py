@@ -257,14 +257,15 @@ def test_a_source_of_another_length_is_one_line_and_exit_2_from_the_cli(runs, tm
     assert len(cp.stderr.strip().splitlines()) == 1 and "Traceback" not in cp.stderr and not cp.stdout.strip()
 
 
-# ---- --device: the torch engine on a GPU ---------------
+# ---- --device: the torch engine on a GPU; --tolerance ---------------
 @pytest.mark.parametrize("args, message", [
     (["--engine", "sglang", "--device", "cuda"], "SGLang's class runs on CPU in this tool; use --engine torch on GPU"),
     (["--device", "tpu"], "--device 'tpu': use auto, cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "torch sees no CUDA device here" if not torch.cuda.is_available()
      else "pick one of those"),
+    (["--tolerance", "-1"], "--tolerance -1: give an accept-length difference >= 0 (default 0.05)"),
 ])
-def test_a_device_the_draft_cannot_run_on_is_one_line_and_exit_2(runs, args, message):
+def test_a_device_the_draft_cannot_run_on_or_a_negative_tolerance_is_one_line_and_exit_2(runs, args, message):
     cp = run_cli(["accept", "--draft", str(runs["draft"]), "--baseline", str(runs["healthy"]),
                   "--target", str(runs["healthy"]), *args])
     assert cp.returncode == 2 and message in cp.stderr, cp.stderr

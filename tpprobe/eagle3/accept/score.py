@@ -167,6 +167,8 @@ def _fixed(b, t, d: Draft):
 
 def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="auto", embed=None,
                rank=0, tolerance=0.05, device="auto") -> dict:
+    if not tolerance >= 0:         # NaN too
+        raise UsageError(f"--tolerance {tolerance:g}: give an accept-length difference >= 0 (default 0.05)")
     dev = resolve_device(device, engine)
     d = load_draft(draft, embed)
     b, t, ids, src = _sides(baseline, target, tokens_from, rank)
