@@ -486,6 +486,15 @@ def test_a_cells_number_says_its_unit_and_a_nan_only_difference_shows_the_counts
     assert cell_label({"level": "bitwise", "max_abs": 0.0, "nan": 1024, "inf": 0}) == "bitwise nan=1024 inf=0"
 
 
+def test_markdown_marks_go_around_the_words_not_the_indent():
+    # CommonMark reads `**  FAILURE x**` as literal asterisks: an indented finding line must stay bold
+    from tpprobe.report.markdown import _section_cell
+    from tpprobe.report.model import Cell
+    assert _section_cell(Cell("  FAILURE x at y", "failure")) == "  **FAILURE x at y**"
+    assert _section_cell(Cell(" a.py ", style="code")) == " `a.py` "
+    assert _section_cell(Cell("   ", "failure")) == "   "
+
+
 def test_every_level_and_severity_has_its_words_and_styles_declared_once():
     """core/noise.py declares the levels and their order, checks/findings.py the severities; report/labels.py
     gives each its style in every renderer (one declaration, read everywhere)."""

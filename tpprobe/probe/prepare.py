@@ -36,7 +36,8 @@ def options_from_cli(**values) -> ProbeOptions:
                  f"with --engine {engine.name} the shape comes from --arch or --config (a config.json)")
         shrink = " (--num-experts / --vocab-size / --num-layers shrink a --config model)" \
             if kw["config"] and not model else ""
-        raise UsageError(f"{', '.join(given)} shape(s) the built-in model only; {whose}: drop {', '.join(given)}"
+        raise UsageError(f"{', '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the built-in model only; "
+                         f"{whose}: drop {', '.join(given)}"
                          f"{shrink}")
     for n, flag in (("num_experts", "--num-experts"), ("vocab_size", "--vocab-size")):
         if kw.get(n) is not None:

@@ -17,11 +17,16 @@ def _section_cell(c) -> str:
     if isinstance(c, str):
         return _md(c)
     txt = _md(c.text)
+    core = txt.strip()
+    if not core:
+        return txt
+    # the marks go around the words: CommonMark does not read `** FAILURE**` as bold
+    lead, trail = txt[:len(txt) - len(txt.lstrip())], txt[len(txt.rstrip()):]
     if c.style == "code":
-        return f"`{txt}`"
+        return f"{lead}`{core}`{trail}"
     if c.style == "italic":
-        return f"_{txt}_"
-    return f"**{txt}**" if c.level in LEVEL_BOLD and txt.strip() else txt
+        return f"{lead}_{core}_{trail}"
+    return f"{lead}**{core}**{trail}" if c.level in LEVEL_BOLD else txt
 
 
 def _item(c) -> str:

@@ -68,8 +68,9 @@ class BuiltinConfig:
             raise UsageError(f"--hidden ({self.hidden}) must be >= 8 and a multiple of the head "
                              f"count ({self.heads})")
         if self.heads % world_size:
-            raise UsageError(f"the built-in model has {self.heads} heads, not divisible by "
-                             f"{world_size} ranks: use --nproc dividing {self.heads}, or --heads")
+            raise UsageError(f"the built-in model has {self.heads} heads, not divisible by {world_size} ranks: "
+                             f"use a TP size dividing {self.heads} (probe's --nproc, invariance's --tp), "
+                             f"or other --heads")
         if self.ffn % world_size:
             raise UsageError(f"--ffn ({self.ffn}) must be divisible by the {world_size} ranks")
         if self.vocab < world_size:
