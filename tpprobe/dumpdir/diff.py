@@ -18,6 +18,9 @@ SCHEMA_DIFF = "tpprobe.dumper-diff/1"
 
 
 # ---- two runs: diff ------------------------------------------------------------------------------------
+REPLICA = "inferred: ranks nearly equal"     # no dims; a replica on which some ranks diverge
+
+
 @dataclass
 class Full:
     """One side's record of (name, step), unsharded to the full tensor."""
@@ -54,17 +57,23 @@ def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
             return Full(_concat(by_rank, ranks, d), f"cat dim {d} × {len(ranks)} ranks",
                         "inferred: shape × tp = the other side's", tdim)
     first = _tensor(by_rank[ranks[0]])
-    odd = []
+    odd, spread = [], []
     for r in ranks[1:]:
-        if measure(_tensor(by_rank[r]), first)["level"] not in ("bitwise", "noise"):
+        m = measure(_tensor(by_rank[r]), first)
+        if m["level"] not in ("bitwise", "noise"):
             odd.append(r)
-            if not lay:
-                break
+            # `tpprobe report`'s rule: a partial sum differs on most elements, by much
+            spread.append((m.get("rel_diff") or 0) >= 0.01 and (m.get("bad_fraction") or 0) >= 0.5)
     if lay:      # declared replicated: the first rank is the value; ranks that differ are named
         total = sum_over(by_rank, ranks, tdim, masks=False)[0] if odd else None
         return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim, odd_ranks=odd, sum_all=total)
     if not odd:
         return Full(first, f"rank {ranks[0]} (replicated)", "inferred: ranks equal", tdim)
+    if len(odd) < len(ranks) - 1 or not all(spread):
+        # no dims, and the ranks agree but for a few elements or a few ranks: a replica that diverged, not a
+        # partial sum (summing it would double every value); the first rank is the value, the others named
+        total = sum_over(by_rank, ranks, tdim, masks=False)[0]
+        return Full(first, f"rank {ranks[0]} (replicated)", REPLICA, tdim, odd_ranks=odd, sum_all=total)
     del first
     # no dims, and the ranks differ: summed to compare, but a partial sum is never passed off as a
     # match (`tpprobe report` names such a record partial-allreduce): every rank is an odd one
@@ -191,7 +200,8 @@ def _diff_data(bpath, tpath) -> dict:
                 continue     # summed by inference and still different: the reference-mismatch above says it
             elif o["sum_matches"]:
                 findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
-                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ from "
+                                        detail=f"{o.get('by', 'its dims declare it replicated')}, but ranks "
+                                               f"{o['ranks']} differ from "
                                                f"the first "
                                                f"and Σ over the {side}'s ranks equals the {other}: each rank holds a "
                                                f"partial "
@@ -199,7 +209,8 @@ def _diff_data(bpath, tpath) -> dict:
                                                evidence={"all_ranks": True}).to_json())
             else:
                 findings.append(Finding("rank-divergence", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
-                                        detail=f"its dims declare it replicated, but ranks {o['ranks']} differ "
+                                        detail=f"{o.get('by', 'its dims declare it replicated')}, but ranks "
+                                               f"{o['ranks']} differ "
                                                f"materially from the first (and Σ over ranks does not equal the "
                                                f"{other})", evidence={"explain": DUMP_DIVERGENCE}).to_json())
     for side, only in (("baseline", only_b), ("target", only_t)):
@@ -242,7 +253,9 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
             m = measure(mine.sum_all, other.value)["level"] if mine.sum_all is not None else "shape"
             run, keys = (b, bkeys) if side == "baseline" else (t, tkeys)
             odd[side] = {"ranks": mine.odd_ranks, "all_ranks": sorted(run.groups[keys[0]]),
-                         "sum_matches": m in ("bitwise", "noise"), "declared": mine.source == "dims"}
+                         "sum_matches": m in ("bitwise", "noise"), "declared": mine.source in ("dims", REPLICA),
+                         "by": "its dims declare it replicated" if mine.source == "dims" else
+                         "it is a replica (no dims; its ranks agree but for a few elements)"}
     row = {"odd": odd, "name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
            "baseline_how": f"{bfull.how} [{bfull.source}]", "target_how": f"{tfull.how} [{tfull.source}]",
            "inferred": [side for side,

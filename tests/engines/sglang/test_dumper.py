@@ -216,6 +216,18 @@ def test_diff_names_the_material_record(dumps):
     assert "rel diff²" in out
 
 
+def test_diff_names_one_diverged_replica_and_does_not_sum_it(dumps):
+    # no dims, rank 1 off by 1 % on one token: a replica that diverged, not a partial sum (summed, every value
+    # would read doubled and the 1 % would never be named)
+    code, out, _ = cli("diff", str(dumps / "tp1" / "base"), str(dumps / "tp2" / "scale"), "--json")
+    rep = json.loads(out)
+    assert code == 1
+    assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
+        [("rank-divergence", "h (step 0, target)", [1])], rep["findings"]
+    [h] = [r for r in rep["rows"] if r["name"] == "h"]
+    assert h["target_how"] == "rank 0 (replicated) [inferred: ranks nearly equal]" and h["level"] in ("bitwise", "noise")
+
+
 def test_unsafe_file_refused_in_one_line(dumps, tmp_path):
     d = tmp_path / "run"
     shutil.copytree(dumps / "tp2" / "pe_bare", d)
