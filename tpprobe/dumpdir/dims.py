@@ -61,6 +61,10 @@ def emit_dims_text(data: dict) -> str:
                          f"({'; '.join(f'{d} at steps {span(s)}' for d, (_, s) in ds.items())});"
                          f" the first is used")
         d, (why, steps) = next(iter(ds.items()))
+        bad = [f for f in data["findings"] if f["severity"] == "failure" and f["where"].split(" (", 1)[0] == name]
+        for f in bad[:1]:      # the dims say what the files hold; a fault they hold is not a layout to keep
+            lines.append(f"  # {name}: `tpprobe report` names a FAILURE here ({f['kind']}): these dims describe "
+                         f"the files as they are, not as they should be")
         lines.append(f"  - match: {json.dumps(pat)}   # {why}")
         lines.append(f"    dims: {json.dumps(d)}")
     return "\n".join(lines) + "\n"

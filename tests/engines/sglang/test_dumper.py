@@ -182,6 +182,10 @@ def test_emit_dims_is_sglangs_grammar(dumps):
                     "^qkv$": "t h[tp]", "^h$": "t h # tp:replicated"}
     for d in dims.values():
         parse_dims(d)          # SGLang's own parser accepts every line
+    # and the file itself says which dims describe a fault, beside that record alone
+    warned = [ln.strip() for ln in lines if "names a FAILURE here" in ln]
+    assert warned == ["# embed: `tpprobe report` names a FAILURE here (partial-allreduce): these dims describe the "
+                      "files as they are, not as they should be"], out
 
 
 def test_diff_tp1_vs_tp2_batched_differently(dumps):
