@@ -279,6 +279,9 @@ def test_capture_no_residual_is_made_and_named_on_the_built_in_model(tmp_path, e
     assert code == 1, cp.stderr[-2000:]
     failures = [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"]
     assert failures == [("capture-no-residual", "aux slot 1", [0, 1])], rep["findings"]
+    # named at its first slot; the other slot the same capture reaches is in its detail, not left unsaid
+    assert "; and slot 2 (id 3) holds the output of all-reduce #8 (layers.3.mlp.down_proj, layer 3, 2 ranks) " \
+        "alone" in rep["findings"][0]["detail"], rep["findings"][0]["detail"]
 
 
 def test_capture_no_residual_on_vllm_is_pointed_at_its_name_there(tmp_path, monkeypatch, capsys):

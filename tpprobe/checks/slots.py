@@ -56,11 +56,14 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
                          "ok": i < len(expected) and m == expected[i],
                          "differ": ev.slot_differs(i, hidden, live)} for i, m in enumerate(match)]
         if None in match:   # a serving-path cause the all-reduce audit can name (F16, F18)
-            i = match.index(None)
-            cause = explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,
-                            ids[i] if i < len(ids) else None, dtype_from_str(settings.get("dtype", "float32")))
+            dt = dtype_from_str(settings.get("dtype", "float32"))
+            causes = [(i, explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,
+                                  ids[i] if i < len(ids) else None, dt)) for i, m in enumerate(match) if m is None]
+            cause = causes[0][1]
             if cause is not None:
-                verdicts[r] = cause
+                # named at the first such slot; the later ones the same cause reaches are said in its detail
+                also = [c[2].split(": ", 1)[0] for _, c in causes[1:] if c is not None and c[0] == cause[0]]
+                verdicts[r] = (cause[0], cause[1], cause[2] + "".join(f"; and {a}" for a in also))
                 continue
         verdicts[r] = slot_verdict(ids, expected, match, L, offset_rule=offset_rule)
     # group identical verdicts
