@@ -18,7 +18,7 @@ SCHEMA_DIFF = "tpprobe.dumper-diff/1"
 
 
 # ---- two runs: diff ------------------------------------------------------------------------------------
-REPLICA = "inferred: ranks nearly equal"     # no dims; a replica on which some ranks diverge
+REPLICA = "inferred: rank 0 equals the other side"     # no dims; a replica on which some ranks diverged
 
 
 @dataclass
@@ -30,6 +30,8 @@ class Full:
     tdim: int
     odd_ranks: list = field(default_factory=list)       # declared replicated, but these ranks differ from the first
     sum_all: Optional[torch.Tensor] = None              # then: Σ over ranks, to name a partial
+    replica: Optional[tuple] = None     # no dims, ranks differ: (the first rank's value, that rank, the ranks
+    #                                     that differ from it), for when it, not the sum, equals the other side
 
 
 def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
@@ -57,28 +59,22 @@ def unshard(run: DumpRun, key, other_shape: Optional[tuple]) -> Full:
             return Full(_concat(by_rank, ranks, d), f"cat dim {d} × {len(ranks)} ranks",
                         "inferred: shape × tp = the other side's", tdim)
     first = _tensor(by_rank[ranks[0]])
-    odd, spread = [], []
+    odd = []
     for r in ranks[1:]:
-        m = measure(_tensor(by_rank[r]), first)
-        if m["level"] not in ("bitwise", "noise"):
+        if measure(_tensor(by_rank[r]), first)["level"] not in ("bitwise", "noise"):
             odd.append(r)
-            # `tpprobe report`'s rule: a partial sum differs on most elements, by much
-            spread.append((m.get("rel_diff") or 0) >= 0.01 and (m.get("bad_fraction") or 0) >= 0.5)
     if lay:      # declared replicated: the first rank is the value; ranks that differ are named
         total = sum_over(by_rank, ranks, tdim, masks=False)[0] if odd else None
         return Full(first, f"rank {ranks[0]} (replicated)", "dims", tdim, odd_ranks=odd, sum_all=total)
     if not odd:
         return Full(first, f"rank {ranks[0]} (replicated)", "inferred: ranks equal", tdim)
-    if len(odd) < len(ranks) - 1 or not all(spread):
-        # no dims, and the ranks agree but for a few elements or a few ranks: a replica that diverged, not a
-        # partial sum (summing it would double every value); the first rank is the value, the others named
-        total = sum_over(by_rank, ranks, tdim, masks=False)[0]
-        return Full(first, f"rank {ranks[0]} (replicated)", REPLICA, tdim, odd_ranks=odd, sum_all=total)
-    del first
     # no dims, and the ranks differ: summed to compare, but a partial sum is never passed off as a
     # match (`tpprobe report` names such a record partial-allreduce): every rank is an odd one
     total = sum_over(by_rank, ranks, tdim, masks=False)[0]
-    return Full(total, f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim, odd_ranks=list(ranks), sum_all=total)
+    # the first rank's value is kept too: where it, not the sum, equals the other side, the record is a replica
+    # on which some ranks diverged (_diff_one decides; summing such a record doubles every value)
+    return Full(total, f"Σ {len(ranks)} ranks", "inferred: ranks differ", tdim, odd_ranks=list(ranks), sum_all=total,
+                replica=(first, ranks[0], odd))
 
 
 def _tensor(f: DumpFile) -> torch.Tensor:
@@ -225,6 +221,17 @@ def _diff_data(bpath, tpath) -> dict:
             "findings": findings, "exit_code": exit_code(findings)}
 
 
+def _replica_if_it_matches(mine: "Full", other: "Full") -> None:
+    """A record with no dims whose ranks differ is summed; where the first rank's value, not that sum, equals
+    the other side, it is a replica on which some ranks diverged: that value is compared, those ranks named."""
+    ok = ("bitwise", "noise")
+    if mine.replica is None or mine.replica[0].shape != other.value.shape:
+        return
+    value, first, odd = mine.replica
+    if measure(mine.value, other.value)["level"] not in ok and measure(value, other.value)["level"] in ok:
+        mine.value, mine.how, mine.source, mine.odd_ranks = value, f"rank {first} (replicated)", REPLICA, odd
+
+
 def _cat(run, keys, other_shape, n_tokens):
     fulls = [unshard(run, k, other_shape) for k in keys]
     f0 = fulls[0]
@@ -237,7 +244,13 @@ def _cat(run, keys, other_shape, n_tokens):
         total = torch.cat([f.sum_all if f.sum_all is not None else f.value for f in fulls], dim=f0.tdim)
         if n_tokens is not None:
             total = total.narrow(f0.tdim, 0, min(n_tokens, total.shape[f0.tdim]))
-    return Full(v, f0.how, f0.source, f0.tdim, odd_ranks=odd, sum_all=total)
+    replica = None
+    if all(f.replica is not None for f in fulls):
+        rv = torch.cat([f.replica[0] for f in fulls], dim=f0.tdim) if len(fulls) > 1 else f0.replica[0]
+        if n_tokens is not None:
+            rv = rv.narrow(f0.tdim, 0, min(n_tokens, rv.shape[f0.tdim]))
+        replica = (rv, f0.replica[1], sorted({r for f in fulls for r in f.replica[2]}))
+    return Full(v, f0.how, f0.source, f0.tdim, odd_ranks=odd, sum_all=total, replica=replica)
 
 
 def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
@@ -246,6 +259,8 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
     tshape = peek(tgroup[min(tgroup)])[0] if len(tgroup) == 1 else None
     bfull = _cat(b, bkeys, tshape, n_tokens)
     tfull = _cat(t, tkeys, tuple(bfull.value.shape), n_tokens)
+    for mine, other in ((tfull, bfull), (bfull, tfull)):
+        _replica_if_it_matches(mine, other)
     s = measure(tfull.value, bfull.value)
     odd = {}
     for side, mine, other in (("baseline", bfull, tfull), ("target", tfull, bfull)):
@@ -254,8 +269,9 @@ def _diff_one(b, t, bkeys, tkeys, name, tags, step, n_tokens) -> dict:
             run, keys = (b, bkeys) if side == "baseline" else (t, tkeys)
             odd[side] = {"ranks": mine.odd_ranks, "all_ranks": sorted(run.groups[keys[0]]),
                          "sum_matches": m in ("bitwise", "noise"), "declared": mine.source in ("dims", REPLICA),
-                         "by": "its dims declare it replicated" if mine.source == "dims" else
-                         "it is a replica (no dims; its ranks agree but for a few elements)"}
+                         "by": "its dims declare it replicated" if mine.source != REPLICA else
+                         f"it is a replica (no dims; rank {mine.replica[1]} equals the "
+                         f"{'target' if side == 'baseline' else 'baseline'})"}
     row = {"odd": odd, "name": name + "".join(f" {k}={v}" for k, v in tags), "step": step,
            "baseline_how": f"{bfull.how} [{bfull.source}]", "target_how": f"{tfull.how} [{tfull.source}]",
            "inferred": [side for side,

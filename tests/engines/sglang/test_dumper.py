@@ -229,7 +229,7 @@ def test_diff_names_one_diverged_replica_and_does_not_sum_it(dumps):
     assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
         [("rank-divergence", "h (step 0, target)", [1])], rep["findings"]
     [h] = [r for r in rep["rows"] if r["name"] == "h"]
-    assert h["target_how"] == "rank 0 (replicated) [inferred: ranks nearly equal]"
+    assert h["target_how"] == "rank 0 (replicated) [inferred: rank 0 equals the other side]"
     assert h["level"] in ("bitwise", "noise")
 
 
