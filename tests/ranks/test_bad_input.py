@@ -156,8 +156,10 @@ def test_an_id_list_with_an_empty_entry_is_refused_not_shortened(tmp_path, monke
 
 @pytest.mark.parametrize("env, inject, says", [
     ({"TPPROBE_INJECT_SCALE": "abc"}, ["--inject", "allreduce-scaled@1"],
-     "TPPROBE_INJECT_SCALE='abc': not a number (the factor a wrong-sum --inject (allreduce-scaled) multiplies"),
-    ({"TPPROBE_STOP_GRACE_S": "soon"}, [], "TPPROBE_STOP_GRACE_S='soon': not a number"),
+     "TPPROBE_INJECT_SCALE='abc': not a finite number (the factor a wrong-sum --inject (allreduce-scaled) multiplies"),
+    ({"TPPROBE_STOP_GRACE_S": "soon"}, [], "TPPROBE_STOP_GRACE_S='soon': not a finite number"),
+    ({"TPPROBE_STACKS_AFTER": "inf"}, [], "TPPROBE_STACKS_AFTER='inf': not a finite number"),
+    ({"TPPROBE_FP_WARPS": "4.9"}, [], "TPPROBE_FP_WARPS='4.9': not an integer"),
     ({"TPPROBE_RANK_START": "bogus"}, [], "TPPROBE_RANK_START='bogus': say auto, fork or spawn"),
 ])
 def test_a_bad_setting_is_one_line_exit_2_and_leaves_no_folder(tmp_path, monkeypatch, capsys, env, inject, says):
@@ -167,6 +169,14 @@ def test_a_bad_setting_is_one_line_exit_2_and_leaves_no_folder(tmp_path, monkeyp
     code, out, err = cli(["probe", "--quiet", "--out", str(tmp_path / "r"), *inject], capsys)
     assert code == 2 and one_line(err).startswith(f"tpprobe: error: {says}"), err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_flag_set_empty_or_to_a_word_is_not_read_as_a_number(tmp_path, monkeypatch, capsys):
+    # flags (read as set / "0") and an empty number (its default) pass the check that numbers are numbers
+    for k, v in {"TPPROBE_FAST_HOOKS": "", "TPPROBE_AUDIT_DOORS": "yes", "TPPROBE_STOP_GRACE_S": ""}.items():
+        monkeypatch.setenv(k, v)
+    from tpprobe.config.knobs import check_numeric_knobs
+    check_numeric_knobs()
 
 
 def test_a_target_config_given_as_the_draft_config_is_refused(tmp_path, capsys):

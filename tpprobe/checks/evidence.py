@@ -207,6 +207,19 @@ class FingerprintEvidence(TensorEvidence):
     def fp(self, name, r) -> Optional[Fingerprint]:
         return self.fps.get(r, {}).get(name)
 
+    def slot_differs(self, i: int, hidden: int, live: list[int]) -> Optional[list[int]]:
+        """As TensorEvidence's, from the fingerprint each rank took of a slot that equals no capture point
+        (`slot_fps`); None where a rank has none (its slot equals a point: that point's row says)."""
+        got = {r: (self.records[r].meta.slot_fps or {}).get(str(i)) for r in live}
+        if not live or any(f is None for f in got.values()):
+            return None
+        fps = {r: Fingerprint.from_json(f) for r, f in got.items()}
+        base = fps[live[0]]
+
+        def level(f):
+            return fp_stats(f, base, judge_dtype(fp_dtype(f), fp_dtype(base), self.dtype))["level"]
+        return [r for r in live[1:] if level(fps[r]) in ("material", "shape")]
+
     def point_stats(self, name: str, live: list[int], ref: int) -> dict[int, dict]:
         have = {r: self.fp(name, r) for r in live if self.fp(name, r) is not None}
         if not have:

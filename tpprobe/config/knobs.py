@@ -7,6 +7,7 @@ tables in docs/, written by `python scripts/knobs_table.py --write`, list every 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -122,32 +123,40 @@ def knob(name: str) -> Optional[str]:
     return os.environ.get(name, KNOBS[name].default)
 
 
+# the variables read as numbers, and as which: set to anything else, they are one line and exit 2 before any
+# rank starts (check_numeric_knobs), never a rank's ValueError
+NUMERIC = {"TPPROBE_FP_BLOCK_R": int, "TPPROBE_FP_WARPS": int, "TPPROBE_FP_PROGS": int, "TPPROBE_FP_MAXNREG": int,
+           "TPPROBE_FP_SPLIT": int, "TPPROBE_FP_DEPTH": int, "TPPROBE_INJECT_SCALE": float,
+           "TPPROBE_STOP_GRACE_S": float, "TPPROBE_STACKS_AFTER": float}
+
+
 def knob_int(name: str) -> int:
-    return int(knob_float(name))
+    return int(_number(name))
 
 
 def knob_float(name: str) -> float:
-    v = knob(name)
+    return float(_number(name))
+
+
+def _number(name: str):
+    v = os.environ.get(name) or KNOBS[name].default      # set but empty: the default, as unset
+    kind = NUMERIC[name]
     try:
-        return float(v)
+        x = kind(v)
+        if not math.isfinite(x):
+            raise ValueError(v)
+        return x
     except (TypeError, ValueError):
         from ..core.errors import UsageError
-        raise UsageError(f"{name}={v!r}: not a number ({KNOBS[name].meaning}; default {KNOBS[name].default})")
+        want = "an integer" if kind is int else "a finite number"
+        raise UsageError(f"{name}={v!r}: not {want} ({KNOBS[name].meaning}; default {KNOBS[name].default})")
 
 
 def check_numeric_knobs() -> None:
-    """Every set variable whose default is a number must be one: one clear line before any rank starts."""
-    for name, k in KNOBS.items():
-        if name in os.environ and k.default is not None and _number(k.default):
-            knob_float(name)
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
+    """Every variable read as a number that is set must be one: one clear line before any rank starts."""
+    for name in NUMERIC:
+        if os.environ.get(name):
+            _number(name)
 
 
 def knob_set(name: str) -> bool:

@@ -278,6 +278,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     if streams.hidden != draft.target_hidden:
         raise UsageError(f"the streams are {streams.hidden} wide, the draft's target_hidden_size is "
                          f"{draft.target_hidden}: are they the streams of this draft's target?")
+    rule.plan(written, strict=True)      # a rule outside the engine's code, ids not covered: said before the replay
     ids_t = streams.input_ids
     if ids_t.numel() and (int(ids_t.max()) >= draft.vocab or int(ids_t.min()) < 0):
         raise UsageError(f"the token sequence has ids up to {int(ids_t.max())}, outside the draft's vocabulary "

@@ -103,17 +103,24 @@ def stock_plan(engine: str, arch: str, ids: Optional[list[int]], num_layers: int
 
 
 def plan_for(engine: str, arch: str, ids: Optional[list[int]], num_layers: int,
-             id_rule: Optional[dict[int, int]] = None):
+             id_rule: Optional[dict[int, int]] = None, strict: bool = True):
     """What `engine` captures for `ids` on a model of `arch` with `num_layers` layers, with the ids in
-    `id_rule` captured as that rule says (a patched build). A tpprobe LayerPlan."""
+    `id_rule` captured as that rule says (a patched build). A tpprobe LayerPlan. An architecture whose rule
+    is outside the engine's code, with ids the id rule does not cover: UsageError, or (strict=False, a search
+    over ids) the plan with those rows `unknown`."""
     p = stock_plan(engine, arch, ids, num_layers)
     if id_rule and ids is not None and any(i in id_rule for i in ids):
         p = apply_id_rule(p, id_rule)
-    if getattr(p, "outside", None) and (ids is None or any(r.status == "unknown" for r in p.rows)):
+    if strict and unknown(p):
         # not a finding about these ids: nothing here can say what they capture
         raise UsageError(f"{p.outside}; give your build's rule for every id with --id-rule (or {ENV}), "
                          f"or probe the running server (tpprobe's SGLang plugin)")
     return p
+
+
+def unknown(p) -> bool:
+    """Does the plan hold an id whose capture no rule here gives (an engine rule outside the engine's code)?"""
+    return bool(getattr(p, "outside", None)) and (p.ids is None or any(r.status == "unknown" for r in p.rows))
 
 
 def apply_id_rule(p, rule: dict[int, int]):
@@ -163,15 +170,16 @@ class EngineRule:
     id_rule: dict = field(default_factory=dict)      # a patched build: id -> HF index (engines.capture_rule)
     _seen: dict = field(default_factory=dict, repr=False, compare=False)   # ids -> slots, this rule's answers
 
-    def plan(self, ids):
-        return plan_for(self.engine, self.arch, list(ids), self.num_layers, self.id_rule or None)
+    def plan(self, ids, strict: bool = False):
+        return plan_for(self.engine, self.arch, list(ids), self.num_layers, self.id_rule or None, strict=strict)
 
     def slots(self, ids) -> Optional[list[int]]:
-        """The HF index in each slot, or None when the engine crashes or drops an id with these ids."""
+        """The HF index in each slot, or None when the engine crashes or drops an id with these ids, or
+        when no rule here says what one of them captures."""
         key = tuple(ids)
         if key not in self._seen:
             p = self.plan(ids)
-            self._seen[key] = None if p.crash or p.problems else [
+            self._seen[key] = None if p.crash or p.problems or unknown(p) else [
                 r.hf_index for r in sorted((r for r in p.rows if r.slot is not None), key=lambda r: r.slot)]
         return None if self._seen[key] is None else list(self._seen[key])
 

@@ -227,8 +227,8 @@ def _launch_forked(nproc: int, argv: list[str]) -> int:
 def _wait_ranks(ranks: dict[int, int]) -> list[int]:
     """Every rank's exit code (a signal: its negative number). After the first failure the others
     get SIGTERM, and SIGKILL the grace later (TPPROBE_STOP_GRACE_S, default STOP_GRACE_S)."""
-    from ..config.knobs import knob
-    grace = float(knob("TPPROBE_STOP_GRACE_S") or STOP_GRACE_S)
+    from ..config.knobs import knob, knob_float
+    grace = knob_float("TPPROBE_STOP_GRACE_S") if knob("TPPROBE_STOP_GRACE_S") else STOP_GRACE_S
     codes: dict[int, int] = {}
     kill_at = None
     while len(codes) < len(ranks):

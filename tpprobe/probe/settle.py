@@ -77,11 +77,10 @@ def after_forward(tap, progress, target, summarize, timeout: float, grace: float
 
 def stacks_after_env() -> None:
     """Diagnosis: TPPROBE_STACKS_AFTER=S dumps every thread's stack if the rank still runs after S s."""
-    from ..config.knobs import knob
-    after = knob("TPPROBE_STACKS_AFTER")
-    if after:
+    from ..config.knobs import knob, knob_float
+    if knob("TPPROBE_STACKS_AFTER"):
         import faulthandler
-        faulthandler.dump_traceback_later(float(after), exit=False)
+        faulthandler.dump_traceback_later(knob_float("TPPROBE_STACKS_AFTER"), exit=False)
 
 
 def leave_now(code: int) -> None:

@@ -83,6 +83,17 @@ def test_fused_allreduce_capture_is_a_partial_capture_at_its_slot(tmp_path):
     assert "│ 1 │ 1 │ layer.1.out │ no stream │ differ on ranks [1] │" in text and "None" not in text
 
 
+def test_fused_allreduce_capture_slot_rows_from_fingerprints_alone(tmp_path):
+    # the fingerprint exchange holds no other rank's tensors: each rank's fingerprint of the slot that equals
+    # no stream says it differs, live as offline
+    code, rep, p = probe(tmp_path, "--engine", "sglang", "--arch", "qwen3_moe", "--inject", "fused-allreduce-capture",
+                         "--exchange", "fingerprint")
+    assert code == 1, p.stderr[-3000:]
+    assert [(x["kind"], x["where"]) for x in failures(rep)] == [("partial-capture", "aux slot 1")], rep["findings"]
+    assert [(s["slot"], s["matched"], s["differ"]) for s in rep["slots"]] == \
+        [(0, "embed.out", None), (1, None, [1])], rep["slots"]
+
+
 # CI runs the fingerprint exchange (the cause named from sketches alone); the full gather is the sweep's
 @pytest.mark.parametrize("exchange", [pytest.param("full", marks=pytest.mark.sweep), "fingerprint"])
 def test_capture_without_residual_is_named(tmp_path, exchange):
