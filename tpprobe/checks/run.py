@@ -127,9 +127,15 @@ def run_checks(records: dict[int, LoadedRank], settings: dict, liveness: Optiona
             for n in names:
                 nf = {r: s for r, s in point_stats.get(n, {}).items() if s.get("nan") or s.get("inf")}
                 if n != roots[0].where and nf:
-                    worst = max(nf.values(), key=lambda s: (s.get("nan") or 0) + (s.get("inf") or 0))
-                    follows.append(f"{n}: {worst.get('nan') or 0} NaN and {worst.get('inf') or 0} Inf values on "
-                                   f"{'every rank' if len(nf) == len(live) else f'ranks {sorted(nf)}'}")
+                    counts = {((s.get("nan") or 0), (s.get("inf") or 0)) for s in nf.values()}
+                    where = "every rank" if len(nf) == len(live) else f"ranks {sorted(nf)}"
+                    if len(counts) == 1:
+                        (k_nan, k_inf), = counts
+                        follows.append(f"{n}: {k_nan} NaN and {k_inf} Inf values on {where}")
+                    else:          # the counts differ by rank: each said
+                        follows.append(f"{n}: NaN or Inf values on {where} (" + ", ".join(
+                            f"rank {r}: {s.get('nan') or 0} NaN, {s.get('inf') or 0} Inf"
+                            for r, s in sorted(nf.items())) + ")")
         said = {f.split(":", 1)[0] for f in follows}
         follows += [f"{n}: ranks {[r for r, s in point_stats[n].items() if s['level'] in ('material', 'shape')]} "
                     f"differ" for n in material if n != roots[0].where and n not in said]

@@ -164,12 +164,14 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
     also = (f"; not checked: {', '.join(unread)} (its rule is outside SGLang's code: `tpprobe layers --arch "
             f"{unread[0]}` says where)" if unread else "")
     verdict = ([Cell(f"{r['arch']}: {'; '.join(r['problems'])}", "failure") for r in bad]
+               + ([Cell(f"not checked: {', '.join(unread)} (its rule is outside SGLang's code)", "warning")]
+                  if bad and unread else [])
                or [Cell(f"every architecture checked captures one usable slot per id ({checked} of {len(rows)} "
                         f"architectures{also})" if unread else
                         f"every architecture captures one usable slot per id ({len(rows)} architectures)", "ok")])
     # the verdict under the table too: the terminal draws sections only
-    lines = [Text(parts=[Cell("PROBLEM" if bad else "OK", "failure" if bad else "ok"), Cell(f": {v.text}")])
-             for v in verdict]
+    word = {"failure": "PROBLEM", "warning": "NOTE", "ok": "OK"}
+    lines = [Text(parts=[Cell(word[v.level], v.level), Cell(f": {v.text}")]) for v in verdict]
     return Report("tpprobe.layers/1", f"tpprobe layers: every {name} architecture, ids {given}, {num_layers} layers",
                   rows, verdict=verdict, sections=[t, *lines], settings={"ids": given, "num_layers": num_layers},
                   exit_code=1 if bad else 0, to_json=_json)
