@@ -4,6 +4,7 @@ mistake (offset by one layer, aliased, permuted, missing, transformed)."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 from ..capture.points import EMBED_OUT, id_point, in_norm, layer_out, point_label, point_position
 from .findings import Finding
@@ -29,6 +30,17 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
     findings: list[Finding] = []
     verdicts: dict[int, tuple] = {}
     rows_out: list[dict] = []
+    explained: dict[int, Optional[tuple]] = {}
+    dt = dtype_from_str(settings.get("dtype", "float32"))
+
+    def cause_of(i: int) -> Optional[tuple]:
+        # explain reads every live rank at once: one answer per slot, whichever rank asks
+        from .causes import explain
+        if i not in explained:
+            explained[i] = explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,
+                                   ids[i] if i < len(ids) else None, dt)
+        return explained[i]
+
     for r in live:
         rec = records[r]
         width = ev.packed_width(r)
@@ -42,7 +54,7 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
         if bad_layout is not None:
             verdicts[r] = bad_layout
             continue
-        from .causes import explain, explain_rows
+        from .causes import explain_rows
         rows_cause = explain_rows(records, r, hidden, expected, settings) if expected[0] else None
         if rows_cause is not None:     # F17: the aux rows of every attention-DP group
             verdicts[r] = rows_cause
@@ -56,9 +68,7 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
                          "ok": i < len(expected) and m == expected[i],
                          "differ": ev.slot_differs(i, hidden, live)} for i, m in enumerate(match)]
         if None in match:   # a serving-path cause the all-reduce audit can name (F16, F18)
-            dt = dtype_from_str(settings.get("dtype", "float32"))
-            causes = [(i, explain(ev, records, live, hidden, i, expected[i] if i < len(expected) else None,
-                                  ids[i] if i < len(ids) else None, dt)) for i, m in enumerate(match) if m is None]
+            causes = [(i, cause_of(i)) for i, m in enumerate(match) if m is None]
             cause = causes[0][1]
             if cause is not None:
                 # named at the first such slot; the later ones the same cause reaches are said in its detail
