@@ -54,6 +54,7 @@ def check_run(run: DumpRun) -> dict:
     replicated_refs: list[tuple] = []   # (step, shape, dtype, file, name) of replicated records (Σ candidates)
     pending: list[tuple] = []           # groups whose ranks differ without a declaration: judged after the scan
     widths: Counter = Counter()
+    tp_ranks: dict = {}                 # global rank -> its tp rank, as its files' meta say
     records = 0
     ref = None
     for (name, tags, step), by_rank in sorted(run.groups.items(),
@@ -63,7 +64,8 @@ def check_run(run: DumpRun) -> dict:
         ref = None           # the previous group's record goes before this one is read
         ref, meta = load(by_rank[ref_r])
         records += 1
-        _tp_rank, tp_size, src = tp_of(meta, by_rank[ref_r])
+        tp_rank, tp_size, src = tp_of(meta, by_rank[ref_r])
+        tp_ranks.setdefault(ref_r, tp_rank)
         dims = meta.get("dims")
         lay = tp_layout(dims)
         is_t = isinstance(ref, torch.Tensor)
@@ -83,8 +85,9 @@ def check_run(run: DumpRun) -> dict:
         nf = nonfinite_count(ref)
         quick = bool(lay and lay[0] in ("partial", "sharded") and tp_size > 1)
         for r in ranks[1:]:
-            x, _m = load(by_rank[r])
+            x, m = load(by_rank[r])
             records += 1
+            tp_ranks.setdefault(r, tp_of(m, by_rank[r])[0])
             if not isinstance(x, torch.Tensor):
                 s = {"level": "shape", "shape": type(x).__name__}
             elif quick:      # declared shards: only "is it a copy?" matters (a dims-mismatch), not the numbers
@@ -144,7 +147,7 @@ def check_run(run: DumpRun) -> dict:
     hidden = widths.most_common(1)[0][0] if widths else None
     for g, by_rank, ref_r, ranks, odd, lay in pending:
         _diagnose_differing(g, by_rank, ref_r, ranks, odd, lay, hidden, replicated_refs)
-    return {"groups": results, "records": records, "hidden": hidden}
+    return {"groups": results, "records": records, "hidden": hidden, "tp_ranks": tp_ranks}
 
 
 class RankFiles:
@@ -327,15 +330,11 @@ def report_data(path) -> dict:
                                                       f"(max {worst:g} ULP): not a failure").to_json())
     tps = Counter(g.tp_size for g in groups)
     tp_size = tps.most_common(1)[0][0] if tps else 1
-    absent = sorted(set(range(tp_size)) - set(run.ranks)) if len(run.ranks) < tp_size else []
-    if absent:
+    whole = _missing_ranks(run.ranks, res["tp_ranks"], tp_size)
+    if whole is not None:
         # a whole rank's files are not in the folder: its records were never compared, so nothing here is
         # HEALTHY across ranks
-        findings.insert(0, Finding("capture-file", "the whole dump", absent,
-                                   detail=f"the records declare tp {tp_size} but the folder holds files of "
-                                          f"rank{'s' if len(run.ranks) > 1 else ''} {run.ranks} only: ranks "
-                                          f"{absent} are missing (not copied, or their dumper never wrote); "
-                                          f"no record was compared with them").to_json())
+        findings.insert(0, whole.to_json())
     return {"schema": SCHEMA_REPORT, "path": str(run.path), "ranks": run.ranks, "steps": run.steps, "tp_size": tp_size,
             "tp_source": groups[0].tp_source if groups else None, "hidden": res["hidden"],
             "coverage": {"files": len(run.files), "records_read": res["records"], "groups": len(groups),
@@ -344,6 +343,26 @@ def report_data(path) -> dict:
                          "not_tensors": [_where(g) for g in groups if g.read == "not a tensor"]},
             "records": [_group_json(g) for g in groups], "findings": findings, "exit_code": exit_code(findings),
             "_groups": groups}
+
+
+def _missing_ranks(ranks: list, tp_ranks: dict, tp_size: int) -> Optional[Finding]:
+    """The tp ranks of a tp group with no file in the folder, named by the tp rank the files' meta give (a
+    folder of a second tp group holds global ranks tp..2tp-1) and, where the present files agree on one
+    offset between global and tp rank, by the global rank that would have written them."""
+    have = {tp_ranks.get(r, r) for r in ranks}
+    absent = sorted(set(range(tp_size)) - have)
+    if not absent:
+        return None
+    offsets = {r - tp_ranks.get(r, r) for r in ranks}
+    named = [offsets.pop() + t for t in absent] if len(offsets) == 1 else absent
+    s = "s" if len(ranks) > 1 else ""
+    held = f"rank{s} {ranks}" if all(tp_ranks.get(r, r) == r for r in ranks) else \
+        f"rank{s} {ranks} (tp rank{s} {sorted(have)})"
+    lost = f"ranks {named}" if named == absent else f"ranks {named} (tp ranks {absent})"
+    return Finding("capture-file", "the whole dump", named,
+                   detail=f"the records declare tp {tp_size} but the folder holds files of {held} only: "
+                          f"{lost} are missing (not copied, or their dumper never wrote); no record was "
+                          f"compared with them")
 
 
 def _group_json(g: GroupResult) -> dict:

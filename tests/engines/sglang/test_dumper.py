@@ -114,6 +114,17 @@ def test_a_whole_rank_missing_is_named_not_healthy(dumps, tmp_path):
     assert code == 1 and "HEALTHY" not in out
 
 
+def test_a_missing_rank_of_a_second_tp_group_is_named_by_its_tp_rank(dumps, tmp_path):
+    # the files of global rank 3 alone, which SGLang's meta says is tp rank 1 of a tp-2 group (ranks 2 and
+    # 3): the rank missing is tp rank 0, global rank 2, not ranks 0 and 1
+    for f in (dumps / "tp2" / "healthy").iterdir():
+        if "___rank=1___" in f.name:
+            shutil.copy(f, tmp_path / f.name.replace("___rank=1___", "___rank=3___"))
+    code, rep = report(tmp_path)
+    assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [2])], rep["findings"]
+    assert "files of rank [3] (tp rank [1]) only: ranks [2] (tp ranks [0]) are missing" in rep["findings"][0]["detail"]
+
+
 def test_one_ulp_bf16_is_noise_not_a_failure(dumps):
     code, rep = report(dumps / "tp2" / "noise")
     assert code == 0 and failures(rep) == []
