@@ -88,6 +88,21 @@ def test_a_draft_trained_with_the_embedding_has_no_id_list_on_vllms_deepseek(tmp
     assert "; the best this engine can give: set eagle_aux_hidden_state_layer_ids to [1, 6, 12]" in v.line, v.line
 
 
+def test_an_architecture_outside_sglangs_code_says_which_streams_are_unknown_not_unreachable(tmp_path):
+    """MindSporeForCausalLM hands the ids to a model built outside SGLang's code: with --id-rule covering
+    the ids written (-1, 5, 11 give HF hidden_states 1, 6, 11), the embedding and hidden_states[12] are not
+    known to be out of reach, so the fix says so and asks for the rule, rather than "no id list gives" them."""
+    s = planted_streams(12)
+    d = load_draft(hand_draft(s, [0, 6, 12], tmp_path / "d", [-1, 5, 11]))
+    p = propose(d, s, EngineRule("sglang", "MindSporeForCausalLM", 12, {-1: 1, 5: 6, 11: 11}))
+    assert p.fix_ids is None and p.best.streams == [0, 6, 12]
+    assert p.current.streams == [1, 6, 11]
+    who = "SGLang MindSporeForCausalLM (patched: -1=hs:1,5=hs:6,11=hs:11) hands the ids to code outside SGLang"
+    assert p.no_fix == (f"which id gives the embedding is not known here: {who}; give your build's rule for it "
+                        f"with --id-rule; which id gives the last layer's output (HF hidden_states[12]) is not "
+                        f"known here: {who}; give your build's rule for it with --id-rule")
+
+
 def test_a_draft_trained_with_slots_out_of_layer_order_names_the_slots_and_the_fc_permutation(tmp_path):
     s = planted_streams(12)
     d = load_draft(hand_draft(s, [3, 0, 7], tmp_path / "d", [2, -1, 6]))

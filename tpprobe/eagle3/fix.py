@@ -332,7 +332,8 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
             why.append(f"the draft reads its slots in the order HF hidden_states{best.streams}, and this engine "
                        f"fills slots in ascending layer order ({_slot_moves(best.streams)}): permute the column "
                        f"blocks of the draft's fc.weight to layer order, or patch {rule.patch_point()}")
-        why += [f"{w} (or describe a patched build with --id-rule)" for w in unreachable(rule, best.streams)]
+        why += [w if "--id-rule" in w else f"{w} (or describe a patched build with --id-rule)"
+                for w in unreachable(rule, best.streams)]
         if not why:
             why.append(f"no id list gives HF hidden_states{best.streams} in this order on this engine: patch "
                        f"{rule.patch_point()}")

@@ -241,6 +241,12 @@ def unreachable(rule: EngineRule, hfs: list[int]) -> list[str]:
             continue
         what = ("the embedding" if h == 0 else f"the last layer's output (HF hidden_states[{L}])" if h == L
                 else f"HF hidden_states[{h}]")
+        if any(unknown(rule.plan([i])) for i in range(max(-2, h - 2), min(L + 1, h + 1) + 1)):
+            # not "no id gives it": what these ids capture is decided outside the engine's code
+            out.append(f"which id gives {what} is not known here: {rule.name()} hands the ids to code outside "
+                       f"{'SGLang' if rule.engine == 'sglang' else 'vLLM'}; give your build's rule for it with "
+                       f"--id-rule")
+            continue
         out.append(f"no id list gives {what} on this engine: patch {rule.patch_point()}")
     return out
 
