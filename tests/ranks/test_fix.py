@@ -169,3 +169,66 @@ def test_a_training_sample_finds_streams_no_neighbourhood_of_the_config_reaches(
     assert p.line.startswith("set eagle_aux_hidden_state_layer_ids to [0, 6, 11]: replayed first-position "
                              "acceptance ") and p.line.endswith("-> 1.00 (accept length, chain of 5: "
                                                                 f"{p.current.score.accept_length:.2f} -> 6.00)")
+
+
+# ---- scored against the target's own tokens: the planted vLLM target and draft (tpprobe.engines.vllm.planted) ----
+def _planted(tmp_path):
+    import torch
+
+    from tpprobe.cli.drafter import target_embedding
+    from tpprobe.engines.vllm import planted as pl
+    target = pl.build_target(tmp_path / "target")
+    draft = load_draft(pl.build_draft(tmp_path / "draft", [1, 2, 3]), target_embedding(str(target), tmp_path))
+    code = pl.codes()
+
+    def streams(prompt):
+        """The planted target's streams, as its doc gives them: HF hidden_states[k] holds each token's code in
+        block k and the constant in the last dim."""
+        from tpprobe.eagle3.fix import streams_from_tensors
+        ids = torch.tensor(prompt)
+        by = {}
+        for k in range(pl.L + 1):
+            t = torch.zeros(len(prompt), pl.H)
+            t[:, pl.BLOCK * k:pl.BLOCK * (k + 1)] = code[ids]
+            t[:, pl.CONST] = pl.C
+            by[k] = t
+        return streams_from_tensors(ids, by, pl.L)
+    return pl, str(target), draft, streams
+
+
+def test_the_targets_head_gives_its_greedy_next_token_at_every_position(tmp_path):
+    from tpprobe.eagle3.target_head import greedy_next
+    pl, target, _, streams = _planted(tmp_path)
+    prompt = [5, 17, 99, 3, 250, 41, 77, 8]
+    nxt, how = greedy_next(target, streams(prompt).by_hf[pl.L])
+    f = pl.next_token()
+    assert nxt.tolist() == [f[t] for t in prompt]
+    assert how == "the target's own greedy tokens (model.norm.weight and lm_head.weight of target on the last layer)"
+    assert greedy_next(str(tmp_path / "nowhere"), streams(prompt).by_hf[pl.L])[0] is None
+
+
+def test_a_replay_scores_the_draft_against_the_targets_tokens_not_the_prompts(tmp_path):
+    """vLLM verifies a draft against the target's own tokens. The planted draft is right on every position where
+    the prompt goes on as the target would (as in decode), whatever the rest of the prompt is: scored against the
+    prompt it read 0.67 on a partly ordinary prompt and 0.00 on an ordinary one, where vLLM accepts every draft."""
+    from tpprobe.cli.drafter import score_on_target
+    from tpprobe.eagle3.fix import replay
+    pl, target, draft, streams = _planted(tmp_path)
+    f = pl.next_token()
+    chain = [99]
+    while len(chain) < 6:
+        chain.append(f[chain[-1]])
+    mixed = streams([5, 17] + chain)                      # 2 ordinary tokens, then the target's own text
+    assert replay(draft, mixed, [1, 2, 3], chain=2).first_position == pytest.approx(4 / 6)   # the prompt's as labels
+    scored, why = score_on_target(mixed, target)
+    assert why == "" and mixed.decode_like == 5
+    assert scored == ("scored against the target's own greedy tokens (model.norm.weight and lm_head.weight of "
+                      "target on the last layer) at the 5 of 7 positions where the prompt follows them")
+    right, wrong = replay(draft, mixed, [1, 2, 3], chain=2), replay(draft, mixed, [2, 3, 4], chain=2)
+    assert (right.first_position, right.accept_length, right.per_position) == (1.0, 3.0, [1.0, 1.0])
+    assert (wrong.first_position, wrong.accept_length) == (0.0, 1.0)
+    plain = streams([5, 17, 99, 3, 250, 41, 77, 8])       # none of it the target's text: no replay, said why
+    assert replay(draft, plain, [1, 2, 3]).first_position == 0.0
+    scored, why = score_on_target(plain, target)
+    assert scored == "" and why.startswith("the captured prompt is not text the target writes: 0 of its 7 next "
+                                           "tokens are the target's own greedy choice")

@@ -75,17 +75,26 @@ def replay_fix(a: dict) -> dict:
     from ..engines.vllm.acceptance import replay_streams
     try:
         got = replay_streams(a)
-        if got is None:
+        if not got:
             return {"available": False, "why": "no captured prompt of 3+ tokens with every layer's stream kept "
                                                 "(raise TPPROBE_MAX_BYTES, or capture a prefill)"}
-        input_ids, by_hf, where = got
         from ..eagle3.accept.draft import load_draft
         with tempfile.TemporaryDirectory() as tmp:
             draft = load_draft(a["draft_model"], target_embedding(a.get("target_model"), Path(tmp)))
-        streams = fixlib.streams_from_tensors(input_ids, by_hf, a["num_layers"], source=where)
+        # the prompt with the most positions where it goes on as the target would (the longest, when the target's
+        # own tokens cannot be read)
+        best = None
+        for input_ids, by_hf, where in got:
+            streams = fixlib.streams_from_tensors(input_ids, by_hf, a["num_layers"], source=where)
+            scored, why = score_on_target(streams, a.get("target_model"))
+            if best is None or (not why and (best[2] or streams.decode_like > best[0].decode_like)):
+                best = (streams, scored, why, where)
+        streams, scored, why, where = best
+        if why:
+            return {"available": False, "why": why}
         rule = fixlib.EngineRule("vllm", a.get("target_arch") or "LlamaForCausalLM", int(a["num_layers"]))
         prop = fixlib.propose(draft, streams, rule, ids=a["config_ids"])
-        out = {"available": True, "on": where, **prop.as_dict()}
+        out = {"available": True, "on": f"{where}, {scored}", "scored_against": scored, **prop.as_dict()}
         fix_hs = rule.slots(a["fix_ids"]) if a.get("fix_ids") else None
         if fix_hs is not None and len(fix_hs) == draft.k:
             # the ids the report's finding proposes, replayed: the acceptance they bring back, before serving them
@@ -101,6 +110,25 @@ def replay_fix(a: dict) -> dict:
 
 
 EMBED = "model.embed_tokens.weight"
+MIN_DECODE_LIKE = 3       # positions a replay needs where the prompt goes on as the target would
+
+
+def score_on_target(streams, target) -> tuple[str, str]:
+    """(what the replay scores the draft against, "") or ("", why it cannot run). The draft is verified against
+    the tokens the target samples: with the target's head readable (target_head.greedy_next), against the
+    target's own token at the positions where the prompt goes on as the target would; else against the prompt's
+    tokens, and said."""
+    from ..eagle3.target_head import greedy_next
+    nxt, how = greedy_next(target, streams.by_hf[streams.num_layers])
+    if nxt is None:
+        return f"scored against the prompt's next tokens (the target's own could not be read: {how})", ""
+    streams.next_ids = nxt
+    n, T = streams.decode_like, streams.input_ids.numel()
+    if n < MIN_DECODE_LIKE:
+        return "", (f"the captured prompt is not text the target writes: {n} of its {T - 1} next tokens are the "
+                    f"target's own greedy choice, and the draft is verified against the target's tokens; capture "
+                    f"a prompt the target wrote (its own greedy output fed back) for a replay")
+    return f"scored against {how} at the {n} of {T - 1} positions where the prompt follows them", ""
 
 
 def target_embedding(target, tmp: Path):
@@ -191,8 +219,11 @@ def sglang_replay(step: Path, s: dict) -> dict:
             where += f", request {r['rid']}'s rows {lo}..{hi - 1}"
         with tempfile.TemporaryDirectory() as tmp:
             draft = load_draft(s["draft_path"], target_embedding(s.get("target_path"), Path(tmp)))
+        scored, why = score_on_target(streams, s.get("target_path"))
+        if why:
+            return {"available": False, "why": why}
         rule = fixlib.EngineRule("sglang", s.get("target_arch") or "LlamaForCausalLM", int(streams.num_layers))
         prop = fixlib.propose(draft, streams, rule, ids=s.get("draft_config_ids"))
-        return {"available": True, "on": where, **prop.as_dict()}
+        return {"available": True, "on": f"{where}, {scored}", "scored_against": scored, **prop.as_dict()}
     except Exception as e:  # noqa: BLE001 - the replay is advice: its failure is said, the verdicts stand
         return {"available": False, "why": f"the draft replay failed: {type(e).__name__}: {e}"}

@@ -70,6 +70,18 @@ class Streams:
     by_hf: dict                               # HF hidden_states index -> [T, H]
     num_layers: int
     source: str = "tensors"
+    # the target's own greedy token after each position (target_head.greedy_next), when its head was read: the
+    # draft is then scored against it, at the positions where the prompt goes on as the target would
+    next_ids: Optional[torch.Tensor] = None
+
+    @property
+    def decode_like(self) -> int:
+        """Positions t whose next prompt token is the target's own choice (all of them without next_ids): there
+        the draft reads what it reads in decode, (features t, the target's token t+1)."""
+        ids, nxt = self.input_ids, self.next_ids
+        if nxt is None:
+            return max(0, ids.numel() - 2)
+        return int((ids[1:] == nxt[:-1]).sum())
 
     @property
     def hidden(self) -> int:
@@ -149,6 +161,8 @@ def replay(draft, streams: Streams, hfs: list[int], chain: int = 5, engine=None)
     from .accept.engines import Eagle3Forward
     from .accept.score import accept_lengths, agreement
     eng = engine if engine is not None else Eagle3Forward(draft)
+    if streams.next_ids is not None:
+        return _replay_on_target(eng, draft, streams, hfs, chain)
     agree = agreement(eng, draft, streams.packed(hfs), streams.input_ids)
     acc = accept_lengths(agree, (chain,))
     a = agree.tolist()
@@ -156,6 +170,32 @@ def replay(draft, streams: Streams, hfs: list[int], chain: int = 5, engine=None)
     # position k of a chain is accepted when positions 1..k all are (the leading run reaches k)
     per = [round(sum(all(a[t:t + k]) for t in starts) / max(1, len(starts)), 6) for k in range(1, chain + 1)]
     return Score(float(agree.float().mean()), 1.0 + (acc[chain] or 0.0), chain, per)
+
+
+def _replay_on_target(eng, draft, streams: Streams, hfs: list[int], chain: int) -> Score:
+    """The draft at t (features t, token t+1) against the target's own token after t+1, at the positions where
+    token t+1 is the target's own choice after t (as in decode); a chain counts from a start whose whole window
+    is such positions."""
+    from .accept.score import _ieee_fp32
+    ids, nxt = streams.input_ids, streams.next_ids
+    T = ids.numel()
+    dev = getattr(eng, "device", torch.device("cpu"))
+    with torch.no_grad(), _ieee_fp32(dev):
+        top = eng.logits(streams.packed(hfs)[: T - 1].to(dev), ids[1:T].to(dev)).argmax(-1).cpu()
+    top = draft.to_target(top)
+    agree = (top == nxt[1:T]).tolist()             # t in 0..T-2
+    ok = (ids[1:T] == nxt[: T - 1]).tolist()
+    n = len(agree)
+    first = [a for a, m in zip(agree, ok) if m]
+    starts = [t for t in range(0, n - chain + 1) if all(ok[t:t + chain])]
+    runs = []
+    for t in starts:
+        r = 0
+        while r < chain and agree[t + r]:
+            r += 1
+        runs.append(r)
+    per = [round(sum(r >= k for r in runs) / max(1, len(runs)), 6) for k in range(1, chain + 1)]
+    return Score(sum(first) / max(1, len(first)), 1.0 + (sum(runs) / len(runs) if runs else 0.0), chain, per)
 
 
 # ---- candidates ------------------------------------------------------------------------------------

@@ -381,22 +381,27 @@ def captured_prefills(steps: dict) -> list:
     return out
 
 
-def replay_streams(a: dict):
-    """(token ids, {HF index: stream}, where) of the longest captured prompt whose streams TP rank 0 kept, for
-    a replay of the draft; None when there is none."""
+def replay_streams(a: dict) -> list:
+    """[(token ids, {HF index: stream}, where)] of every captured prompt of 3+ tokens whose streams TP rank 0 kept,
+    longest first, for a replay of the draft; [] when there is none."""
     from safetensors.torch import load_file
 
-    best = None
+    found = []
     for row in a["steps"]:
         if not row.get("kept"):
             continue
         for r in row.get("requests") or []:
             lo, hi = r["rows"]
-            if r.get("kind") == "prefill" and hi - lo >= 3 and (best is None or hi - lo > best[2] - best[1]):
-                best = (row, lo, hi)
-    if best is None:
-        return None
-    row, lo, hi = best
-    t = load_file(str(Path(row["folder"]) / "drafter" / "rank-000.safetensors"))
-    by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
-    return t["target_token_ids"][lo:hi], by, f"step {row['step']} ({row['forward_mode']}), prompt rows {lo}..{hi - 1}"
+            if r.get("kind") == "prefill" and hi - lo >= 3:
+                found.append((row, lo, hi))
+    found.sort(key=lambda x: x[1] - x[2])
+    out, files = [], {}
+    for row, lo, hi in found:
+        f = str(Path(row["folder"]) / "drafter" / "rank-000.safetensors")
+        t = files.get(f)
+        if t is None:
+            t = files[f] = load_file(f)
+        by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
+        out.append((t["target_token_ids"][lo:hi], by,
+                    f"step {row['step']} ({row['forward_mode']}), prompt rows {lo}..{hi - 1}"))
+    return out
