@@ -232,3 +232,50 @@ def test_a_replay_scores_the_draft_against_the_targets_tokens_not_the_prompts(tm
     scored, why = score_on_target(plain, target)
     assert scored == "" and why.startswith("the captured prompt is not text the target writes: 0 of its 7 next "
                                            "tokens are the target's own greedy choice")
+
+
+def test_of_captures_that_replay_alike_the_fix_is_one_the_engine_can_give(tmp_path):
+    """The planted draft reads slot 1 only: [0, 2, 1] (no id list gives that order on vLLM) and [0, 2, 3] replay
+    alike; the fix is [0, 2, 3]'s ids, not "no id list fits" with [0, 2, 3] as a fallback."""
+    from tpprobe.cli.drafter import target_embedding
+    pl, target, _, streams = _planted(tmp_path)
+    draft = load_draft(pl.build_draft(tmp_path / "d2", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3]),
+                       target_embedding(target, tmp_path))
+    f = pl.next_token()
+    prompt = [11]
+    while len(prompt) < 8:
+        prompt.append(f[prompt[-1]])
+    p = propose(draft, streams(prompt), EngineRule("vllm", "LlamaForCausalLM", 4), ids=[0, 1, 2])
+    assert p.no_fix is None and p.fix_ids is not None and p.best.score.first_position == 1.0, p.line
+    assert EngineRule("vllm", "LlamaForCausalLM", 4).slots(p.fix_ids)[1] == 2, p.fix_ids
+    assert p.line.startswith(f"set eagle_aux_hidden_state_layer_ids to {p.fix_ids}: replayed first-position "
+                             f"acceptance 0.00 -> 1.00"), p.line
+
+
+def test_the_ids_served_far_from_the_drafts_config_still_find_the_config_s_capture(seed):
+    """Served ids a config shifted by one layer ([3, 31, 59]): the candidates around them never reach the streams
+    the draft reads, the two readings of the draft's own config ids ([-1, 2, 30]) do."""
+    s, d = seed
+    p = propose(d, s, EngineRule("sglang", DS, 61), ids=[3, 31, 59])
+    assert p.fix_ids == [0, 3, 31] and p.best.label.startswith("the draft's config ids as outputs"), p.line
+    assert p.line.startswith("set eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position "
+                             "acceptance 0.04 -> 1.00"), p.line
+
+
+def test_a_gain_under_the_threshold_is_keep_and_exit_0_not_a_fix(seed, monkeypatch):
+    """The line and the exit code say the same: a best candidate within GAIN of the engine's capture is no fix."""
+    import tpprobe.eagle3.fix as fx
+    s, d = seed
+    real = fx.replay
+
+    def replay(draft, streams, hfs, chain=5, engine=None):     # the engine's [3, 31, 59] 0.10, [4, 31, 59] 0.13
+        sc = real(draft, streams, hfs, chain, engine)
+        sc.first_position = {(3, 31, 59): 0.10, (4, 31, 59): 0.13}.get(tuple(hfs), 0.0)
+        return sc
+    monkeypatch.setattr(fx, "replay", replay)
+    monkeypatch.setattr(d, "layer_ids", [3, 31, 59])
+    p = propose(d, s, EngineRule("sglang", DS, 61), ids=[3, 31, 59])
+    assert p.best.streams == [4, 31, 59] and p.fix_ids is None and p.no_fix is None and not p.explained
+    assert p.line.startswith("keep eagle_aux_hidden_state_layer_ids [3, 31, 59]: the best candidate capture, HF "
+                             "hidden_states[4, 31, 59], replays within 0.05 of the engine's (replayed first-position "
+                             "acceptance 0.10 -> 0.13"), p.line

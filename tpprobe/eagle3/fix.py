@@ -176,11 +176,11 @@ def _replay_on_target(eng, draft, streams: Streams, hfs: list[int], chain: int) 
     """The draft at t (features t, token t+1) against the target's own token after t+1, at the positions where
     token t+1 is the target's own choice after t (as in decode); a chain counts from a start whose whole window
     is such positions."""
-    from .accept.score import _ieee_fp32
+    from .accept.score import ieee_fp32
     ids, nxt = streams.input_ids, streams.next_ids
     T = ids.numel()
     dev = getattr(eng, "device", torch.device("cpu"))
-    with torch.no_grad(), _ieee_fp32(dev):
+    with torch.no_grad(), ieee_fp32(dev):
         top = eng.logits(streams.packed(hfs)[: T - 1].to(dev), ids[1:T].to(dev)).argmax(-1).cpu()
     top = draft.to_target(top)
     agree = (top == nxt[1:T]).tolist()             # t in 0..T-2
@@ -200,6 +200,7 @@ def _replay_on_target(eng, draft, streams: Streams, hfs: list[int], chain: int) 
 
 # ---- candidates ------------------------------------------------------------------------------------
 SHOWN = 8        # candidates the table shows, best first: each with the ids that give it, or none do
+GAIN = 0.05      # first-position acceptance a candidate must gain over the engine's capture to be a fix
 
 
 @dataclass
@@ -216,19 +217,23 @@ class Candidate:
                 "moved": self.moved, "score": self.score.as_dict() if self.score else None}
 
 
-def candidates(written: list[int], current: Optional[list[int]], L: int, trained: Optional[list[int]] = None
-               ) -> list[Candidate]:
-    """Candidate stream lists around the engine's capture and the two readings of the written ids."""
+def candidates(written: list[int], current: Optional[list[int]], L: int, trained: Optional[list[int]] = None,
+               config: Optional[list[int]] = None) -> list[Candidate]:
+    """Candidate stream lists around the engine's capture and the two readings of the written ids (and of the
+    draft's own config ids, `config`, when the ids served are others)."""
     k = len(written)
     bases: list[tuple[list[int], str]] = []
     if current is not None and len(current) == k:
         bases.append((list(current), "the engine's now"))
-    out_w = [i + 1 for i in written]
-    before_w = list(written)
-    for hf, what in ((out_w, "ids as outputs (k = hs[k+1])"), (before_w, "ids as inputs (k = hs[k])")):
-        bases.append((hf, what))
-        if sorted(hf) != hf:
-            bases.append((sorted(hf), what + " in layer order"))
+    readings = [(written, "ids")]
+    if config and len(config) == k and list(config) != list(written):
+        readings.append((list(config), "the draft's config ids"))
+    for ids, name in readings:
+        for hf, what in (([i + 1 for i in ids], f"{name} as outputs (k = hs[k+1])"),
+                         (list(ids), f"{name} as inputs (k = hs[k])")):
+            bases.append((hf, what))
+            if sorted(hf) != hf:
+                bases.append((sorted(hf), what + " in layer order"))
     if trained is not None:
         bases.insert(0, (list(trained), "the training sample"))
     seen: dict[tuple, Candidate] = {}
@@ -284,7 +289,7 @@ class Proposal:
     @property
     def explained(self) -> bool:
         """The current ids lose acceptance that another capture recovers."""
-        return self.best.score.first_position > self.current.score.first_position + 0.05 if (
+        return self.best.score.first_position > self.current.score.first_position + GAIN if (
             self.best.score and self.current.score) else False
 
     def as_dict(self) -> dict:
@@ -334,7 +339,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     if now is None:
         notes.append(f"the engine does not serve these ids as they are: {'; '.join(plan.problems) or plan.crash}")
     trained = match_trained(streams, trained_on) if trained_on is not None else None
-    cands = candidates(written, now, L, trained)[:max_candidates]
+    cands = candidates(written, now, L, trained, list(draft.layer_ids or []))[:max_candidates]
     cur = next((c for c in cands if now is not None and c.streams == now), None)
     for c in cands:
         c.score = replay(draft, streams, c.streams, chain, eng)
@@ -345,6 +350,10 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     best = cands[0]
     for c in cands[:SHOWN]:
         c.ids, c.searched = ids_for(rule, c.streams, written, any_order=c is best), True
+    # of candidates that replay alike, one the engine can give goes first: the fix is then its ids, not a
+    # capture no id list gives with the same acceptance
+    cands[:SHOWN] = sorted(cands[:SHOWN], key=lambda c: (*_order_key(c)[:2], c.ids is None, c.moved))
+    best = cands[0]
     best_ids = best.ids
     reachable = None
     no_fix = None
@@ -355,6 +364,11 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
         line = (f"keep {FIELD} {written}: no candidate capture replays better than the engine's "
                 f"({cs.first_position:.2f} first-position acceptance, accept length {cs.accept_length:.2f}, chain "
                 f"of {chain})")
+        fix_ids = None
+    elif now is not None and bs.first_position <= cs.first_position + GAIN:
+        # what the exit code says too (Proposal.explained): a gain this small is no capture to change
+        line = (f"keep {FIELD} {written}: the best candidate capture, HF hidden_states{best.streams}, replays within "
+                f"{GAIN} of the engine's ({head}): the capture does not explain a low acceptance")
         fix_ids = None
     elif best_ids is not None:
         fix_ids = best_ids

@@ -18,7 +18,7 @@ KS = (1, 2, 3, 4, 5)
 
 # ---- scoring -----------------------------------------------------------------------------------
 @contextmanager
-def _ieee_fp32(device: torch.device):
+def ieee_fp32(device: torch.device):
     """float32 matmuls without TF32 on cuda (restored after), so GPU and CPU agree to rounding."""
     if device.type != "cuda":
         yield
@@ -44,7 +44,7 @@ def agreement(engine, d: Draft, feats: torch.Tensor, ids: torch.Tensor) -> torch
     if T < 3:
         raise UsageError(f"{T} tokens: acceptance needs at least 3 (features t, token t+1, label t+2)")
     dev = getattr(engine, "device", torch.device("cpu"))
-    with torch.no_grad(), _ieee_fp32(dev):
+    with torch.no_grad(), ieee_fp32(dev):
         lg = engine.logits(feats[: T - 1].to(dev), ids[1:T].to(dev))
         top = lg.argmax(-1).cpu()
     top = d.to_target(top)
