@@ -14,7 +14,7 @@ from ..checks.findings import exit_code
 def add_drafter(root: Path, rep: dict) -> None:
     """Add `drafter` (analysis, acceptance, fix proposal) and its findings to a run's report, in place."""
     from ..engines.vllm.acceptance import analyse
-    a = analyse(Path(root))
+    a = analyse(Path(root), skip=frozenset(x["folder"] for x in rep.get("stale_steps") or []))
     if a is None:
         return
     if a["low"] or knob("TPPROBE_FIX_REPLAY") == "1":

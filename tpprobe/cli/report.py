@@ -42,6 +42,9 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
                            f"or copy the folder again")
     from ..formats.acceptance import attach
     attach(rep, path)       # the engine's own acceptance beside a step folder, when the plugin wrote it
+    if (path / "drafter").is_dir():
+        from .drafter import add_drafter
+        add_drafter(path, rep)      # the step's EAGLE-3 drafter input, judged as in the run's report
     emit(probe_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return rep["exit_code"]
 

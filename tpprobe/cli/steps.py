@@ -34,6 +34,27 @@ def find_steps(root: Path) -> list[tuple[str, int, Path]]:
     return sorted(out, key=lambda x: (x[1], x[0], x[2].name))
 
 
+def latest_run(steps: list) -> tuple[list, list]:
+    """(the steps of each TP group's latest server, the others as (group, N, folder, server run)): a plugin writes
+    each step's server ("server run" in its settings: the first capture's time, host and pid of the group's TP
+    rank 0); a folder an earlier server wrote into too holds steps of both. Steps without it (older captures) are
+    kept."""
+    import json
+    run_of = {}
+    for group, n, path in steps:
+        try:
+            run_of[path] = (json.loads((path / "manifest.json").read_text()).get("settings") or {}).get("server run")
+        except (OSError, ValueError, AttributeError):
+            run_of[path] = None
+    newest: dict = {}
+    for group, _, path in steps:
+        r = run_of[path]
+        if r is not None and (newest.get(group) is None or r > newest[group]):
+            newest[group] = r
+    keep = [x for x in steps if run_of[x[2]] is None or run_of[x[2]] == newest.get(x[0])]
+    return keep, [(g, n, p, run_of[p]) for g, n, p in steps if (g, n, p) not in keep]
+
+
 def folder_mode(path: Path) -> Optional[str]:
     """The forward mode a step folder's name carries (`step-000003-decode`: decode); None for an old
     `step-N` folder."""
@@ -49,6 +70,7 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
     if not steps:
         raise UsageError(f"{root} holds no step-N-MODE/manifest.json capture folders: point tpprobe report at a "
                          f"folder written by the SGLang or vLLM plugin (TPPROBE_CAPTURE_DIR) or by tpprobe probe")
+    steps, stale = latest_run(steps)
     rows, first, last = [], None, None
     for group, n, path in steps:
         rep = check_dir(path)
@@ -70,6 +92,18 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
                        "step shown": f"{n} ({rep['settings'].get('forward_mode', '?')}) in {group}"
                                      + (" = the first step where ranks diverge" if first else "")}
     rep["steps"] = rows
+    if stale:
+        # an earlier server wrote into the same folder: its steps are not this run's, and are not reported
+        from ..checks.findings import WARNING, Finding, exit_code
+        names = [f"{g}/{p.name}" for g, _, p, _ in stale]
+        runs = sorted({r for _, _, _, r in stale})
+        rep["findings"] = [Finding("capture-file", "the capture folder", [], severity=WARNING, detail=(
+            f"{len(stale)} step folder(s) ({', '.join(names[:4])}{' …' if len(names) > 4 else ''}) were written by an "
+            f"earlier server ({'; '.join(runs[:2])}) than the latest steps ({rep['settings'].get('server run')}): "
+            f"this report is of the latest server's steps only; move the others away, or give each server its own "
+            f"TPPROBE_CAPTURE_DIR")).to_json(), *rep["findings"]]
+        rep["exit_code"] = exit_code(rep["findings"])
+        rep["stale_steps"] = [{"folder": str(p), "server run": r} for _, _, p, r in stale]
     from ..formats.acceptance import attach
     attach(rep, root)       # the engine's own acceptance, when the plugin wrote it
     if first:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.errors import UsageError
+from ..engines.vllm.acceptance import LOW
+from ..formats.acceptance import summary
 
 SCHEMA = "tpprobe.watch/1"
 _SUMMARY = re.compile(r"^watch-rank-(\d{3,})\.json$")
@@ -138,8 +140,17 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
                     rows.append(row)
     rows.sort(key=lambda r: (r["step"], r["group"]))
     failing = len(rows) or totals["failing"]
+    acc = engine_acceptance(dirs)
+    low = acc is not None and acc.get("rate") is not None and acc["rate"] < LOW
+    if low and not failing:
+        # the target's forwards agree, the draft's acceptance does not: the watch never looks at the draft's input
+        notes.append(f"the engine's acceptance is {acc['rate']:.2f} while every checked forward of the target agreed "
+                     f"on every rank: the watch checks the target's forwards, not what the EAGLE-3 draft receives; "
+                     f"capture a few steps with TPPROBE_CAPTURE_DIR and without TPPROBE_WATCH, and `tpprobe report` "
+                     f"checks the draft's input against the draft and proposes ids")
     doc = {"watch": {"folders": held, **totals, "failing_steps": [
-        {k: r[k] for k in ("group", "step", "forward_mode", "first")} for r in rows], "notes": notes}}
+        {k: r[k] for k in ("group", "step", "forward_mode", "first")} for r in rows], "notes": notes,
+        "acceptance": acc}}
     if totals["checked"] == 0 and not rows:
         raise UsageError("the watch checked no forward in these folders (the engine served none while TPPROBE_WATCH "
                          "was on, or the summaries were never written): nothing to report")
@@ -156,6 +167,8 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
               + (f", {totals['warned']} with warnings" if totals["warned"] else "")
               + (f" ({totals['not_kept']} not kept: TPPROBE_MAX_BYTES)" if totals["not_kept"] else ""),
               highlight=False, soft_wrap=True)
+    if acc is not None:
+        con.print(f"  engine acceptance: {summary(acc)}", highlight=False, soft_wrap=True)
     for r in rows:
         f = r["first"] or {}
         con.print(f"  step {r['step']} ({r['forward_mode']}) in {r['group']}: {f.get('kind')} at {f.get('where')} on "
@@ -164,6 +177,8 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
     for n in notes:
         con.print(f"  note: {n}", highlight=False, soft_wrap=True)
     con.print("HEALTHY: every checked forward agreed on every rank, fully covered"
+              if not failing and not totals["warned"] and not low else
+              "NOT HEALTHY: the engine's acceptance is low and the draft's input was not checked (note above)"
               if not failing and not totals["warned"] else
               "NOT HEALTHY: checked forwards with warnings (notes above)" if not failing else
               "FAILING: the first failing step's report follows" if first and not quiet else "FAILING",
@@ -171,6 +186,18 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
     if first and not quiet:
         emit(probe_report(first[2]), None, Flags(json_out=False, html=None, markdown=None, quiet=False))
     return code
+
+
+def engine_acceptance(dirs: list[Path]) -> Optional[dict]:
+    """The engine's acceptance the plugin wrote beside the watch (vLLM's, else SGLang's), from the first folder
+    that holds it (the node of the engine's scheduler)."""
+    from ..formats.acceptance import read_all
+    for d in dirs:
+        for source in ("vllm-plugin", "sglang-plugin"):
+            acc = read_all(d, source)
+            if acc and "drafts" in acc:
+                return {**acc, "engine": acc.get("engine") or ("vLLM" if source == "vllm-plugin" else "SGLang")}
+    return None
 
 
 def main_dirs(dirs: list[Path]) -> Optional[list[Path]]:

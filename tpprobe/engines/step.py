@@ -7,6 +7,8 @@ fingerprint and the aux slot match (capture/record.py), and the settings (format
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Optional
 
@@ -15,6 +17,11 @@ import torch
 from ..capture.points import AUX_PACKED, EMBED_OUT, INPUT_IDS
 from ..capture.record import PROBE_SKETCH, RankRecord, rank_record
 from ..formats.settings import run_settings
+
+# this server process: when it first captured (UTC, first: the names sort by it), where, which process. In every
+# step's settings, so a report over a capture folder that also holds an earlier server's steps tells them apart
+# (tpprobe/cli/steps.py)
+_RUN = f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime())}Z on {socket.gethostname()}, pid {os.getpid()}"
 
 
 def step_record(tap, *, model, rank: int, world: int, input_ids: torch.Tensor, aux: Optional[torch.Tensor], budget,
@@ -46,4 +53,4 @@ def step_settings(record: RankRecord, model, *, backend: str, tokens: int, mode:
                         arch=str(getattr(config, "model_type", type(model).__name__)), model=type(model).__name__,
                         exchange="fingerprint (plugin)", slots=slots,
                         extra={**(extra or {}), "forward_mode": mode, "step": step, "dp_rank": par["dp_rank"],
-                               "pp_rank": par["pp_rank"]})
+                               "pp_rank": par["pp_rank"], "server run": _RUN})

@@ -128,7 +128,8 @@ def summary(acc: dict) -> str:
         return f"no verify counted yet ({acc.get('engine')})"
     rate = "?" if acc["rate"] is None else f"{acc['rate']:.2f}"
     pos = ", ".join(f"{x:.2f}" for x in acc["rate_per_pos"])
-    return (f"{acc.get('engine')}: {acc['drafts']} drafts of {acc.get('num_spec_tokens') or '?'} tokens, "
+    of = f" of {acc['num_spec_tokens']} tokens" if acc.get("num_spec_tokens") else ""
+    return (f"{acc.get('engine')}: {acc['drafts']} drafts{of}, "
             f"{acc['accepted']} accepted: acceptance rate {rate}, mean acceptance length "
             f"{acc['mean_acceptance_length']:.2f}; per position [{pos}] (counted at {acc.get('counted_at')})")
 

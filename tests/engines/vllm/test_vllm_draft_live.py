@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -68,7 +69,7 @@ def target(tmp_path_factory):
     return build_target(tmp_path_factory.mktemp("planted") / "target")
 
 
-def serve(tmp: Path, target: Path, draft, capture: bool = True, ok: bool = True,
+def serve(tmp: Path, target: Path, draft, capture: bool = True, ok: bool = True, prompts: Optional[list] = None,
           **env_extra) -> tuple[dict, Path, str]:
     (tmp / "engine.py").write_text(ENGINE)
     cap = tmp / "capture"
@@ -81,7 +82,7 @@ def serve(tmp: Path, target: Path, draft, capture: bool = True, ok: bool = True,
     if capture:
         env["TPPROBE_CAPTURE_DIR"] = str(cap)
     env.update(env_extra)
-    p = subprocess.run([sys.executable, "engine.py", str(target), str(draft or "-"), json.dumps(PROMPTS),
+    p = subprocess.run([sys.executable, "engine.py", str(target), str(draft or "-"), json.dumps(prompts or PROMPTS),
                         str(TOKENS)], env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     log = p.stdout + p.stderr
     if not ok:                  # an engine expected to die
@@ -168,6 +169,12 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_replayed_fix_brings_acc
     assert (chk["ids"], chk["streams"]) == ([1, 2, 3], [1, 2, 3]), chk
     assert (chk["current"]["first_position"], chk["score"]["first_position"]) == (0.0, 1.0), chk
     assert chk["score"]["per_position"] == [1.0] * chk["score"]["chain"], chk
+    # the first step's folder reported alone (the plugin's log names it): the same drafter finding, the engine's
+    # acceptance beside it
+    rc1, rep1 = report(Path(d["steps"][0]["folder"]))
+    assert rc1 == 1 and [(x["kind"], x["where"], x["ranks"]) for x in fails(rep1)] == \
+        [("capture-offset", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep1["findings"]
+    assert rep1["drafter"]["run"]["rate"] == 0.0, rep1["drafter"]["run"]
     # every layer hooked, the input equal on both ranks, prefill and verify rows in one step, split per request
     cov = rep["coverage"]
     assert cov["layers_found"] == cov["layers_ran"] == 4 and cov["embed"], cov
@@ -185,6 +192,83 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_replayed_fix_brings_acc
     assert rep4["drafter"]["trained"] == [1, 2, 3] and rep4["drafter"]["fix_ids"] == [1, 2, 3], rep4["drafter"]
     assert rep4["drafter"]["trained_from"].startswith(f"the SpecForge sample {sample}: its 3 slots are HF "
                                                       f"hidden_states [1, 2, 3]"), rep4["drafter"]["trained_from"]
+
+
+@pytest.mark.sweep
+def test_the_replay_is_scored_against_the_targets_tokens_on_prompts_it_did_not_write(target, tmp_path):
+    """The off-by-one draft, nothing said about its training, prompts the target did not write: one ordinary, one
+    ordinary for two tokens and then the target's own text. vLLM verifies each draft against the target's greedy
+    token, so the draft served with the right ids would accept every draft; the replay scores it the same way (the
+    target's head on the captured last layer), on the prompt whose positions go on as the target would, and names
+    the ids. Scored against the prompt's own tokens it read 0.00 -> 0.00 and advised keeping the broken ids."""
+    draft = build_draft(tmp_path / "draft", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3])
+    f = next_token()
+    prompts = [[5, 17, 99, 3, 250, 41, 77, 8], [7, 400] + chain(99, 6)]
+    res, cap, _ = serve(tmp_path, target, draft, prompts=prompts)
+    rc, rep = report(cap)
+    run = same_counts(rep, res)
+    assert run["draft_tokens"] > 0 and run["rate"] == 0.0, run
+    rp = rep["drafter"]["replay"]
+    assert rp["available"] and rp["fix_ids"] is not None and rp["fix_ids"][1] == 2, rp
+    assert ", scored against the target's own greedy tokens" in rp["on"], rp["on"]
+    assert rp["on"].endswith("at the 5 of 7 positions where the prompt follows them"), rp["on"]
+    assert (rp["current"]["score"]["first_position"], rp["best"]["score"]["first_position"]) == (0.0, 1.0), rp
+    f0 = fails(rep)
+    assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f0] == \
+        [("id-contract", "drafter slots, step 0 (extend)", [0, 1])], rep["findings"]
+    # the ordinary prompt alone: no position goes on as the target would, so no replay, and the report says why
+    (tmp_path / "plain").mkdir()
+    res, cap, _ = serve(tmp_path / "plain", target, draft, prompts=prompts[:1])
+    rc, rep = report(cap)
+    rp = rep["drafter"]["replay"]
+    assert not rp["available"] and rp["why"].startswith("the captured prompt is not text the target writes: 0 of "
+                                                        "its 7 next tokens are the target's own greedy choice"), rp
+    assert not any("keep " in (x.get("detail") or "") for x in rep["findings"]), rep["findings"]
+    assert f[prompts[0][0]] != prompts[0][1]
+
+
+@pytest.mark.sweep
+def test_the_watch_report_shows_the_engines_acceptance_and_is_not_healthy_when_it_is_low(target, tmp_path):
+    """The watch (TPPROBE_WATCH) checks the target's forwards; it never sees what the draft receives. With the
+    off-by-one draft every checked forward agrees, vLLM accepts nothing: the watch report shows vLLM's acceptance and
+    says the draft's input was not checked, never HEALTHY."""
+    draft = build_draft(tmp_path / "draft", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3])
+    res, cap, _ = serve(tmp_path, target, draft, TPPROBE_WATCH="1", TPPROBE_MAX_STEPS="0")
+    rc, rep = report(cap)
+    w = rep["watch"]
+    assert rc == 0 and w["checked"] > 0 and w["healthy"] == w["checked"] and w["failing_steps"] == [], w
+    assert w["acceptance"]["accepted"] == 0 and w["acceptance"]["draft_tokens"] == \
+        engine_acceptance(res)["draft_tokens"] > 0, w["acceptance"]
+    assert any(n.startswith("the engine's acceptance is 0.00 while every checked forward of the target agreed")
+               for n in w["notes"]), w["notes"]
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap)], env={**os.environ, "PYTHONPATH": str(
+        ROOT), "COLUMNS": "400"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "engine acceptance: vLLM: " in p.stdout and "HEALTHY: every" not in p.stdout, p.stdout
+    assert "NOT HEALTHY: the engine's acceptance is low and the draft's input was not checked" in p.stdout, p.stdout
+
+
+@pytest.mark.sweep
+def test_a_second_server_into_the_same_folder_is_reported_without_the_first_ones_steps(target, tmp_path):
+    """The off-by-one draft served into a folder (4 steps), then the fixed draft into the same folder (2 steps): the
+    second server overwrites steps 0 and 1 and leaves steps 2 and 3 of the first. The report is of the second
+    server's steps alone, its acceptance 1.00 and no drafter failure, and names the first server's steps it left
+    out, never mixing the two."""
+    bad = build_draft(tmp_path / "bad", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3])
+    good = build_draft(tmp_path / "good", [1, 2, 3], read_slot=1)
+    _, cap, _ = serve(tmp_path, target, bad, TPPROBE_MAX_STEPS="4")
+    res, cap2, _ = serve(tmp_path, target, good, TPPROBE_MAX_STEPS="2")
+    assert cap2 == cap
+    rc, rep = report(cap, TPPROBE_DRAFT_TRAINED="ids:1,2,3")
+    import re
+    assert sorted(int(re.match(r"step-(\d+)", Path(x["folder"]).name).group(1)) for x in rep["stale_steps"]) == [2, 3]
+    assert [r["step"] for r in rep["steps"]] == [0, 1], rep["steps"]
+    w = rep["findings"][0]
+    assert (w["kind"], w["where"], w["severity"]) == ("capture-file", "the capture folder", "warning"), w
+    assert "were written by an earlier server" in w["detail"] and "this report is of the latest server's steps " \
+        "only" in w["detail"], w
+    run = same_counts(rep, res)
+    assert run["rate"] == 1.0 and rc == 0 and fails(rep) == [], rep["findings"]
+    assert {s["step"] for s in rep["drafter"]["steps"]} <= {0, 1}, rep["drafter"]["steps"]
 
 
 @pytest.mark.sweep
@@ -347,6 +431,9 @@ def test_an_id_past_the_last_layer_is_named_from_what_the_drafter_received_befor
         (rep["findings"], log[-3000:])
     assert "target_hidden_states is 512 wide = 2 × hidden 256; the draft's fc reads 3 × 256 = 768" in lay[0]["detail"]
     assert "id(s) [5] of the draft's config are past the last layer (4 layers: ids 0..4)" in lay[0]["detail"]
+    # the training given too: that one failure, no slot-by-slot contract over the slots vLLM never filled
+    rc2, rep2 = report(cap, TPPROBE_DRAFT_TRAINED="ids:1,2,3")
+    assert rc2 == 1 and [x["kind"] for x in fails(rep2)] == ["layout-mismatch"], rep2["findings"]
 
 
 @pytest.mark.sweep

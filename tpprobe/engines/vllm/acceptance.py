@@ -130,9 +130,10 @@ def fix_for(trained: list[int], L: int) -> tuple[Optional[list[int]], str]:
     return list(trained), f"set `{FIELD}` to {trained}"
 
 
-def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
-    """The drafter section of `tpprobe report DIR` (None when DIR holds no drafter capture)."""
-    files = drafter_files(root)
+def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = frozenset()) -> Optional[dict]:
+    """The drafter section of `tpprobe report DIR` (None when DIR holds no drafter capture); `skip`: step folders
+    not to read (an earlier server's, tpprobe/cli/steps.py latest_run)."""
+    files = [f for f in drafter_files(root) if str(f.parent.parent) not in skip]
     if not files:
         return None
     steps: dict[Path, dict] = {}
@@ -146,7 +147,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
     for g in groups:
         a = _load(g / "acceptance.json")
         if a is not None:
-            acc_run[g.relative_to(root).as_posix() if g != root else "."] = rates(a)
+            # a step folder reported alone: its group's file is above it
+            acc_run[g.relative_to(root).as_posix() if g != root and g.is_relative_to(root) else "."] = rates(a)
     rows, findings = [], []
     first_by_kind: dict = {}
     spec = trained_spec if trained_spec is not None else knob("TPPROBE_DRAFT_TRAINED")
@@ -275,7 +277,9 @@ def analyse(root: Path, trained_spec: Optional[str] = None) -> Optional[dict]:
                                         f"(HF hidden_states per slot), convention:output|before|vllm or "
                                         f"specforge:PATH"),
                                 evidence={"all_ranks": True}))
-    elif held != trained and None not in held:      # a slot holding no id: the engine's own fault, named above
+    elif held != trained and None not in held and len(held) == len(trained):
+        # (a slot holding no id, or fewer slots than ids, as when vLLM drops an id past the last layer: the engine's
+        # own fault, named above)
         fix_ids, fix_text = fix_for(trained, int(L or 0))
         wrong = [j for j, (h, t) in enumerate(zip(held, trained)) if h != t]
         d = {h - t for h, t in zip(held, trained) if h is not None and h != t}
