@@ -47,8 +47,8 @@ def _say(msg: str) -> None:
 
 
 def settings():
-    from tpprobe.engines.sglang.plugin import settings as sglang_settings
-    return sglang_settings()
+    from tpprobe.engines.vllm.worker import settings as vllm_settings
+    return vllm_settings()
 
 
 def install(model, say, ranks, forwards, bytes_written) -> None:

@@ -52,9 +52,15 @@ def say(msg: str) -> None:
     print(f"[tpprobe pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
+# vLLM has no forward mode: the plugin names a forward by its positions (`_mode`)
+MODES = {"extend": "a forward with a prompt's first token in it, vLLM's prefill", "decode": "every other forward"}
+
+
 def settings():
-    from tpprobe.engines.sglang.plugin import settings as sglang_settings
-    return sglang_settings()
+    """The plugin's settings (the SGLang plugin's, tpprobe/engines/sglang/options.py, with vLLM's modes); None
+    when TPPROBE_CAPTURE_DIR is unset or a setting cannot be read (said in one line: the plugin stays off)."""
+    from tpprobe.engines.sglang.options import plugin_settings
+    return plugin_settings("vLLM", modes=MODES, say=say)
 
 
 class TpprobeWorkerExtension:
