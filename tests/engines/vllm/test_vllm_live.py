@@ -481,3 +481,34 @@ def test_every_setting_the_plugin_cannot_read_is_one_line_and_vllm_builds_its_co
         assert [x.split("] ", 1)[1] for x in said] == [line + OFF], (case, said)
     assert not (tmp_path / "capture").exists()
 
+
+RPC_BAD = r'''
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+              max_model_len=128, enforce_eager=True, distributed_executor_backend="mp")
+    out = {"bad": llm.collective_rpc("tpprobe_capture", args=(3, "prefill"))}
+    a = llm.generate([{"prompt_token_ids": [1, 5, 9, 30, 77, 100, 200]}], SamplingParams(max_tokens=4, temperature=0,
+                                                                                        detokenize=False))
+    out["status"] = llm.collective_rpc("tpprobe_status")
+    out["tokens"] = [list(a[0].outputs[0].token_ids)]
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_an_unknown_mode_asked_of_tpprobe_capture_is_one_line_and_opens_no_window(checkpoint, tmp_path):
+    """`collective_rpc("tpprobe_capture", args=(3, "prefill"))` (vLLM's word): it used to open a window for a
+    mode no forward has, so nothing was ever captured. Now each worker answers its status with `error`, the one
+    line TP rank 0 logs (the modes that exist, and that vLLM's prefill is `extend`), and no window: the engine
+    serves on and captures what the settings say (the first prefill, TPPROBE_MAX_STEPS=1)."""
+    res, cap, log = serve(tmp_path, checkpoint, engine=RPC_BAD, TPPROBE_MAX_STEPS="1", TPPROBE_FORWARD_MODES="extend")
+    line = ("tpprobe_capture(3, 'prefill'): no forward mode 'prefill'; tpprobe's modes here are extend (a forward "
+            "with a prompt's first token in it, vLLM's prefill), decode (every other forward) and all: for "
+            "'prefill' write extend; no capture window opened")
+    assert [(x["tp_rank"], x["error"], x["limit"]) for x in res["bad"]] == [(0, line, 1), (1, line, 1)], res["bad"]
+    said = [x for x in _ours(log) if "tpprobe_capture(" in x]
+    assert len(said) == 1 and said[0].endswith("] " + line), said
+    assert len(res["tokens"][0]) == 4, res
+    assert [(x["captured"], x["limit"]) for x in res["status"]] == [(1, 1)] * 2, res["status"]
+    assert [d.name for d in steps(cap)] == ["step-000000-extend"]
