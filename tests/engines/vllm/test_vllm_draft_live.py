@@ -7,9 +7,10 @@ token vLLM verifies it against only when that slot holds the stream it was built
 vLLM's acceptance is 1.00 with the right ids and 0.00 when the slot holds another stream: the symptom (vLLM's
 counters, `llm.get_metrics()`) and the cause (tpprobe's verdict) come from the same engine run.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_draft_live.py` runs ONE
-engine (the off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training
-also given as a SpecForge sample); the long matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_draft_live.py` runs two
+engines (the off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training
+also given as a SpecForge sample; a training list of another length than the draft's slots, refused); the long
+matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again
 (vLLM's own acceptance back to 1.00, HEALTHY), ids out of layer order, a capture without the residual, a wrong
 all-reduce in the target, a partial capture, and the same tokens with and without the plugin.
 """
