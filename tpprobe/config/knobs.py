@@ -71,6 +71,9 @@ KNOBS = {
                                "report"),
     "TPPROBE_STOP_GRACE_S": Knob("30", "seconds between the SIGTERM the launcher sends the other ranks when one "
                                  "fails and the SIGKILL that ends those still running", "probe"),
+    "TPPROBE_SETTINGS_REFUSED": Knob(None, "the line a plugin said when it refused a setting and stayed off, left for "
+                                     "the processes the engine starts, so the server says it once (set by the "
+                                     "plugins themselves)", "internal"),
     "TPPROBE_DIST_BACKEND": Knob(None, "the launcher's one backend decision, passed to every rank (set by tpprobe "
                                  "probe itself)", "internal"),
 }
@@ -152,10 +155,11 @@ def _number(name: str):
         raise UsageError(f"{name}={v!r}: not {want} ({KNOBS[name].meaning}; default {KNOBS[name].default})")
 
 
-def check_numeric_knobs() -> None:
-    """Every variable read as a number that is set must be one: one clear line before any rank starts."""
+def check_numeric_knobs(reader: Optional[str] = None) -> None:
+    """Every variable read as a number that is set must be one: one clear line before any rank starts.
+    `reader`: only those whose `who` names it (the plugins check theirs, "plugin", before they turn on)."""
     for name in NUMERIC:
-        if os.environ.get(name):
+        if os.environ.get(name) and (reader is None or reader in KNOBS[name].who):
             _number(name)
 
 

@@ -73,9 +73,12 @@ class Side:
         return self.root / f"dp{self.par.get('dp_rank', 0)}-pp{self.par.get('pp_rank', 0)}"
 
 
-def parse_every(text) -> int:
+EVERY_TAKES = f"N >= 1 forwards, 0 / off, or on (= {DEFAULT_EVERY})"
+
+
+def read_every(text) -> Optional[int]:
     """N from TPPROBE_WATCH or the toggle: an integer >= 0, "on" / "default" (DEFAULT_EVERY) or "off" / "" (0);
-    anything else is off, said once (a setting never stops the engine)."""
+    None for anything else."""
     t = str(text).strip().lower()
     if t in ("", "0", "off", "false", "no"):
         return 0
@@ -83,6 +86,16 @@ def parse_every(text) -> int:
         return DEFAULT_EVERY
     if t.isdigit():
         return int(t)
+    return None
+
+
+def parse_every(text) -> int:
+    """`read_every` for the live toggle (tpprobe_watch): anything unreadable is off, said once (a setting never
+    stops the engine). At the plugin's start an unreadable TPPROBE_WATCH turns the plugin off instead
+    (tpprobe/engines/sglang/options.py)."""
+    n = read_every(text)
+    if n is not None:
+        return n
     if not _W.get("bad_said"):
         _W["bad_said"] = True
         say(f"TPPROBE_WATCH={text!r} is not a number of forwards (N >= 1, 0 / off, or on = {DEFAULT_EVERY}): "

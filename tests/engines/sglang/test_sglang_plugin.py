@@ -216,3 +216,23 @@ def test_a_described_build_sets_the_slots_the_plugin_expects(tmp_path):
     assert load_run(step).manifest["settings"]["id rule"] == \
         "your build (TPPROBE_ID_RULE=2=hs:3): id 2 = residual stream leaving the last layer, before the final norm " \
         "(HF hidden_states[3] is after it)"      # the tiny model has 3 layers: layer 2 is the last
+
+
+def test_a_setting_the_plugin_cannot_read_is_one_line_and_the_forwards_go_on(tmp_path):
+    """TPPROBE_MAX_STEPS=abc on SGLang's own load_plugins() in real gloo ranks: reading the settings used to raise
+    in register(), which SGLang logs as a traceback ("Failed to execute general plugin"). Now each rank's process
+    says ONE line (the variable, its value, what it takes, that the plugin is off; on a server, its processes
+    inherit the first one's word and stay quiet), registers nothing, and every forward returns; no folder."""
+    from tests.helpers.sglang_ranks import LAST_LOGS
+
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path / "cap"), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "abc"}
+    res = run_ranks(f"{__name__}:error_worker", 2, {}, env=env, timeout=240)
+    assert len(res) == 2 and all(len(r) == 3 for r in res), res
+    line = ("TPPROBE_MAX_STEPS='abc': not a whole number >= 0 (it takes the number of forwards to capture per rank, "
+            "e.g. 8); the tpprobe SGLang plugin is OFF for this server (nothing is captured or watched): set it right "
+            "and restart the server")
+    for log in LAST_LOGS:
+        ours = [x[x.index("[tpprobe pid="):] for x in log.splitlines() if "[tpprobe pid=" in x]
+        assert [x.split("] ", 1)[1] for x in ours] == [line], "\n".join(LAST_LOGS)[-4000:]
+        assert "Failed to execute general plugin" not in log and "Traceback" not in log, log[-4000:]
+    assert not (tmp_path / "cap").exists()

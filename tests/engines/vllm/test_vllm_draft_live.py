@@ -7,9 +7,10 @@ token vLLM verifies it against only when that slot holds the stream it was built
 vLLM's acceptance is 1.00 with the right ids and 0.00 when the slot holds another stream: the symptom (vLLM's
 counters, `llm.get_metrics()`) and the cause (tpprobe's verdict) come from the same engine run.
 
-The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_draft_live.py` runs ONE
-engine (the off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training
-also given as a SpecForge sample); the long matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again
+The vLLM tier: `.venv-vllm/bin/python -m pytest -m vllm_live tests/engines/vllm/test_vllm_draft_live.py` runs two
+engines (the off-by-one config: the cause named, the fix proposed and replayed on the captured streams, the training
+also given as a SpecForge sample; a training list of another length than the draft's slots, refused); the long
+matrix is `sweep` (`-m "vllm_live and sweep"`): the fix served again
 (vLLM's own acceptance back to 1.00, HEALTHY), ids out of layer order, a capture without the residual, a wrong
 all-reduce in the target, a partial capture, and the same tokens with and without the plugin.
 """
@@ -490,3 +491,32 @@ def test_the_same_tokens_and_acceptance_with_and_without_the_plugin(target, tmp_
         runs[name] = serve(d, target, draft, capture=cap)[0]
     assert runs["on"]["tokens"] == runs["off"]["tokens"] == want_tokens()
     assert engine_acceptance(runs["on"]) == engine_acceptance(runs["off"])
+
+
+def test_a_training_list_of_another_length_is_refused_live_and_by_the_report(target, tmp_path):
+    """TPPROBE_DRAFT_TRAINED=ids:1,2 for a draft whose config reads 3 slots ([1, 2, 3]): it used to be taken, the
+    third slot shown as `HF hidden_states[None] ... yes` and the fix `set the ids to [1, 2]` (which the draft's fc
+    cannot take). Live, the plugin says ONE line naming both lengths, records the refusal in the drafter's files
+    and never uses it (the report checks against the config only and says why); given to `tpprobe report`, it
+    is that line and exit 2."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1)
+    res, cap, log = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="ids:1,2")
+    assert res["tokens"] == want_tokens(), res["tokens"]
+    why = (f"TPPROBE_DRAFT_TRAINED=ids:1,2 gives 2 slot(s), HF hidden_states [1, 2], but the draft reads 3 (its "
+           f"config's {FIELD} [1, 2, 3]): give one HF hidden_states index per slot, in slot order")
+    said = [x[x.index("[tpprobe pid="):] for x in log.splitlines() if "[tpprobe pid=" in x and "TRAINED" in x]
+    assert len(said) == 1 and said[0].endswith(
+        f"] drafter: {why}; not used: the drafter's input is checked against the draft's config only"), said
+    metas = [json.loads(p.read_text()) for p in sorted(cap.rglob("drafter/rank-*.json"))]
+    assert {m["tp_rank"] for m in metas} == {0, 1}, metas
+    assert all(m["trained"] is None and m["trained_refused"] == why for m in metas), metas[0]
+    # nothing given to the report: the refused list is not used, and the report says so
+    rc, rep = report(cap)
+    assert rc == 0 and [(f["severity"], f["kind"], f["where"]) for f in rep["findings"]] == \
+        [("warning", "coverage", "drafter input vs the draft's training")], rep["findings"]
+    assert f"(refused at capture, not used: {why})" in rep["findings"][0]["detail"], rep["findings"][0]
+    assert rep["drafter"]["trained"] is None and rep["drafter"]["fix_ids"] is None, rep["drafter"]
+    # given to the report: one line, exit 2
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(cap)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "TPPROBE_DRAFT_TRAINED": "ids:1,2"}, timeout=300)
+    assert (p.returncode, p.stderr.strip()) == (2, f"tpprobe: error: {why}"), (p.returncode, p.stderr[-3000:])

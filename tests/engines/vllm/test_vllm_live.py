@@ -376,3 +376,139 @@ def test_plugin_names_its_extension_only_when_capturing_and_keeps_the_users(chec
     said = [x for x in p.stderr.splitlines() if "named by the user" in x]
     assert len(said) == 1 and "worker extension my_pkg.MyExtension named by the user" in said[0], said
     assert not list((tmp_path / "capture").rglob("*")), "nothing captured without an engine"
+
+
+OFF = ("; the tpprobe vLLM plugin is OFF for this server (nothing is captured or watched): set it right and restart "
+       "the server")
+
+
+def _ours(log: str) -> list:
+    """tpprobe's log lines, from their `[tpprobe pid=...]` on (a process may prefix its output)."""
+    return [x[x.index("[tpprobe pid="):] for x in log.splitlines() if "[tpprobe pid=" in x]
+
+
+def test_a_setting_the_plugin_cannot_read_is_one_line_and_the_engine_serves_without_it(checkpoint, tmp_path):
+    """TPPROBE_MAX_STEPS=abc: vLLM calls its general plugins unguarded (EngineArgs.__post_init__, the engine
+    core, every worker), and reading the settings used to raise there, so the engine never started. Now the
+    engine starts and serves; the plugin says ONE line for the whole server (its four processes: the LLM's,
+    the engine core's and two workers') naming the variable, its value, what it takes and that it is off;
+    nothing else of tpprobe runs (no worker extension injected, nothing hooked, no folder)."""
+    res, cap, log = serve(tmp_path, checkpoint, tokens=4, TPPROBE_MAX_STEPS="abc")
+    assert len(res["tokens"][0]) == 4, res
+    said = _ours(log)
+    assert len(said) == 1 and said[0].endswith(
+        "] TPPROBE_MAX_STEPS='abc': not a whole number >= 0 (it takes the number of forwards to capture per rank, "
+        "e.g. 8)" + OFF), "\n".join(said) or log[-4000:]
+    assert "TpprobeWorkerExtension" not in log and not cap.exists(), log[-4000:]
+    assert f'File "{ROOT / "tpprobe"}' not in log, log[-4000:]
+
+
+REFUSED = r'''
+import json, os, sys
+if __name__ == "__main__":
+    import vllm.plugins
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.v1.executor.abstract import Executor
+
+    out = []
+    for case in json.loads(sys.argv[3]):
+        os.environ.update(case, TPPROBE_CAPTURE_DIR=sys.argv[2])
+        print("CASE " + json.dumps(case), file=sys.stderr, flush=True)
+        vllm.plugins.plugins_loaded = False       # vLLM loads its plugins once a process: once a case here
+        a = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+                       max_model_len=128, enforce_eager=True, distributed_executor_backend="mp")
+        out.append([a.create_engine_config().parallel_config.worker_extension_cls,
+                    [getattr(f, "_tpprobe", False) for f in (EngineArgs.create_engine_config,
+                                                             Executor.compile_or_warm_up_model,
+                                                             BaseModelLoader.load_model)]])
+        for k in case:
+            del os.environ[k]
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+# each setting the plugin reads, set to what it cannot read, and the one line it says (after the `] `)
+CASES = [
+    ({"TPPROBE_MAX_BYTES": "1GB"}, "TPPROBE_MAX_BYTES='1GB': not a number of bytes >= 0 (it takes a plain number, "
+                                   "e.g. 2e9 or 500000000; no unit)"),
+    ({"TPPROBE_MAX_STEPS": "-1"}, "TPPROBE_MAX_STEPS='-1': not a whole number >= 0 (it takes the number of forwards "
+                                  "to capture per rank, e.g. 8)"),
+    ({"TPPROBE_KEEP_TOKENS": "all"}, "TPPROBE_KEEP_TOKENS='all': not a whole number >= 0 (it takes the number of "
+                                     "token rows kept of each kept tensor, e.g. 16)"),
+    ({"TPPROBE_FORWARD_MODES": "prefill"}, "TPPROBE_FORWARD_MODES='prefill': no forward mode 'prefill'; tpprobe's "
+                                           "modes here are extend (a forward with a prompt's first token in it, "
+                                           "vLLM's prefill), decode (every other forward) and all: for 'prefill' "
+                                           "write extend"),
+    ({"TPPROBE_FORWARD_MODES": "decode,verbose"}, "TPPROBE_FORWARD_MODES='decode,verbose': no forward mode "
+                                                  "'verbose'; tpprobe's modes here are extend (a forward with a "
+                                                  "prompt's first token in it, vLLM's prefill), decode (every other "
+                                                  "forward) and all"),
+    ({"TPPROBE_WATCH": "often"}, "TPPROBE_WATCH='often': not a number of forwards (it takes N >= 1 forwards, 0 / "
+                                 "off, or on (= 512))"),
+    ({"TPPROBE_ID_RULE": "2=layer2"}, "TPPROBE_ID_RULE '2=layer2': write ID=WHAT with WHAT one of embed, out:K "
+                                      "(layer K's output), in:K (the stream entering layer K), hs:N (HF "
+                                      "hidden_states[N]); e.g. -1=embed"),
+    ({"TPPROBE_DRAFT_TRAINED": "ids:1,x"}, "TPPROBE_DRAFT_TRAINED='ids:1,x': ids:A,B,C takes integers (the HF "
+                                           "hidden_states indices the draft was trained on, in slot order)"),
+    ({"TPPROBE_FP_WARPS": "four"}, "TPPROBE_FP_WARPS='four': not an integer (Triton fingerprint kernel: warps per "
+                                   "program; default 4)"),
+]
+
+
+def test_every_setting_the_plugin_cannot_read_is_one_line_and_vllm_builds_its_config_without_it(checkpoint,
+                                                                                                  tmp_path):
+    """No engine started: vLLM's own loader runs the plugin as EngineArgs is built, once per bad value of each
+    setting the plugin reads (numbers, forward modes, the watch, TPPROBE_ID_RULE, TPPROBE_DRAFT_TRAINED's
+    grammar, the numeric diagnosis knobs). Each is one line, the exact words, and the plugin stays off: the
+    config is built without tpprobe's worker extension and nothing is hooked. An unknown forward mode used to be
+    accepted (`modes ['prefill']`, nothing captured ever) and the numbers raised through EngineArgs."""
+    (tmp_path / "engine.py").write_text(REFUSED)
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp_path)), str(ROOT)]), VLLM_PLUGINS="tpprobe")
+    for k in [k for k in env if k.startswith("TPPROBE_")]:
+        env.pop(k)
+    p = subprocess.run([sys.executable, "engine.py", str(checkpoint), str(tmp_path / "capture"),
+                        json.dumps([c for c, _ in CASES])], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert res == [["", [False, False, False]]] * len(CASES), res
+    phases = p.stderr.split("CASE ")[1:]
+    assert len(phases) == len(CASES), p.stderr[-4000:]
+    for (case, line), phase in zip(CASES, phases):
+        said = _ours(phase)
+        assert [x.split("] ", 1)[1] for x in said] == [line + OFF], (case, said)
+    assert not (tmp_path / "capture").exists()
+
+
+RPC_BAD = r'''
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
+              max_model_len=128, enforce_eager=True, distributed_executor_backend="mp")
+    out = {"bad": llm.collective_rpc("tpprobe_capture", args=(3, "prefill"))}
+    a = llm.generate([{"prompt_token_ids": [1, 5, 9, 30, 77, 100, 200]}], SamplingParams(max_tokens=4, temperature=0,
+                                                                                        detokenize=False))
+    out["status"] = llm.collective_rpc("tpprobe_status")
+    out["tokens"] = [list(a[0].outputs[0].token_ids)]
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_an_unknown_mode_asked_of_tpprobe_capture_is_one_line_and_opens_no_window(checkpoint, tmp_path):
+    """`collective_rpc("tpprobe_capture", args=(3, "prefill"))` (vLLM's word): it used to open a window for a
+    mode no forward has, so nothing was ever captured. Now each worker answers its status with `error`, the one
+    line TP rank 0 logs (the modes that exist, and that vLLM's prefill is `extend`), and no window: the engine
+    serves on and captures what the settings say (the first prefill, TPPROBE_MAX_STEPS=1)."""
+    res, cap, log = serve(tmp_path, checkpoint, engine=RPC_BAD, TPPROBE_MAX_STEPS="1", TPPROBE_FORWARD_MODES="extend")
+    line = ("tpprobe_capture(3, 'prefill'): no forward mode 'prefill'; tpprobe's modes here are extend (a forward "
+            "with a prompt's first token in it, vLLM's prefill), decode (every other forward) and all: for "
+            "'prefill' write extend; no capture window opened")
+    assert [(x["tp_rank"], x["error"], x["limit"]) for x in res["bad"]] == [(0, line, 1), (1, line, 1)], res["bad"]
+    said = [x for x in _ours(log) if "tpprobe_capture(" in x]
+    assert len(said) == 1 and said[0].endswith("] " + line), said
+    assert len(res["tokens"][0]) == 4, res
+    assert [(x["captured"], x["limit"]) for x in res["status"]] == [(1, 1)] * 2, res["status"]
+    assert [d.name for d in steps(cap)] == ["step-000000-extend"]

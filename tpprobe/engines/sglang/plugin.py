@@ -65,10 +65,12 @@ unchanged, the fused all-reduce+norm kernel is not used for that boundary) and r
 layer's stream from the final norm.
 
 SGLang logs and swallows plugin exceptions, so this plugin prints its own state loudly: one
-`[tpprobe]` line per rank when it hooks, and one per written step. A step that fails to be written
-on any rank (an unwritable TPPROBE_CAPTURE_DIR, an error in the record) is logged ONCE, by TP rank 0,
-naming the ranks, and every rank of the group stops capturing (they learn it from the step's one
-exchange, an all-gather over the TP group's CPU group); the engine goes on.
+`[tpprobe]` line per rank when it hooks, and one per written step. A setting that does not read
+(TPPROBE_MAX_STEPS=abc, ...) is one line, and the plugin stays off (options.plugin_settings).
+A step that fails to be written on any rank (an unwritable TPPROBE_CAPTURE_DIR, an error in the
+record) is logged ONCE, by TP rank 0, naming the ranks, and every rank of the group stops capturing
+(they learn it from the step's one exchange, an all-gather over the TP group's CPU group); the
+engine goes on.
 
 GPU path: this module never imports tpprobe.engines.sglang.cpu_mode.
 """
@@ -95,14 +97,15 @@ def _say(msg: str) -> None:
 
 def settings() -> Optional[dict]:
     """The plugin's settings from the environment (declared in tpprobe/engines/sglang/options.py
-    PluginOptions); None unless TPPROBE_CAPTURE_DIR is set."""
-    from tpprobe.engines.sglang.options import PluginOptions
-    opts = PluginOptions.from_env()
-    return None if opts is None else vars(opts)
+    PluginOptions); None unless TPPROBE_CAPTURE_DIR is set, and None (the plugin off, said in one line) when
+    a setting cannot be read."""
+    from tpprobe.engines.sglang.options import plugin_settings
+    return plugin_settings("SGLang", say=_say)
 
 
 def register() -> None:
-    """Entry point: register the AROUND hooks when TPPROBE_CAPTURE_DIR is set; else nothing."""
+    """Entry point: register the AROUND hooks when TPPROBE_CAPTURE_DIR is set and every setting reads; else
+    nothing (a setting that does not read is one line: `settings`)."""
     s = settings()
     if s is None:
         return

@@ -97,6 +97,17 @@ def trained_slots(spec: Optional[str], config_ids: list[int], forwards=None) -> 
                      f"convention:{'|'.join(CONVENTIONS)} or specforge:PATH (a SpecForge training sample)")
 
 
+def slot_count_mismatch(spec: str, trained: list[int], config_ids: list[int], n_slots: Optional[int]) -> str:
+    """'' when the training gives the draft one stream per slot; else the line that refuses it, naming both
+    lengths. The draft's slots: its config's ids (what its fc reads), else the slots the drafter received."""
+    n = len(config_ids) if config_ids else n_slots
+    if not n or len(trained) == n:
+        return ""
+    of = (f"its config's {FIELD} {list(config_ids)}" if config_ids else "the slots the drafter received")
+    return (f"TPPROBE_DRAFT_TRAINED={spec} gives {len(trained)} slot(s), HF hidden_states {list(trained)}, but the "
+            f"draft reads {n} ({of}): give one HF hidden_states index per slot, in slot order")
+
+
 def _hf(i) -> str:
     return f"HF hidden_states[{i}]"
 
@@ -153,17 +164,25 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
     first_by_kind: dict = {}
     spec = trained_spec if trained_spec is not None else knob("TPPROBE_DRAFT_TRAINED")
     trained, trained_from = None, "not given (TPPROBE_DRAFT_TRAINED)"
+    recorded = False          # the training as the plugin recorded it at capture, not given here
     meta0 = None
     for d in sorted(steps, key=lambda d: (steps[d][min(steps[d])].get("step", 0), str(d))):
         ranks = steps[d]
         m = ranks[min(ranks)]
         if m.get("streams_seen"):
             meta0 = meta0 or m
-        if spec is None and m.get("trained"):
-            spec = m["trained"]
+        if not spec and m.get("trained"):
+            spec, recorded = m["trained"], True
+        if not spec and m.get("trained_refused") and trained_from.startswith("not given"):
+            trained_from = f"refused at capture, not used: {m['trained_refused']}"
         config_ids = list(m.get("draft_config_ids") or [])
         if trained is None and spec and trained_from == "not given (TPPROBE_DRAFT_TRAINED)":
             trained, trained_from = trained_slots(spec, config_ids, lambda: captured_prefills(steps))
+            if trained is not None and (why := slot_count_mismatch(spec, trained, config_ids, m.get("n_slots"))):
+                if not recorded:        # given here: one line, exit 2
+                    raise UsageError(why)
+                # recorded by a plugin that did not check it: not used, said, and the report goes on
+                trained, trained_from = None, f"refused at capture, not used: {why}"
         L = m.get("num_layers")
         step, mode = m.get("step"), m.get("forward_mode")
         held = [s.get("id") for s in m.get("slots") or []]

@@ -47,8 +47,8 @@ def _say(msg: str) -> None:
 
 
 def settings():
-    from tpprobe.engines.sglang.plugin import settings as sglang_settings
-    return sglang_settings()
+    from tpprobe.engines.vllm.worker import settings as vllm_settings
+    return vllm_settings()
 
 
 def install(model, say, ranks, forwards, bytes_written) -> None:
@@ -335,7 +335,7 @@ def _capture(proposer, args, kwargs) -> None:
             "width": width, "n_slots": n_slots, "dtype": str(ths.dtype).replace("torch.", ""),
             "contiguous": bool(ths.is_contiguous()), "slots": slots, "requests": reqs,
             "streams_seen": sorted(streams), "fingerprint": _fingerprint(ths), "acceptance": step_acc,
-            "trained": knob("TPPROBE_DRAFT_TRAINED") or None, "kept": False}
+            **_trained(list(config_ids or []), n_slots, rank), "kept": False}
     out = step_dir(s["dir"], par, step, mode) / "drafter"
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -359,6 +359,27 @@ def _capture(proposer, args, kwargs) -> None:
     atomic_write_bytes(out / f"rank-{rank:03d}.json", json.dumps(meta, indent=1).encode())
     if rank == 0:
         _write_acceptance(time.time())
+
+
+def _trained(config_ids: list, n_slots: Optional[int], rank: int) -> dict:
+    """What the user says the draft was trained on (TPPROBE_DRAFT_TRAINED, its grammar checked when the plugin
+    turned on), as this step's record keeps it: a list of HF hidden_states of another length than the draft's
+    slots is refused, one line (TP rank 0, once), recorded as `trained_refused` and never used."""
+    spec = knob("TPPROBE_DRAFT_TRAINED") or None
+    if not spec:
+        return {"trained": None}
+    from tpprobe.engines.draft_training import parse
+    from tpprobe.engines.vllm.acceptance import slot_count_mismatch
+
+    training = parse(spec) or {}
+    why = slot_count_mismatch(spec, training["hidden_states"], config_ids, n_slots) \
+        if "hidden_states" in training else ""
+    if not why:
+        return {"trained": spec}
+    if rank == 0 and not _D.get("trained_said"):
+        _D["trained_said"] = True
+        _say(f"drafter: {why}; not used: the drafter's input is checked against the draft's config only")
+    return {"trained": None, "trained_refused": why}
 
 
 def _list(x) -> list:

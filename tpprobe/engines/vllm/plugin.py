@@ -10,7 +10,10 @@ TPPROBE_MAX_STEPS, TPPROBE_FORWARD_MODES, TPPROBE_KEEP, TPPROBE_KEEP_TOKENS, TPP
 TPPROBE_EMBED, TPPROBE_LAYER_LIST, TPPROBE_WATCH), meaning the same here; TPPROBE_SGLANG_MODELS is not read. The
 forward modes are named as SGLang names them: `extend` (a forward with a prompt's first token in it:
 prefill; a batch that mixes prefill and decode counts as extend) and `decode` (every other forward).
-Test knobs (TPPROBE_VLLM_INJECT, TPPROBE_VLLM_AUX_LAYERS): tpprobe.engines.vllm.worker.
+Test knobs (TPPROBE_VLLM_INJECT, TPPROBE_VLLM_AUX_LAYERS): tpprobe.engines.vllm.worker. A setting that
+does not read (TPPROBE_MAX_STEPS=abc, an unknown mode, ...) is ONE line for the server and the plugin stays
+off, nothing hooked (tpprobe.engines.sglang.options.plugin_settings): vLLM calls `register()` unguarded, so
+nothing here may raise.
 
 The rank-side work is vLLM's worker extension `tpprobe.engines.vllm.worker.TpprobeWorkerExtension`.
 With TPPROBE_CAPTURE_DIR set, `register()` installs three small hooks:
@@ -39,7 +42,11 @@ _REGISTERED = {"done": False, "own_said": False}
 def register() -> None:
     """Entry point: name tpprobe's worker extension in the engine's config and hook the attach, when
     TPPROBE_CAPTURE_DIR is set; else nothing. Idempotent."""
-    s = settings()
+    try:
+        s = settings()      # None: not capturing, or a setting refused (one line said: the plugin stays off)
+    except Exception as e:  # noqa: BLE001 - vLLM calls plugins unguarded: nothing here may stop the engine
+        say(f"vLLM plugin off: its settings could not be read: {type(e).__name__}: {e}")
+        return
     if s is None or _REGISTERED["done"]:
         return
     _REGISTERED["done"] = True

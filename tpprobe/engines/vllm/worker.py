@@ -12,7 +12,7 @@ that an extension adds no name the worker class has):
   tpprobe_status()       this worker's tp rank and size, forwards seen, steps captured, bytes written,
                          the capture folder, whether capture failed (stopped) and whether it is attached
   tpprobe_capture(n, modes="all")   capture the next n forwards in `modes` (e.g. a decode long after
-                         start); its status
+                         start); its status (with `error`, one line, and no window for an unknown mode)
 
 The capture itself (module-level: one model per worker process) is whichever runner calls the model:
 `attach(model)` sets an instance-level `forward` that, for the selected forwards, runs tpprobe's `Tap`
@@ -52,9 +52,15 @@ def say(msg: str) -> None:
     print(f"[tpprobe pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
+# vLLM has no forward mode: the plugin names a forward by its positions (`_mode`)
+MODES = {"extend": "a forward with a prompt's first token in it, vLLM's prefill", "decode": "every other forward"}
+
+
 def settings():
-    from tpprobe.engines.sglang.plugin import settings as sglang_settings
-    return sglang_settings()
+    """The plugin's settings (the SGLang plugin's, tpprobe/engines/sglang/options.py, with vLLM's modes); None
+    when TPPROBE_CAPTURE_DIR is unset or a setting cannot be read (said in one line: the plugin stays off)."""
+    from tpprobe.engines.sglang.options import plugin_settings
+    return plugin_settings("vLLM", modes=MODES, say=say)
 
 
 class TpprobeWorkerExtension:
@@ -101,8 +107,24 @@ def _watch_status() -> dict:
 
 def capture_next(n: int, modes: str = "all") -> dict:
     """Open a window: the next `n` forwards in `modes` are captured (the same call reaches every
-    worker between the same two forwards: collective_rpc is ordered with the engine's steps)."""
+    worker between the same two forwards: collective_rpc is ordered with the engine's steps). An `n` or a
+    mode it cannot read opens no window: its status carries `error`, one line TP rank 0 also logs (an
+    exception here would be a traceback in every worker's log, through vLLM's RPC)."""
+    from tpprobe.engines.sglang.options import unknown_modes
+
     picked = {m.strip().lower() for m in str(modes).split(",") if m.strip()} or {"all"}
+    try:
+        count = int(n)
+    except (TypeError, ValueError):
+        count = -1
+    why = "" if count >= 0 else f"n={n!r} is not a whole number >= 0 (the forwards to capture)"
+    why = why or unknown_modes(picked, MODES)
+    if why:
+        line = f"tpprobe_capture({n!r}, {modes!r}): {why}; no capture window opened"
+        if parallel_ranks().get("tp_rank", 0) == 0:
+            say(line)
+        return {**status(), "error": line}
+    n = count
     _STEPS["limit"] = _STEPS["captured"] + max(0, int(n))
     _STEPS["modes"] = picked
     say(f"capturing the next {int(n)} forward(s) in modes {sorted(picked)}"
