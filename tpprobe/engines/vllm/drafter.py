@@ -47,18 +47,18 @@ def _say(msg: str) -> None:
 
 
 def settings():
-    from tpprobe.engines.vllm.worker import settings as vllm_settings
-    return vllm_settings()
+    return _D["settings"]()
 
 
-def install(model, say, ranks, forwards, bytes_written) -> None:
+def install(model, say, ranks, forwards, bytes_written, settings) -> None:
     """Hook `model` (the target) and wrap the proposer and the rejection sampler, once per process. The worker's
-    `say` (its log line), `ranks()` (vLLM's parallel ranks), `forwards()` (forwards since attach) and
-    `bytes_written()` (the target capture's bytes on this rank, for the shared byte budget)."""
+    `say` (its log line), `ranks()` (vLLM's parallel ranks), `forwards()` (forwards since attach),
+    `bytes_written()` (the target capture's bytes on this rank, for the shared byte budget) and `settings()` (the
+    plugin's settings, None when off)."""
     if _D["installed"]:
         return
     _D["installed"] = True
-    _D.update(model=model, say=say, ranks=ranks, forwards=forwards, bytes_written=bytes_written)
+    _D.update(model=model, say=say, ranks=ranks, forwards=forwards, bytes_written=bytes_written, settings=settings)
     try:
         inner = getattr(model, "model", model)
         layers = list(getattr(inner, "layers", None) or [])

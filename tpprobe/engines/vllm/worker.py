@@ -189,7 +189,7 @@ def attach(model: torch.nn.Module) -> None:
     from tpprobe.engines.vllm.drafter import install
 
     # what an EAGLE-3 drafter receives, and vLLM's acceptance (inert without a drafter)
-    install(model, say, parallel_ranks, lambda: _STEPS["n"], lambda: _STEPS["bytes"])
+    install(model, say, parallel_ranks, lambda: _STEPS["n"], lambda: _STEPS["bytes"], settings)
 
 
 def aux_no_residual(model) -> None:
