@@ -43,6 +43,12 @@ class GroupResult:
     evidence: dict = field(default_factory=dict)
 
 
+def _rank_words(ranks) -> str:
+    """`rank 1` for one rank, `ranks [1, 2]` for several (as a finding's line names them)."""
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 def _where(g: GroupResult) -> str:
     extra = "".join(f" {k}={v}" for k, v in g.tags)
     return f"{g.name}{extra} (step {g.step})"
@@ -102,7 +108,11 @@ def check_run(run: DumpRun) -> dict:
             del x
         if nf:
             g.per_rank[str(ref_r)]["nonfinite"] = nf
-        if len(ranks) == 1:
+        if len(ranks) == 1:      # nothing to compare it with: its own values are still checked
+            if nf:
+                g.findings.append(Finding("non-finite", _where(g), ranks,
+                                          detail=f"{nf} NaN/Inf values on {_rank_words(ranks)}, the one rank that "
+                                                 f"dumped it"))
             continue
         levels = {r: g.per_rank[str(r)]["level"] for r in ranks[1:]}
         odd = [r for r, lv in levels.items() if lv in ("material", "shape")]
@@ -340,6 +350,8 @@ def report_data(path) -> dict:
             "coverage": {"files": len(run.files), "records_read": res["records"], "groups": len(groups),
                          "names": len(run.names()),
                          "checked": sum(1 for g in groups if g.read != "not a tensor"),
+                         # the tensor records held by two or more ranks: the ones compared across ranks
+                         "across_ranks": sum(1 for g in groups if g.read != "not a tensor" and len(g.per_rank) > 1),
                          "not_tensors": [_where(g) for g in groups if g.read == "not a tensor"]},
             "records": [_group_json(g) for g in groups], "findings": findings, "exit_code": exit_code(findings),
             "_groups": groups}

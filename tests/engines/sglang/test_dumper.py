@@ -125,6 +125,31 @@ def test_a_missing_rank_of_a_second_tp_group_is_named_by_its_tp_rank(dumps, tmp_
     assert "files of rank [3] (tp rank [1]) only: ranks [2] (tp ranks [0]) are missing" in rep["findings"][0]["detail"]
 
 
+def test_a_one_rank_folder_is_not_checked_across_ranks_never_healthy(dumps, tmp_path):
+    """A tp-1 dump (one rank's files): nothing is compared across ranks, so the verdict says so (exit 0: what
+    could be checked passed), never HEALTHY; a NaN on that one rank is still named."""
+    base = dumps / "tp1" / "base"
+    code, out, err = cli("report", str(base))
+    text = " ".join(out.split())
+    assert code == 0 and err == "" and "HEALTHY" not in out, out
+    assert "5 records over 5 names, 5 checked, none of them across ranks" in text, text
+    assert ("NOT CHECKED ACROSS RANKS: the folder holds the files of rank 0 (tp 1) only, so no record was compared "
+            "with another rank; its 5 records were read and hold no NaN or Inf "
+            f"(`tpprobe diff {base} OTHER` compares them with another run)") in text, text
+    code, rep = report(base)
+    assert code == 0 and rep["findings"] == [] and (rep["coverage"]["checked"], rep["coverage"]["across_ranks"]) == \
+        (5, 0)
+    d = tmp_path / "base"
+    shutil.copytree(base, d)
+    f = next(d.glob("*___name=h___*.pt"))
+    rec = torch.load(f, weights_only=True)
+    rec["value"][2, 0] = float("nan")
+    torch.save(rec, f)
+    code, rep = report(d)
+    assert code == 1 and failures(rep) == [("non-finite", "h (step 0)", [0])], rep["findings"]
+    assert rep["findings"][0]["detail"] == "1 NaN/Inf values on rank 0, the one rank that dumped it"
+
+
 def test_one_ulp_bf16_is_noise_not_a_failure(dumps):
     code, rep = report(dumps / "tp2" / "noise")
     assert code == 0 and failures(rep) == []
