@@ -283,6 +283,18 @@ def test_unsafe_file_refused_in_one_line(dumps, tmp_path):
     assert code == 2 and "not a readable torch.save file" in err and len(err.strip().splitlines()) == 1
 
 
+def test_the_dumpers_dir_of_several_experiments_asks_for_one(dumps):
+    """SGLang's dumper writes one folder per experiment under its `dir`: given that `dir`, report and diff name
+    the experiments and ask for one (exit 2, one line), on either side of a diff."""
+    tp2 = dumps / "tp2"
+    want = (f"tpprobe: error: {tp2} holds 11 SGLang dumper experiments (healthy, nan, noise, pe_bare and 7 more), "
+            f"not one dumper folder: pass one of them, e.g. {tp2 / 'healthy'}\n")
+    for argv in (["report", str(tp2)], ["report", str(tp2), "--json"], ["diff", str(dumps / "tp1"), str(tp2)],
+                 ["diff", str(tp2), str(dumps / "tp1" / "base")]):
+        code, out, err = cli(*argv)
+        assert (code, out, err) == (2, "", want), argv
+
+
 def test_diff_refuses_a_dumper_folder_against_a_file(dumps, tmp_path):
     f = tmp_path / "x.pt"
     torch.save(torch.zeros(2, 4), f)
