@@ -295,6 +295,21 @@ def test_the_dumpers_dir_of_several_experiments_asks_for_one(dumps):
         assert (code, out, err) == (2, "", want), argv
 
 
+def test_a_sink_over_a_dumper_file_is_refused(dumps, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(dumps / "tp2" / "healthy", d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    victim = sorted(d.iterdir())[0]
+    for argv in (["report", str(d), "--html", str(victim)], ["diff", str(dumps / "tp1" / "base"), str(d),
+                                                              "--markdown", str(victim)]):
+        code, out, err = cli(*argv)
+        flag, example = argv[-2], "report.html" if argv[-2] == "--html" else "report.md"
+        assert (code, out) == (2, ""), err
+        assert err == (f"tpprobe: error: {flag} {victim} names a .pt file of the SGLang dumper folder {d}: tpprobe "
+                       f"never writes over a capture's own files; give another file name, e.g. {flag} {d / example}\n")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
 def test_diff_refuses_a_dumper_folder_against_a_file(dumps, tmp_path):
     f = tmp_path / "x.pt"
     torch.save(torch.zeros(2, 4), f)
