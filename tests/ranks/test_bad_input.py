@@ -177,6 +177,9 @@ def test_a_model_that_cannot_be_allocated_is_one_line_with_its_size_and_the_opti
 @pytest.mark.parametrize("args, says", [
     (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),
     (["layers", "--ids", "1,2,"], "--ids '1,2,' has an empty entry"),
+    (["layers", "--ids", ""], "--ids '' is empty: give comma-separated layer ids like -1,2,30, or leave --ids out for "
+                              "the default"),
+    (["layers", "--ids", " ", "--arch", "all"], "--ids ' ' is empty"),
     (["probe", "--layers", "1,,2"], "--layers '1,,2' has an empty entry: give comma-separated integers like -1,1,3"),
     (["probe", "--layers", ","], "--layers ',' has an empty entry"),
 ])
