@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from .check import report_data
+from .check import rank_words, report_data
 from .check import span as _span
 from .diff import diff_data
 from .dims import emit_dims_text
@@ -76,8 +76,7 @@ def _checked(cov: dict) -> str:
 
 
 def _one_rank(data: dict) -> str:
-    r = data["ranks"]
-    return (f"rank {r[0]}" if len(r) == 1 else f"ranks {r}") + f" (tp {data['tp_size']})"
+    return f"{rank_words(data['ranks'])} (tp {data['tp_size']})"
 
 
 def diff_sections(data: dict):

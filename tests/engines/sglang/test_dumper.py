@@ -109,7 +109,9 @@ def test_a_whole_rank_missing_is_named_not_healthy(dumps, tmp_path):
             shutil.copy(f, tmp_path / f.name)
     code, rep = report(tmp_path)
     assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [1])], rep["findings"]
-    assert "declare tp 2 but the folder holds files of rank [0] only" in rep["findings"][0]["detail"]
+    assert rep["findings"][0]["detail"] == ("the records declare tp 2 but the folder holds files of rank 0 only: rank 1 "
+                                            "is missing (not copied, or its dumper never wrote); no record was "
+                                            "compared with it")
     code, out, _ = cli("report", str(tmp_path))
     assert code == 1 and "HEALTHY" not in out
 
@@ -122,7 +124,7 @@ def test_a_missing_rank_of_a_second_tp_group_is_named_by_its_tp_rank(dumps, tmp_
             shutil.copy(f, tmp_path / f.name.replace("___rank=1___", "___rank=3___"))
     code, rep = report(tmp_path)
     assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [2])], rep["findings"]
-    assert "files of rank [3] (tp rank [1]) only: ranks [2] (tp ranks [0]) are missing" in rep["findings"][0]["detail"]
+    assert "files of rank 3 (tp rank 1) only: rank 2 (tp rank 0) is missing" in rep["findings"][0]["detail"]
 
 
 def test_a_one_rank_folder_is_not_checked_across_ranks_never_healthy(dumps, tmp_path):
@@ -180,6 +182,7 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
     code, rep = report(dumps / "tp2" / "scale")
     assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
     assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
+    assert rep["findings"][0]["detail"].startswith("rank 1 differs materially from rank 0 (max abs diff ")
     # the message's rel diff is linear (the relative L2 difference), the squared one is the record's rel_diff
     from tpprobe.core.noise import rel_l2
     sq = rep["records"][0]["per_rank"]["1"]["rel_diff"]
@@ -192,6 +195,7 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
 def test_nan_on_one_rank(dumps):
     code, rep = report(dumps / "tp2" / "nan")
     assert code == 1 and failures(rep) == [("non-finite", "h (step 0)", [1])]
+    assert rep["findings"][0]["detail"] == "NaN/Inf values on rank 1 only"
 
 
 def test_tp_slice_and_false_partial_declaration(dumps):
@@ -264,6 +268,7 @@ def test_diff_names_one_diverged_replica_and_does_not_sum_it(dumps):
     assert code == 1
     assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
         [("rank-divergence", "h (step 0, target)", [1])], rep["findings"]
+    assert "but rank 1 differs materially from the first" in rep["findings"][0]["detail"], rep["findings"]
     [h] = [r for r in rep["rows"] if r["name"] == "h"]
     assert h["target_how"] == "rank 0 (replicated) [inferred: rank 0 equals the other side]"
     assert h["level"] in ("bitwise", "noise")
