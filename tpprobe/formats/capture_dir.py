@@ -157,8 +157,8 @@ def capture_file_of(path: Path, capture: Optional[Path] = None) -> Optional[tupl
     folder, name = real.parent, real.name
     capturing = capture is not None and Path(os.path.realpath(Path(capture).absolute())) == folder
     if name.endswith(".pt") and not capturing:
-        from .sglang_dump import _dump_files
-        if folder.is_dir() and _dump_files(folder):
+        from .sglang_dump import holds_dump_files
+        if holds_dump_files(folder):
             return "a .pt file of", folder
         return None
     rank = re.fullmatch(r"rank-(\d+)\.(safetensors|json)", name)

@@ -65,6 +65,12 @@ def _dump_files(d: Path) -> list[Path]:
         return []
 
 
+def holds_dump_files(path) -> bool:
+    """Does the folder itself hold dumper files (not only a subfolder)?"""
+    p = Path(path)
+    return p.is_dir() and bool(_dump_files(p))
+
+
 def find_dump_dir(path) -> Optional[Path]:
     """The folder holding the dumper files: `path` itself, or its one dumper subfolder."""
     path = Path(path)
