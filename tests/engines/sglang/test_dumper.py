@@ -109,9 +109,9 @@ def test_a_whole_rank_missing_is_named_not_healthy(dumps, tmp_path):
             shutil.copy(f, tmp_path / f.name)
     code, rep = report(tmp_path)
     assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [1])], rep["findings"]
-    assert rep["findings"][0]["detail"] == ("the records declare tp 2 but the folder holds files of rank 0 only: rank 1 "
-                                            "is missing (not copied, or its dumper never wrote); no record was "
-                                            "compared with it")
+    assert rep["findings"][0]["detail"] == ("the records declare tp 2 but the folder holds files of rank 0 only: "
+                                            "rank 1 is missing (not copied, or its dumper never wrote); no record "
+                                            "was compared with it")
     code, out, _ = cli("report", str(tmp_path))
     assert code == 1 and "HEALTHY" not in out
 
