@@ -69,10 +69,54 @@ def runs(tmp_path_factory):
 
 def test_accept_lengths_count_the_leading_accepted_run():
     a = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool)
-    got = accept_lengths(a, ks=(1, 2, 3))
-    assert got[1] == pytest.approx(5 / 6)
-    assert got[2] == pytest.approx((2 + 1 + 0 + 2 + 2) / 5)
+    got = accept_lengths(a, ks=(1, 2, 3))         # every k over the starts 0..3, where a chain of 3 fits
+    assert got[1] == pytest.approx((1 + 1 + 0 + 1) / 4)
+    assert got[2] == pytest.approx((2 + 1 + 0 + 2) / 4)
     assert got[3] == pytest.approx((2 + 1 + 0 + 3) / 4)
+
+
+def test_a_longer_chain_never_reads_a_shorter_accept_length():
+    """Averaged over the starts where each chain fits, k=2 read 0.8 and k=3 0.75 here (the last start, which
+    only k=2 counts, is accepted): every k is averaged over the same starts, so the table never falls with k."""
+    got = accept_lengths(torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.bool), ks=(1, 2, 3))
+    assert got == {1: 0.25, 2: 0.5, 3: 0.75}
+    assert accept_lengths(torch.tensor([1, 0], dtype=torch.bool), ks=(1, 2, 3)) == {1: None, 2: None, 3: None}
+
+
+def _short_run(tmp_path, tokens: int):
+    """A hand-built draft (tests/zoo/drafts.py) and a SpecForge sample of `tokens` tokens it reads exactly."""
+    from tests.zoo.drafts import hand_draft, planted_streams
+    from tpprobe.formats.specforge import write_sample
+    s = planted_streams(6, tokens=tokens)
+    draft = hand_draft(s, [0, 2, 4], tmp_path / "draft", [-1, 1, 3])
+    good = write_sample(tmp_path / "good.ckpt", s.input_ids, s.packed([0, 2, 4]))
+    swapped = write_sample(tmp_path / "swapped.ckpt", s.input_ids, s.packed([2, 0, 4]))
+    return draft, good, swapped
+
+
+def test_a_sequence_no_chain_of_5_fits_is_one_line_exit_2(tmp_path):
+    draft, good, _ = _short_run(tmp_path, 6)
+    cp = run_cli(["accept", "--draft", str(draft), "--baseline", str(good), "--target", str(good), "--engine",
+                  "torch"])
+    assert (cp.returncode, cp.stdout) == (2, ""), cp.stdout + cp.stderr
+    assert cp.stderr == (f"tpprobe: error: the token sequence from {good} has 6 tokens: a chain of 5 drafted tokens "
+                         f"needs at least 7 (features t, tokens t+1 … t+6); capture a longer sequence\n")
+
+
+def test_the_table_says_what_each_k_averages_over(tmp_path):
+    draft, good, swapped = _short_run(tmp_path, 40)
+    cp = run_cli(["accept", "--draft", str(draft), "--baseline", str(good), "--target", str(swapped), "--engine",
+                  "torch", "--json"])
+    rep = json.loads(cp.stdout)
+    assert rep["chain_starts"] == 34 and "every k averaged over the same starts t" in rep["estimate"]
+    for row in rep["rows"]:
+        lengths = [row["accept_length"][str(k)] for k in rep["chain_lengths"]]
+        assert lengths == sorted(lengths), row
+    assert [rep["rows"][0]["accept_length"][str(k)] for k in rep["chain_lengths"]] == [2.0, 3.0, 4.0, 5.0, 6.0]
+    cp = run_cli(["accept", "--draft", str(draft), "--baseline", str(good), "--target", str(swapped), "--engine",
+                  "torch"])
+    assert ("expected accept length for a chain of k drafted tokens (1 + accepted drafts), every k over the same 34 "
+            "start positions (those where a chain of 5 fits)") in " ".join(cp.stdout.split()), cp.stdout
 
 
 def test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix(runs):

@@ -76,6 +76,39 @@ def test_report_sink_that_is_a_folder_is_refused_and_leaves_no_temporary(capture
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sink"] and not list((tmp_path / "sink").iterdir())
 
 
+# ---- report sinks: never over a capture folder's own files ---------------------------------------------
+@pytest.mark.parametrize("flag, name, what", [
+    ("--markdown", "manifest.json", "the manifest of"), ("--html", "rank-001.safetensors", "rank 1's tensors in"),
+    ("--markdown", "rank-000.json", "rank 0's metadata in"), ("--html", "report.json", "the report.json of")])
+def test_a_sink_over_a_capture_folders_own_file_is_refused(capture, tmp_path, monkeypatch, capsys, flag, name, what):
+    d = tmp_path / "run"
+    shutil.copytree(capture, d)
+    monkeypatch.chdir(tmp_path)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    code, out, err = cli(["report", "run", flag, f"run/{name}"], capsys)
+    assert code == 2 and out == "", out + err
+    example = "report.md" if flag == "--markdown" else "report.html"
+    assert one_line(err) == (f"tpprobe: error: {flag} run/{name} names {what} the capture folder {d}: tpprobe never "
+                             f"writes over a capture's own files; give another file name, e.g. {flag} {d / example}")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    # beside them, or an existing file of the same name outside a capture folder: written as always
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / name).write_text("old")
+    for target in (d / example, tmp_path / "notes" / name):
+        code, out, err = cli(["report", "run", flag, target, "--quiet"], capsys)
+        assert code == 0 and err == "" and target.read_text().strip() and target.read_text() != "old", err
+
+
+def test_a_probe_sink_over_the_files_it_writes_is_refused_before_it_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(["probe", "--nproc", "1", "--out", "new", "--markdown", "new/report.json"], capsys)
+    assert code == 2 and out == "", err
+    assert one_line(err) == (f"tpprobe: error: --markdown new/report.json names the report.json of the capture folder "
+                             f"{tmp_path / 'new'}: tpprobe never writes over a capture's own files; give another file "
+                             f"name, e.g. --markdown {tmp_path / 'new' / 'report.md'}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_write_that_fails_leaves_no_temporary_beside_its_target(tmp_path):
     from tpprobe.formats.capture_dir import atomic_write_bytes
     (tmp_path / "taken").mkdir()
@@ -144,6 +177,9 @@ def test_a_model_that_cannot_be_allocated_is_one_line_with_its_size_and_the_opti
 @pytest.mark.parametrize("args, says", [
     (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),
     (["layers", "--ids", "1,2,"], "--ids '1,2,' has an empty entry"),
+    (["layers", "--ids", ""], "--ids '' is empty: give comma-separated layer ids like -1,2,30, or leave --ids out for "
+                              "the default"),
+    (["layers", "--ids", " ", "--arch", "all"], "--ids ' ' is empty"),
     (["probe", "--layers", "1,,2"], "--layers '1,,2' has an empty entry: give comma-separated integers like -1,1,3"),
     (["probe", "--layers", ","], "--layers ',' has an empty entry"),
 ])

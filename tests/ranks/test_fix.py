@@ -115,6 +115,24 @@ def test_a_draft_trained_with_slots_out_of_layer_order_names_the_slots_and_the_f
         "forward (vllm/model_executor/models/llama.py:")
 
 
+def test_a_chain_no_start_position_fits_is_one_line_exit_2(tmp_path):
+    """A chain longer than the capture's positions with a label scored every candidate 1.00 -> 1.00: refused."""
+    from tests.helpers.ranks import probe
+    run = tmp_path / "cap"
+    code, _, cp = probe(run, "--tokens", "12", "--vocab", "16", "--layers", "-1,1,3", nproc=1)
+    assert code == 0, cp.stderr[-2000:]
+    draft = hand_draft(streams_from_capture(run), [0, 2, 4], tmp_path / "draft", [-1, 1, 3])
+    args = ["fix", "--draft", str(draft), "--streams", str(run), "--arch", "LlamaForCausalLM", "--engine", "vllm"]
+    r = run_cli([*args, "--chain", "1000"])
+    assert (r.returncode, r.stdout) == (2, ""), r.stdout + r.stderr
+    assert r.stderr == (f"tpprobe: error: --chain 1000: no start position of the 12-token capture {run} fits a "
+                        f"chain of 1000 (10 positions have a next-next token to score a draft against); give "
+                        f"--chain 10 or less, or capture a longer sequence\n")
+    r = run_cli([*args, "--chain", "10"])          # the longest that fits: scored
+    assert r.returncode == 1 and "(accept length, chain of 10: 1.00 -> 11.00)" in " ".join(r.stdout.split()), \
+        r.stdout + r.stderr
+
+
 def test_the_cli_on_a_real_probe_capture_keeps_sglangs_ids_and_fixes_vllms(tmp_path):
     """A real 2-rank probe of the built-in model (6 layers, every layer's stream kept), a draft built on
     its streams [0, 2, 4] with SpecForge's ids [-1, 1, 3]: SGLang's +1 gives exactly those; vLLM drops -1."""

@@ -40,17 +40,23 @@ def test_healthy_probe_has_zero_findings_and_captures_equal_the_reference(tmp_pa
             torch.testing.assert_close(slot.float(), want, **TOL[dtype], msg=f"id {i} rank {rank}")
 
 
-def test_one_rank_says_what_its_healthy_covers_and_still_names_a_slot_fault(tmp_path):
+def test_one_rank_is_not_checked_across_ranks_and_still_names_a_slot_fault(tmp_path):
     """tp 1 (a one-GPU NCCL run, or a first check): no peer to agree with, no all-reduce; the verdict
-    says so instead of the tp > 1 line, over full coverage; a single-rank fault is still named."""
+    says so, never HEALTHY, live and from the folder (exit 0: what could be checked passed), over full
+    coverage; a single-rank fault is still named."""
     rc, rep, cp = probe(tmp_path / "h", nproc=1)
     assert rc == 0 and rep["findings"] == [], cp.stderr[-2000:]
     assert rep["settings"]["world_size"] == 1 and rep["allreduce"]["checked"] == 0
     cov = rep["coverage"]
     assert cov["layers_found"] == cov["layers_ran"] == 6 and cov["embed"] == "embed_tokens" and cov["audit"], cov
     assert [x["ok"] for x in rep["slots"]] == [True] * 3
-    assert ("HEALTHY (1 rank: nothing to compare across ranks, no all-reduce to check): the 3 aux slots hold "
-            "the points they should and no value is NaN or Inf") in " ".join(cp.stdout.split())
+    line = ("NOT CHECKED ACROSS RANKS (1 rank: no other rank to compare with, no all-reduce to check): the 3 aux "
+            "slots hold the points they should and no value is NaN or Inf")
+    assert line in " ".join(cp.stdout.split()) and "HEALTHY" not in cp.stdout, cp.stdout
+    md = tmp_path / "r.md"
+    cp = run_cli(["report", str(tmp_path / "h"), "--markdown", str(md)])
+    assert cp.returncode == 0 and line in " ".join(cp.stdout.split()) and "HEALTHY" not in cp.stdout, cp.stdout
+    assert f"- 🔵 `{line}`" in md.read_text() and "HEALTHY" not in md.read_text()
     rc, rep, cp = probe(tmp_path / "f", "--inject", "slot-order", nproc=1)
     assert rc == 1 and [(f["kind"], f["where"], f["ranks"]) for f in failures(rep)] == \
         [("slot-mismatch", "aux slots [0, 1]", [0])], rep["findings"]

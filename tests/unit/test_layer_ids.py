@@ -59,4 +59,4 @@ def test_render_and_errors():
         plan("gpt2", [1], 4)
     with pytest.raises(UsageError):
         parse_ids("1,x")
-    assert parse_ids("-1, 2,30") == [-1, 2, 30] and parse_ids("") is None
+    assert parse_ids("-1, 2,30") == [-1, 2, 30] and parse_ids(None) is None

@@ -138,7 +138,8 @@ def report(
     if main_dirs(capture_dirs):
         raise typer.Exit(watch_report(capture_dirs, json_out=json_out, quiet=quiet))
     capture_dir = capture_dirs[0]
-    from ..formats.sglang_dump import is_dumper_dir
+    from ..formats.sglang_dump import is_dumper_dir, refuse_several_dumps
+    refuse_several_dumps(capture_dir)      # the dumper's `dir`, one folder per experiment: which one?
     if is_dumper_dir(capture_dir):
         from ..dumpdir.report import report_command
         for flag, out in (("--html", html), ("--markdown", markdown)):

@@ -77,7 +77,9 @@ def diff_command(baseline: Path, target: Path, rank: int = 0, all_ranks: bool = 
     for flag, path in (("--html", html), ("--markdown", markdown)):
         if path:
             check_file_path(Path(path), flag)
-    from ..formats.sglang_dump import is_dumper_dir
+    from ..formats.sglang_dump import is_dumper_dir, refuse_several_dumps
+    for side in (baseline, target):       # the dumper's `dir`, one folder per experiment: which one?
+        refuse_several_dumps(side)
     if is_dumper_dir(baseline) or is_dumper_dir(target):
         if not (is_dumper_dir(baseline) and is_dumper_dir(target)):
             raise UsageError(f"{baseline if is_dumper_dir(baseline) else target} is an SGLang dumper folder and "

@@ -43,6 +43,17 @@ class GroupResult:
     evidence: dict = field(default_factory=dict)
 
 
+def rank_words(ranks) -> str:
+    """`rank 1` for one rank, `ranks [1, 2]` for several (as a finding's line names them)."""
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def differs(ranks) -> str:
+    """The verb after rank_words: `rank 1 differs`, `ranks [1, 2] differ`."""
+    return "differs" if len(list(ranks)) == 1 else "differ"
+
+
 def _where(g: GroupResult) -> str:
     extra = "".join(f" {k}={v}" for k, v in g.tags)
     return f"{g.name}{extra} (step {g.step})"
@@ -80,8 +91,10 @@ def check_run(run: DumpRun) -> dict:
         missing = [r for r in run.ranks if r not in by_rank]
         if missing:
             g.findings.append(Finding("capture-file", _where(g), missing,
-                                      detail=f"ranks {missing} have no file for this "
-                                      f"record while ranks {ranks} do (a rank-dependent dump or a lost file)"))
+                                      detail=f"{rank_words(missing)} {'has' if len(missing) == 1 else 'have'} no "
+                                             f"file for this record while {rank_words(ranks)} "
+                                             f"{'does' if len(ranks) == 1 else 'do'} (a rank-dependent dump or a lost "
+                                             f"file)"))
         nf = nonfinite_count(ref)
         quick = bool(lay and lay[0] in ("partial", "sharded") and tp_size > 1)
         for r in ranks[1:]:
@@ -102,7 +115,11 @@ def check_run(run: DumpRun) -> dict:
             del x
         if nf:
             g.per_rank[str(ref_r)]["nonfinite"] = nf
-        if len(ranks) == 1:
+        if len(ranks) == 1:      # nothing to compare it with: its own values are still checked
+            if nf:
+                g.findings.append(Finding("non-finite", _where(g), ranks,
+                                          detail=f"{nf} NaN/Inf values on {rank_words(ranks)}, the one rank that "
+                                                 f"dumped it"))
             continue
         levels = {r: g.per_rank[str(r)]["level"] for r in ranks[1:]}
         odd = [r for r, lv in levels.items() if lv in ("material", "shape")]
@@ -129,14 +146,15 @@ def check_run(run: DumpRun) -> dict:
             shapes = {r: g.per_rank[str(r)].get("shape") for r in odd}
             g.read = "mismatch"
             g.findings.append(Finding("capture-mismatch", _where(g), odd,
-                                      detail=f"rank {ref_r} dumped shape {list(ref.shape)} {g.dtype}, ranks {odd} "
-                                             f"{ {r: s for r, s in shapes.items()} } (a rank-dependent dump)"))
+                                      detail=f"rank {ref_r} dumped shape {list(ref.shape)} {g.dtype}, "
+                                             f"{rank_words(odd)} {shapes[odd[0]] if len(odd) == 1 else shapes} "
+                                             f"(a rank-dependent dump)"))
             continue
         nf_ranks = [r for r in odd if g.per_rank[str(r)].get("nonfinite")] + ([ref_r] if nf else [])
         if nf_ranks:
             g.read = "divergent"
             g.findings.append(Finding("non-finite", _where(g), sorted(nf_ranks),
-                                      detail=f"NaN/Inf values on ranks {sorted(nf_ranks)} only"))
+                                      detail=f"NaN/Inf values on {rank_words(sorted(nf_ranks))} only"))
             continue
         if lay and lay[0] in ("partial", "sharded"):
             _shares(g, ranks, lay[0], {"declared": True})
@@ -260,9 +278,8 @@ def _diagnose_differing(g: GroupResult, by_rank, ref_r, ranks, odd, lay, hidden,
 def _divergent(g: GroupResult, bad, s: dict, against: str, note: str, declared: str, classes) -> None:
     g.read = "divergent"
     g.findings.append(Finding("rank-divergence", _where(g), bad,
-                              detail=f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} differ materially "
-                                     f"from "
-                                     f"{against} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
+                              detail=f"{rank_words(bad)} {differs(bad)} materially "
+                                     f"from {against} (max abs diff {s.get('max_abs', 0) or 0:.3g}, rel diff "
                                       f"{rel_l2(s.get('rel_diff', 0) or 0):.3g}, first token "
                                       f"{s.get('first_token')}){note}{declared}",
                               evidence={"groups": classes, "explain": DUMP_DIVERGENCE}))
@@ -340,6 +357,8 @@ def report_data(path) -> dict:
             "coverage": {"files": len(run.files), "records_read": res["records"], "groups": len(groups),
                          "names": len(run.names()),
                          "checked": sum(1 for g in groups if g.read != "not a tensor"),
+                         # the tensor records held by two or more ranks: the ones compared across ranks
+                         "across_ranks": sum(1 for g in groups if g.read != "not a tensor" and len(g.per_rank) > 1),
                          "not_tensors": [_where(g) for g in groups if g.read == "not a tensor"]},
             "records": [_group_json(g) for g in groups], "findings": findings, "exit_code": exit_code(findings),
             "_groups": groups}
@@ -355,14 +374,14 @@ def _missing_ranks(ranks: list, tp_ranks: dict, tp_size: int) -> Optional[Findin
         return None
     offsets = {r - tp_ranks.get(r, r) for r in ranks}
     named = [offsets.pop() + t for t in absent] if len(offsets) == 1 else absent
-    s = "s" if len(ranks) > 1 else ""
-    held = f"rank{s} {ranks}" if all(tp_ranks.get(r, r) == r for r in ranks) else \
-        f"rank{s} {ranks} (tp rank{s} {sorted(have)})"
-    lost = f"ranks {named}" if named == absent else f"ranks {named} (tp ranks {absent})"
+    held = rank_words(ranks) if all(tp_ranks.get(r, r) == r for r in ranks) else \
+        f"{rank_words(ranks)} (tp {rank_words(sorted(have))})"
+    lost = rank_words(named) if named == absent else f"{rank_words(named)} (tp {rank_words(absent)})"
+    one = len(named) == 1
     return Finding("capture-file", "the whole dump", named,
                    detail=f"the records declare tp {tp_size} but the folder holds files of {held} only: "
-                          f"{lost} are missing (not copied, or their dumper never wrote); no record was "
-                          f"compared with them")
+                          f"{lost} {'is' if one else 'are'} missing (not copied, or {'its' if one else 'their'} "
+                          f"dumper never wrote); no record was compared with {'it' if one else 'them'}")
 
 
 def _group_json(g: GroupResult) -> dict:

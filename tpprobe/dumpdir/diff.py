@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .check import DUMP_DIVERGENCE, sum_over
+from .check import DUMP_DIVERGENCE, differs, rank_words, sum_over
 from .measure import measure, one_thread
 from ..checks.findings import WARNING, Finding, exit_code
 from ..core.errors import CaptureError, UsageError
@@ -196,17 +196,16 @@ def _diff_data(bpath, tpath) -> dict:
                 continue     # summed by inference and still different: the reference-mismatch above says it
             elif o["sum_matches"]:
                 findings.append(Finding("partial-allreduce", f"{r['name']} (step {r['step']}, {side})", o["all_ranks"],
-                                        detail=f"{o.get('by', 'its dims declare it replicated')}, but ranks "
-                                               f"{o['ranks']} differ from "
-                                               f"the first "
+                                        detail=f"{o.get('by', 'its dims declare it replicated')}, but "
+                                               f"{rank_words(o['ranks'])} {differs(o['ranks'])} from the first "
                                                f"and Σ over the {side}'s ranks equals the {other}: each rank holds a "
                                                f"partial "
                                                f"sum (its all-reduce had not run)",
                                                evidence={"all_ranks": True}).to_json())
             else:
                 findings.append(Finding("rank-divergence", f"{r['name']} (step {r['step']}, {side})", o["ranks"],
-                                        detail=f"{o.get('by', 'its dims declare it replicated')}, but ranks "
-                                               f"{o['ranks']} differ "
+                                        detail=f"{o.get('by', 'its dims declare it replicated')}, but "
+                                               f"{rank_words(o['ranks'])} {differs(o['ranks'])} "
                                                f"materially from the first (and Σ over ranks does not equal the "
                                                f"{other})", evidence={"explain": DUMP_DIVERGENCE}).to_json())
     for side, only in (("baseline", only_b), ("target", only_t)):

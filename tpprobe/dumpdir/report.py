@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from .check import report_data
+from .check import rank_words, report_data
 from .check import span as _span
 from .diff import diff_data
 from .dims import emit_dims_text
@@ -40,7 +40,7 @@ def report_sections(data: dict):
         Table("records × ranks", [Column(c, no_wrap=True) for c in ("name", "step", "shape", "read")]
               + [Column(f"rank {r}") for r in data["ranks"]], rows, terminal={"header_style": "bold"}),
         Text(f"coverage: {cov['files']} files, {cov['records_read']} read, {cov['groups']} records over "
-             f"{cov['names']} names, {cov['checked']} checked across ranks"
+             f"{cov['names']} names, " + _checked(cov)
              + (f"; not tensors (skipped): {', '.join(cov['not_tensors'][:4])}" if cov["not_tensors"] else ""),
              style="dim"),
         Text("verdict", style="bold", heading=True)]
@@ -50,7 +50,15 @@ def report_sections(data: dict):
         verdict.append(Cell(f["line"], f["severity"]))
         if f["severity"] != "info" and f.get("explain"):
             sections.append(Text(f"    why: {f['explain']}", style="dim", soft_wrap=True))
-    if not any(f["severity"] != "info" for f in data["findings"]):
+    if not any(f["severity"] != "info" for f in data["findings"]) and not cov["across_ranks"]:
+        # one rank's files: no record had a peer, so nothing agrees or disagrees across ranks (exit 0: what
+        # could be checked passed); `tpprobe diff` compares such a folder with another run
+        line = (f"NOT CHECKED ACROSS RANKS: the folder holds the files of {_one_rank(data)} only, so no record was "
+                f"compared with another rank; its {cov['checked']} records were read and hold no NaN or Inf "
+                f"(`tpprobe diff {data['path']} OTHER` compares them with another run)")
+        sections.append(Text(f"  {line}", "info", "bold cyan"))
+        verdict.insert(0, Cell(line, "info"))
+    elif not any(f["severity"] != "info" for f in data["findings"]):
         line = (f"HEALTHY: all {cov['checked']} records agree across ranks or are declared/identified "
                 f"shards ({cov['records_read']} rank records read)")
         sections.append(Text(f"  {line}", "ok", "bold green"))
@@ -58,6 +66,17 @@ def report_sections(data: dict):
     doc = _public(data)
     return Report(doc.get("schema", "tpprobe.dumper-report/1"), f"tpprobe dumper report: {head}", doc, verdict=verdict,
                   sections=sections, findings=data["findings"], exit_code=data["exit_code"])
+
+
+def _checked(cov: dict) -> str:
+    """`12 checked across ranks`, or how many were, where not every record had another rank's to compare."""
+    if cov["across_ranks"] == cov["checked"]:
+        return f"{cov['checked']} checked across ranks"
+    return f"{cov['checked']} checked, {cov['across_ranks'] or 'none'} of them across ranks"
+
+
+def _one_rank(data: dict) -> str:
+    return f"{rank_words(data['ranks'])} (tp {data['tp_size']})"
 
 
 def diff_sections(data: dict):

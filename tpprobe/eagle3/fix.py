@@ -84,6 +84,19 @@ class Streams:
         return int((ids[1:] == nxt[:-1]).sum())
 
     @property
+    def longest_chain(self) -> int:
+        """The longest chain a replay can start somewhere: T-2 positions have a label (features t, token t+1,
+        token t+2); with next_ids, the longest run of positions where the prompt goes on as the target would."""
+        ids, nxt = self.input_ids, self.next_ids
+        if nxt is None:
+            return max(0, ids.numel() - 2)
+        best = run = 0
+        for ok in (ids[1:] == nxt[:-1]).tolist():
+            run = run + 1 if ok else 0
+            best = max(best, run)
+        return best
+
+    @property
     def hidden(self) -> int:
         return int(next(iter(self.by_hf.values())).shape[-1])
 
@@ -409,6 +422,12 @@ def run_fix(draft_dir, streams_path, engine: str, arch: Optional[str] = None, nu
     from .accept.draft import load_draft
     d = load_draft(draft_dir, embed)
     s = streams_from_capture(streams_path, rank)
+    if chain > s.longest_chain:     # no start position fits it: every candidate would read accept length 1.00
+        n = s.input_ids.numel()
+        fits = f"give --chain {s.longest_chain} or less, or " if s.longest_chain else ""
+        raise UsageError(f"--chain {chain}: no start position of the {n}-token capture {streams_path} fits a chain "
+                         f"of {chain} ({s.longest_chain} positions have a next-next token to score a draft against); "
+                         f"{fits}capture a longer sequence")
     if arch is None:
         raise UsageError("--arch: give the target's architecture as in its config.json (e.g. "
                          "DeepseekV3ForCausalLM, LlamaForCausalLM) so the engine's capture rule applies")

@@ -147,11 +147,58 @@ def check_parent_exists(path: Path, flag: str) -> None:
                          f"folder of a path); create it first or fix the path")
 
 
-def check_file_path(path: Path, flag: str) -> None:
-    """A file tpprobe writes may go into a new folder, but only one: that folder's parent must exist."""
+def capture_file_of(path: Path, capture: Optional[Path] = None) -> Optional[tuple[str, Path]]:
+    """(what it names, the folder) when writing `path` would replace a file of a capture folder: the manifest,
+    report.json or a rank's files of a tpprobe capture folder (its manifest says so, or it holds a rank's
+    tensors and metadata, or it is `capture`, the folder a run is about to fill), or a .pt file of an SGLang
+    dumper folder; else None (a file of that name elsewhere is an ordinary output)."""
+    import re
+    real = Path(os.path.realpath(Path(path).absolute()))       # a link to a capture's file is that file
+    folder, name = real.parent, real.name
+    capturing = capture is not None and Path(os.path.realpath(Path(capture).absolute())) == folder
+    if name.endswith(".pt") and not capturing:
+        from .sglang_dump import holds_dump_files
+        if holds_dump_files(folder):
+            return "a .pt file of", folder
+        return None
+    rank = re.fullmatch(r"rank-(\d+)\.(safetensors|json)", name)
+    what = ("the manifest of" if name == MANIFEST else "the report.json of" if name == "report.json" else
+            f"rank {int(rank.group(1))}'s {'tensors' if rank.group(2) == 'safetensors' else 'metadata'} in" if rank
+            else None)
+    if what is None:
+        return None
+    if capturing or _is_capture_folder(folder):
+        return what, folder
+    return None
+
+
+def _is_capture_folder(folder: Path) -> bool:
+    """A tpprobe capture folder: its manifest says so, or (the manifest lost) it holds a rank's two files."""
+    try:
+        schema = json.loads((folder / MANIFEST).read_text()).get("schema")
+        if isinstance(schema, str) and schema.startswith("tpprobe."):
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return any((folder / f"{p.name[:-len('.safetensors')]}.json").is_file()
+                   for p in folder.glob("rank-*.safetensors"))
+    except OSError:
+        return False
+
+
+def check_file_path(path: Path, flag: str, capture: Optional[Path] = None) -> None:
+    """A file tpprobe writes may go into a new folder, but only one: that folder's parent must exist. It
+    never replaces a file of a capture folder (capture_file_of; `capture`: the folder this run fills)."""
+    example = {"--markdown": "report.md", "sample": "data_0.ckpt"}.get(flag, "report.html")
     if Path(path).is_dir():
-        raise UsageError(f"{flag} {path} is a folder; give a file name, e.g. {flag} "
-                         f"{Path(path) / ('report.md' if flag == '--markdown' else 'report.html')}")
+        raise UsageError(f"{flag} {path} is a folder; give a file name, e.g. {flag} {Path(path) / example}")
+    own = capture_file_of(Path(path), capture)
+    if own is not None:
+        what, folder = own
+        kind = "SGLang dumper folder" if what.endswith(".pt file of") else "capture folder"
+        raise UsageError(f"{flag} {path} names {what} the {kind} {folder}: tpprobe never writes over a capture's "
+                         f"own files; give another file name, e.g. {flag} {folder / example}")
     folder = Path(path).absolute().parent
     for f in (folder.parent, folder):
         if f.exists() and not f.is_dir():

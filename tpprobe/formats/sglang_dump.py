@@ -65,6 +65,12 @@ def _dump_files(d: Path) -> list[Path]:
         return []
 
 
+def holds_dump_files(path) -> bool:
+    """Does the folder itself hold dumper files (not only a subfolder)?"""
+    p = Path(path)
+    return p.is_dir() and bool(_dump_files(p))
+
+
 def find_dump_dir(path) -> Optional[Path]:
     """The folder holding the dumper files: `path` itself, or its one dumper subfolder."""
     path = Path(path)
@@ -79,6 +85,31 @@ def find_dump_dir(path) -> Optional[Path]:
 def is_dumper_dir(path) -> bool:
     p = Path(path)
     return p.is_dir() and not (p / "manifest.json").exists() and find_dump_dir(p) is not None
+
+
+def dumper_experiments(path) -> list[str]:
+    """The subfolders of `path` that hold dumper files: SGLang's dumper writes one per experiment
+    (`exp_name`) under its `dir`."""
+    p = Path(path)
+    if not p.is_dir():
+        return []
+    try:
+        return [d.name for d in sorted(p.iterdir()) if d.is_dir() and _dump_files(d)]
+    except OSError:
+        return []
+
+
+def refuse_several_dumps(path) -> None:
+    """One line when `path` is the dumper's `dir` holding several experiment folders (no dumper files of
+    its own, no capture): which it holds, and to pass one of them."""
+    p = Path(path)
+    if not p.is_dir() or (p / "manifest.json").exists() or _dump_files(p):
+        return
+    exps = dumper_experiments(p)
+    if len(exps) > 1:
+        shown = ", ".join(exps[:4]) + (f" and {len(exps) - 4} more" if len(exps) > 4 else "")
+        raise UsageError(f"{p} holds {len(exps)} SGLang dumper experiments ({shown}), not one dumper folder: "
+                         f"pass one of them, e.g. {p / exps[0]}")
 
 
 @dataclass
@@ -120,9 +151,7 @@ def scan(path, role: str = "") -> DumpRun:
     if d is None:
         if p.is_dir() and (p / "manifest.json").exists():
             raise CaptureError(f"{p}: a tpprobe capture folder, not an SGLang dumper folder")
-        subs = [s.name for s in sorted(p.iterdir()) if s.is_dir() and _dump_files(s)] if p.is_dir() else []
-        if len(subs) > 1:
-            raise UsageError(f"{p}: holds {len(subs)} dumper runs ({', '.join(subs[:4])}); pass one of them")
+        refuse_several_dumps(p)
         raise CaptureError(f"{p}: no dumper files in it; expected {EXPECTED}")
     files = []
     for fp in _dump_files(d):

@@ -90,7 +90,7 @@ def validate(opts: ProbeOptions, world: int) -> None:
         raise UsageError(f"--num-layers must be >= 1 (got {opts.num_layers})")
     for flag, path in (("--html", opts.html), ("--markdown", opts.markdown)):
         if path:
-            check_file_path(Path(path), flag)
+            check_file_path(Path(path), flag, capture=opts.out)    # never over the files this run writes
     ids = opts.layers
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layers has duplicate ids {ids}: each layer id once")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, missing_allreduces,
-                            slot_holds, slot_values_differ, timing_text, verdict_lines)
+from ..report.words import (audit_text, cell_label, coverage_parts, coverage_text, healthy_level,
+                            missing_allreduces, slot_holds, slot_values_differ, timing_text, verdict_lines)
 from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, Text
 
 
@@ -73,7 +73,8 @@ def sections(doc: dict) -> list:
         for c in f.get("consequences", [])[:5]:
             out.append(Text(f"    follows from it: {c}", style="dim"))
     if not doc["findings"]:
-        out.append(Text("  " + verdict_lines(doc)[0], style="bold green"))
+        out.append(Text("  " + verdict_lines(doc)[0],
+                        style="bold green" if healthy_level(doc) == "ok" else "bold cyan"))
     out.append(Text(f"settings: tokens={st.get('tokens')} hidden={st.get('hidden')} layers={st.get('num_layers')} "
                     f"seed={st.get('seed')} exchange={st.get('exchange')} inject={st.get('inject') or '-'}  "
                     + timing_text(doc), style="dim"))
@@ -98,7 +99,7 @@ def _report(doc: dict, terminal: bool) -> Report:
     """terminal=False: the files' sections only (a document read back may hold only what they show)."""
     from .page import MAX_LINES, html_sections, markdown_sections, page_title
     findings = doc.get("findings") or []
-    verdict = [Cell(f["line"], f["severity"]) for f in findings] or [Cell(verdict_lines(doc)[0], "ok")]
+    verdict = [Cell(f["line"], f["severity"]) for f in findings] or [Cell(verdict_lines(doc)[0], healthy_level(doc))]
     drawn = sections(doc) if terminal else []
     for s in drawn:
         s.media = TERMINAL

@@ -10,15 +10,19 @@ from typing import Optional
 from ..capture.points import is_layer_place, place_layer
 
 HEALTHY_LINE = "HEALTHY: every capture point agrees across ranks and every all-reduce is complete"
-HEALTHY_ONE_RANK = "HEALTHY (1 rank: nothing to compare across ranks, no all-reduce to check): "
+NOT_CHECKED_ONE_RANK = "NOT CHECKED ACROSS RANKS (1 rank: no other rank to compare with, no all-reduce to check): "
+
+
+def one_rank(report: dict) -> bool:
+    """A run of one rank (tp 1): nothing in it was compared across ranks."""
+    return (report.get("settings") or {}).get("world_size") == 1
 
 
 def healthy_line(report: dict) -> str:
     """The verdict of a run with no finding, saying only what was checked: one rank has no peer
-    to agree with and issues no all-reduce (a tp-1 run), so its HEALTHY covers the single-rank
-    checks alone."""
-    world = (report.get("settings") or {}).get("world_size")
-    if world != 1:
+    to agree with and issues no all-reduce (a tp-1 run), so it is never HEALTHY: its line says
+    that nothing was compared across ranks and what its single-rank checks found."""
+    if not one_rank(report):
         kinds = {str(e.get("kind", "all_reduce")) for e in (report.get("allreduce") or {}).get("records", [])
                  if e.get("level") != "unchecked"}
         if kinds - {"all_reduce"}:   # reduce-scatters, all-gathers: each was checked by its own definition
@@ -28,7 +32,12 @@ def healthy_line(report: dict) -> str:
     slots = report.get("slots") or []
     held = (f"the {len(slots)} aux slots hold the points they should and " if slots and all(x.get("ok") for x in slots)
             else "")
-    return HEALTHY_ONE_RANK + held + "no value is NaN or Inf"
+    return NOT_CHECKED_ONE_RANK + held + "no value is NaN or Inf"
+
+
+def healthy_level(report: dict) -> str:
+    """The level of that line: `ok` (HEALTHY), `info` for one rank (nothing compared across ranks)."""
+    return "info" if one_rank(report) else "ok"
 
 
 def verdict_lines(report: dict) -> list[str]:
@@ -40,7 +49,7 @@ def verdict_items(report: dict) -> list[dict]:
     fs = report.get("findings") or []
     if fs:
         return fs
-    return [{"severity": "ok", "line": healthy_line(report)}]
+    return [{"severity": healthy_level(report), "line": healthy_line(report)}]
 
 
 def cell_label(s: Optional[dict]) -> str:

@@ -109,7 +109,9 @@ def test_a_whole_rank_missing_is_named_not_healthy(dumps, tmp_path):
             shutil.copy(f, tmp_path / f.name)
     code, rep = report(tmp_path)
     assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [1])], rep["findings"]
-    assert "declare tp 2 but the folder holds files of rank [0] only" in rep["findings"][0]["detail"]
+    assert rep["findings"][0]["detail"] == ("the records declare tp 2 but the folder holds files of rank 0 only: "
+                                            "rank 1 is missing (not copied, or its dumper never wrote); no record "
+                                            "was compared with it")
     code, out, _ = cli("report", str(tmp_path))
     assert code == 1 and "HEALTHY" not in out
 
@@ -122,7 +124,32 @@ def test_a_missing_rank_of_a_second_tp_group_is_named_by_its_tp_rank(dumps, tmp_
             shutil.copy(f, tmp_path / f.name.replace("___rank=1___", "___rank=3___"))
     code, rep = report(tmp_path)
     assert code == 1 and failures(rep) == [("capture-file", "the whole dump", [2])], rep["findings"]
-    assert "files of rank [3] (tp rank [1]) only: ranks [2] (tp ranks [0]) are missing" in rep["findings"][0]["detail"]
+    assert "files of rank 3 (tp rank 1) only: rank 2 (tp rank 0) is missing" in rep["findings"][0]["detail"]
+
+
+def test_a_one_rank_folder_is_not_checked_across_ranks_never_healthy(dumps, tmp_path):
+    """A tp-1 dump (one rank's files): nothing is compared across ranks, so the verdict says so (exit 0: what
+    could be checked passed), never HEALTHY; a NaN on that one rank is still named."""
+    base = dumps / "tp1" / "base"
+    code, out, err = cli("report", str(base))
+    text = " ".join(out.split())
+    assert code == 0 and err == "" and "HEALTHY" not in out, out
+    assert "5 records over 5 names, 5 checked, none of them across ranks" in text, text
+    assert ("NOT CHECKED ACROSS RANKS: the folder holds the files of rank 0 (tp 1) only, so no record was compared "
+            "with another rank; its 5 records were read and hold no NaN or Inf "
+            f"(`tpprobe diff {base} OTHER` compares them with another run)") in text, text
+    code, rep = report(base)
+    assert code == 0 and rep["findings"] == [] and (rep["coverage"]["checked"], rep["coverage"]["across_ranks"]) == \
+        (5, 0)
+    d = tmp_path / "base"
+    shutil.copytree(base, d)
+    f = next(d.glob("*___name=h___*.pt"))
+    rec = torch.load(f, weights_only=True)
+    rec["value"][2, 0] = float("nan")
+    torch.save(rec, f)
+    code, rep = report(d)
+    assert code == 1 and failures(rep) == [("non-finite", "h (step 0)", [0])], rep["findings"]
+    assert rep["findings"][0]["detail"] == "1 NaN/Inf values on rank 0, the one rank that dumped it"
 
 
 def test_one_ulp_bf16_is_noise_not_a_failure(dumps):
@@ -155,6 +182,7 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
     code, rep = report(dumps / "tp2" / "scale")
     assert code == 1 and failures(rep) == [("rank-divergence", "h (step 0)", [1])]
     assert rep["records"][0]["per_rank"]["1"]["first_token"] == 3
+    assert rep["findings"][0]["detail"].startswith("rank 1 differs materially from rank 0 (max abs diff ")
     # the message's rel diff is linear (the relative L2 difference), the squared one is the record's rel_diff
     from tpprobe.core.noise import rel_l2
     sq = rep["records"][0]["per_rank"]["1"]["rel_diff"]
@@ -167,6 +195,7 @@ def test_one_percent_on_one_rank_is_divergence(dumps):
 def test_nan_on_one_rank(dumps):
     code, rep = report(dumps / "tp2" / "nan")
     assert code == 1 and failures(rep) == [("non-finite", "h (step 0)", [1])]
+    assert rep["findings"][0]["detail"] == "NaN/Inf values on rank 1 only"
 
 
 def test_tp_slice_and_false_partial_declaration(dumps):
@@ -239,6 +268,7 @@ def test_diff_names_one_diverged_replica_and_does_not_sum_it(dumps):
     assert code == 1
     assert [(f["kind"], f["where"], f["ranks"]) for f in rep["findings"] if f["severity"] == "failure"] == \
         [("rank-divergence", "h (step 0, target)", [1])], rep["findings"]
+    assert "but rank 1 differs materially from the first" in rep["findings"][0]["detail"], rep["findings"]
     [h] = [r for r in rep["rows"] if r["name"] == "h"]
     assert h["target_how"] == "rank 0 (replicated) [inferred: rank 0 equals the other side]"
     assert h["level"] in ("bitwise", "noise")
@@ -256,6 +286,33 @@ def test_unsafe_file_refused_in_one_line(dumps, tmp_path):
     victim.write_bytes(b"PK\x03\x04 truncated")
     code, _, err = cli("report", str(d))
     assert code == 2 and "not a readable torch.save file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_dumpers_dir_of_several_experiments_asks_for_one(dumps):
+    """SGLang's dumper writes one folder per experiment under its `dir`: given that `dir`, report and diff name
+    the experiments and ask for one (exit 2, one line), on either side of a diff."""
+    tp2 = dumps / "tp2"
+    want = (f"tpprobe: error: {tp2} holds 11 SGLang dumper experiments (healthy, nan, noise, pe_bare and 7 more), "
+            f"not one dumper folder: pass one of them, e.g. {tp2 / 'healthy'}\n")
+    for argv in (["report", str(tp2)], ["report", str(tp2), "--json"], ["diff", str(dumps / "tp1"), str(tp2)],
+                 ["diff", str(tp2), str(dumps / "tp1" / "base")]):
+        code, out, err = cli(*argv)
+        assert (code, out, err) == (2, "", want), argv
+
+
+def test_a_sink_over_a_dumper_file_is_refused(dumps, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(dumps / "tp2" / "healthy", d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    victim = sorted(d.iterdir())[0]
+    for argv in (["report", str(d), "--html", str(victim)], ["diff", str(dumps / "tp1" / "base"), str(d),
+                                                              "--markdown", str(victim)]):
+        code, out, err = cli(*argv)
+        flag, example = argv[-2], "report.html" if argv[-2] == "--html" else "report.md"
+        assert (code, out) == (2, ""), err
+        assert err == (f"tpprobe: error: {flag} {victim} names a .pt file of the SGLang dumper folder {d}: tpprobe "
+                       f"never writes over a capture's own files; give another file name, e.g. {flag} {d / example}\n")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
 
 
 def test_diff_refuses_a_dumper_folder_against_a_file(dumps, tmp_path):

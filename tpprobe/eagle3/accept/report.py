@@ -28,7 +28,9 @@ def accept_report(rep: dict):
     level = "ok" if rep["ok"] else "failure"
     sections: list = [
         Text(parts=[Cell("tpprobe accept", style="bold"), Cell(head)]),
-        Table("expected accept length for a chain of k drafted tokens (1 + accepted drafts)",
+        Table("expected accept length for a chain of k drafted tokens (1 + accepted drafts)"
+              + (f", every k over the same {rep['chain_starts']} start positions (those where a chain of {max(ks)} "
+                 f"fits)" if "chain_starts" in rep else ""),
               [Column("source"), Column("top-1 agreement", justify="right")]
               + [Column(f"k={k}", justify="right") for k in ks], rows)]
     sections += [Text(f"  {r['label']}: {r['why']}") for r in rep["rows"] if not r["usable"]]

@@ -51,20 +51,24 @@ def agreement(engine, d: Draft, feats: torch.Tensor, ids: torch.Tensor) -> torch
     return top[: T - 2] == ids[2:T]
 
 
+def chain_starts(n: int, ks=KS) -> int:
+    """How many start positions every chain length of `ks` is averaged over: those where the longest fits."""
+    return max(0, n - max(ks) + 1)
+
+
 def accept_lengths(agree: torch.Tensor, ks=KS) -> dict:
+    """k -> expected accepted drafts of a chain of k: the leading accepted run from each start t, capped at k,
+    averaged over the same starts for every k (those where the longest chain of `ks` fits), so a longer chain
+    never reads lower; None when no start fits."""
     a = agree.to(torch.int64).tolist()
-    n = len(a)
-    out = {}
-    for k in ks:
-        starts = range(0, n - k + 1)
-        runs = []
-        for t in starts:
-            r = 0
-            while r < k and a[t + r]:
-                r += 1
-            runs.append(r)
-        out[k] = (sum(runs) / len(runs)) if runs else None
-    return out
+    starts = range(chain_starts(len(a), ks))
+    runs = []
+    for t in starts:
+        r = 0
+        while r < max(ks) and a[t + r]:
+            r += 1
+        runs.append(r)
+    return {k: (sum(min(r, k) for r in runs) / len(runs)) if runs else None for k in ks}
 
 
 @dataclass
@@ -172,6 +176,10 @@ def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="aut
     dev = resolve_device(device, engine)
     d = load_draft(draft, embed)
     b, t, ids, src = _sides(baseline, target, tokens_from, rank)
+    K = max(KS)
+    if ids.numel() < K + 2:       # no start position fits a chain of K: every accept length would read 1.00
+        raise UsageError(f"the token sequence from {src} has {ids.numel()} tokens: a chain of {K} drafted tokens "
+                         f"needs at least {K + 2} (features t, tokens t+1 … t+{K + 1}); capture a longer sequence")
     if ids.numel() and (int(ids.max()) >= d.vocab or int(ids.min()) < 0):
         raise UsageError(f"the token sequence from {src} has ids up to {int(ids.max())}, outside the draft's "
                          f"vocabulary [0, {d.vocab}): is this the draft of another model?")
@@ -187,7 +195,6 @@ def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="aut
             fix_info = {"how": how, "explained": explained}
             if packed is not None:
                 rows.append(score(eng, d, "target, slots re-ordered", str(t.path), packed, ids))
-    K = max(KS)
     base, tgt = rows[0].accept_length(K), rows[1].accept_length(K)
     cost = base - tgt
     line = (f"the target capture costs {cost:.2f} accept length (chain of {K}: {base:.2f} -> {tgt:.2f})"
@@ -209,6 +216,8 @@ def run_accept(draft, baseline, target, tokens_from=None, fix=False, engine="aut
             "draft": d.describe(), "tokens": int(ids.numel()), "tokens_from": str(src),
             "estimate": "teacher-forced: step j of a chain started at t is accepted iff the draft, fed the "
                         "source's features at t+j-1 and token t+j, proposes token t+j+1; accept length = 1 + "
-                        "the leading accepted run (SGLang counts the target's own token)",
-            "chain_lengths": list(KS), "fix": fix_info, "rows": [r.as_dict() for r in rows],
+                        f"the leading accepted run (SGLang counts the target's own token), every k averaged over "
+                        f"the same starts t, those where a chain of {K} fits",
+            "chain_lengths": list(KS), "chain_starts": chain_starts(int(ids.numel()) - 2), "fix": fix_info,
+            "rows": [r.as_dict() for r in rows],
             "cost": cost, "tolerance": tolerance}

@@ -295,9 +295,12 @@ def pinned_plan(arch: str, ids: Optional[list[int]], num_layers: int) -> LayerPl
 
 
 def parse_ids(text: Optional[str]) -> Optional[list[int]]:
-    """'-1,2,30' -> [-1, 2, 30]; '' or None -> None (SGLang's default). Bad text -> UsageError."""
-    if text is None or not text.strip():
+    """'-1,2,30' -> [-1, 2, 30]; None (no --ids) -> None (the default). Bad text, an empty one too -> UsageError."""
+    if text is None:
         return None
+    if not text.strip():
+        raise UsageError(f"--ids {text!r} is empty: give comma-separated layer ids like -1,2,30, or leave --ids out "
+                         f"for the default")
     parts = [x.strip() for x in text.split(",")]
     if "" in parts:
         raise UsageError(f"--ids {text!r} has an empty entry: give comma-separated integers like -1,2,30")
