@@ -148,3 +148,33 @@ def test_dp_attention_gather_over_the_tp_group_is_named_with_its_groups(tmp_path
     assert f[0]["ranks"] == [0, 1, 2, 3]
     assert "gathered over tp:0 (4 ranks) where the attention-TP group (2 ranks: [0, 1] and [2, 3])" in f[0]["detail"]
     _dp_clean_except_aux(tmp_path, rep)
+
+
+# ---- DP attention only where SGLang's model has it ---------------------------------------------------------------
+@pytest.mark.parametrize("arch, cls", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+@pytest.mark.parametrize("inject", [[], ["--inject", "dp-attention-gather"]])
+def test_dp_attention_on_an_architecture_without_it_is_one_line_exit_2(tmp_path, arch, cls, inject):
+    # SGLang's Llama and Qwen2 split their heads over the whole TP group: under DP attention their ranks
+    # computed two different models, and the probe read that as a finding (or crashed on the F17 rows)
+    from tests.helpers.ranks import run_cli
+    p = run_cli(["probe", "--engine", "sglang", "--arch", arch, "--nproc", "4", "--dp-attention", "2", *inject,
+                 "--out", str(tmp_path / "r")], timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip() == (
+        f"tpprobe: error: --arch {arch} with --dp-attention 2: SGLang's {cls} (sglang/srt/models/{arch}.py) has no "
+        f"DP attention (its attention splits heads over the whole TP group, never over an attention-TP group); DP "
+        f"attention runs on --arch qwen3, qwen3_moe or deepseek_v2 (deepseek_v3, kimi_k2): use one of them or drop "
+        f"--dp-attention"), p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_dp_attention_architectures_are_those_whose_sglang_attention_splits_over_attention_tp():
+    # the table tpprobe refuses by is SGLang's own code: an attention whose heads split over attn_tp_size
+    import importlib
+    import inspect
+
+    from tpprobe.engines.sglang.tiny_archs import DP_ATTENTION_ARCHES, SGLANG_CLASSES
+    source = {arch: inspect.getsource(importlib.import_module(f"sglang.srt.models.{m}"))
+              for arch, (m, _) in SGLANG_CLASSES.items()}
+    splits = {arch: "get_parallel().attn_tp_size" in text for arch, text in source.items()}
+    assert sorted(a for a, yes in splits.items() if yes) == sorted(DP_ATTENTION_ARCHES), splits
