@@ -178,3 +178,26 @@ def test_the_dp_attention_architectures_are_those_whose_sglang_attention_splits_
               for arch, (m, _) in SGLANG_CLASSES.items()}
     splits = {arch: "get_parallel().attn_tp_size" in text for arch, text in source.items()}
     assert sorted(a for a, yes in splits.items() if yes) == sorted(DP_ATTENTION_ARCHES), splits
+
+def test_a_row_output_reduced_as_a_copy_is_not_named_never_reduced(tmp_path):
+    # SGLang's Llama under DP attention (refused by the probe, run here with the refusal lifted in the launcher,
+    # whose forked ranks inherit it): its boundary copies o_proj's rows into the DP buffer and reduces that, so
+    # the tap sees o_proj's own output go unreduced while the audit counts every reduce, complete. The verdict
+    # must not say "never all-reduced" beside those numbers: the ranks diverge with every reduce complete.
+    import json
+    import subprocess
+    import sys
+
+    from tests.engines.sglang.test_sglang_probe import ROOT
+    code = ("import sys; import tpprobe.engines.sglang.tiny_archs as t; t.DP_ATTENTION_ARCHES += ('llama',); "
+            "from tpprobe.cli import main; main(sys.argv[1:])")
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", TPPROBE_RANK_START="fork")
+    p = subprocess.run([sys.executable, "-c", code, "probe", "--engine", "sglang", "--arch", "llama", "--nproc", "4",
+                        "--dp-attention", "2", "--num-layers", "4", "--tokens", "6", "--out", str(tmp_path), "--json",
+                        "--timeout", "120"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=420)
+    assert p.returncode == 1, p.stderr[-3000:]
+    rep = json.loads(p.stdout[p.stdout.index("{"):])
+    assert rep["allreduce"]["incomplete"] == 0, rep["allreduce"]
+    assert [(x["kind"], x["where"], x["ranks"]) for x in failures(rep)] == \
+        [("rank-divergence", "layer.0.out", [2, 3])], rep["findings"]
+    assert "every audited reduce returned the sum of its inputs" in failures(rep)[0]["evidence"]["explain"]
