@@ -148,6 +148,22 @@ def test_dp_attention_gather_over_the_tp_group_is_named_with_its_groups(tmp_path
     assert f[0]["ranks"] == [0, 1, 2, 3]
     assert "gathered over tp:0 (4 ranks) where the attention-TP group (2 ranks: [0, 1] and [2, 3])" in f[0]["detail"]
     _dp_clean_except_aux(tmp_path, rep)
+    # the serving causes read on this capture: its slots hold 2 × 6 rows, its streams 6, and the FFN's reduces
+    # 2 × 6 rows as the slots do; sizes that differ are evidence (neither F16 nor F18 holds), never an exception
+    import torch
+
+    from tpprobe.capture.points import allreduce_out
+    from tpprobe.checks.causes import _tensor_causes, explain
+    from tpprobe.formats.capture_dir import load_run
+    run = load_run(tmp_path)
+    rec = run.records[0]
+    assert rec.tensors["aux.packed"].shape[0] == 2 * rec.tensors["embed.out"].shape[0] == 12
+    assert any(rec.tensors[allreduce_out(a.seq)].shape[0] == 12 for a in rec.meta.reduces
+               if allreduce_out(a.seq) in rec.tensors)
+    for slot, expected in enumerate(["embed.out", "layer.1.out"]):
+        assert _tensor_causes(rec, 64, slot, expected, torch.float32) == \
+            {"partial-capture": set(), "capture-no-residual": set()}
+        assert explain(None, run.records, sorted(run.records), 64, slot, expected, None, torch.float32) is None
 
 
 # ---- DP attention only where SGLang's model has it ---------------------------------------------------------------
@@ -178,6 +194,7 @@ def test_the_dp_attention_architectures_are_those_whose_sglang_attention_splits_
               for arch, (m, _) in SGLANG_CLASSES.items()}
     splits = {arch: "get_parallel().attn_tp_size" in text for arch, text in source.items()}
     assert sorted(a for a, yes in splits.items() if yes) == sorted(DP_ATTENTION_ARCHES), splits
+
 
 def test_a_row_output_reduced_as_a_copy_is_not_named_never_reduced(tmp_path):
     # SGLang's Llama under DP attention (refused by the probe, run here with the refusal lifted in the launcher,
