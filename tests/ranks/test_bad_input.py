@@ -140,6 +140,26 @@ def test_a_model_that_cannot_be_allocated_is_one_line_with_its_size_and_the_opti
     assert not (tmp_path / "r").exists()
 
 
+def test_a_reference_forward_that_cannot_be_allocated_is_one_line_with_the_options_that_shrink_it(tmp_path):
+    """At 200000 tokens each rank's forward runs, but the unsharded reference forward rank 0 checks them against
+    (all heads in one process) asks torch for a 40 GB attention mask: the same one line as a build that does not
+    fit, with the options that shrink the model (not --nproc: the reference is never split), exit 2, and the rank
+    files written before it are not left behind."""
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1":
+        pytest.skip("this kernel overcommits every allocation: the refusal would be an OOM kill")
+    mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
+    if mem["MemTotal"] + mem.get("SwapTotal", 0) > 40e9:
+        pytest.skip("this machine could hold the 40 GB mask")
+    cp = run_cli(["probe", "--tokens", "200000", "--exchange", "fingerprint", "--out", str(tmp_path / "r")],
+                 timeout=300)
+    assert cp.returncode == 2, cp.stderr[-2000:]
+    assert one_line(cp.stderr) == (
+        "tpprobe: error: rank 0 ran out of memory in the unsharded reference forward, the whole model in one process "
+        "that the ranks are checked against (an allocation of 40.0 GB failed); shrink it: --vocab, --hidden, --ffn, "
+        "--num-layers, --tokens")
+    assert not (tmp_path / "r").exists()
+
+
 # ---- ids and configs: never silently changed, never the wrong file taken for the right one ----------
 @pytest.mark.parametrize("args, says", [
     (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),

@@ -168,11 +168,10 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
             raise
         raise UsageError(line) from None
     except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
+        err = out_of_memory(e, opts, ctx.rank, "building the model")
+        if err is None:
             raise
-        # a resource limit is bad input: what would not fit and how to shrink it (tpprobe.engines.footprint)
-        raise UsageError(f"rank {ctx.rank} ran out of memory building the model ({_failed_allocation(e)}); "
-                         f"shrink it: {_shrink_options(opts)}") from None
+        raise err from None
     if opts.model:   # a user's model: its own depth bounds the ids
         L = target.num_layers
         if not opts.layers_given:      # the default ids follow the depth, known only now
@@ -223,6 +222,19 @@ def engine_assertion(e: AssertionError, opts: ProbeOptions) -> Optional[str]:
              "the config lacks what that code needs: compare it with the model's published config.json")
     return (f"--config {opts.config}: {engine.title}'s code cannot build this model from it: {where} fails "
             f"{said}; {lacks}")
+
+
+def out_of_memory(e: BaseException, opts: ProbeOptions, rank: int, doing: str,
+                  nproc_helps: bool = True) -> Optional[UsageError]:
+    """A resource limit is bad input: the one line saying what would not fit and how to shrink it
+    (tpprobe.engines.footprint refuses a --config model before any rank starts); None when `e` is no failed
+    allocation. `nproc_helps`: False where the work is not split over the ranks (the unsharded reference)."""
+    if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
+        return None
+    shrink = _shrink_options(opts)
+    if not nproc_helps:
+        shrink = shrink.replace(", or fewer --nproc", "").replace(" or fewer --nproc", "")
+    return UsageError(f"rank {rank} ran out of memory {doing} ({_failed_allocation(e)}); shrink it: {shrink}")
 
 
 def _failed_allocation(e: BaseException) -> str:
