@@ -218,6 +218,26 @@ def test_a_target_config_given_as_the_draft_config_is_refused(tmp_path, capsys):
     assert code == 0 and "agree on every slot" in " ".join(out.split()), out + err
 
 
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "builtin"])
+def test_a_draft_config_given_as_the_probes_config_is_refused(tmp_path, capsys, engine):
+    # an EAGLE-3 draft's config.json names model_type llama: read as a target's it probed a 1-layer Llama
+    draft = ROOT / "examples" / "eagle3" / "draft_config.json"
+    code, out, err = cli(["probe", "--engine", engine, "--config", draft, "--out", tmp_path / "r"], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == (
+        f"tpprobe: error: --config {draft} is an EAGLE-3 draft's config (LlamaForCausalLMEagle3), not a target "
+        f"model's: probe the target's config.json; a draft's config goes to `tpprobe layers --draft-config`, "
+        f"`tpprobe fix --draft` and `tpprobe accept --draft`")
+    # a draft known by its keys alone (a Llama class, its own aux ids) is one too
+    keyed = tmp_path / "draft.json"
+    keyed.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    code, out, err = cli(["probe", "--engine", engine, "--config", keyed, "--out", tmp_path / "r"], capsys)
+    assert code == 2 and f"--config {keyed} is an EAGLE-3 draft's config (its eagle_config), not a target" in \
+        one_line(err)
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_unreadable_config_is_said_before_any_engine_is_imported(tmp_path):
     bad = tmp_path / "notjson.json"
     bad.write_text("not json")

@@ -50,6 +50,9 @@ def options_from_cli(**values) -> ProbeOptions:
     for n in ("num_layers", *BUILTIN_ONLY):
         if kw.get(n) is None and not (n == "num_layers" and serving_config):
             kw[n] = BUILTIN[n]
+    if kw["config"]:
+        from ..config.hub import check_target
+        check_target(kw["config"])       # a draft's config read as a target's would probe some other model
     if serving_config:
         # the config's own architecture and depth, unless --arch / --num-layers say otherwise
         arch, layers = engine.config_shape(kw["config"])
