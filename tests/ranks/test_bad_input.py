@@ -173,6 +173,26 @@ def test_a_model_that_cannot_be_allocated_is_one_line_with_its_size_and_the_opti
     assert not (tmp_path / "r").exists()
 
 
+def test_a_reference_forward_that_cannot_be_allocated_is_one_line_with_the_options_that_shrink_it(tmp_path):
+    """At 200000 tokens each rank's forward runs, but the unsharded reference forward rank 0 checks them against
+    (all heads in one process) asks torch for a 40 GB attention mask: the same one line as a build that does not
+    fit, with the options that shrink the model (not --nproc: the reference is never split), exit 2, and the rank
+    files written before it are not left behind."""
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1":
+        pytest.skip("this kernel overcommits every allocation: the refusal would be an OOM kill")
+    mem = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
+    if mem["MemTotal"] + mem.get("SwapTotal", 0) > 40e9:
+        pytest.skip("this machine could hold the 40 GB mask")
+    cp = run_cli(["probe", "--tokens", "200000", "--exchange", "fingerprint", "--out", str(tmp_path / "r")],
+                 timeout=300)
+    assert cp.returncode == 2, cp.stderr[-2000:]
+    assert one_line(cp.stderr) == (
+        "tpprobe: error: rank 0 ran out of memory in the unsharded reference forward, the whole model in one process "
+        "that the ranks are checked against (an allocation of 40.0 GB failed); shrink it: --vocab, --hidden, --ffn, "
+        "--num-layers, --tokens")
+    assert not (tmp_path / "r").exists()
+
+
 # ---- ids and configs: never silently changed, never the wrong file taken for the right one ----------
 @pytest.mark.parametrize("args, says", [
     (["layers", "--ids", "1,,2"], "--ids '1,,2' has an empty entry: give comma-separated integers like -1,2,30"),
@@ -232,6 +252,26 @@ def test_a_target_config_given_as_the_draft_config_is_refused(tmp_path, capsys):
                                  "draft_vocab_size": 32000}))
     code, out, err = cli(["layers", "--draft-config", draft, "--target-config", target], capsys)
     assert code == 0 and "agree on every slot" in " ".join(out.split()), out + err
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "builtin"])
+def test_a_draft_config_given_as_the_probes_config_is_refused(tmp_path, capsys, engine):
+    # an EAGLE-3 draft's config.json names model_type llama: read as a target's it probed a 1-layer Llama
+    draft = ROOT / "examples" / "eagle3" / "draft_config.json"
+    code, out, err = cli(["probe", "--engine", engine, "--config", draft, "--out", tmp_path / "r"], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == (
+        f"tpprobe: error: --config {draft} is an EAGLE-3 draft's config (LlamaForCausalLMEagle3), not a target "
+        f"model's: probe the target's config.json; a draft's config goes to `tpprobe layers --draft-config`, "
+        f"`tpprobe fix --draft` and `tpprobe accept --draft`")
+    # a draft known by its keys alone (a Llama class, its own aux ids) is one too
+    keyed = tmp_path / "draft.json"
+    keyed.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}))
+    code, out, err = cli(["probe", "--engine", engine, "--config", keyed, "--out", tmp_path / "r"], capsys)
+    assert code == 2 and f"--config {keyed} is an EAGLE-3 draft's config (its eagle_config), not a target" in \
+        one_line(err)
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_unreadable_config_is_said_before_any_engine_is_imported(tmp_path):

@@ -122,6 +122,31 @@ def test_kimi_at_tp8_is_refused_with_the_estimate_in_seconds(tmp_path, backend):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.sglang
+def test_a_config_sglangs_code_asserts_on_is_the_configs_problem_one_line_exit_2(tmp_path):
+    """DeepSeek-V3's text model without rope_scaling: SGLang's CPU rope asserts it is set while the model is built
+    from the config. The engine's own assertion on a user's config is the config's problem (the engine's
+    file:line, the key it lacks), exit 2, never "a bug in tpprobe"."""
+    pytest.importorskip("sglang")
+    text = dict(json.loads(KIMI.read_text())["text_config"], model_type="deepseek_v3", first_k_dense_replace=3,
+                n_routed_experts=256, architectures=["DeepseekV3ForCausalLM"])
+    del text["rope_scaling"]
+    cfg = tmp_path / "K.json"
+    cfg.write_text(json.dumps(text))
+    cp = run_cli(["probe", "--engine", "sglang", "--config", str(cfg), "--nproc", "2", "--num-layers", "2",
+                  "--num-experts", "2", "--vocab-size", "1024", "--dtype", "float32", "--layers", "0",
+                  "--out", str(tmp_path / "r")], timeout=300)
+    assert cp.returncode == 2, cp.stderr[-3000:]
+    import sglang.srt.layers.rotary_embedding.factory as factory
+    at = next(i for i, ln in enumerate(Path(factory.__file__).read_text().splitlines(), 1)
+              if ln.strip() == "assert rope_scaling is not None")
+    assert one_line(cp) == (
+        f"tpprobe: error: --config {cfg}: SGLang's code cannot build this model from it: "
+        f"sglang/srt/layers/rotary_embedding/factory.py:{at} (get_rope_cpu) fails `assert rope_scaling is not None`; "
+        f"the config has no 'rope_scaling', which that code needs: add it as the model's published config.json has it")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_config_that_is_no_json_is_refused_before_the_engine_loads(tmp_path):
     bad = tmp_path / "notjson.json"
     bad.write_text("this is not json")

@@ -112,13 +112,17 @@ def _tensor_causes(rec, hidden: int, slot: int, expected: str, dtype) -> Optiona
         return None
     s = packed[..., slot * hidden:(slot + 1) * hidden].float()
     here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
-    for a in rec.meta.collectives:
+    # sizes that differ are evidence: a slot of other rows than its stream (the rows of every attention-DP
+    # group, F17) is no partial capture of it, and a reduce of other rows is neither cause
+    rows_of_stream = tuple(S.shape) == tuple(s.shape)
+    for a in rec.meta.reduces:          # a sum's output, never a gather's (a gathered stream is no layer's output)
         i, o = rec.tensors.get(allreduce_in(a.seq)), rec.tensors.get(allreduce_out(a.seq))
         if i is None or o is None or tuple(o.shape) != tuple(s.shape):
             continue
         if _close(s, o.float(), dtype):
             here["capture-no-residual"].add(a.seq)
-        elif _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
+        elif rows_of_stream and tuple(i.shape) == tuple(s.shape) \
+                and _close(s, (S.float() - o.float() + i.float()), dtype) and not _close(i.float(), o.float(), dtype):
             here["partial-capture"].add(a.seq)
     return here
 
@@ -139,7 +143,7 @@ def _sketch_causes(rec, slot: int, expected: str, dtype) -> Optional[dict]:
     if s is None or S is None or s.shape != S.shape or s.k != S.k or s.seed != S.seed or s.n_nan or s.n_inf:
         return None
     here: dict[str, set] = {"partial-capture": set(), "capture-no-residual": set()}
-    for a in rec.meta.collectives:
+    for a in rec.meta.reduces:
         i, o = _fp(a.in_fp), _fp(a.out_fp)
         if i is None or o is None or o.shape != s.shape or i.shape != s.shape or o.k != s.k or o.seed != s.seed \
                 or i.k != s.k or i.seed != s.seed or i.n_nan or i.n_inf or o.n_nan or o.n_inf:

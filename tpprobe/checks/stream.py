@@ -64,7 +64,7 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
     sig_text = signature_text(sig, layer)
     # a row-parallel output in this layer that no all-reduce consumed
     unreduced = [u for r in live for u in records[r].meta.unreduced_rows if u.layer == layer]
-    if unreduced:
+    if unreduced and not summed_as_copy(records, live, layer):
         mod = unreduced[0].module
         ranks = sorted({r for r in live for u in records[r].meta.unreduced_rows if u.module == mod})
         n_here = Counter(a.where for a in records[live[0]].meta.collectives)
@@ -250,6 +250,30 @@ def silent_missing_reduce(records, live, world) -> list[Finding]:
             f.detail += " (the ranks agree with each other, so only the audit's count shows it)"
             return [f]
     return []
+
+
+def summed_as_copy(records, live, layer) -> bool:
+    """On every live rank, `layer` issued no fewer reduces than the other layers of its kind, and at least as many
+    all-reduces the audit traced to no row-parallel output as row-parallel outputs the tap saw go unreduced:
+    each such output may have been summed as a copy (SGLang's DP attention copies o_proj's rows into its
+    gathered buffer and reduces that buffer), so the audit's numbers do not say it was never reduced."""
+    if layer is None or layer < 0:
+        return False
+    n = _coverage(records, live).layers_found or 0
+    if layer >= n:
+        return False
+    kinds = layer_kinds(records, live)
+    kinds = kinds if len(kinds) == n else [frozenset()] * n
+    for r in live:
+        reduces = records[r].meta.reduces
+        counts = Counter(a.layer for a in reduces if a.layer is not None)
+        typical, _, _ = _typical([counts.get(k, 0) for k in range(n)], kinds, layer)
+        if counts.get(layer, 0) < typical:
+            return False
+        untraced = sum(1 for a in reduces if a.layer == layer and a.kind == "all_reduce" and a.source is None)
+        if untraced < sum(1 for u in records[r].meta.unreduced_rows if u.layer == layer):
+            return False
+    return True
 
 
 def missing_reduce(records, live, world, layer) -> Finding | None:

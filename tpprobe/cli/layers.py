@@ -319,10 +319,9 @@ def check_is_draft(draft: dict, draft_path: Path, target_path: Path) -> None:
     config with no trace of a draft (no Eagle class, no eagle_config or aux ids, no draft_vocab_size, more
     than the draft's one decoder layer), whose contract would be SGLang's default against itself."""
     same = Path(draft_path).resolve() == Path(target_path).resolve()
+    from tpprobe.config.hub import draft_sign
     archs = [a for a in draft.get("architectures") or [] if isinstance(a, str)]
-    drafty = any("eagle" in a.lower() for a in archs) or any(
-        k in draft for k in ("eagle_config", "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states",
-                             "draft_vocab_size"))
+    drafty = draft_sign(draft) is not None
     L = draft.get("num_hidden_layers")
     if same or not (drafty or L in (None, 1)):
         what = f"{archs[0] if archs else 'a'} model" + (f" of {L} layers" if isinstance(L, int) else "")

@@ -133,6 +133,34 @@ def read_config(path, flag: str = "--config") -> HubConfig:
     return parse(raw, str(path))
 
 
+# the keys only an EAGLE draft's config carries (the engines' EAGLE workers read them off the draft's config)
+DRAFT_KEYS = ("eagle_config", "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states", "draft_vocab_size")
+
+
+def draft_sign(raw: dict) -> Optional[str]:
+    """What marks a config.json's dict as an EAGLE draft's: its Eagle class (LlamaForCausalLMEagle3) or a key
+    only a draft carries; None for a target model's config."""
+    archs = raw.get("architectures") if isinstance(raw.get("architectures"), list) else []
+    cls = next((a for a in archs if isinstance(a, str) and "eagle" in a.lower()), None)
+    if cls is not None:
+        return cls
+    key = next((k for k in DRAFT_KEYS if k in raw), None)
+    return f"its {key}" if key else None
+
+
+def check_target(path, flag: str = "--config") -> None:
+    """UsageError (one line) when the config at `path` is an EAGLE draft's, where a target model's is asked for;
+    an unreadable file passes (its reader says what is wrong with it)."""
+    hub = try_read(path)
+    sign = draft_sign(hub.raw) if hub is not None else None
+    if sign is None:
+        return
+    kind = "EAGLE" if not sign.startswith("its ") and "eagle3" not in sign.lower() else "EAGLE-3"
+    raise UsageError(f"{flag} {path} is an {kind} draft's config ({sign}), not a target model's: probe the target's "
+                     f"config.json; a draft's config goes to `tpprobe layers --draft-config`, `tpprobe fix --draft` "
+                     f"and `tpprobe accept --draft`")
+
+
 def try_read(path) -> Optional[HubConfig]:
     """read_config, or None for a file that cannot be read (the caller says so where it matters)."""
     try:

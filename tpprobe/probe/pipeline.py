@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .prepare import build_with_faults, capture_size, probe_settings, validate
+from .prepare import build_with_faults, capture_size, out_of_memory, probe_settings, validate
 from ..capture.audit import prepare as prepare_audit
 from ..formats.capture_dir import check_out_dir, remove_if_empty, write_manifest, write_rank
 from ..capture.hooks import Tap
@@ -52,7 +52,8 @@ def run(opts: ProbeOptions, keep_group: bool = False) -> int:
     code, box = 1, {}
     try:
         code = _run(opts, ctx, ch, progress, grace, t_start, box)
-    except TPProbeError:
+    except TPProbeError as e:
+        code = e.exit_code          # the other ranks end with it too (rank 0 posts it below)
         raise
     except Exception as e:      # tpprobe's own code failed here: one line, exit 3, the others report it
         code = _internal_error(e, ctx, ch, progress, opts.debug)
@@ -199,13 +200,32 @@ def _exchange(me: _Rank, tensors: dict, meta: dict, posts: dict):
     return records, evidence
 
 
+def _references(me: _Rank, posts: dict) -> Optional[dict]:
+    """The engine's unsharded streams (the whole model in this one process): a run too large for them is bad
+    input, said as the build says it (prepare.out_of_memory); the rank files this run wrote go with it (no
+    manifest names them yet), and so does the folder when it was made for this run."""
+    try:
+        return engine_of(me.opts).reference_streams(me.opts)
+    except (MemoryError, RuntimeError) as e:
+        err = out_of_memory(e, me.opts, me.ctx.rank, "in the unsharded reference forward, the whole model in "
+                            "one process that the ranks are checked against", nproc_helps=False)
+        if err is None:
+            raise
+        if me.out is not None:
+            for f in (f for p in posts.values() for f in p.get("files", [])):
+                (me.out / f["path"]).unlink(missing_ok=True)
+            if me.created_out:
+                remove_if_empty(me.out)
+        raise err from None
+
+
 def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: dict) -> int:
     """Rank 0: the checks, report.json, the manifest, and the report on the terminal."""
     me.progress.set("report")
     ch, world = me.ch, me.ctx.world_size
     liveness = liveness_of(ch, world, posts, me.grace, me.ctx.backend, me.device.flight)
     settings = probe_settings(me.opts, me.ctx, me.target, me.layer_ids)
-    references = engine_of(me.opts).reference_streams(me.opts)
+    references = _references(me, posts)
     files = [f for p in posts.values() for f in p["files"]]
 
     def manifest(timings: dict) -> None:

@@ -50,6 +50,9 @@ def options_from_cli(**values) -> ProbeOptions:
     for n in ("num_layers", *BUILTIN_ONLY):
         if kw.get(n) is None and not (n == "num_layers" and serving_config):
             kw[n] = BUILTIN[n]
+    if kw["config"]:
+        from ..config.hub import check_target
+        check_target(kw["config"])       # a draft's config read as a target's would probe some other model
     if serving_config:
         # the config's own architecture and depth, unless --arch / --num-layers say otherwise
         arch, layers = engine.config_shape(kw["config"])
@@ -162,12 +165,16 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     groups = faults.prepare_groups(flt, ctx)
     try:
         target = build_target(ctx, opts, layer_ids)
-    except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
+    except AssertionError as e:
+        line = engine_assertion(e, opts)
+        if line is None:
             raise
-        # a resource limit is bad input: what would not fit and how to shrink it (tpprobe.engines.footprint)
-        raise UsageError(f"rank {ctx.rank} ran out of memory building the model ({_failed_allocation(e)}); "
-                         f"shrink it: {_shrink_options(opts)}") from None
+        raise UsageError(line) from None
+    except (MemoryError, RuntimeError) as e:
+        err = out_of_memory(e, opts, ctx.rank, "building the model")
+        if err is None:
+            raise
+        raise err from None
     if opts.model:   # a user's model: its own depth bounds the ids
         L = target.num_layers
         if not opts.layers_given:      # the default ids follow the depth, known only now
@@ -179,6 +186,58 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
     if flt:
         engine_of(opts).inject(flt, target, ctx, groups)
     return target, layer_ids
+
+
+def engine_assertion(e: AssertionError, opts: ProbeOptions) -> Optional[str]:
+    """The one line for an assertion the engine's own code raised building a --config model: the config lacks
+    what that code needs (the engine file:line, its condition, the key the config lacks when the condition
+    names one); None for any other assertion (tpprobe's own, or the engine's on tpprobe's tiny config)."""
+    import linecache
+    import os
+    import re
+    import sys
+
+    engine = engine_of(opts)
+    pkg = sys.modules.get(engine.module_prefix.rstrip(".")) if engine.module_prefix else None
+    if not opts.config or pkg is None or not getattr(pkg, "__file__", None):
+        return None
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    root = os.path.dirname(os.path.abspath(pkg.__file__))
+    if not path.startswith(root + os.sep):
+        return None
+    where = f"{os.path.basename(root)}/{os.path.relpath(path, root)}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
+    code = linecache.getline(path, tb.tb_lineno).strip()
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    said = f"`{code}`" + (f" ({msg})" if msg else "") if code.startswith("assert") else (msg or "an assertion")
+    m = re.fullmatch(r"assert\s+(?:self\.|config\.)?(\w+)\s+is\s+not\s+None", code)
+    try:
+        from ..config.hub import read_config
+        keys = set(read_config(opts.config).text)
+    except Exception:       # the config was read before; a key list is only a better hint
+        keys = set()
+    lacks = (f"the config has no {m.group(1)!r}, which that code needs: add it as the model's published "
+             f"config.json has it" if m and m.group(1) not in keys else
+             "the config lacks what that code needs: compare it with the model's published config.json")
+    return (f"--config {opts.config}: {engine.title}'s code cannot build this model from it: {where} fails "
+            f"{said}; {lacks}")
+
+
+def out_of_memory(e: BaseException, opts: ProbeOptions, rank: int, doing: str,
+                  nproc_helps: bool = True) -> Optional[UsageError]:
+    """A resource limit is bad input: the one line saying what would not fit and how to shrink it
+    (tpprobe.engines.footprint refuses a --config model before any rank starts); None when `e` is no failed
+    allocation. `nproc_helps`: False where the work is not split over the ranks (the unsharded reference)."""
+    if not isinstance(e, MemoryError) and "allocate" not in str(e) and "out of memory" not in str(e):
+        return None
+    shrink = _shrink_options(opts)
+    if not nproc_helps:
+        shrink = shrink.replace(", or fewer --nproc", "").replace(" or fewer --nproc", "")
+    return UsageError(f"rank {rank} ran out of memory {doing} ({_failed_allocation(e)}); shrink it: {shrink}")
 
 
 def _failed_allocation(e: BaseException) -> str:

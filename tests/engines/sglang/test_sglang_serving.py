@@ -148,3 +148,73 @@ def test_dp_attention_gather_over_the_tp_group_is_named_with_its_groups(tmp_path
     assert f[0]["ranks"] == [0, 1, 2, 3]
     assert "gathered over tp:0 (4 ranks) where the attention-TP group (2 ranks: [0, 1] and [2, 3])" in f[0]["detail"]
     _dp_clean_except_aux(tmp_path, rep)
+    # the serving causes read on this capture: its slots hold 2 × 6 rows, its streams 6, and the FFN's reduces
+    # 2 × 6 rows as the slots do; sizes that differ are evidence (neither F16 nor F18 holds), never an exception
+    import torch
+
+    from tpprobe.capture.points import allreduce_out
+    from tpprobe.checks.causes import _tensor_causes, explain
+    from tpprobe.formats.capture_dir import load_run
+    run = load_run(tmp_path)
+    rec = run.records[0]
+    assert rec.tensors["aux.packed"].shape[0] == 2 * rec.tensors["embed.out"].shape[0] == 12
+    assert any(rec.tensors[allreduce_out(a.seq)].shape[0] == 12 for a in rec.meta.reduces
+               if allreduce_out(a.seq) in rec.tensors)
+    for slot, expected in enumerate(["embed.out", "layer.1.out"]):
+        assert _tensor_causes(rec, 64, slot, expected, torch.float32) == \
+            {"partial-capture": set(), "capture-no-residual": set()}
+        assert explain(None, run.records, sorted(run.records), 64, slot, expected, None, torch.float32) is None
+
+
+# ---- DP attention only where SGLang's model has it ---------------------------------------------------------------
+@pytest.mark.parametrize("arch, cls", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+@pytest.mark.parametrize("inject", [[], ["--inject", "dp-attention-gather"]])
+def test_dp_attention_on_an_architecture_without_it_is_one_line_exit_2(tmp_path, arch, cls, inject):
+    # SGLang's Llama and Qwen2 split their heads over the whole TP group: under DP attention their ranks
+    # computed two different models, and the probe read that as a finding (or crashed on the F17 rows)
+    from tests.helpers.ranks import run_cli
+    p = run_cli(["probe", "--engine", "sglang", "--arch", arch, "--nproc", "4", "--dp-attention", "2", *inject,
+                 "--out", str(tmp_path / "r")], timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip() == (
+        f"tpprobe: error: --arch {arch} with --dp-attention 2: SGLang's {cls} (sglang/srt/models/{arch}.py) has no "
+        f"DP attention (its attention splits heads over the whole TP group, never over an attention-TP group); DP "
+        f"attention runs on --arch qwen3, qwen3_moe or deepseek_v2 (deepseek_v3, kimi_k2): use one of them or drop "
+        f"--dp-attention"), p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_dp_attention_architectures_are_those_whose_sglang_attention_splits_over_attention_tp():
+    # the table tpprobe refuses by is SGLang's own code: an attention whose heads split over attn_tp_size
+    import importlib
+    import inspect
+
+    from tpprobe.engines.sglang.tiny_archs import DP_ATTENTION_ARCHES, SGLANG_CLASSES
+    source = {arch: inspect.getsource(importlib.import_module(f"sglang.srt.models.{m}"))
+              for arch, (m, _) in SGLANG_CLASSES.items()}
+    splits = {arch: "get_parallel().attn_tp_size" in text for arch, text in source.items()}
+    assert sorted(a for a, yes in splits.items() if yes) == sorted(DP_ATTENTION_ARCHES), splits
+
+
+def test_a_row_output_reduced_as_a_copy_is_not_named_never_reduced(tmp_path):
+    # SGLang's Llama under DP attention (refused by the probe, run here with the refusal lifted in the launcher,
+    # whose forked ranks inherit it): its boundary copies o_proj's rows into the DP buffer and reduces that, so
+    # the tap sees o_proj's own output go unreduced while the audit counts every reduce, complete. The verdict
+    # must not say "never all-reduced" beside those numbers: the ranks diverge with every reduce complete.
+    import json
+    import subprocess
+    import sys
+
+    from tests.engines.sglang.test_sglang_probe import ROOT
+    code = ("import sys; import tpprobe.engines.sglang.tiny_archs as t; t.DP_ATTENTION_ARCHES += ('llama',); "
+            "from tpprobe.cli import main; main(sys.argv[1:])")
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", TPPROBE_RANK_START="fork")
+    p = subprocess.run([sys.executable, "-c", code, "probe", "--engine", "sglang", "--arch", "llama", "--nproc", "4",
+                        "--dp-attention", "2", "--num-layers", "4", "--tokens", "6", "--out", str(tmp_path), "--json",
+                        "--timeout", "120"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=420)
+    assert p.returncode == 1, p.stderr[-3000:]
+    rep = json.loads(p.stdout[p.stdout.index("{"):])
+    assert rep["allreduce"]["incomplete"] == 0, rep["allreduce"]
+    assert [(x["kind"], x["where"], x["ranks"]) for x in failures(rep)] == \
+        [("rank-divergence", "layer.0.out", [2, 3])], rep["findings"]
+    assert "every audited reduce returned the sum of its inputs" in failures(rep)[0]["evidence"]["explain"]

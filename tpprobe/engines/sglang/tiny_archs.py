@@ -99,10 +99,32 @@ def shape_of(arch: str, config_path: Optional[str] = None, num_experts: Optional
     return out
 
 
+# The architectures whose SGLang attention runs over the attention-TP group under DP attention: their
+# attention splits heads over get_parallel().attn_tp_size with parallel_group="attn_tp" (qwen3.py,
+# qwen3_moe.py, deepseek_v2.py). SGLang 0.5.23's llama.py and qwen2.py split heads over the whole
+# get_parallel().tp_size and never gather or scatter the attention-DP groups' tokens: with DP attention on,
+# their o_proj reduces over the whole TP group while the embedding and logits run per attention-TP group.
+DP_ATTENTION_ARCHES = ("qwen3", "qwen3_moe", "deepseek_v2")
+
+
+def check_dp_attention(arch: str, config_path: Optional[str], attn_dp: int) -> None:
+    """UsageError (one line) for DP attention on an architecture whose SGLang model has none."""
+    if attn_dp <= 1 or arch in DP_ATTENTION_ARCHES or arch not in SGLANG_CLASSES:
+        return
+    module, cls = SGLANG_CLASSES[arch]
+    model = f"--config {config_path} ({arch})" if config_path else f"--arch {arch}"
+    raise UsageError(f"{model} with --dp-attention {attn_dp}: SGLang's {cls} (sglang/srt/models/{module}.py) has "
+                     f"no DP attention (its attention splits heads over the whole TP group, never over an "
+                     f"attention-TP group); DP attention runs on --arch {', '.join(DP_ATTENTION_ARCHES[:-1])} or "
+                     f"{DP_ATTENTION_ARCHES[-1]} (deepseek_v3, kimi_k2): use one of them or drop --dp-attention")
+
+
 def check_tp(arch: str, config_path: Optional[str], tp: int, attn_dp: int = 1,
              num_experts: Optional[int] = None) -> None:
     """UsageError (one line, what to pass) when the model's heads / KV heads / MLP widths do not
-    split over `tp` ranks (attention over tp / attn_dp); runs before any rank starts."""
+    split over `tp` ranks (attention over tp / attn_dp), or DP attention is asked of an architecture
+    without it; runs before any rank starts."""
+    check_dp_attention(arch, config_path, attn_dp)
     shape = shape_of(arch, config_path, num_experts)
     attn_tp = max(tp // max(attn_dp, 1), 1)
 
