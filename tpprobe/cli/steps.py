@@ -122,7 +122,11 @@ def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool =
                         f"of {root}: " + (f"first divergence: step {d['step']} ({d['forward_mode']}) in {d['group']}: "
                                           f"{d['kind']} at {d['where']} on ranks {d['ranks']}; "
                                           f"{len(fails)} step(s) with failures; that step's report follows"
-                                          if d else "no step diverges; the last step's report follows"),
+                                          if d else "no step's ranks diverge" + (
+                                              "; the EAGLE-3 drafter's input fails its checks (its section below)"
+                                              if any(f["severity"] == "failure" for f in (rep.get("drafter") or {})
+                                                     .get("findings") or []) else "")
+                                          + "; the last step's report follows"),
                         highlight=False, soft_wrap=True)
     emit(probe_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown, quiet=quiet))
     return rep["exit_code"]

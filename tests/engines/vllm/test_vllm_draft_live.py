@@ -412,6 +412,8 @@ def test_the_embedding_missing_from_the_config_is_named_with_its_fix_in_every_si
     import re
 
     page = html_text.unescape(re.sub(r"<[^>]+>", " ", html.read_text()))        # the HTML page's text
+    # the run's headline says where the failure is: no target step diverges, the drafter's input fails
+    assert "no step's ranks diverge; the EAGLE-3 drafter's input fails its checks (its section below)" in p.stdout
     for name, text in (("terminal", p.stdout), ("markdown", md.read_text()), ("html", page)):
         flat = " ".join(text.replace("`", "").split())
         assert line in flat, (name, flat[-3000:])

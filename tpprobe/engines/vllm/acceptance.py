@@ -327,7 +327,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
         findings.append(Finding("acceptance-low", "vLLM's acceptance", ranks_all, severity=WARNING, detail=(
             f"acceptance {rate:.2f} (mean acceptance length {run['mean_acceptance_length']:.2f}) and the draft's input "
             f"passes every check here" + ("" if trained is not None else " against its config") +
-            ": replay the draft on candidate captures (below) or check what it was trained on"),
+            ": the drafter section's replay of the draft on candidate captures says which would serve it; or "
+            "check what it was trained on"),
             evidence={"all_ranks": True, "explain": "low acceptance with a healthy input: the draft itself, its "
                                                     "training data, or sampling settings"}))
     return {"steps": rows, "acceptance": acc_run, "run": run, "low": low, "config_ids": config_ids,
