@@ -134,12 +134,16 @@ def streams_from_capture(path, rank: int = 0) -> Streams:
     if not path.is_dir():
         raise UsageError(f"--streams {path}: not a folder; expected a tpprobe capture folder with every layer's "
                          f"stream (tpprobe probe, or a plugin step folder)")
+    if not (path / "manifest.json").exists() and (path / f"rank-{rank:03d}.json").exists():
+        return _streams_from_drafter(path, rank)
     run = load_run(path)
     if rank not in run.records:
         raise CaptureError(f"{path}: rank {rank} is not in this capture (readable ranks: {sorted(run.records)})")
     t = run.records[rank].tensors
     if INPUT_IDS not in t:
-        raise CaptureError(f"{path}: no input_ids in rank {rank}'s file; the draft is replayed on a token sequence")
+        raise CaptureError(f"{path}: no input_ids in rank {rank}'s file; the draft is replayed on a token sequence "
+                           f"(a plugin step keeps the ids and every layer's stream with TPPROBE_KEEP='*' and a "
+                           f"TPPROBE_MAX_BYTES that admits them; its drafter/ folder holds them too)")
     by = {}
     for name, v in t.items():
         p = parse(name)
@@ -154,6 +158,31 @@ def streams_from_capture(path, rank: int = 0) -> Streams:
         raise CaptureError(f"{path}: the streams of HF hidden_states {have} only, expected 0..{L} (the embedding "
                            f"and every layer's output); capture every layer (tpprobe probe keeps them by default)")
     return streams_from_tensors(t[INPUT_IDS], by, L, str(path))
+
+
+def _streams_from_drafter(path: Path, rank: int) -> Streams:
+    """The streams a vLLM plugin step's drafter/ folder kept (stream.K = HF hidden_states[K] and the target's
+    token ids, rows of every request of the batch): the longest prompt's rows, one token sequence."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from ..core.errors import CaptureError
+    meta = json.loads((path / f"rank-{rank:03d}.json").read_text())
+    if not isinstance(meta, dict) or "drafter" not in str(meta.get("source", "")):
+        raise UsageError(f"--streams {path}: not a tpprobe capture folder (no manifest.json) nor a vLLM plugin step's "
+                         f"drafter/ folder")
+    f = path / f"rank-{rank:03d}.safetensors"
+    t = load_file(str(f)) if f.exists() else {}
+    prompts = [r["rows"] for r in meta.get("requests") or [] if r.get("kind") == "prefill"
+               and r["rows"][1] - r["rows"][0] >= 3]
+    if "target_token_ids" not in t or not any(k.startswith("stream.") for k in t) or not prompts:
+        raise CaptureError(f"{path}: this step's drafter files kept no prompt with its streams (capture a prefill with "
+                           f"TPPROBE_KEEP='*' and a TPPROBE_MAX_BYTES that admits every layer's stream)")
+    lo, hi = max(prompts, key=lambda r: r[1] - r[0])
+    by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
+    return streams_from_tensors(t["target_token_ids"][lo:hi], by, meta.get("num_layers"),
+                                f"{path}, prompt rows {lo}..{hi - 1}")
 
 
 # ---- replay --------------------------------------------------------------------------------------------
@@ -213,6 +242,11 @@ def _replay_on_target(eng, draft, streams: Streams, hfs: list[int], chain: int) 
 
 # ---- candidates ------------------------------------------------------------------------------------
 SHOWN = 8        # candidates the table shows, best first: each with the ids that give it, or none do
+def field_of(engine: str) -> str:
+    """The draft config's field the engine reads its ids from: SGLang the nested eagle_config's first."""
+    return ("eagle_config." if engine == "sglang" else "") + FIELD
+
+
 GAIN = 0.05      # first-position acceptance a candidate must gain over the engine's capture to be a fix
 
 
@@ -328,9 +362,10 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
             trained_on: Optional[torch.Tensor] = None, engine=None, max_candidates: int = 400) -> Proposal:
     """Rank candidate captures by the draft's replayed acceptance and turn the best into ids for `rule`."""
     from .accept.engines import Eagle3Forward
+    cfg_field = field_of(rule.engine)
     written = list(ids if ids is not None else (draft.layer_ids or []))
     if not written:
-        raise UsageError(f"the draft's config has no {FIELD}: pass the ids it is served with (--ids)")
+        raise UsageError(f"the draft's config has no {cfg_field}: pass the ids it is served with (--ids)")
     if len(written) != draft.k:
         raise UsageError(f"{len(written)} ids {written} but the draft's fc takes {draft.k} slots: give one id per slot")
     if streams.hidden != draft.target_hidden:
@@ -374,18 +409,18 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
     head = (f"replayed first-position acceptance {cs.first_position:.2f} -> {bs.first_position:.2f} (accept "
             f"length, chain of {chain}: {cs.accept_length:.2f} -> {bs.accept_length:.2f})")
     if best.streams == (now or []) and now is not None:
-        line = (f"keep {FIELD} {written}: no candidate capture replays better than the engine's "
+        line = (f"keep {cfg_field} {written}: no candidate capture replays better than the engine's "
                 f"({cs.first_position:.2f} first-position acceptance, accept length {cs.accept_length:.2f}, chain "
                 f"of {chain})")
         fix_ids = None
     elif now is not None and bs.first_position <= cs.first_position + GAIN:
         # what the exit code says too (Proposal.explained): a gain this small is no capture to change
-        line = (f"keep {FIELD} {written}: the best candidate capture, HF hidden_states{best.streams}, replays within "
-                f"{GAIN} of the engine's ({head}): the capture does not explain a low acceptance")
+        line = (f"keep {cfg_field} {written}: the best candidate capture, HF hidden_states{best.streams}, replays "
+                f"within {GAIN} of the engine's ({head}): the capture does not explain a low acceptance")
         fix_ids = None
     elif best_ids is not None:
         fix_ids = best_ids
-        line = f"set {FIELD} to {best_ids}: {head}"
+        line = f"set {cfg_field} to {best_ids}: {head}"
     else:
         fix_ids = None
         reachable = next((c for c in cands if c.ids is not None), None)
@@ -408,7 +443,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
         line = f"the draft replays best on HF hidden_states{best.streams} ({head}), but {no_fix}"
         if reachable is not None and reachable.streams != (now or []):
             rs = reachable.score
-            line += (f"; the best this engine can give: set {FIELD} to {reachable.ids} (first-position acceptance "
+            line += (f"; the best this engine can give: set {cfg_field} to {reachable.ids} (first-position acceptance "
                      f"{rs.first_position:.2f}, accept length {rs.accept_length:.2f})")
     return Proposal(rule, written, cur, best, cands, fix_ids, no_fix, line, reachable, notes)
 

@@ -176,6 +176,15 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_replayed_fix_brings_acc
     assert rc1 == 1 and [(x["kind"], x["where"], x["ranks"]) for x in fails(rep1)] == \
         [("capture-offset", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep1["findings"]
     assert rep1["drafter"]["run"]["rate"] == 0.0, rep1["drafter"]["run"]
+    # `tpprobe fix` on that step's drafter/ folder (the prompt's ids and streams the plugin kept), the target's
+    # folder giving the draft its embedding: ids that put HF hidden_states[2] in the slot the draft reads
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "fix", "--draft", str(draft), "--streams",
+                        str(Path(d["steps"][0]["folder"]) / "drafter"), "--engine", "vllm", "--arch",
+                        "LlamaForCausalLM", "--embed", str(target), "--json"],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    fx = json.loads(p.stdout)
+    assert fx["fix_ids"][1] == 2 and fx["best"]["score"]["first_position"] == 1.0, fx["line"]
     # every layer hooked, the input equal on both ranks, prefill and verify rows in one step, split per request
     cov = rep["coverage"]
     assert cov["layers_found"] == cov["layers_ran"] == 4 and cov["embed"], cov

@@ -152,8 +152,9 @@ def load_draft(path, embed: Optional[str] = None) -> Draft:
             raise UsageError(f"--draft {path}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
     if "embed_tokens.weight" not in w:
         if embed is None:
-            raise UsageError(f"--draft {path}: no embed_tokens.weight (SGLang copies it from the target model): "
-                             f"pass --embed FILE with the target's embedding table [{vocab}, {hidden}]")
+            raise UsageError(f"--draft {path}: no embed_tokens.weight (the engine copies it from the target model): "
+                             f"pass --embed with the target's folder, or a file with its embedding table "
+                             f"[{vocab}, {hidden}]")
         w["embed_tokens.weight"] = _load_embed(Path(embed), vocab, hidden)
         notes.append(f"embedding table from {embed}")
     e = w["embed_tokens.weight"]
@@ -168,10 +169,27 @@ def load_draft(path, embed: Optional[str] = None) -> Draft:
                  rope_theta=float(theta), d2t=d2t, notes=notes)
 
 
+TARGET_EMBED = "model.embed_tokens.weight"
+
+
 def _load_embed(p: Path, vocab: int, hidden: int) -> torch.Tensor:
+    """The target's embedding table: from the target's folder (its safetensors' model.embed_tokens.weight, read
+    alone), a safetensors file holding that tensor among others, or a file holding one [vocab, hidden] tensor."""
+    from safetensors import safe_open
+    if p.is_dir():
+        for f in sorted(p.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                if TARGET_EMBED in st.keys():
+                    return st.get_tensor(TARGET_EMBED)
+        raise UsageError(f"--embed {p}: a folder with no {TARGET_EMBED} in its safetensors; give the target model's "
+                         f"folder, or a file with its embedding table [{vocab}, {hidden}]")
     if not p.is_file():
-        raise UsageError(f"--embed {p}: no such file; expected the target's embedding table [{vocab}, {hidden}]")
+        raise UsageError(f"--embed {p}: no such file or folder; expected the target model's folder or its embedding "
+                         f"table [{vocab}, {hidden}]")
     if p.suffix == ".safetensors":
+        with safe_open(str(p), "pt") as st:
+            if TARGET_EMBED in st.keys():
+                return st.get_tensor(TARGET_EMBED)
         from safetensors.torch import load_file
         t = load_file(str(p))
     else:
