@@ -30,8 +30,8 @@ def test_the_seeds_draft_on_stock_sglang_gets_ids_that_give_the_embedding(seed):
     s, d = seed
     p = propose(d, s, EngineRule("sglang", DS, 61))
     assert p.fix_ids == [0, 3, 31] and p.no_fix is None
-    assert p.line == ("set eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position acceptance "
-                      "0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00)")
+    assert p.line == ("set eagle_config.eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position "
+                      "acceptance 0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00)")
     assert p.notes == ["the engine does not serve these ids as they are: id -1: crash"]
     assert p.best.streams == [0, 3, 31] and p.best.score.per_position == [1.0] * 5
 
@@ -56,8 +56,8 @@ def test_the_seeds_draft_on_the_patched_sglang_moves_ids_2_and_30_one_layer(seed
     p = propose(d, s, EngineRule("sglang", DS, 61, {-1: 0}))
     assert p.current.streams == [0, 2, 30]          # the patch gives the embedding; 2 and 30 read one layer early
     assert p.fix_ids == [-1, 3, 31]
-    assert p.line == ("set eagle_aux_hidden_state_layer_ids to [-1, 3, 31]: replayed first-position acceptance "
-                      "0.35 -> 1.00 (accept length, chain of 5: 1.50 -> 6.00)")
+    assert p.line == ("set eagle_config.eagle_aux_hidden_state_layer_ids to [-1, 3, 31]: replayed first-position "
+                      "acceptance 0.35 -> 1.00 (accept length, chain of 5: 1.50 -> 6.00)")
 
 
 def test_a_draft_trained_on_the_last_layers_output_has_no_id_list_on_sglang_and_one_on_vllm(tmp_path):
@@ -69,7 +69,7 @@ def test_a_draft_trained_on_the_last_layers_output_has_no_id_list_on_sglang_and_
                         "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture and the decoder loop it feeds "
                         "(sglang/srt/models/deepseek_v2.py:3458) (or describe a patched build with --id-rule)")
     assert p.reachable is not None and p.reachable.score.first_position < 1.0
-    assert "; the best this engine can give: set eagle_aux_hidden_state_layer_ids to " in p.line
+    assert "; the best this engine can give: set eagle_config.eagle_aux_hidden_state_layer_ids to " in p.line
     v = propose(d, s, EngineRule("vllm", "LlamaForCausalLM", 12))
     assert v.fix_ids == [0, 6, 12] and v.line.startswith(
         "set eagle_aux_hidden_state_layer_ids to [0, 6, 12]: replayed first-position acceptance 0.00 -> 1.00")
@@ -146,8 +146,9 @@ def test_the_cli_on_a_real_probe_capture_keeps_sglangs_ids_and_fixes_vllms(tmp_p
     args = ["fix", "--draft", str(draft), "--streams", str(run), "--arch", "LlamaForCausalLM"]
     r = run_cli([*args, "--engine", "sglang"])
     assert r.returncode == 0, r.stderr
-    assert ("OK: keep eagle_aux_hidden_state_layer_ids [-1, 1, 3]: no candidate capture replays better than the "
-            "engine's (1.00 first-position acceptance, accept length 6.00, chain of 5)") in " ".join(r.stdout.split())
+    assert ("OK: keep eagle_config.eagle_aux_hidden_state_layer_ids [-1, 1, 3]: no candidate capture replays better "
+            "than the engine's (1.00 first-position acceptance, accept length 6.00, chain of 5)") in \
+        " ".join(r.stdout.split())
     r = run_cli([*args, "--engine", "vllm", "--chain", "3", "--json"])
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
@@ -276,7 +277,7 @@ def test_the_ids_served_far_from_the_drafts_config_still_find_the_config_s_captu
     s, d = seed
     p = propose(d, s, EngineRule("sglang", DS, 61), ids=[3, 31, 59])
     assert p.fix_ids == [0, 3, 31] and p.best.label.startswith("the draft's config ids as outputs"), p.line
-    assert p.line.startswith("set eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position "
+    assert p.line.startswith("set eagle_config.eagle_aux_hidden_state_layer_ids to [0, 3, 31]: replayed first-position "
                              "acceptance 0.04 -> 1.00"), p.line
 
 
@@ -294,6 +295,6 @@ def test_a_gain_under_the_threshold_is_keep_and_exit_0_not_a_fix(seed, monkeypat
     monkeypatch.setattr(d, "layer_ids", [3, 31, 59])
     p = propose(d, s, EngineRule("sglang", DS, 61), ids=[3, 31, 59])
     assert p.best.streams == [4, 31, 59] and p.fix_ids is None and p.no_fix is None and not p.explained
-    assert p.line.startswith("keep eagle_aux_hidden_state_layer_ids [3, 31, 59]: the best candidate capture, HF "
-                             "hidden_states[4, 31, 59], replays within 0.05 of the engine's (replayed first-position "
-                             "acceptance 0.10 -> 0.13"), p.line
+    assert p.line.startswith("keep eagle_config.eagle_aux_hidden_state_layer_ids [3, 31, 59]: the best candidate "
+                             "capture, HF hidden_states[4, 31, 59], replays within 0.05 of the engine's (replayed "
+                             "first-position acceptance 0.10 -> 0.13"), p.line

@@ -100,13 +100,13 @@ def test_the_draft_replayed_on_sglangs_capture_names_the_ids_and_they_bring_its_
     assert rp["current"]["streams"] == [1, 2, 3] and rp["current"]["score"]["first_position"] == 0.0, rp["current"]
     fix = rp["fix_ids"]
     assert rp["best"]["streams"][1] == 1 and rp["best"]["score"]["first_position"] == 1.0, rp["best"]
-    assert rp["line"] == (f"set {FIELD} to {fix}: replayed first-position acceptance 0.00 -> 1.00 (accept length, "
-                          f"chain of 5: 1.00 -> 6.00)"), rp["line"]
+    assert rp["line"] == (f"set eagle_config.{FIELD} to {fix}: replayed first-position acceptance 0.00 -> 1.00 "
+                          f"(accept length, chain of 5: 1.00 -> 6.00)"), rp["line"]
     # nothing else fails: the replay is the cause, named where the draft's input was captured, on both ranks
     fails = [f for f in rep["findings"] if f["severity"] == "failure"]
     assert [(f["kind"], f["where"], f["ranks"]) for f in fails] == \
         [("id-contract", "aux slots, step 0 (draft_input)", [0, 1])], rep["findings"]
-    assert f"set {FIELD} to {fix}" in fails[0]["detail"] and "replayed on" in fails[0]["detail"], fails[0]
+    assert f"set eagle_config.{FIELD} to {fix}" in fails[0]["detail"] and "replayed on" in fails[0]["detail"], fails[0]
     line = f"draft replay: fix (the draft replayed on {rp['on']}): {rp['line']}"
     assert rep["settings"]["draft replay"] == line[len("draft replay: "):], rep["settings"]
     # every sink says it
