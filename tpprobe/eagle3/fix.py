@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from ..core.errors import UsageError
-from ..engines.capture_rule import EngineRule, ids_for, unreachable
+from ..engines.capture_rule import EngineRule, config_field, ids_for, unreachable
 
 __all__ = ["Streams", "streams_from_tensors", "streams_from_capture", "EngineRule", "ids_for", "replay", "Score",
            "Candidate", "candidates", "match_trained", "Proposal", "propose", "run_fix"]
@@ -242,11 +242,6 @@ def _replay_on_target(eng, draft, streams: Streams, hfs: list[int], chain: int) 
 
 # ---- candidates ------------------------------------------------------------------------------------
 SHOWN = 8        # candidates the table shows, best first: each with the ids that give it, or none do
-def field_of(engine: str) -> str:
-    """The draft config's field the engine reads its ids from: SGLang the nested eagle_config's first."""
-    return ("eagle_config." if engine == "sglang" else "") + FIELD
-
-
 GAIN = 0.05      # first-position acceptance a candidate must gain over the engine's capture to be a fix
 
 
@@ -362,7 +357,7 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
             trained_on: Optional[torch.Tensor] = None, engine=None, max_candidates: int = 400) -> Proposal:
     """Rank candidate captures by the draft's replayed acceptance and turn the best into ids for `rule`."""
     from .accept.engines import Eagle3Forward
-    cfg_field = field_of(rule.engine)
+    cfg_field = config_field(rule.engine)
     written = list(ids if ids is not None else (draft.layer_ids or []))
     if not written:
         raise UsageError(f"the draft's config has no {cfg_field}: pass the ids it is served with (--ids)")

@@ -232,6 +232,11 @@ def _search(rule: EngineRule, hfs, opts, prefer, permute: bool) -> Optional[list
     return best
 
 
+def config_field(engine: str) -> str:
+    """The draft config's field the engine reads its ids from: SGLang the nested eagle_config's first."""
+    return ("eagle_config." if engine == "sglang" else "") + "eagle_aux_hidden_state_layer_ids"
+
+
 def unreachable(rule: EngineRule, hfs: list[int]) -> list[str]:
     """Why no id list gives `hfs` (one line per stream no single id reaches), naming what to patch."""
     L = rule.num_layers
@@ -323,8 +328,7 @@ def ids_to_write(engine: str, arch: str, L: int, want: list[int], draft_ids: Opt
     if not want or not all(0 <= w <= L for w in want):
         return None
     rule = EngineRule(engine, arch, L, dict(id_rule or {}))
-    key = ("eagle_config.eagle_aux_hidden_state_layer_ids" if engine == "sglang" else
-             "eagle_aux_hidden_state_layer_ids")
+    key = config_field(engine)
     who = ("SGLang" if engine == "sglang" else "vLLM") + (" (your build)" if id_rule else "")
     ids = ids_for(rule, want, draft_ids)
     if ids is not None:
