@@ -185,6 +185,13 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_replayed_fix_brings_acc
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     fx = json.loads(p.stdout)
     assert fx["fix_ids"][1] == 2 and fx["best"]["score"]["first_position"] == 1.0, fx["line"]
+    # scored as the report's replay scores it: the target's folder is known, so against its own greedy tokens
+    assert fx["scored_against"].startswith("scored against the target's own greedy tokens (model.norm.weight and "
+                                           "lm_head.weight of target on the last layer) at the "), fx["scored_against"]
+    # the steps' title names the ids vLLM captures for its drafter (the draft's [0, 1, 2]), not tpprobe's own none
+    from tpprobe.probe.report import title
+    assert title(rep["settings"]) == ("LlamaForCausalLM · tp=2 · vllm (live engine, plugin) · float32 · ids [0, 1, 2] "
+                                      "(vLLM's, for its EAGLE-3 drafter)"), rep["settings"]
     # every layer hooked, the input equal on both ranks, prefill and verify rows in one step, split per request
     cov = rep["coverage"]
     assert cov["layers_found"] == cov["layers_ran"] == 4 and cov["embed"], cov
@@ -513,6 +520,24 @@ def test_a_partial_capture_is_named_at_its_slot_as_the_cause_of_the_acceptance(t
         f[0]["detail"], f[0]
     assert "fix: capture the layer's output after its reduce completes" in f[0]["detail"], f[0]
     assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
+
+
+@pytest.mark.sweep
+def test_an_unwritable_capture_folder_is_one_line_with_a_drafter_too(target, tmp_path):
+    """TPPROBE_CAPTURE_DIR under a regular file, with the EAGLE-3 drafter served: the step's capture fails on both
+    ranks and the plugin says it in ONE line (docs/vllm.md, Errors); the drafter's capture and the acceptance file,
+    whose folder is the same, stop with it without a line of their own (they used to add three: the acceptance
+    counting and each rank's drafter capture). The engine serves the same tokens."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1)
+    (tmp_path / "a-file").write_text("not a folder")
+    res, _, log = serve(tmp_path, target, draft, TPPROBE_CAPTURE_DIR=str(tmp_path / "a-file" / "capture"))
+    assert res["tokens"] == want_tokens(), res["tokens"]
+    ours = [x[x.index("[tpprobe pid="):].split("] ", 1)[1] for x in log.splitlines() if "[tpprobe pid=" in x]
+    said = [x for x in ours if not x.startswith(("vLLM plugin registered", "attached on every worker", "tp_rank "))]
+    where = tmp_path / "a-file" / "capture" / "dp0-pp0" / "step-000000-extend"
+    assert said == [f"capture FAILED at step 0 (extend) on tp rank(s) [0, 1]: NotADirectoryError: [Errno 20] Not a "
+                    f"directory: '{where}'; the plugin stops capturing, the engine goes on"], ours
+    assert not (tmp_path / "a-file" / "capture").exists()
 
 
 @pytest.mark.sweep
