@@ -136,7 +136,11 @@ def test_each_aux_fault_collapses_acceptance_and_slot_order_recovers_with_fix(ru
         assert tgt["accept_length"]["5"] < base["accept_length"]["5"] - 1.0, (inj, row, rep["line"])
         if inj == "slot-order":          # a permutation explains it: --fix recovers all of it
             assert rep["fix"]["explained"] and rep["rows"][2]["accept_length"] == base["accept_length"], rep["line"]
-            assert "with slots re-ordered as the matcher proposes" in rep["line"] and "0.00 remains" in rep["line"]
+            # the re-ordering says what each moved slot then holds (the slot-order fault swaps slots 0 and 1)
+            how = ("slot 0 ← target slot 1 (slot 0 then holds the embedding, as the baseline's slot 0 does), slot 1 "
+                   "← target slot 0 (slot 1 then holds layer 1's output, as the baseline's slot 1 does)")
+            assert rep["fix"]["how"] == how, rep["fix"]["how"]
+            assert f"; with slots re-ordered as the matcher proposes ({how}), 0.00 remains" in rep["line"], rep["line"]
         elif inj == "slice-capture":
             assert not tgt["usable"] and "TP-sliced" in tgt["why"], tgt
             assert tgt["accept_length"]["5"] == 1.0          # no draft token accepted: the target's own

@@ -230,7 +230,7 @@ def test_a_replay_scores_the_draft_against_the_targets_tokens_not_the_prompts(tm
     """vLLM verifies a draft against the target's own tokens. The planted draft is right on every position where
     the prompt goes on as the target would (as in decode), whatever the rest of the prompt is: scored against the
     prompt it read 0.67 on a partly ordinary prompt and 0.00 on an ordinary one, where vLLM accepts every draft."""
-    from tpprobe.cli.drafter import score_on_target
+    from tpprobe.eagle3.target_head import score_on_target
     from tpprobe.eagle3.fix import replay
     pl, target, draft, streams = _planted(tmp_path)
     f = pl.next_token()
@@ -251,6 +251,59 @@ def test_a_replay_scores_the_draft_against_the_targets_tokens_not_the_prompts(tm
     scored, why = score_on_target(plain, target)
     assert scored == "" and why.startswith("the captured prompt is not text the target writes: 0 of its 7 next "
                                            "tokens are the target's own greedy choice")
+
+
+def _drafter_folder(folder, s, pl):
+    """A vLLM plugin step's drafter/ folder as the plugin writes it (rank-000.json: the requests, the layers;
+    rank-000.safetensors: the target's token ids and every stream) for the streams `s` of one prompt."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True)
+    save_file({"target_token_ids": s.input_ids, **{f"stream.{k}": v for k, v in s.by_hf.items()}},
+              str(folder / "rank-000.safetensors"))
+    (folder / "rank-000.json").write_text(json.dumps({
+        "source": "vllm-plugin drafter", "num_layers": pl.L, "tp_rank": 0,
+        "requests": [{"index": 0, "rows": [0, s.input_ids.numel()], "kind": "prefill"}]}))
+    return folder
+
+
+def test_the_cli_scores_against_the_targets_own_tokens_when_its_folder_is_given(tmp_path):
+    """`tpprobe fix --embed TARGET_DIR` (or --target-config TARGET_DIR) scores the draft as the live report's replay
+    does: against the target's own greedy tokens (its head on the captured last layer), at the positions where the
+    prompt goes on as the target would. The prompt here starts with 2 ordinary tokens: scored against the prompt the
+    ids it names read 0.00 -> 0.67 (accept length 1.00 -> 1.00), where vLLM would accept every draft they serve.
+    Without the target's folder (--embed a file) the prompt is the label, and the output says so; a prompt the
+    target did not write is one line, exit 2, as the live report gives no replay for it."""
+    from tpprobe.cli.drafter import target_embedding
+    pl, target, _, streams = _planted(tmp_path)
+    draft = pl.build_draft(tmp_path / "d2", [0, 1, 2], read_slot=1, trained_ids=[1, 2, 3])
+    f = pl.next_token()
+    prompt = [7, 400, 99]
+    while len(prompt) < 8:
+        prompt.append(f[prompt[-1]])
+    cap = _drafter_folder(tmp_path / "step" / "drafter", streams(prompt), pl)
+    args = ["fix", "--draft", str(draft), "--streams", str(cap), "--engine", "vllm", "--arch", "LlamaForCausalLM"]
+    fixed = ("FIX: set eagle_aux_hidden_state_layer_ids to [0, 2, 3]: replayed first-position acceptance 0.00 -> 1.00 "
+             "(accept length, chain of 5: 1.00 -> 6.00)")
+    on_target = ("replay scored against the target's own greedy tokens (model.norm.weight and lm_head.weight of "
+                 "target on the last layer) at the 5 of 7 positions where the prompt follows them")
+    for extra in (["--embed", target], ["--embed", str(target_embedding(target, tmp_path)), "--target-config", target]):
+        r = run_cli([*args, *extra])
+        out = " ".join(r.stdout.split())
+        assert r.returncode == 1 and on_target in out and out.endswith(fixed), r.stdout + r.stderr
+    r = run_cli([*args, "--embed", str(target_embedding(target, tmp_path)), "--json"])
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and doc["scored_against"] == (
+        "scored against the prompt's next tokens (the target's folder was not given: --embed or --target-config "
+        "naming it scores against the target's own greedy tokens)"), doc["scored_against"]
+    assert doc["line"] == ("set eagle_aux_hidden_state_layer_ids to [0, 2, 3]: replayed first-position acceptance "
+                           "0.00 -> 0.67 (accept length, chain of 5: 1.00 -> 1.00)"), doc["line"]
+    plain = _drafter_folder(tmp_path / "plain" / "drafter", streams([5, 17, 99, 3, 250, 41, 77, 8]), pl)
+    r = run_cli(["fix", "--draft", str(draft), "--streams", str(plain), "--engine", "vllm", "--arch",
+                 "LlamaForCausalLM", "--embed", target])
+    assert (r.returncode, r.stderr.strip()) == (2, (
+        f"tpprobe: error: --streams {plain}: the captured prompt is not text the target writes: 0 of its 7 next "
+        f"tokens are the target's own greedy choice, and the draft is verified against the target's tokens; capture "
+        f"a prompt the target wrote (its own greedy output fed back) for a replay")), r.stderr
 
 
 def test_of_captures_that_replay_alike_the_fix_is_one_the_engine_can_give(tmp_path):

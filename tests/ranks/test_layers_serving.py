@@ -87,7 +87,12 @@ def test_the_seed_on_stock_sglang_shows_every_ids_capture_and_the_ids_to_write(t
         (2, "HF hidden_states[3]", "HF hidden_states[2]"),
         (30, "HF hidden_states[31]", "HF hidden_states[30]")]
     assert res["verdict"]["kind"] == "capture-offset" and res["verdict"]["where"] == "ids 2, 30"
-    assert "one layer early" in res["verdict"]["detail"]
+    # one numbering: the draft's slots, in the contract's table, its verdict and the engines' table alike (the
+    # crashing id is slot 0, not "-", and the others keep their numbers)
+    assert [r["slot"] for r in res["rows"]] == [r["slot"] for r in res["engines"]["rows"]] == [0, 1, 2]
+    assert res["verdict"]["detail"] == ("slot 1 (id 2) equals layer 1's output, expected layer 2's output; slot 2 "
+                                        "(id 30) equals layer 29's output, expected layer 30's output: one layer "
+                                        "early (the EAGLE-3 +1 was not applied) (besides the crash)")
     # the two engines side by side: SGLang's crash on id -1 does not blank what ids 2 and 30 capture there
     assert [(r["draft_id"], r["draft_expects"], r["sglang"]) for r in res["engines"]["rows"]] == [
         (-1, 0, None), (2, 3, 2), (30, 31, 30)]
@@ -95,6 +100,31 @@ def test_the_seed_on_stock_sglang_shows_every_ids_capture_and_the_ids_to_write(t
         "ids": [0, 3, 31], "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
         "line": "write eagle_config.eagle_aux_hidden_state_layer_ids = [0, 3, 31] for this draft on SGLang: it then "
                 "captures HF hidden_states[0, 3, 31], what the draft expects"}
+
+
+def test_the_ids_to_write_are_given_for_every_engine_that_misses_what_the_draft_expects(tmp_path):
+    """A draft trained with SpecForge's ids [0, 1, 2] (HF hidden_states 1..3) whose config has them at the top level
+    only: SGLang reads none (its default), vLLM reads them as written and captures every slot one layer early. The
+    FIX is given for both engines, each in the field that engine reads; the seed's draft, which no id list serves
+    on vLLM's DeepSeek (it cannot give the embedding), gets SGLang's FIX and vLLM's NO ID LIST FITS, naming it."""
+    t = _write(tmp_path, "target", LLAMA)
+    d = _write(tmp_path, "draft", {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+                                   "eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    r = run_cli(["layers", "--draft-config", str(d), "--target-config", str(t)])
+    fixes = [x for x in " ".join(r.stdout.split()).split(" FIX: ")[1:]]
+    assert r.returncode == 1 and fixes == [
+        "write eagle_config.eagle_aux_hidden_state_layer_ids = [0, 1, 2] for this draft on SGLang: it then captures "
+        "HF hidden_states[1, 2, 3], what the draft expects",
+        "write eagle_aux_hidden_state_layer_ids = [1, 2, 3] for this draft on vLLM: it then captures HF "
+        "hidden_states[1, 2, 3], what the draft expects"], r.stdout
+    r = run_cli(["layers", "--draft-config", str(_write(tmp_path, "seed", SEED)), "--target-config",
+                 str(_write(tmp_path, "kimi", KIMI)), "--json"])
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and [doc["proposal"]["line"], doc["engines"]["fixes"]["vllm"]["line"]] == [
+        "write eagle_config.eagle_aux_hidden_state_layer_ids = [0, 3, 31] for this draft on SGLang: it then captures "
+        "HF hidden_states[0, 3, 31], what the draft expects",
+        "no id list gives the embedding on vLLM: patch DeepseekV2Model.forward "
+        "(vllm/model_executor/models/deepseek_v2.py:1508), which offers the loop points to the aux capture"], doc
 
 
 def test_the_seed_on_the_patched_sglang_from_the_flag_and_from_the_environment(tmp_path):
@@ -122,7 +152,7 @@ def test_a_draft_of_the_last_layers_output_on_sglang_says_what_to_patch(tmp_path
     res = contract(_write(tmp_path, "draft", draft), _write(tmp_path, "kimi", KIMI))
     assert res["proposal"] == {
         "ids": None, "field": "eagle_config.eagle_aux_hidden_state_layer_ids",
-        "line": "no id list gives the last layer's output (HF hidden_states[61]) on this engine: patch "
+        "line": "no id list gives the last layer's output (HF hidden_states[61]) on SGLang: patch "
                 "KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture and the decoder loop it feeds "
                 "(sglang/srt/models/kimi_k25.py:928)"}
 

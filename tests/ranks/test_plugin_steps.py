@@ -85,3 +85,35 @@ def test_healthy_steps_of_both_layouts_report_healthy(runs, tmp_path):
     assert [(r["step"], r["failures"], r["forward_mode"]) for r in rep["steps"]] == [(0, 0, None), (1, 0, "decode")]
     assert rep["settings"]["steps checked"] == "2 in 1 TP group(s), 0 with failures"
     assert rep["settings"]["step shown"] == "1 (decode) in dp0-pp0"
+
+
+def test_each_steps_manifest_is_read_once_and_an_earlier_servers_steps_are_set_aside(runs, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """Steps 0 and 1 written by an earlier server, step 0 again and step 2 by the latest (the plugin's "server run"
+    in each manifest's settings): the report checks the latest server's steps only and names the others; every
+    step folder's manifest is read once, for its server and its checks alike."""
+    from tpprobe.cli.report import check_dir
+    from tpprobe.cli.steps import report_steps
+    names = [("step-000000-extend", "healthy"), ("step-000001-decode", "broken"), ("step-000002-decode", "healthy")]
+    _lay_out(tmp_path, runs, names)
+    old, new = "2026-12-01T10:00:00Z on vm, pid 1", "2026-12-02T10:00:00Z on vm, pid 2"
+    for name, run in (("step-000000-extend", new), ("step-000001-decode", old), ("step-000002-decode", new)):
+        m = tmp_path / "dp0-pp0" / name / "manifest.json"
+        doc = json.loads(m.read_text())
+        doc["settings"]["server run"] = run
+        m.write_text(json.dumps(doc))
+    reads: dict = {}
+
+    def counting(real):
+        def read(self, *a, **k):
+            if self.name == "manifest.json":
+                reads[self.parent.name] = reads.get(self.parent.name, 0) + 1
+            return real(self, *a, **k)
+        return read
+    for how in ("read_text", "read_bytes"):        # every way a manifest is read
+        monkeypatch.setattr(Path, how, counting(getattr(Path, how)))
+    code = report_steps(tmp_path, check_dir, json_out=True)
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and [(r["step"], r["failures"]) for r in rep["steps"]] == [(0, 0), (2, 0)], rep["steps"]
+    assert rep["stale_steps"] == [{"folder": str(tmp_path / "dp0-pp0" / "step-000001-decode"), "server run": old}]
+    assert reads == {name: 1 for name, _ in names}, reads

@@ -106,3 +106,60 @@ def test_a_specforge_sample_tpprobe_cannot_read_is_one_line(tmp_path, case):
     assert msg.startswith(f"TPPROBE_DRAFT_TRAINED=specforge:{p}: ") and "\n" not in msg, msg
     assert {"missing": "no such file", "code": "loading it would call", "no-aux": "no 'aux_hidden_state'"}[case] \
         in msg, msg
+
+
+def test_a_replay_is_read_from_the_longest_prompt_of_a_drafter_file():
+    """tpprobe fix's --streams DRAFTER_DIR and the live report's replay pick their prompt by the one rule."""
+    from tpprobe.engines.vllm.draft_streams import prompt_rows
+    reqs = [{"kind": "prefill", "rows": [0, 5]}, {"kind": "verify", "rows": [5, 7]},
+            {"kind": "prefill", "rows": [7, 15]}, {"kind": "prefill", "rows": [15, 23]},
+            {"kind": "prefill", "rows": [23, 25]}]
+    assert prompt_rows(reqs) == [(7, 15), (15, 23), (0, 5)]
+    assert prompt_rows(None) == [] and prompt_rows(reqs, min_rows=9) == []
+
+
+def _f30(replay: dict) -> dict:
+    """The drafter section of an F30 report (a draft trained on HF hidden_states [3, 1, 2] in that order, served
+    [1, 2, 3]) as analyse() makes it, with `replay` beside it."""
+    from tpprobe.checks.findings import Finding
+    from tpprobe.engines.vllm.acceptance import fix_for
+    head = "the draft's ids [3, 1, 2] are not in layer order and vLLM sorts them (catalogue F30): ..."
+    fix_ids, fix = fix_for([3, 1, 2], 4)
+    f = Finding("slot-mismatch", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1], detail=f"{head}; fix: {fix}",
+                evidence={"all_ranks": True}).to_json()
+    return {"trained": [3, 1, 2], "fix_ids": fix_ids, "fix": fix, "findings": [f], "replay": replay,
+            "fix_finding": {"kind": f["kind"], "where": f["where"], "head": head}}
+
+
+def _score(fp: float) -> dict:
+    return {"first_position": fp, "accept_length": 1.0 + 5 * fp, "chain": 5, "per_position": [fp] * 5}
+
+
+def test_the_finding_says_what_the_replay_found_when_no_id_list_gives_the_training():
+    """F30 with a draft that reads one slot: no id list gives the trained order, but the replay finds ids that
+    serve the draft. The finding used to say "no id list gives that order" while the replay's line in the same
+    report gave ids that serve it; it now says both, in one fix."""
+    from tpprobe.engines.vllm.acceptance import replayed_fix
+    rp = {"available": True, "where": "step 0 (extend), prompt rows 0..7", "explained": True, "fix_ids": [0, 1, 3],
+          "current": {"streams": [1, 2, 3], "score": _score(0.0)},
+          "best": {"streams": [0, 1, 3], "score": _score(1.0)},
+          "permute_check": {"ids": [1, 2, 3], "streams": [3, 1, 2], "score": _score(1.0), "current": _score(0.0)}}
+    a = _f30(rp)
+    replayed_fix(a)
+    fix = ("no id list reproduces the training order HF hidden_states[3, 1, 2] on vLLM (it fills the slots in "
+           "ascending id order); replayed on step 0 (extend), prompt rows 0..7, ids [0, 1, 3] give first-position "
+           "acceptance 0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00): set `eagle_aux_hidden_state_layer_ids`"
+           " to [0, 1, 3]; or write `eagle_aux_hidden_state_layer_ids` as [1, 2, 3] and permute the column blocks of "
+           "the draft's fc.weight to it (take blocks [1, 2, 0] of the trained order; so permuted, the draft replays "
+           "first-position acceptance 0.00 -> 1.00 (accept length, chain of 5: 1.00 -> 6.00)), or retrain with the "
+           "ids in layer order")
+    f = a["findings"][0]
+    assert (a["fix"], a["fix_replayed"]) == (fix, True)
+    assert f["detail"] == ("the draft's ids [3, 1, 2] are not in layer order and vLLM sorts them (catalogue F30): "
+                           f"...; fix: {fix}")
+    assert f["line"] == f"FAILURE slot-mismatch at drafter slots [0, 1, 2], step 0 (extend) (all ranks): {f['detail']}"
+    # no replay: the finding as analyse() wrote it
+    b = _f30({"available": False, "why": "no captured prompt"})
+    before = dict(b["findings"][0])
+    replayed_fix(b)
+    assert b["findings"][0] == before and "fix_replayed" not in b

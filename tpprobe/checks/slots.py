@@ -92,13 +92,18 @@ def _whole_slots(match) -> bool:
     return bool(match) and all(m is not None for m in match)
 
 
-def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bool = True):
+def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bool = True,
+                 numbers: Optional[list[int]] = None):
     """The slot table's verdict. `offset_rule`: the engine adds 1 to an id (SGLang), so an id whose
     layer is num_layers maps past the loop; vLLM's ids are as written (its id N is valid), so a lost
     one was dropped by the engine. name_ids=False: a slot is named by its position alone (`tpprobe diff`,
-    where ``ids`` are the baseline's and the target's own ids differ)."""
+    where ``ids`` are the baseline's and the target's own ids differ). `numbers`: the slot number to name
+    each position by, when the lists hold some of a table's slots only (default: the position)."""
     def lab(p):
         return point_label(p) if p else "no candidate"
+
+    def num(i):
+        return numbers[i] if numbers is not None and i < len(numbers) else i
 
     if len(match) < len(expected):
         have = set(match)
@@ -117,16 +122,17 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bo
     if match == expected:
         return None
     wrong = [i for i, (m, e) in enumerate(zip(match, expected)) if m != e]
-    where = f"aux slot {wrong[0]}" if len(wrong) == 1 else f"aux slots {wrong}"
+    where = f"aux slot {num(wrong[0])}" if len(wrong) == 1 else f"aux slots {[num(i) for i in wrong]}"
+
     def slot(i):
-        return f"slot {i} (id {ids[i] if i < len(ids) else '?'})" if name_ids else f"slot {i}"
+        return f"slot {num(i)} (id {ids[i] if i < len(ids) else '?'})" if name_ids else f"slot {num(i)}"
 
     text = "; ".join(f"{slot(i)} equals {lab(match[i])}, expected "
                      f"{lab(expected[i]) if i < len(expected) else 'nothing'}" for i in wrong)
     dup = [m for m, c in Counter(m for m in match if m).items() if c > 1]
     if dup:
         last = max(dup, key=lambda m: point_position(m) or -9)
-        same = [i for i, m in enumerate(match) if m == last]
+        same = [num(i) for i, m in enumerate(match) if m == last]
         return ("aliased-capture", f"aux slots {same}", f"slots {same} all hold {lab(last)}: captured without clone() "
                                           f"from a buffer that later layers overwrote")
     deltas = {(point_position(match[i]) - point_position(expected[i]))
@@ -141,8 +147,8 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bo
         # first decoder layer's output, one layer late; the other slots are right, so no id rule shifted them
         what = ("the capture is taken after a transform" if match[emb] == in_norm(0) else
                 "the \"embedding\" is taken after the first decoder layer ran: a transformed capture, one layer late")
-        return ("transformed-capture", f"aux slot {emb}", f"slot {emb} equals {lab(match[emb])}, expected the raw "
-                                                          f"embedding ({what})")
+        return ("transformed-capture", f"aux slot {num(emb)}", f"slot {num(emb)} equals {lab(match[emb])}, expected "
+                                                               f"the raw embedding ({what})")
     if len(deltas) == 1 and next(iter(deltas)) in (-1.0, 1.0):
         d = next(iter(deltas))
         why = ""

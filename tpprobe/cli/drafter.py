@@ -18,7 +18,9 @@ def add_drafter(root: Path, rep: dict) -> None:
     if a is None:
         return
     if a["low"] or knob("TPPROBE_FIX_REPLAY") == "1":
+        from ..engines.vllm.acceptance import replayed_fix
         a["replay"] = replay_fix(a)
+        replayed_fix(a)         # the finding made from the training says what the replay found
     rp = a.get("replay") or {}
     target_fails = [f for f in rep.get("findings") or [] if f["severity"] == "failure"]
     if a["low"] and target_fails and not any(f["severity"] == "failure" for f in a["findings"]):
@@ -72,13 +74,14 @@ def replay_fix(a: dict) -> dict:
         fixlib = importlib.import_module("tpprobe.eagle3.fix")    # the replay library: absent from older builds
     except ImportError:
         return {"available": False, "why": "the draft replay (tpprobe.eagle3.fix) is not in this build"}
-    from ..engines.vllm.acceptance import replay_streams
+    from ..engines.vllm.draft_streams import replay_streams
     try:
         got = replay_streams(a)
         if not got:
             return {"available": False, "why": "no captured prompt of 3+ tokens with every layer's stream kept "
                                                 "(raise TPPROBE_MAX_BYTES, or capture a prefill)"}
         from ..eagle3.accept.draft import load_draft
+        from ..eagle3.target_head import score_on_target
         with tempfile.TemporaryDirectory() as tmp:
             draft = load_draft(a["draft_model"], target_embedding(a.get("target_model"), Path(tmp)))
         # the prompt with the most positions where it goes on as the target would (the longest, when the target's
@@ -94,8 +97,17 @@ def replay_fix(a: dict) -> dict:
             return {"available": False, "why": why}
         rule = fixlib.EngineRule("vllm", a.get("target_arch") or "LlamaForCausalLM", int(a["num_layers"]))
         prop = fixlib.propose(draft, streams, rule, ids=a["config_ids"])
-        out = {"available": True, "on": f"{where}, {scored}", "scored_against": scored, **prop.as_dict()}
+        out = {"available": True, "on": f"{where}, {scored}", "where": where, "scored_against": scored,
+               **prop.as_dict()}
         fix_hs = rule.slots(a["fix_ids"]) if a.get("fix_ids") else None
+        trained = a.get("trained")
+        if a.get("fix_ids") is None and trained and len(trained) == draft.k and trained != sorted(trained) \
+                and all(h in streams.by_hf for h in trained):
+            # no id list gives the trained order (vLLM sorts the ids): the draft with its fc.weight column blocks
+            # permuted to layer order, served the sorted ids, reads exactly what it reads on the trained order
+            sc, cur = fixlib.replay(draft, streams, list(trained), prop.current.score.chain), prop.current.score
+            out["permute_check"] = {"ids": sorted(trained), "streams": list(trained), "score": sc.as_dict(),
+                                    "current": cur.as_dict()}
         if fix_hs is not None and len(fix_hs) == draft.k:
             # the ids the report's finding proposes, replayed: the acceptance they bring back, before serving them
             sc, cur = fixlib.replay(draft, streams, fix_hs, prop.current.score.chain), prop.current.score
@@ -110,25 +122,6 @@ def replay_fix(a: dict) -> dict:
 
 
 EMBED = "model.embed_tokens.weight"
-MIN_DECODE_LIKE = 3       # positions a replay needs where the prompt goes on as the target would
-
-
-def score_on_target(streams, target) -> tuple[str, str]:
-    """(what the replay scores the draft against, "") or ("", why it cannot run). The draft is verified against
-    the tokens the target samples: with the target's head readable (target_head.greedy_next), against the
-    target's own token at the positions where the prompt goes on as the target would; else against the prompt's
-    tokens, and said."""
-    from ..eagle3.target_head import greedy_next
-    nxt, how = greedy_next(target, streams.by_hf[streams.num_layers])
-    if nxt is None:
-        return f"scored against the prompt's next tokens (the target's own could not be read: {how})", ""
-    streams.next_ids = nxt
-    n, T = streams.decode_like, streams.input_ids.numel()
-    if n < MIN_DECODE_LIKE:
-        return "", (f"the captured prompt is not text the target writes: {n} of its {T - 1} next tokens are the "
-                    f"target's own greedy choice, and the draft is verified against the target's tokens; capture "
-                    f"a prompt the target wrote (its own greedy output fed back) for a replay")
-    return f"scored against {how} at the {n} of {T - 1} positions where the prompt follows them", ""
 
 
 def target_embedding(target, tmp: Path):
@@ -202,6 +195,7 @@ def sglang_replay(step: Path, s: dict) -> dict:
         return {"available": False, "why": f"the target forward that fed the draft ({target_step.name}) was not kept"}
     try:
         from ..eagle3.accept.draft import load_draft
+        from ..eagle3.target_head import score_on_target
         from ..core.errors import CaptureError, UsageError
         try:
             streams = fixlib.streams_from_capture(target_step, 0)

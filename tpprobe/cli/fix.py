@@ -24,7 +24,10 @@ def fix_command(
     arch: Annotated[Optional[str], typer.Option("--arch", help="the target's architecture as in its config.json "
                                                                "(DeepseekV3ForCausalLM, LlamaForCausalLM)")] = None,
     target_config: Annotated[Optional[Path], typer.Option("--target-config", help="the target's config.json "
-                                                                                  "(its architecture)")] = None,
+                                                                                  "(its architecture), or its folder "
+                                                                                  "(the replay then scores the draft "
+                                                                                  "against the target's own greedy "
+                                                                                  "tokens)")] = None,
     ids: Annotated[Optional[str], typer.Option("--ids", help="the ids served (default: the draft config's "
                                                              "eagle_aux_hidden_state_layer_ids)")] = None,
     id_rule: Annotated[Optional[str], typer.Option("--id-rule", help="your build's capture rule for some ids, e.g. "
@@ -36,7 +39,9 @@ def fix_command(
     chain: Annotated[int, typer.Option("--chain", help="drafted tokens per step (num_speculative_tokens)")] = 5,
     rank: Annotated[int, typer.Option("--rank", help="which rank of the capture folder")] = 0,
     embed: Annotated[Optional[Path], typer.Option("--embed", help="the target's embedding table, when the draft "
-                                                                  "has none")] = None,
+                                                                  "has none: the target's folder (the replay then "
+                                                                  "scores the draft against the target's own greedy "
+                                                                  "tokens) or a file")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     html: Annotated[Optional[str], typer.Option("--html", help="also write a self-contained HTML report")] = None,
     markdown: Annotated[Optional[str], typer.Option("--markdown", help="also write a Markdown summary")] = None,
@@ -62,8 +67,10 @@ def fix_command(
         raise UsageError("--arch or --target-config: give the target's architecture (e.g. DeepseekV3ForCausalLM) "
                          "so the engine's capture rule applies")
     from tpprobe.eagle3.fix import run_fix
+    # the target's folder, when a flag names it: the replay scores the draft against the target's own greedy tokens
+    target = next((str(p) for p in (embed, target_config) if p is not None and p.is_dir()), None)
     rep = run_fix(draft, streams, engine, arch, num_layers, parse_ids(ids), rule,
-                  trained_on, rank, chain, str(embed) if embed else None)
+                  trained_on, rank, chain, str(embed) if embed else None, target)
     emit(fix_report(rep), None, Flags(json_out=json_out, html=html, markdown=markdown))
     raise typer.Exit(rep["exit_code"])
 
@@ -113,7 +120,8 @@ def fix_report(rep: dict):
             + (f", your build: {rep['id_rule']}" if rep["id_rule"] else "") + f" · draft {rep['draft']}")
     level = "failure" if rep["exit_code"] else "ok"
     word = "FIX" if rep["fix_ids"] is not None else ("NO ID LIST FITS" if rep["no_fix"] else "OK")
-    sections = [Text(parts=[Cell("tpprobe fix", style="bold"), Cell(f" — {head}")]), t]
+    sections = [Text(parts=[Cell("tpprobe fix", style="bold"), Cell(f" — {head}")]), t,
+                Text(f"replay {rep['scored_against']}")]
     sections += [Text(f"note: {n}") for n in rep["notes"]]
     sections.append(Text(parts=[Cell(word, level), Cell(f": {rep['line']}")]))
     return Report("tpprobe.fix/1", f"tpprobe fix: {word}", rep, verdict=[Cell(f"{word}: {rep['line']}", level)],

@@ -247,7 +247,8 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
             wp = layer_point(w) if 0 <= w <= L else None
             gp = layer_point(g) if g is not None and 0 <= g < L else None
             ok = g is not None and g == w
-            row = {"slot": "-" if r.slot is None else r.slot, "draft_id": draft_ids[i], "draft_expects": _hs(w, L),
+            # the draft's slot i (the engine's own slot order is not reached: it crashes), as in the engines' table
+            row = {"slot": i, "draft_id": draft_ids[i], "draft_expects": _hs(w, L),
                    "draft_expects_point": wp, "target_point": gp, "ok": ok,
                    "target_captures": _hs(g, L) if g is not None else "nothing: the engine crashes"}
             rows.append(row)
@@ -283,7 +284,8 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
         both = [r for r in rows if r["target_point"] and r["draft_expects_point"]]
         if both:
             v = slot_verdict([r["draft_id"] for r in both], [r["draft_expects_point"] for r in both],
-                             [r["target_point"] for r in both], L, offset_rule=eng.offset_rule)
+                             [r["target_point"] for r in both], L, offset_rule=eng.offset_rule,
+                             numbers=[r["slot"] for r in both])
             if v:
                 verdict = {"kind": v[0], "where": "ids " + ", ".join(str(r["draft_id"]) for r in both),
                            "detail": v[2] + " (besides the crash)"}
@@ -368,8 +370,12 @@ def contract_report(res: dict):
     sections += engines_sections(eng)
     verdict = [line] + ([Cell(f"FAILURE engine-id-mismatch: {eng['verdict']}", "failure")]
                         if eng.get("verdict") else [])
-    prop = res.get("proposal")
-    if prop:
+    # the ids to write: on --engine (with its build's rule), then on each other engine the table shows not giving the
+    # draft what it expects
+    props = [res.get("proposal")] + [p for e, p in sorted((eng.get("fixes") or {}).items()) if e != res["engine"]]
+    for prop in props:
+        if not prop:
+            continue
         word = "FIX" if prop["ids"] is not None else "NO ID LIST FITS"
         sections.append(Text(parts=[Cell(word, "failure"), Cell(f": {prop['line']}")]))
         verdict.append(Cell(f"{word}: {prop['line']}", "failure"))

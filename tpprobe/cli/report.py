@@ -57,9 +57,10 @@ def damaged_files(rep: dict) -> list[str]:
             for f in rep["findings"] if f["kind"] == "capture-file" and f["severity"] == FAILURE]
 
 
-def check_dir(path: Path) -> dict:
-    """The report of one capture folder (one forward of one TP group), not printed."""
-    run = load_run(path)
+def check_dir(path: Path, manifest: Optional[dict] = None) -> dict:
+    """The report of one capture folder (one forward of one TP group), not printed. `manifest`: its manifest, when
+    the caller read it already (tpprobe.formats.capture_dir.read_manifest's)."""
+    run = load_run(path, manifest=manifest)
     settings, result = check_run(run, offset_rule=recorded(run_settings(run)).offset_rule)
     rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True

@@ -34,18 +34,26 @@ def find_steps(root: Path) -> list[tuple[str, int, Path]]:
     return sorted(out, key=lambda x: (x[1], x[0], x[2].name))
 
 
-def latest_run(steps: list) -> tuple[list, list]:
+def manifests_of(steps: list) -> dict:
+    """Each step folder's manifest, read once (tpprobe.formats.capture_dir.read_manifest): {folder: manifest, or
+    None when it cannot be read (its check then says why)}."""
+    from ..core.errors import CaptureError
+    from ..formats.capture_dir import read_manifest
+    out = {}
+    for _, _, path in steps:
+        try:
+            out[path] = read_manifest(path)
+        except CaptureError:
+            out[path] = None
+    return out
+
+
+def latest_run(steps: list, manifests: dict) -> tuple[list, list]:
     """(the steps of each TP group's latest server, the others as (group, N, folder, server run)): a plugin writes
     each step's server ("server run" in its settings: the first capture's time, host and pid of the group's TP
     rank 0); a folder an earlier server wrote into too holds steps of both. Steps without it (older captures) are
-    kept."""
-    import json
-    run_of = {}
-    for group, n, path in steps:
-        try:
-            run_of[path] = (json.loads((path / "manifest.json").read_text()).get("settings") or {}).get("server run")
-        except (OSError, ValueError, AttributeError):
-            run_of[path] = None
+    kept. `manifests`: manifests_of(steps)."""
+    run_of = {path: ((manifests.get(path) or {}).get("settings") or {}).get("server run") for _, _, path in steps}
     newest: dict = {}
     for group, _, path in steps:
         r = run_of[path]
@@ -64,16 +72,18 @@ def folder_mode(path: Path) -> Optional[str]:
 
 def report_steps(root: Path, check_dir: Callable[[Path], dict], json_out: bool = False,
                  html: Optional[str] = None, markdown: Optional[str] = None, quiet: bool = False) -> int:
-    """check_dir(step folder) -> that step's report (cli/report.py's, passed in: no import cycle)."""
+    """check_dir(step folder, its manifest or None) -> that step's report (cli/report.py's, passed in: no import
+    cycle)."""
 
     steps = find_steps(root)
     if not steps:
         raise UsageError(f"{root} holds no step-N-MODE/manifest.json capture folders: point tpprobe report at a "
                          f"folder written by the SGLang or vLLM plugin (TPPROBE_CAPTURE_DIR) or by tpprobe probe")
-    steps, stale = latest_run(steps)
+    manifests = manifests_of(steps)       # read once: for the server of each step, then for its checks
+    steps, stale = latest_run(steps, manifests)
     rows, first, last = [], None, None
     for group, n, path in steps:
-        rep = check_dir(path)
+        rep = check_dir(path, manifests[path])
         fails = [f for f in rep["findings"] if f["severity"] == "failure"]
         st = rep["settings"]
         if not st.get("forward_mode") and folder_mode(path):     # a capture without it in its settings

@@ -168,21 +168,20 @@ def _streams_from_drafter(path: Path, rank: int) -> Streams:
     from safetensors.torch import load_file
 
     from ..core.errors import CaptureError
+    from ..engines.vllm.draft_streams import prompt_rows, prompt_streams
     meta = json.loads((path / f"rank-{rank:03d}.json").read_text())
     if not isinstance(meta, dict) or "drafter" not in str(meta.get("source", "")):
         raise UsageError(f"--streams {path}: not a tpprobe capture folder (no manifest.json) nor a vLLM plugin step's "
                          f"drafter/ folder")
     f = path / f"rank-{rank:03d}.safetensors"
     t = load_file(str(f)) if f.exists() else {}
-    prompts = [r["rows"] for r in meta.get("requests") or [] if r.get("kind") == "prefill"
-               and r["rows"][1] - r["rows"][0] >= 3]
+    prompts = prompt_rows(meta.get("requests"))
     if "target_token_ids" not in t or not any(k.startswith("stream.") for k in t) or not prompts:
         raise CaptureError(f"{path}: this step's drafter files kept no prompt with its streams (capture a prefill with "
                            f"TPPROBE_KEEP='*' and a TPPROBE_MAX_BYTES that admits every layer's stream)")
-    lo, hi = max(prompts, key=lambda r: r[1] - r[0])
-    by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
-    return streams_from_tensors(t["target_token_ids"][lo:hi], by, meta.get("num_layers"),
-                                f"{path}, prompt rows {lo}..{hi - 1}")
+    lo, hi = prompts[0]
+    ids, by = prompt_streams(t, lo, hi)
+    return streams_from_tensors(ids, by, meta.get("num_layers"), f"{path}, prompt rows {lo}..{hi - 1}")
 
 
 # ---- replay --------------------------------------------------------------------------------------------
@@ -446,12 +445,23 @@ def propose(draft, streams: Streams, rule: EngineRule, ids: Optional[list[int]] 
 # ---- the command -------------------------------------------------------------------------------------
 def run_fix(draft_dir, streams_path, engine: str, arch: Optional[str] = None, num_layers: Optional[int] = None,
             ids: Optional[list[int]] = None, id_rule: Optional[dict] = None, trained_on=None, rank: int = 0,
-            chain: int = 5, embed: Optional[str] = None) -> dict:
+            chain: int = 5, embed: Optional[str] = None, target: Optional[str] = None) -> dict:
     """`tpprobe fix`'s data from paths: the draft folder, a capture folder with every layer's stream,
-    the engine (sglang | vllm) and the target's architecture (default: the capture's)."""
+    the engine (sglang | vllm) and the target's architecture (default: the capture's). `target`: the target
+    model's folder, when known: the draft is then scored against the target's own greedy tokens (its final norm
+    and head on the captured last layer, tpprobe.eagle3.target_head), as the live report's replay scores it;
+    else against the prompt's next tokens. `scored_against` says which."""
     from .accept.draft import load_draft
+    from .target_head import score_on_target
     d = load_draft(draft_dir, embed)
     s = streams_from_capture(streams_path, rank)
+    if target:
+        scored, why = score_on_target(s, target)
+        if why:
+            raise UsageError(f"--streams {streams_path}: {why}")
+    else:
+        scored = ("scored against the prompt's next tokens (the target's folder was not given: --embed or "
+                  "--target-config naming it scores against the target's own greedy tokens)")
     if chain > s.longest_chain:     # no start position fits it: every candidate would read accept length 1.00
         n = s.input_ids.numel()
         fits = f"give --chain {s.longest_chain} or less, or " if s.longest_chain else ""
@@ -470,6 +480,7 @@ def run_fix(draft_dir, streams_path, engine: str, arch: Optional[str] = None, nu
     doc = p.as_dict()
     doc["draft"] = str(d.path)
     doc["streams_from"] = s.source
+    doc["scored_against"] = scored
     doc["tokens"] = int(s.input_ids.numel())
     doc["exit_code"] = 1 if (p.fix_ids is not None or p.no_fix) and p.explained else 0
     return doc

@@ -72,3 +72,23 @@ def greedy_next(target: Optional[str], last: torch.Tensor) -> tuple[Optional[tor
             best_v = torch.where(better, v, best_v)
             best_i = torch.where(better, i + lo, best_i)
     return best_i, f"the target's own greedy tokens ({NORM} and {head_name} of {folder.name} on the last layer)"
+
+
+MIN_DECODE_LIKE = 3       # positions a replay needs where the prompt goes on as the target would
+
+
+def score_on_target(streams, target) -> tuple[str, str]:
+    """(what a replay scores the draft against, "") or ("", why it cannot run). The draft is verified against
+    the tokens the target samples: with the target's head readable (greedy_next), against the target's own token
+    at the positions where the prompt goes on as the target would (`streams.next_ids` is set); else against the
+    prompt's tokens, and said."""
+    nxt, how = greedy_next(target, streams.by_hf[streams.num_layers])
+    if nxt is None:
+        return f"scored against the prompt's next tokens (the target's own could not be read: {how})", ""
+    streams.next_ids = nxt
+    n, T = streams.decode_like, streams.input_ids.numel()
+    if n < MIN_DECODE_LIKE:
+        return "", (f"the captured prompt is not text the target writes: {n} of its {T - 1} next tokens are the "
+                    f"target's own greedy choice, and the draft is verified against the target's tokens; capture "
+                    f"a prompt the target wrote (its own greedy output fed back) for a replay")
+    return f"scored against {how} at the {n} of {T - 1} positions where the prompt follows them", ""

@@ -340,7 +340,7 @@ def ids_to_write(engine: str, arch: str, L: int, want: list[int], draft_ids: Opt
         return {"ids": ids, "field": key,
                 "line": f"write {key} = {ids} for this draft on {who}: it then captures HF hidden_states{want}, "
                         f"what the draft expects{why}"}
-    why = unreachable(rule, want)
+    why = [w.replace(" on this engine:", f" on {who}:") for w in unreachable(rule, want)]   # beside the other engine's
     if sorted(want) != want:
         why.insert(0, f"the draft expects its slots in the order HF hidden_states{want}, and {who} fills them in "
                       f"ascending layer order: permute the draft's fc.weight column blocks to layer order")

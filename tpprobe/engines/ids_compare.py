@@ -87,12 +87,21 @@ def compare(draft: dict, arch: str, num_layers: int, convention: str = "output",
     differ = [r for r in rows if not r["same"]]
     crashed = [(name, p.crash) for name, p in (("SGLang", sp), ("vLLM", vp)) if p.crash]
     verdict = _verdict(rows, differ, convention, want, crashed) if differ else None
+    # each engine that does not give the draft what it expects: the ids to write there (or why none do)
+    from tpprobe.engines.capture_rule import ids_to_write
+    fixes = {}
+    for engine, p in (("sglang", sp), ("vllm", vp)):
+        got = [r[engine] for r in rows]
+        if want is not None and (p.crash or got != want):
+            fx = ids_to_write(engine, arch, N, want, ids, rules.get(engine))
+            if fx is not None:
+                fixes[engine] = fx
     return {"target_arch": arch, "sglang_arch": sp.sglang_class, "vllm_arch": vp.sglang_class, "num_layers": N,
             "draft_ids": ids, "draft_convention": CONVENTIONS[convention],
             "vllm_runner": runner, "sglang_ids": s_ids, "sglang_ids_from": s_from, "sglang_rule": sp.rule,
             "vllm_ids": v_ids, "vllm_ids_from": v_from, "vllm_rule": vp.rule, "rows": rows, "notes": notes,
             "runner_note": runner_note, "differ": [r["slot"] for r in differ], "verdict": verdict,
-            "finding": "engine-id-mismatch" if differ else None}
+            "fixes": fixes, "finding": "engine-id-mismatch" if differ else None}
 
 
 def _verdict(rows, differ, convention: str, want, crashed=()) -> str:

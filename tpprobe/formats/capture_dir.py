@@ -354,10 +354,11 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
-def load_run(path, verify: bool = True) -> LoadedRun:
-    """Load every rank it can; `problems` names each file that is missing, extra or corrupt."""
+def load_run(path, verify: bool = True, manifest: Optional[dict] = None) -> LoadedRun:
+    """Load every rank it can; `problems` names each file that is missing, extra or corrupt. `manifest`: the
+    folder's manifest as read_manifest returned it, when the caller read it already."""
     root = Path(path)
-    manifest = read_manifest(root)
+    manifest = read_manifest(root) if manifest is None else manifest
     problems: list[dict] = []
     listed = set()
     ok_files: dict[str, dict] = {}

@@ -47,7 +47,7 @@ def cell_title(s: dict) -> str:
 def page_title(st: dict, sep: str = " —") -> str:
     """The page's title (the Markdown summary's heading has `sep` ":")."""
     return (f"tpprobe rank-diff{sep} {st.get('model')} · tp={int(st.get('world_size') or 1)} · {st.get('backend')} · "
-            f"{st.get('dtype')} · ids {st.get('layer_ids')}")
+            f"{st.get('dtype')} · ids {st.get('aux ids') or st.get('layer_ids')}")
 
 
 # ---- HTML --------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..report.model import SCHEMA, TERMINAL, Cell, Column, Report, Rule, Table, 
 
 def title(st: dict) -> str:
     return (f"{st.get('model')} · tp={st['world_size']} · {st.get('backend')} · {st.get('dtype')} · "
-            f"ids {st.get('layer_ids')}")
+            f"ids {st.get('aux ids') or st.get('layer_ids')}")
 
 
 def _points(doc: dict) -> Table:

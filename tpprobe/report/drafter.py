@@ -27,6 +27,8 @@ def acceptance_line(a: dict) -> str:
 
 def fix_line(a: dict) -> str:
     rp = a.get("replay")
+    if a.get("fix_replayed"):       # the training's fix, with what the replay found (the finding says the same)
+        return f"fix: {a['fix']} (the replay {rp.get('scored_against')})"
     if a.get("fix") and rp and (rp.get("fix_check") or {}).get("line"):
         return f"fix: {a['fix']}: the draft replayed on {rp.get('on')} with these ids: {rp['fix_check']['line']}"
     if rp and rp.get("available"):

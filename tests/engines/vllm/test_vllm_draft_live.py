@@ -185,6 +185,13 @@ def test_off_by_one_config_is_named_with_its_fix_and_the_replayed_fix_brings_acc
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     fx = json.loads(p.stdout)
     assert fx["fix_ids"][1] == 2 and fx["best"]["score"]["first_position"] == 1.0, fx["line"]
+    # scored as the report's replay scores it: the target's folder is known, so against its own greedy tokens
+    assert fx["scored_against"].startswith("scored against the target's own greedy tokens (model.norm.weight and "
+                                           "lm_head.weight of target on the last layer) at the "), fx["scored_against"]
+    # the steps' title names the ids vLLM captures for its drafter (the draft's [0, 1, 2]), not tpprobe's own none
+    from tpprobe.probe.report import title
+    assert title(rep["settings"]) == ("LlamaForCausalLM · tp=2 · vllm (live engine, plugin) · float32 · ids [0, 1, 2] "
+                                      "(vLLM's, for its EAGLE-3 drafter)"), rep["settings"]
     # every layer hooked, the input equal on both ranks, prefill and verify rows in one step, split per request
     cov = rep["coverage"]
     assert cov["layers_found"] == cov["layers_ran"] == 4 and cov["embed"], cov
@@ -355,8 +362,10 @@ def test_a_wrong_all_reduce_in_the_target_is_named_as_the_cause_of_the_acceptanc
 @pytest.mark.sweep
 def test_ids_out_of_layer_order_are_named_and_no_id_list_can_fix_them(target, tmp_path):
     """F30: a draft trained with its slots in the written order [3, 1, 2], reading slot 0 (HF hidden_states[3]);
-    vLLM sorts the ids, slot 0 holds hidden_states[1]: acceptance 0, named as the ids' order, with what to do
-    (no id list gives that order on vLLM: permute fc.weight's column blocks)."""
+    vLLM sorts the ids, slot 0 holds hidden_states[1]: acceptance 0, named as the ids' order, with F30's own why and
+    what to do. The replay of the draft in the same report agrees with the finding, which says what it found: no
+    id list serves this draft on vLLM (slot 0 holds the lowest id's stream, and no two ids above 3 are left), and
+    the draft with its fc.weight column blocks permuted, served the sorted ids, accepts every position."""
     draft = build_draft(tmp_path / "draft", [3, 1, 2], read_slot=0)
     res, cap, _ = serve(tmp_path, target, draft, TPPROBE_DRAFT_TRAINED="convention:before")
     rc, rep = report(cap)
@@ -364,9 +373,27 @@ def test_ids_out_of_layer_order_are_named_and_no_id_list_can_fix_them(target, tm
     f = fails(rep)
     assert rc == 1 and [(x["kind"], x["where"], x["ranks"]) for x in f] == \
         [("slot-mismatch", "drafter slots [0, 1, 2], step 0 (extend)", [0, 1])], rep["findings"]
-    assert "not in layer order and vLLM sorts them (catalogue F30)" in f[0]["detail"], f[0]
-    assert "no id list gives that order" in f[0]["detail"] and "permute the column blocks" in f[0]["detail"], f[0]
-    assert rep["drafter"]["fix_ids"] is None
+    d, rp = rep["drafter"], rep["drafter"]["replay"]
+    assert d["fix_ids"] is None and rp["available"] and rp["fix_ids"] is None, rp.get("line") or rp
+    assert rp["best"]["streams"][0] == 3 and rp["best"]["score"]["first_position"] == 1.0, rp["best"]
+    where = rp["on"].split(", scored against")[0]          # the prompt replayed: "step 0 (extend), prompt rows 0..7"
+    fix = (f"no id list reproduces the training order HF hidden_states[3, 1, 2] on vLLM (it fills the slots in "
+           f"ascending id order); replayed on {where}, no id list serves the draft either (it replays best on "
+           f"HF hidden_states{rp['best']['streams']}, 1.00 first-position acceptance, which no id list gives on "
+           f"vLLM); write `{FIELD}` as [1, 2, 3] and permute the column blocks of the draft's fc.weight to it (take "
+           f"blocks [1, 2, 0] of the trained order; so permuted, the draft replays first-position acceptance 0.00 "
+           f"-> 1.00 (accept length, chain of 5: 1.00 -> 6.00)), or retrain with the ids in layer order")
+    assert f[0]["detail"] == (
+        "the draft's ids [3, 1, 2] are not in layer order and vLLM sorts them (catalogue F30): slot 0 holds HF "
+        "hidden_states[1], trained on HF hidden_states[3]; slot 1 holds HF hidden_states[2], trained on HF "
+        "hidden_states[1]; slot 2 holds HF hidden_states[3], trained on HF hidden_states[2]; it explains vLLM's "
+        f"acceptance 0.00 (mean acceptance length 1.00); fix: {fix}"), f[0]["detail"]
+    assert f[0]["explain"] == (
+        f"the draft's ids are written out of layer order (catalogue F30): vLLM sorts and de-duplicates `{FIELD}` and "
+        f"fills the slots in ascending id order, so a draft trained with its slots in the written order reads "
+        f"another stream in every slot the sort moves, with no error; no id list gives the written order: permute "
+        f"the draft's fc.weight column blocks to layer order, or retrain"), f[0]["explain"]
+    assert d["fix"] == fix and rp["permute_check"]["score"]["per_position"] == [1.0] * 5, rp["permute_check"]
 
 
 @pytest.mark.sweep
@@ -493,6 +520,24 @@ def test_a_partial_capture_is_named_at_its_slot_as_the_cause_of_the_acceptance(t
         f[0]["detail"], f[0]
     assert "fix: capture the layer's output after its reduce completes" in f[0]["detail"], f[0]
     assert "it explains vLLM's acceptance 0.00" in f[0]["detail"], f[0]
+
+
+@pytest.mark.sweep
+def test_an_unwritable_capture_folder_is_one_line_with_a_drafter_too(target, tmp_path):
+    """TPPROBE_CAPTURE_DIR under a regular file, with the EAGLE-3 drafter served: the step's capture fails on both
+    ranks and the plugin says it in ONE line (docs/vllm.md, Errors); the drafter's capture and the acceptance file,
+    whose folder is the same, stop with it without a line of their own (they used to add three: the acceptance
+    counting and each rank's drafter capture). The engine serves the same tokens."""
+    draft = build_draft(tmp_path / "draft", [1, 2, 3], read_slot=1)
+    (tmp_path / "a-file").write_text("not a folder")
+    res, _, log = serve(tmp_path, target, draft, TPPROBE_CAPTURE_DIR=str(tmp_path / "a-file" / "capture"))
+    assert res["tokens"] == want_tokens(), res["tokens"]
+    ours = [x[x.index("[tpprobe pid="):].split("] ", 1)[1] for x in log.splitlines() if "[tpprobe pid=" in x]
+    said = [x for x in ours if not x.startswith(("vLLM plugin registered", "attached on every worker", "tp_rank "))]
+    where = tmp_path / "a-file" / "capture" / "dp0-pp0" / "step-000000-extend"
+    assert said == [f"capture FAILED at step 0 (extend) on tp rank(s) [0, 1]: NotADirectoryError: [Errno 20] Not a "
+                    f"directory: '{where}'; the plugin stops capturing, the engine goes on"], ours
+    assert not (tmp_path / "a-file" / "capture").exists()
 
 
 @pytest.mark.sweep

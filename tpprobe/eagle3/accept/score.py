@@ -164,7 +164,19 @@ def _fixed(b, t, d: Draft):
             order.append(i if i < len(t.slots) else None)
     if any(o is None for o in order):
         return None, "the target has fewer slots than the baseline", False
-    how = ", ".join(f"slot {i} ← target slot {j}" for i, j in enumerate(order) if i != j) or "no change"
+    from ...capture.points import point_label
+    tid = (res.get("identity") or {}).get("target") or []
+
+    def holds(i: int, j: int) -> str:
+        # what slot i then holds: target slot j's stream, named when it is recognised; matched, the baseline's slot i
+        p = tid[j].get("point") if j < len(tid) and tid[j] else None
+        same = match[j] == i
+        if p:
+            return f"slot {i} then holds {point_label(p)}" + (f", as the baseline's slot {i} does" if same else "")
+        return f"slot {i} then holds what the baseline's slot {i} holds" if same else \
+            f"slot {i} then holds target slot {j}'s stream, unlike the baseline's slot {i}"
+    how = ", ".join(f"slot {i} ← target slot {j} ({holds(i, j)})" for i, j in enumerate(order) if i != j) \
+        or "no change"
     packed = torch.cat([t.slots[j] for j in order], dim=-1)
     return packed, how, explained
 

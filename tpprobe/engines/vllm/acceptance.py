@@ -42,6 +42,11 @@ CONVENTIONS = ("output", "before", "vllm")
 TRAINED_EXPLAIN = ("the engine captures exactly what the draft's config says, but the config is not what the draft "
                    "was trained on (catalogue F32): vLLM uses the ids as written (id k = HF hidden_states[k]) and "
                    "fills the slots in ascending id order; SpecForge's output-of-layer ids are one less")
+ORDER_EXPLAIN = ("the draft's ids are written out of layer order (catalogue F30): vLLM sorts and de-duplicates "
+                 f"`{FIELD}` and fills the slots in ascending id order, so a draft trained with its slots in the "
+                 "written order reads another stream in every slot the sort moves, with no error; no id list gives "
+                 "the written order: permute the draft's fc.weight column blocks to layer order, or retrain")
+GAIN = 0.05           # first-position acceptance a replayed capture must gain to count (tpprobe.eagle3.fix's GAIN)
 
 
 def drafter_files(root: Path) -> list[Path]:
@@ -282,6 +287,7 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
     rate = run.get("rate") if run else None
     low = rate is not None and rate < LOW
     fix_ids, fix_text = (None, None)
+    fix_finding = None
     first = rows[0]
     where0 = f"step {first['step']} ({first['forward_mode']})"
     ranks_all = first["ranks"]
@@ -303,9 +309,11 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
         wrong = [j for j, (h, t) in enumerate(zip(held, trained)) if h != t]
         d = {h - t for h, t in zip(held, trained) if h is not None and h != t}
         what = "; ".join(f"slot {j} holds {_hf(held[j])}, trained on {_hf(trained[j])}" for j in wrong)
+        explain = TRAINED_EXPLAIN
         if sorted(held) == sorted(trained) and config_ids == trained:
             kind, why = "slot-mismatch", (f"the draft's ids {config_ids} are not in layer order and vLLM sorts them "
                                           f"(catalogue F30): {what}")
+            explain = ORDER_EXPLAIN
         elif len(d) == 1 and next(iter(d)) in (-1, 1) and len(wrong) == len(held):
             kind, why = "capture-offset", (f"every slot is one layer {'early' if d == {-1} else 'late'} against what "
                                            f"the draft was trained on ({trained_from}): {what}")
@@ -317,7 +325,9 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
                      if rate is not None else ""))
         findings.append(Finding(kind, f"{_slots_text(wrong)}, {where0}", ranks_all,
                                 detail=f"{why}{acc_text}; fix: {fix_text}", evidence={"all_ranks": True,
-                                                                                   "explain": TRAINED_EXPLAIN}))
+                                                                                   "explain": explain}))
+        # the replay of the draft (tpprobe/cli/drafter.py) may run after this: replayed_fix says what it found
+        fix_finding = {"kind": kind, "where": findings[-1].where, "head": f"{why}{acc_text}"}
     fails = [f for f in findings if f.severity == FAILURE]
     if low and fails and not any("explains vLLM's acceptance" in f.detail for f in fails):
         f0 = fails[0]
@@ -335,8 +345,61 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
             "engine_slots": held, "trained": trained, "trained_from": trained_from, "num_layers": L,
             "draft_model": meta0.get("draft_model"), "target_arch": meta0.get("target_arch"),
             "target_model": meta0.get("target_model"), "fix_ids": fix_ids, "fix": fix_text,
+            "fix_finding": fix_finding,
             "findings": [f.to_json() for f in findings],
             "explained": bool(low and fails)}
+
+
+def _gain(cur: dict, sc: dict) -> str:
+    return (f"first-position acceptance {cur['first_position']:.2f} -> {sc['first_position']:.2f} (accept length, "
+            f"chain of {sc['chain']}: {cur['accept_length']:.2f} -> {sc['accept_length']:.2f})")
+
+
+def replayed_fix(a: dict) -> None:
+    """After the draft's replay (a["replay"], tpprobe/cli/drafter.py replay_fix): the fix of the finding made from
+    the training says what the replay found, so the two never contradict each other in one report; a["fix"] is
+    that text and a["fix_replayed"] True. Nothing changes when no replay ran or the training gave ids the replay
+    confirms."""
+    ff, rp = a.get("fix_finding"), a.get("replay") or {}
+    if not ff or not rp.get("available"):
+        return
+    f = next((x for x in a["findings"] if x["kind"] == ff["kind"] and x["where"] == ff["where"]), None)
+    if f is None:
+        return
+    where = rp.get("where") or rp.get("on")
+    cur = rp["current"]["score"]
+    best, chk, perm = rp["best"], rp.get("fix_check"), rp.get("permute_check")
+    trained = a["trained"]
+    if a.get("fix_ids") is not None:
+        if chk is None or chk["score"]["first_position"] > chk["current"]["first_position"] + GAIN or \
+                not rp.get("explained"):
+            return          # the replay confirms the training's ids (the fix line shows it), or finds nothing better
+        fix = (f"{a['fix']} (what the training says; but replayed on {where}, these ids give "
+               f"{_gain(chk['current'], chk['score'])}, and the replay finds: {rp['line']})")
+    else:
+        order = sorted(trained) != trained and len(set(trained)) == len(trained)
+        head = (f"no id list reproduces the training order HF hidden_states{trained} on vLLM (it fills the slots in "
+                f"ascending id order)" if order else a["fix"])
+        if rp.get("fix_ids") is not None and rp.get("explained"):
+            fix = (f"{head}; replayed on {where}, ids {rp['fix_ids']} give {_gain(cur, best['score'])}: set "
+                   f"`{FIELD}` to {rp['fix_ids']}")
+        elif rp.get("explained"):
+            fix = (f"{head}; replayed on {where}, no id list serves the draft either (it replays best on HF "
+                   f"hidden_states{best['streams']}, {best['score']['first_position']:.2f} first-position "
+                   f"acceptance, which no id list gives on vLLM)")
+        else:
+            fix = f"{head}; replayed on {where}: {rp['line']}"
+        if order:
+            srt = sorted(trained)
+            served = rp.get("fix_ids") is not None and rp.get("explained")
+            fix += ("; or " if served else "; ") + (
+                f"write `{FIELD}` as {srt} and permute the column blocks of the draft's fc.weight to it (take blocks "
+                f"{[trained.index(i) for i in srt]} of the trained order"
+                + (f"; so permuted, the draft replays {_gain(perm['current'], perm['score'])}" if perm else "")
+                + "), or retrain with the ids in layer order")
+    f["detail"] = f"{ff['head']}; fix: {fix}"
+    f["line"] = Finding(f["kind"], f["where"], f["ranks"], f["severity"], f["detail"], f.get("evidence") or {}).line
+    a["fix"], a["fix_replayed"] = fix, True
 
 
 def _vdiff(a: list, b: list) -> float:
@@ -402,30 +465,4 @@ def captured_prefills(steps: dict) -> list:
                 by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
                 out.append((t["target_token_ids"][lo:hi], by, f"step {m.get('step')} ({m.get('forward_mode')}), "
                                                               f"request {r['index']}'s prompt rows {lo}..{hi - 1}"))
-    return out
-
-
-def replay_streams(a: dict) -> list:
-    """[(token ids, {HF index: stream}, where)] of every captured prompt of 3+ tokens whose streams TP rank 0 kept,
-    longest first, for a replay of the draft; [] when there is none."""
-    from safetensors.torch import load_file
-
-    found = []
-    for row in a["steps"]:
-        if not row.get("kept"):
-            continue
-        for r in row.get("requests") or []:
-            lo, hi = r["rows"]
-            if r.get("kind") == "prefill" and hi - lo >= 3:
-                found.append((row, lo, hi))
-    found.sort(key=lambda x: x[1] - x[2])
-    out, files = [], {}
-    for row, lo, hi in found:
-        f = str(Path(row["folder"]) / "drafter" / "rank-000.safetensors")
-        t = files.get(f)
-        if t is None:
-            t = files[f] = load_file(f)
-        by = {int(k.split(".")[1]): v[lo:hi] for k, v in t.items() if k.startswith("stream.")}
-        out.append((t["target_token_ids"][lo:hi], by,
-                    f"step {row['step']} ({row['forward_mode']}), prompt rows {lo}..{hi - 1}"))
     return out

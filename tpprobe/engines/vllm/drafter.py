@@ -75,6 +75,14 @@ def install(model, say, ranks, forwards, bytes_written, settings) -> None:
         _say(f"drafter capture not installed: {type(e).__name__}: {e}")
 
 
+def stop() -> None:
+    """The plugin's capture failed and stopped (its one line said so, tpprobe.engines.vllm.worker): the drafter's
+    capture and the acceptance file stop with it, silently (their folder is the one that failed); vLLM's acceptance
+    is still counted (`tpprobe_status`)."""
+    _D["failed"], _D["stopped"] = True, True
+    _D["armed"], _D["streams"], _D["hidden"] = None, {}, {}
+
+
 def arm(step: int, mode: str) -> None:
     """The next target forward is captured step `step`: keep its streams for the proposer that follows it."""
     _D["armed"] = {"step": step, "mode": mode}
@@ -186,7 +194,7 @@ def _write_acceptance(now: float) -> None:
     """TP rank 0 writes the group's acceptance.json: replaced whole (a reader never sees half of it), not
     fsynced (it is rewritten at every verify step on CPU: a counter, not a record to keep)."""
     s, par = settings(), _D["ranks"]()
-    if s is None or par.get("tp_rank", 0) != 0:
+    if s is None or _D.get("stopped") or par.get("tp_rank", 0) != 0:
         return
     _D["last_write"] = now
     folder = Path(s["dir"]) / f"dp{par['dp_rank']}-pp{par['pp_rank']}"

@@ -254,6 +254,8 @@ def _forward(model, inner, args, kwargs):
             say(f"capture FAILED at step {step}, the plugin stops capturing (the engine goes on): "
                 f"{type(e).__name__}: {e}")
         _STEPS["failed"] = True
+        from tpprobe.engines.vllm.drafter import stop
+        stop()
     return box["result"] if "result" in box else inner(*args, **kwargs)
 
 
@@ -301,6 +303,8 @@ def _capture(s, model, run, input_ids, mode, step, box) -> None:
     t_forward = time.time() - t0
     if _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget, error=error):
         _STEPS["failed"] = True     # every rank of the TP group saw the same errors: they stop together
+        from tpprobe.engines.vllm.drafter import stop
+        stop()                      # the drafter's capture too: the one line said the plugin stops
     if _STEPS["captured"] >= _limit(s) or _STEPS["failed"]:
         from tpprobe.capture.audit import release
         release()
@@ -336,8 +340,15 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, model, t_forward, b
                              "model": type(model).__name__, "parallel": par,
                              "kept_rows": tap.sample_rows, "budget_refused": budget.refused})
     slots = vllm_knob_slots(_AUX["ids"])[0] if aux is not None else ([], [])    # TPPROBE_ID_RULE: a patched build
+    extra = {}
+    engine_ids = sorted({int(i) for i in getattr(getattr(model, "model", model), "aux_hidden_state_layers", ())
+                         or ()})
+    if aux is None and engine_ids:
+        # no aux of tpprobe's own: the ids vLLM itself captures for its EAGLE-3 drafter (the step's title names them)
+        extra["aux ids"] = f"{engine_ids} (vLLM's, for its EAGLE-3 drafter)"
     return record, step_settings(record, model, backend="vllm (live engine, plugin)",
-                                 tokens=int(input_ids.shape[0]), mode=mode, step=step, par=par, slots=slots)
+                                 tokens=int(input_ids.shape[0]), mode=mode, step=step, par=par, slots=slots,
+                                 extra=extra)
 
 
 def _write_step(s, step, mode, rank, world, tp, tap, input_ids, model, t_forward, budget, error=None) -> list:
