@@ -6,6 +6,7 @@ from typing import Optional
 
 from ..checks.findings import FAILURE
 from ..checks.offline import check_run, run_settings
+from ..engines.fault_fired import KEY, unfired_line
 from ..engines.registry import recorded
 from ..formats.capture_dir import load_run
 from ..report.model import build_report
@@ -61,6 +62,11 @@ def check_dir(path: Path) -> dict:
     """The report of one capture folder (one forward of one TP group), not printed."""
     run = load_run(path)
     settings, result = check_run(run, offset_rule=recorded(run_settings(run)).offset_rule)
+    line = unfired_line(settings.get("inject") or [], run.manifest["world_size"],
+                        {r: (x.meta.status, x.meta.extra.get(KEY)) for r, x in run.records.items()})
+    if line is not None:        # the probe that wrote it gave no verdict: neither does its report
+        from ..core.errors import UsageError
+        raise UsageError(f"{path}: {line}")
     rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True
     return rep
