@@ -119,7 +119,9 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bo
     wrong = [i for i, (m, e) in enumerate(zip(match, expected)) if m != e]
     where = f"aux slot {wrong[0]}" if len(wrong) == 1 else f"aux slots {wrong}"
     def slot(i):
-        return f"slot {i} (id {ids[i] if i < len(ids) else '?'})" if name_ids else f"slot {i}"
+        if not name_ids or i < len(ids) and ids[i] is None:      # no id of its own (a draft with none)
+            return f"slot {i}"
+        return f"slot {i} (id {ids[i] if i < len(ids) else '?'})"
 
     text = "; ".join(f"{slot(i)} equals {lab(match[i])}, expected "
                      f"{lab(expected[i]) if i < len(expected) else 'nothing'}" for i in wrong)
