@@ -274,6 +274,25 @@ def test_a_draft_config_given_as_the_probes_config_is_refused(tmp_path, capsys, 
     assert not (tmp_path / "r").exists()
 
 
+def test_a_draft_config_given_as_the_target_config_is_refused(tmp_path, capsys):
+    # `tpprobe layers` and `tpprobe fix` read --target-config for the target's architecture and depth: a draft's
+    # config there would be read as a 1-layer Llama target, as a probe's --config would
+    draft = ROOT / "examples" / "eagle3" / "draft_config.json"
+    as_target = tmp_path / "config.json"
+    as_target.write_text(draft.read_text())
+    head = (f"tpprobe: error: --target-config {as_target} is an EAGLE-3 draft's config (LlamaForCausalLMEagle3), not a "
+            f"target model's: ")
+    code, out, err = cli(["layers", "--draft-config", draft, "--target-config", as_target], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == head + "give the target model's config.json as --target-config and the draft's as " \
+                                   "--draft-config"
+    code, out, err = cli(["fix", "--draft", tmp_path, "--streams", tmp_path, "--target-config", tmp_path], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == head.replace(str(as_target), str(tmp_path)) + (
+        "give the target model's config.json as --target-config (or its --arch); the draft's checkpoint folder goes "
+        "to --draft")
+
+
 def test_an_unreadable_config_is_said_before_any_engine_is_imported(tmp_path):
     bad = tmp_path / "notjson.json"
     bad.write_text("not json")

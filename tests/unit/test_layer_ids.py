@@ -1,6 +1,7 @@
 """SGLang 0.5.23 EAGLE-3 layer-id rules (pure; the same table is proven against real captures
 in tests/engines/sglang/test_sglang_models.py)."""
 import io
+import json
 
 import pytest
 from rich.console import Console
@@ -60,3 +61,42 @@ def test_render_and_errors():
     with pytest.raises(UsageError):
         parse_ids("1,x")
     assert parse_ids("-1, 2,30") == [-1, 2, 30] and parse_ids(None) is None
+
+
+def _layers(capsys, *args) -> tuple[int, str]:
+    from tpprobe.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["layers", *map(str, args)])
+    return e.value.code, " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("arch, engine, status", [("llama", "sglang", "duplicate"),
+                                                  ("deepseek_v3", "vllm", "duplicate"),
+                                                  ("deepseek_v3", "sglang", "crash")])
+def test_colliding_default_ids_are_named_with_their_slot_never_none(capsys, arch, engine, status):
+    # no --ids: the model's default ids [2, L//2, L-3] are [2, 2, 1] on 4 layers, id 2 twice: the problem names the
+    # id and the slot that holds its stream, never `id None`
+    code, out = _layers(capsys, "--arch", arch, "--num-layers", 4, "--engine", engine)
+    said = (f"PROBLEM: default id 2 (ids not given: the model's default ids [2, 2, 1]): {status}, its stream captured "
+            f"once, in aux slot 1")
+    assert code == 1 and said in out and "None" not in out, out
+    code, out = _layers(capsys, "--arch", arch, "--num-layers", 4, "--engine", engine, "--json")
+    assert json.loads(out)["problems"] == [said.removeprefix("PROBLEM: ")]
+
+
+def test_a_draft_without_ids_on_a_shallow_target_never_says_none(capsys, tmp_path):
+    # the contract of a draft with no ids (the default capture) against a 4-layer DeepSeek-V3: the engines' notes
+    # and the slot verdict name the default ids, or no id, never `None`
+    draft, target = tmp_path / "draft.json", tmp_path / "target.json"
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+                                 "draft_vocab_size": 100}))
+    target.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4,
+                                  "model_type": "deepseek_v3"}))
+    code, out = _layers(capsys, "--draft-config", draft, "--target-config", target, "--engine", "vllm")
+    assert code == 1 and "None" not in out, out
+    assert "note: vLLM: default id 2 (ids not given: the model's default ids [2, 2, 1]): duplicate, its stream " \
+           "captured once, in aux slot 1" in out, out
+    assert "slot 0 equals layer 0's output, expected layer 1's output: one layer early" in out, out
+    assert "SGLang ids not given (no eagle_config.eagle_aux_hidden_state_layer_ids" in out, out

@@ -61,7 +61,13 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
                                          "in the draft's config (the fix named) or retrain the draft on what the "
                                          "engine captures"}
         return []
-    if basis == "config" and settings.get("draft_training_unmatched"):
+    refused = settings.get("draft_training_refused")
+    if basis == "config" and refused:
+        text = (f"the aux slots were checked against the draft's config only (ids "
+                f"{settings.get('draft_config_ids')} under the engine's rule: hidden_states "
+                f"{settings.get('draft_rule_hs')}): what the draft was trained on was refused at capture, not used: "
+                f"{refused}")
+    elif basis == "config" and settings.get("draft_training_unmatched"):
         text = (f"the aux slots were checked against the draft's config only (ids "
                 f"{settings.get('draft_config_ids')} under the engine's rule: hidden_states "
                 f"{settings.get('draft_rule_hs')}): what the draft was trained on could not be read from "
@@ -78,6 +84,7 @@ def draft_findings(settings: dict, slot_findings: list, rows: list, live: list) 
         text = (f"the aux slots were checked against the engine's own capture list only "
                 f"({settings.get('sglang layers_to_capture') or settings.get('engine_capture') or '?'}): the engine "
                 f"agreeing with itself, no evidence about the draft; the draft's own input is checked in the "
-                f"step-N-draft_input folders, against its training when TPPROBE_DRAFT_TRAINED is set")
+                f"step-N-draft_input folders, against its training when TPPROBE_DRAFT_TRAINED is set"
+                + (f"; what the draft was trained on was refused at capture, not used: {refused}" if refused else ""))
     return [Finding("draft-unverified", "aux slots", list(live), severity=WARNING, detail=text,
                     evidence={"all_ranks": True, "basis": basis})]

@@ -125,7 +125,9 @@ def slot_verdict(ids, expected, match, L, offset_rule: bool = True, name_ids: bo
     where = f"aux slot {num(wrong[0])}" if len(wrong) == 1 else f"aux slots {[num(i) for i in wrong]}"
 
     def slot(i):
-        return f"slot {num(i)} (id {ids[i] if i < len(ids) else '?'})" if name_ids else f"slot {num(i)}"
+        if not name_ids or i < len(ids) and ids[i] is None:      # no id of its own (a draft with none)
+            return f"slot {num(i)}"
+        return f"slot {num(i)} (id {ids[i] if i < len(ids) else '?'})"
 
     text = "; ".join(f"{slot(i)} equals {lab(match[i])}, expected "
                      f"{lab(expected[i]) if i < len(expected) else 'nothing'}" for i in wrong)

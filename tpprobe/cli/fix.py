@@ -76,6 +76,9 @@ def fix_command(
 
 
 def _target(path: Path, arch: Optional[str]) -> tuple[str, int]:
+    from tpprobe.config.hub import check_target
+    check_target(path, "--target-config", "give the target model's config.json as --target-config (or its --arch); "
+                                          "the draft's checkpoint folder goes to --draft")
     p = path / "config.json" if path.is_dir() else path
     try:
         cfg = json.loads(p.read_text())

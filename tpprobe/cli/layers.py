@@ -203,10 +203,12 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
 
     if convention not in ("output", "before"):
         raise UsageError(f"--draft-convention {convention!r}: use output or before")
-    from tpprobe.config.hub import read_config
+    from tpprobe.config.hub import check_target, read_config
 
     draft = _read(draft_path, "draft-config")
     check_is_draft(draft, draft_path, target_path)
+    check_target(target_path, "--target-config", "give the target model's config.json as --target-config and the "
+                                                 "draft's as --draft-config")
     hub = read_config(target_path, "--target-config")      # a wrapper's text model under text_config too
     if not hub.architecture:
         raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "

@@ -6,6 +6,7 @@ from typing import Optional
 
 from ..checks.findings import FAILURE
 from ..checks.offline import check_run, run_settings
+from ..engines.fault_fired import KEY, unfired_line
 from ..engines.registry import recorded
 from ..formats.capture_dir import load_run
 from ..report.model import build_report
@@ -62,6 +63,11 @@ def check_dir(path: Path, manifest: Optional[dict] = None) -> dict:
     the caller read it already (tpprobe.formats.capture_dir.read_manifest's)."""
     run = load_run(path, manifest=manifest)
     settings, result = check_run(run, offset_rule=recorded(run_settings(run)).offset_rule)
+    line = unfired_line(settings.get("inject") or [], run.manifest["world_size"],
+                        {r: (x.meta.status, x.meta.extra.get(KEY)) for r, x in run.records.items()})
+    if line is not None:        # the probe that wrote it gave no verdict: neither does its report
+        from ..core.errors import UsageError
+        raise UsageError(f"{path}: {line}")
     rep = build_report(settings, result, timings=dict(run.manifest.get("timings") or {}), out=str(path))
     rep["offline"] = True
     return rep

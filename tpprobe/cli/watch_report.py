@@ -21,6 +21,7 @@ from typing import Optional
 from ..core.errors import UsageError
 from ..engines.vllm.acceptance import LOW
 from ..formats.acceptance import summary
+from ..report.words import NOT_CHECKED_ONE_RANK
 
 SCHEMA = "tpprobe.watch/1"
 _SUMMARY = re.compile(r"^watch-rank-(\d{3,})\.json$")
@@ -93,12 +94,14 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
                 g["steps"].setdefault(name, []).append(path)
     rows, first = [], None
     totals = {"checked": 0, "healthy": 0, "failing": 0, "not_kept": 0, "warned": 0}
-    notes = []
+    notes, one_rank = [], []
     with tempfile.TemporaryDirectory(prefix="tpprobe-watch-") as tmp:
         for group in sorted(groups):
             g = groups[group]
             docs = g["summaries"]
             world = max(int(doc.get("world_size") or 1) for doc in docs.values())
+            if world == 1:      # no peer: its forwards were checked on their own, never across ranks
+                one_rank.append(group)
             lead = docs.get(0) or docs[min(docs)]
             for k in ("checked", "healthy", "failing", "not_kept", "warned"):
                 totals[k] += max(int(doc.get(k) or 0) for doc in docs.values())
@@ -148,9 +151,12 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
                      f"on every rank: the watch checks the target's forwards, not what the EAGLE-3 draft receives; "
                      f"capture a few steps with TPPROBE_CAPTURE_DIR and without TPPROBE_WATCH, and `tpprobe report` "
                      f"checks the draft's input against the draft and proposes ids")
+    across = len(one_rank) < len(groups)
+    if one_rank and across:
+        notes.append(f"{', '.join(one_rank)}: one rank (tp 1): its forwards were not checked across ranks")
     doc = {"watch": {"folders": held, **totals, "failing_steps": [
         {k: r[k] for k in ("group", "step", "forward_mode", "first")} for r in rows], "notes": notes,
-        "acceptance": acc}}
+        "acceptance": acc, "one_rank_groups": one_rank}}
     if totals["checked"] == 0 and not rows:
         raise UsageError("the watch checked no forward in these folders (the engine served none while TPPROBE_WATCH "
                          "was on, or the summaries were never written): nothing to report")
@@ -162,8 +168,9 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
         return code
     con = console()
     folders = "; ".join(f"{d}: ranks {h['ranks']}" for d, h in held.items())
-    con.print(f"tpprobe watch report over {len(dirs)} folder(s) ({folders}): {totals['checked']} forward(s) checked, "
-              f"{totals['healthy']} healthy, {failing} failing"
+    con.print(f"tpprobe watch report over {len(dirs)} folder(s) ({folders}): {totals['checked']} forward(s) checked"
+              + (f", {totals['healthy']} healthy" if across else f" on one rank, {totals['healthy']} without a finding")
+              + f", {failing} failing"
               + (f", {totals['warned']} with warnings" if totals["warned"] else "")
               + (f" ({totals['not_kept']} not kept: TPPROBE_MAX_BYTES)" if totals["not_kept"] else ""),
               highlight=False, soft_wrap=True)
@@ -176,7 +183,10 @@ def watch_report(dirs: list[Path], json_out: bool = False, quiet: bool = False) 
                   highlight=False, soft_wrap=True)
     for n in notes:
         con.print(f"  note: {n}", highlight=False, soft_wrap=True)
-    con.print("HEALTHY: every checked forward agreed on every rank, fully covered"
+    con.print(("HEALTHY: every checked forward agreed on every rank, fully covered"
+               + (" (the one-rank group noted above aside)" if one_rank else "") if across else
+               NOT_CHECKED_ONE_RANK + f"each of the {totals['healthy']} checked forward(s) ran on a single rank, and "
+               f"its own checks found nothing (no value is NaN or Inf)")
               if not failing and not totals["warned"] and not low else
               "NOT HEALTHY: the engine's acceptance is low and the draft's input was not checked (note above)"
               if not failing and not totals["warned"] else

@@ -148,17 +148,19 @@ def draft_sign(raw: dict) -> Optional[str]:
     return f"its {key}" if key else None
 
 
-def check_target(path, flag: str = "--config") -> None:
-    """UsageError (one line) when the config at `path` is an EAGLE draft's, where a target model's is asked for;
-    an unreadable file passes (its reader says what is wrong with it)."""
+PROBE_INSTEAD = ("probe the target's config.json; a draft's config goes to `tpprobe layers --draft-config`, "
+                 "`tpprobe fix --draft` and `tpprobe accept --draft`")
+
+
+def check_target(path, flag: str = "--config", instead: str = PROBE_INSTEAD) -> None:
+    """UsageError (one line) when the config at `path` is an EAGLE draft's, where a target model's is asked for
+    (`flag`; `instead`: what to pass instead); an unreadable file passes (its reader says what is wrong with it)."""
     hub = try_read(path)
     sign = draft_sign(hub.raw) if hub is not None else None
     if sign is None:
         return
     kind = "EAGLE" if not sign.startswith("its ") and "eagle3" not in sign.lower() else "EAGLE-3"
-    raise UsageError(f"{flag} {path} is an {kind} draft's config ({sign}), not a target model's: probe the target's "
-                     f"config.json; a draft's config goes to `tpprobe layers --draft-config`, `tpprobe fix --draft` "
-                     f"and `tpprobe accept --draft`")
+    raise UsageError(f"{flag} {path} is an {kind} draft's config ({sign}), not a target model's: {instead}")
 
 
 def try_read(path) -> Optional[HubConfig]:

@@ -105,6 +105,19 @@ def trained_hidden_states(training: Optional[dict], config_ids: Optional[list[in
     return [int(i) + shift for i in config_ids]
 
 
+def slot_count_mismatch(spec: str, trained: list[int], config_ids: Optional[list[int]], n_slots: Optional[int],
+                        field: str, received: str) -> str:
+    """'' when the training (`spec`, what follows `TPPROBE_DRAFT_TRAINED=`) gives the draft one stream per slot; else
+    the line that refuses it, naming both lengths. The draft's slots: its config's ids in `field` (what its fc
+    reads), else `n_slots`, `received` saying what they are (the slots the drafter received)."""
+    n = len(config_ids) if config_ids else n_slots
+    if not n or len(trained) == n:
+        return ""
+    of = f"its config's {field} {list(config_ids)}" if config_ids else received
+    return (f"{ENV}={spec} gives {len(trained)} slot(s), HF hidden_states {list(trained)}, but the draft reads {n} "
+            f"({of}): give one HF hidden_states index per slot, in slot order")
+
+
 SAMPLE_MATCH = 0.05      # a sample's slot IS a stream when ||slot - stream|| / ||slot|| is under this (another
                          # engine or dtype wrote the sample: bf16 rounding is ~0.4 %, a neighbouring layer ~50 %+)
 MIN_SHARED = 2           # tokens a sample must share with a captured prefill, from its first

@@ -28,6 +28,7 @@ from .settle import Settled, leave_now, stacks_after_env
 from ..exchange.gather import bytes_post, exchange_records, exchange_summary, post_meta
 from ..exchange.liveness import collect_meta, liveness_of
 from .forward import forward_under_tap
+from ..engines import fault_fired
 from ..engines.registry import engine_of, recorded
 from ..config.options import ProbeOptions
 from .. import __version__
@@ -182,7 +183,8 @@ def _rank_record(me: _Rank, tap: Tap, result, status: str, error) -> tuple[dict,
     record = rank_record(tap, rank=ctx.rank, world=ctx.world_size, input_ids=target.input_ids, model=target.model,
                          hidden=target.hidden_size, packed=packed, status=status, error=error, timings=me.timings,
                          device=ctx.device, params=me.device.params,
-                         fingerprints=None if me.keep_all else PROBE_SKETCH, slot_dtype=me.opts.torch_dtype)
+                         fingerprints=None if me.keep_all else PROBE_SKETCH, slot_dtype=me.opts.torch_dtype,
+                         extra={fault_fired.KEY: fault_fired.counts()} if me.opts.inject else None)
     return record.tensors, record.to_json()
 
 
@@ -219,6 +221,12 @@ def _references(me: _Rank, posts: dict) -> Optional[dict]:
         raise err from None
 
 
+def unfired(inject: list, posts: dict, world: int):
+    """The line naming an --inject fault that fired on no rank (tpprobe/engines/fault_fired.py), else None."""
+    return fault_fired.unfired_line(inject, world, {r: (p["status"], p["meta"].get(fault_fired.KEY))
+                                                    for r, p in posts.items()})
+
+
 def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: dict) -> int:
     """Rank 0: the checks, report.json, the manifest, and the report on the terminal."""
     me.progress.set("report")
@@ -236,6 +244,10 @@ def _check_and_report(me: _Rank, records: dict, evidence, posts: dict, tensors: 
                                 "timings": timings}, files)
     # first before the checks: a run whose checks fail still leaves a folder `tpprobe report` reads
     manifest(dict(me.timings))
+    if (line := unfired(me.opts.inject, posts, world)) is not None:
+        from ..report.terminal import error_line
+        error_line(line)        # no verdict: the fault asked for never acted (`tpprobe report` says the same)
+        return 2
     t2 = time.time()
     result = run_checks(records, settings, liveness, references, evidence=evidence,
                         offset_rule=recorded(settings).offset_rule)

@@ -13,7 +13,7 @@ from ..formats.capture_dir import check_file_path, estimate_capture_bytes
 from ..formats.settings import run_settings
 from ..core.errors import UsageError
 from ..engines.builtin.faults import parse as parse_faults
-from ..engines import registry
+from ..engines import fault_fired, registry
 from ..engines.registry import check_faults, engine_of, slot_engine, source
 from ..config.knobs import check_numeric_knobs
 from ..config.options import BUILTIN, BUILTIN_ONLY, DTYPE_TORCH, ProbeOptions
@@ -183,8 +183,10 @@ def build_with_faults(ctx: RankContext, opts: ProbeOptions) -> tuple[ProbeTarget
         if bad:
             raise UsageError(f"--layers {bad} out of range for {opts.model} ({L} layers): ids run from -1 "
                              f"(embedding) to {L - 1}")
-    if flt:
-        engine_of(opts).inject(flt, target, ctx, groups)
+    fault_fired.reset()
+    for spec, f in zip(opts.inject, flt):    # one at a time, each counted (one that never fires gives no verdict)
+        with fault_fired.injecting(spec):
+            engine_of(opts).inject([f], target, ctx, groups)
     return target, layer_ids
 
 

@@ -9,6 +9,11 @@ from __future__ import annotations
 from .model import Cell, Column, Table, Text
 
 
+
+def _given(ids) -> str:
+    """An engine's ids as the caption says them: `not given` where it reads none (its default follows)."""
+    return "not given" if ids is None else str(ids)
+
 def vllm_plan_table(p) -> Table:
     """vLLM's plan as a Table (vLLM's columns: the id as vLLM holds it is the capture point)."""
     from ..engines.sglang.layer_ids import layer_point
@@ -40,8 +45,9 @@ def engines_sections(res: dict) -> list:
               [[str(r["slot"]), "-" if r["draft_id"] is None else str(r["draft_id"]),
                 "-" if r["draft_expects"] is None else hs(r["draft_expects"]), hs(r["sglang"]), hs(r["vllm"]),
                 Cell("same", "ok") if r["same"] else Cell("DIFFERS", "failure")] for r in res["rows"]],
-              caption=f"SGLang ids {res['sglang_ids']} ({res['sglang_ids_from']}); vLLM ids {res['vllm_ids']} "
-                      f"({res['vllm_ids_from']}); draft trained with {res['draft_convention']}")
+              caption=f"SGLang ids {_given(res['sglang_ids'])} ({res['sglang_ids_from']}); vLLM ids "
+                      f"{_given(res['vllm_ids'])} ({res['vllm_ids_from']}); draft trained with "
+                      f"{res['draft_convention']}")
     shown = [n for n in res["notes"] if n != res.get("runner_note") or res.get("serves_vllm")]
     out: list = [t] + [Text(f"note: {n}") for n in shown]
     if res["verdict"]:

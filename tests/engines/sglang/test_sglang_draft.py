@@ -231,3 +231,57 @@ def load_file(step) -> dict:
     from tpprobe.formats.capture_dir import load_run
 
     return load_run(step).records[0].tensors
+
+
+def short_list_worker(ctx):
+    """TPPROBE_DRAFT_TRAINED=ids:1,2 for a draft whose config reads 3 slots (ids [0, 1, 2]): one prefill and the
+    draft's extend."""
+    import os
+
+    from tpprobe.engines.sglang import cpu_mode
+
+    cpu_mode.enable()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from tpprobe.engines.sglang import tiny_draft
+    from tpprobe.engines.sglang.tiny import build_target, packed_aux
+
+    os.environ["TPPROBE_DRAFT_TRAINED"] = "ids:1,2"
+    t = build_target(ctx, "llama", L, TOKENS, SEED, torch.float32, IDS)
+    draft = tiny_draft.build_draft(tiny_draft.draft_config(t.model.config, IDS), SEED)
+    seqs = [t.input_ids[:2], t.input_ids[2:]]
+    res = t.forward_batch(seqs)
+    tiny_draft.draft_extend_for_prefill(draft, seqs, packed_aux(res), res.next_token_logits.argmax(-1))
+    return None
+
+
+def test_a_training_list_of_another_length_is_refused(tmp_path):
+    """A list of 2 HF hidden_states for a draft of 3 slots is not what the draft was trained on slot by slot: the
+    plugin says one line naming both lengths (TP rank 0, once), never uses it, and the report checks the draft's
+    input against its config only, saying why (as vLLM's drafter does)."""
+    from tests.helpers.sglang_ranks import LAST_LOGS
+
+    env = {"TPPROBE_CAPTURE_DIR": str(tmp_path), "SGLANG_PLUGINS": "tpprobe", "TPPROBE_MAX_STEPS": "1"}
+    run_ranks(f"{__name__}:short_list_worker", 2, {}, env=env, timeout=300)
+    draft_why = ("TPPROBE_DRAFT_TRAINED=ids:1,2 gives 2 slot(s), HF hidden_states [1, 2], but the draft reads 3 (its "
+                 "config's eagle_config.eagle_aux_hidden_state_layer_ids [0, 1, 2]): give one HF hidden_states index "
+                 "per slot, in slot order")
+    target_why = ("TPPROBE_DRAFT_TRAINED=ids:1,2 gives 2 slot(s), HF hidden_states [1, 2], but the draft reads 3 (the "
+                  "slots SGLang's layers_to_capture gives it): give one HF hidden_states index per slot, in slot order")
+    log = "".join(LAST_LOGS)
+    said = [x[x.index("] ") + 2:] for x in log.splitlines() if "[tpprobe pid=" in x and "TRAINED" in x]
+    assert said == [f"the draft's input: {why}; not used: it is checked against the draft's config only"
+                    for why in (target_why, draft_why)], said
+    group = tmp_path / "dp0-pp0"
+    code, rep = _report(group / "step-000000-draft_input")
+    assert code == 0 and [(x["kind"], x["where"], x["ranks"], x["severity"]) for x in rep["findings"]] == [
+        ("draft-unverified", "aux slots", [0, 1], "warning")], rep["findings"]
+    assert rep["findings"][0]["detail"] == (
+        "the aux slots were checked against the draft's config only (ids [0, 1, 2] under the engine's rule: "
+        f"hidden_states [1, 2, 3]): what the draft was trained on was refused at capture, not used: {draft_why}")
+    assert [s["ok"] for s in rep["slots"]] == [True] * 3, rep["slots"]
+    code, rep = _report(group / "step-000000-extend")
+    assert code == 0 and [(x["kind"], x["severity"]) for x in rep["findings"]] == [("draft-unverified", "warning")]
+    assert rep["findings"][0]["detail"].endswith(f"; what the draft was trained on was refused at capture, not used: "
+                                                 f"{target_why}"), rep["findings"][0]["detail"]

@@ -14,9 +14,13 @@ Healthy runs of the other architectures are `sweep` (the captures themselves are
 HF for qwen3 and qwen3_moe by tests/engines/sglang/test_sglang_archs.py in the default run).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from tests.engines.sglang.test_sglang_probe import failures, probe
+from tests.engines.sglang.test_sglang_probe import ROOT, failures, probe
 from tpprobe.engines.sglang import INSTALL_HINT, available
 
 pytestmark = [pytest.mark.sglang,
@@ -218,3 +222,38 @@ def test_a_row_output_reduced_as_a_copy_is_not_named_never_reduced(tmp_path):
     assert [(x["kind"], x["where"], x["ranks"]) for x in failures(rep)] == \
         [("rank-divergence", "layer.0.out", [2, 3])], rep["findings"]
     assert "every audited reduce returned the sum of its inputs" in failures(rep)[0]["evidence"]["explain"]
+
+
+def test_dp_attention_allreduce_scaled_breaks_the_reduce_of_the_gathered_buffer(tmp_path):
+    # under DP attention SGLang copies layer 1's o_proj rows (plus the residual, on one rank of each attention-TP
+    # group) into its gathered buffer and the TP group reduces that: the fault scales that reduce, every rank
+    code, rep, p = _dp_probe(tmp_path, "--inject", "allreduce-scaled@1")
+    assert code == 1, p.stderr[-3000:]
+    f = failures(rep)
+    assert [(x["kind"], x["where"], x["ranks"]) for x in f] == \
+        [("allreduce-incomplete", "layer 1 (model.layers.1)", [0, 1, 2, 3])], rep["findings"]
+    assert "group tp:0, 4 ranks, shape [12, 64]) ran, but its output is not the sum of its inputs: on ranks " \
+        "[0, 1, 2, 3] it returned the sum scaled by 2" in f[0]["detail"], f[0]["detail"]
+    assert rep["allreduce"]["incomplete"] == 1
+
+
+def test_dp_attention_fault_that_never_fires_gives_no_verdict(tmp_path):
+    # allreduce-stale looks for the reduce of layer 1's o_proj output itself; under DP attention SGLang reduces a
+    # copy of it, so the fault never acts: the run says so in one line and exits 2, never HEALTHY, and so does
+    # `tpprobe report` on the folder it wrote
+    from tests.helpers.ranks import run_cli
+
+    said = ("--inject allreduce-stale@1 did not fire on any of the 4 ranks: it looks for layer 1's self_attn.o_proj "
+            "output in the TP group's all-reduce (GroupCoordinator.all_reduce), and none came: the model ran "
+            "unbroken, so this run gives no verdict")
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "4", "--out", str(tmp_path),
+                        "--num-layers", str(L), "--tokens", "6", "--seed", "0", "--timeout", "120",
+                        "--engine", "sglang", "--arch", "qwen3", "--dp-attention", "2", "--layers", "-1,1",
+                        "--inject", "allreduce-stale@1"], capture_output=True, text=True, cwd=ROOT, timeout=420,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert [x for x in p.stderr.splitlines() if x.startswith("tpprobe:")] == [f"tpprobe: error: {said}"], p.stderr
+    assert "HEALTHY" not in p.stdout and "verdict" not in p.stdout, p.stdout
+    r = run_cli(["report", str(tmp_path)], timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"tpprobe: error: {tmp_path}: {said}", r.stderr
+    assert r.stdout == ""

@@ -178,3 +178,21 @@ def test_failing_records_past_max_bytes_are_counted_not_kept(tmp_path):
     code, rep = _report(tmp_path)
     assert code == 1 and [s["step"] for s in rep["watch"]["failing_steps"]] == [1, 2], rep["watch"]
     assert rep["watch"]["not_kept"] == 1, rep["watch"]
+
+
+def test_a_one_rank_watch_is_not_checked_across_ranks_never_healthy(tmp_path):
+    """tp 1: each checked forward has no peer to agree with and no all-reduce to check, so the report says so (exit
+    0), as a one-rank probe does, and never HEALTHY."""
+    res = run_ranks(f"{__name__}:worker", 1, dict(forwards=3), env=_env(tmp_path, 1), timeout=240)
+    st = res[0]["status"]
+    assert (st["checked"], st["healthy"], st["failing"], st["warned"]) == (3, 3, 0, 0), st
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "report", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == [
+        f"tpprobe watch report over 1 folder(s) ({tmp_path}: ranks [0]): 3 forward(s) checked on one rank, 3 without a "
+        f"finding, 0 failing",
+        "NOT CHECKED ACROSS RANKS (1 rank: no other rank to compare with, no all-reduce to check): each of the 3 "
+        "checked forward(s) ran on a single rank, and its own checks found nothing (no value is NaN or Inf)"], p.stdout
+    code, rep = _report(tmp_path)
+    assert code == 0 and rep["watch"]["one_rank_groups"] == ["dp0-pp0"], rep["watch"]

@@ -47,7 +47,8 @@ def test_vllm_rule_json_has_the_sglang_tables_shape(tmp_path):
     ("DeepseekV3ForCausalLM", None, 61, [2, 30, 58], []),              # default (2, N//2, N-3), as written
     ("deepseek_v3", [1, 29, 61], 61, [1, 29, 61], []),                  # id N: after the loop (PR #46973's fix)
     ("qwen3_moe", [8, 1, 4], 8, [1, 4, 8], []),                         # slots in ascending id; N via i+1
-    ("llama", [-1, 2, 2, 9], 8, [2], ["id -1: dropped", "id 2: duplicate", "id 9: dropped"]),
+    ("llama", [-1, 2, 2, 9], 8, [2],
+     ["id -1: dropped", "id 2: duplicate, its stream captured once, in aux slot 0", "id 9: dropped"]),
     ("MiniMaxM2ForCausalLM", [0, 31, 61], 62, [0, 31, 61], []),         # 0 = the embedding
 ])
 def test_vllm_rule_per_architecture(arch, ids, L, slots, problems):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ...core.errors import UsageError
 from ...config.knobs import knob_float
 from ...core.target import ProbeTarget, RankContext
+from ..fault_fired import counter
 
 from ...config.fault_names import FAULTS
 from ..fault_ops import shm_allreduce_op  # noqa: F401  (the names, torch-free for --help)
@@ -168,8 +169,9 @@ def apply(faults: list[Fault], target: ProbeTarget, ctx: RankContext, groups: di
                 layer.self_attn.o_proj.reduce_results = False
         elif n in ("allreduce-scaled", "allreduce-one-buffer", "allreduce-stale", "allreduce-rank",
                    "skip-unreadable-allreduce"):
-            at = model.layers[mid if n == "allreduce-rank" else k].self_attn.o_proj
-            comm = Communicator(ctx, n, at, rank=f.arg if n == "allreduce-rank" else None)
+            j = mid if n == "allreduce-rank" else k
+            comm = Communicator(ctx, n, model.layers[j].self_attn.o_proj, rank=f.arg if n == "allreduce-rank" else None,
+                                name=f"layers.{j}.self_attn.o_proj")
             comm.install(model)
             target.tap_extensions = (*target.tap_extensions, comm.extension)
 
@@ -197,12 +199,15 @@ PATH = "tpprobe.engines.builtin.faults.Communicator.all_reduce"
 
 
 class Communicator:
-    def __init__(self, ctx: RankContext, fault: str, at: torch.nn.Module, rank: Optional[int] = None):
+    def __init__(self, ctx: RankContext, fault: str, at: torch.nn.Module, rank: Optional[int] = None,
+                 name: str = "the row-parallel layer"):
         self.ctx, self.fault, self.at, self.rank = ctx, fault, at, rank
         self.scale = knob_float("TPPROBE_INJECT_SCALE")
         self.tap = None
         self.last: Optional[torch.Tensor] = None
         self.shm = shm_allreduce_op(ctx.group) if fault == "skip-unreadable-allreduce" else None
+        self.fire = counter(f"the reduce of {name}'s output in the model's communicator"
+                            + (f", on rank {rank}" if rank is not None else ""))
 
     def install(self, model) -> None:
         from .model import RowParallelLinear
@@ -233,6 +238,8 @@ class Communicator:
         if self.ctx.world_size == 1:
             return out
         if self.shm is not None:
+            if hit:
+                self.fire()
             return out if hit else self.shm(out)          # F25: this one is never issued
         if self.tap is None:
             y = self._reduce(out, hit)
@@ -249,6 +256,7 @@ class Communicator:
         dist.all_reduce(y, group=self.ctx.group)
         if not hit or (self.rank is not None and self.rank != self.ctx.rank):
             return y
+        self.fire()
         if self.fault == "allreduce-scaled":
             return y * self.scale
         if self.fault == "allreduce-one-buffer":

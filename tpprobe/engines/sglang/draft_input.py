@@ -45,6 +45,7 @@ _LAST: dict = {}
 _MATCHED: dict = {}
 # the target's streams a sample is matched to, kept (under the byte budget) while no sample is matched yet
 SAMPLE_STREAMS = ("embed.out", "layer.*.out")
+_SAID: dict = {}          # the refusals of a training list this worker said (once each)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
     """((expected points, ids), settings) of the draft's input: its config's ids under SGLang's rule for the
     target's architecture, or what the draft was trained on when the user said it (`forwards()`: the
     captured target forward's requests, a SpecForge sample's slots are matched to)."""
-    from tpprobe.engines import draft_training as dt
+    from tpprobe.engines import capture_rule, draft_training as dt
     from tpprobe.engines.sglang import layer_ids as lid
 
     arch = str(getattr(getattr(target_model, "config", None), "model_type", "llama"))
@@ -179,6 +180,13 @@ def expectation(draft_config, target_model, num_layers: int, training: Optional[
         if trained is None:
             st["draft_training_unmatched"] = f"{said}: {how}"
         said = f"{said}: {how}"
+    if trained is not None:     # a list of another length than the draft's slots: refused, never used
+        why = dt.slot_count_mismatch((training or {}).get("from", "").partition("=")[2], trained, ids, len(points),
+                                     capture_rule.config_field("sglang") if ids_from == "eagle_config" else
+                                     "eagle_aux_hidden_state_layer_ids", "the slots SGLang's capture gives it")
+        if why:
+            trained = None
+            st["draft_training_refused"] = why
     if trained is None:
         st["draft_basis"] = "config"
         return (points, exp_ids), st
@@ -248,6 +256,7 @@ def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, 
                               "kept_rows": tap.sample_rows, "budget_refused": budget_.refused})
         slots, extra = expectation(model.config, target, rec.layers_hooked, training, lambda: tap_forwards(
             tap, ids_, reqs, f"step {step} ({last['mode']})"))
+        refused(extra, rank_, host.say)
         extra["target step"] = f"step-{step:06d}-{last['mode']}"
         return rec, step_settings(rec, target, backend="sglang (live server, plugin: the draft's input)",
                                   tokens=int(h.shape[0]), mode=mode_, step=step, par=par, slots=slots, extra=extra)
@@ -260,6 +269,14 @@ def around_draft(original_fn, s: dict, host: Host, model, input_ids, positions, 
     if errors and rank == 0:
         host.say(f"the draft's input at step {last['step']} was not written: {errors[0][1]}")
     return original_fn(model, input_ids, positions, forward_batch, *args, **kwargs)
+
+
+def refused(settings: dict, rank: int, say: Callable) -> None:
+    """TP rank 0 says once per worker that the training given was refused (`draft_training_refused`)."""
+    why = settings.get("draft_training_refused")
+    if why and rank == 0 and not _SAID.get(why):
+        _SAID[why] = True
+        say(f"the draft's input: {why}; not used: it is checked against the draft's config only")
 
 
 def target_expectation(slots: tuple, has_aux: bool) -> tuple[tuple, dict]:
@@ -275,7 +292,9 @@ def target_expectation(slots: tuple, has_aux: bool) -> tuple[tuple, dict]:
     if trained is None and training and training.get("specforge") in _MATCHED:      # matched at an earlier step
         trained, how = _MATCHED[training["specforge"]]
         said = f"{said}: {how}"
-    if trained is None:
-        return slots, {"draft_basis": "engine"}
+    why = dt.slot_count_mismatch(training["from"].partition("=")[2], trained, None, len(slots[0]), "",
+                                 "the slots SGLang's layers_to_capture gives it") if trained is not None else ""
+    if trained is None or why:
+        return slots, {"draft_basis": "engine", **({"draft_training_refused": why} if why else {})}
     return ([dt.hs_point(h) for h in trained], [h - 1 for h in trained]), {
         "draft_basis": "trained", "draft_trained_hs": trained, "draft_training_from": said}

@@ -37,6 +37,7 @@ import torch
 
 from ...config.knobs import knob_float
 from ...core.errors import UsageError
+from ..fault_fired import counter
 
 SGLANG_FAULTS = ("fused-allreduce-capture", "capture-no-residual", "dp-attention-gather", "embed-after-layer0",
                  "slice-capture", "skip-embed-allreduce")
@@ -87,11 +88,20 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
         embed_after_layer0(model)
         return
     _patch_collectors()
+    always = name in ("dp-attention-gather", "slice-capture")
+    fire = counter("an EAGLE-3 aux capture (SGLang's AuxHiddenStateList / AuxHiddenStatePacker.capture)"
+                   + ("" if always else " at a decoder layer's attention boundary, with a residual stream set"))
+
+    def counted(fn):
+        def f(v):
+            fire()
+            return fn(v)
+        return f
     if name == "dp-attention-gather":
-        _ALWAYS["fn"] = gather_over_tp_group
+        _ALWAYS["fn"] = counted(gather_over_tp_group)
         return
     if name == "slice-capture":
-        _ALWAYS["fn"] = tp_slice
+        _ALWAYS["fn"] = counted(tp_slice)
         return
     for i, layer in enumerate(_layers(model)):
         if i == 0:
@@ -110,9 +120,9 @@ def inject(name: str, model, arg: Optional[int] = None, ctx=None) -> None:
                 if name == "fused-allreduce-capture":
                     partial = _partial(hidden_states, OwedOutput)
                     if partial is not None:
-                        fn = (lambda v, p=partial, r=old: (p + r).to(v.dtype))
+                        fn = counted(lambda v, p=partial, r=old: (p + r).to(v.dtype))
                 elif name == "capture-no-residual":
-                    fn = (lambda v, r=old: (v - r).to(v.dtype))
+                    fn = counted(lambda v, r=old: (v - r).to(v.dtype))
             _pending.fn = fn
             try:
                 return _orig(hidden_states, forward_batch, *a, **kw)
@@ -198,7 +208,9 @@ def _partial(hidden, owed_cls) -> Optional[torch.Tensor]:
 # coordinator, so the audit sees the broken call as SGLang issues it:
 #
 #   allreduce-scaled@K, -one-buffer@K, -stale@K (F22)  layer K's o_proj reduce returns the sum x
-#       TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output, on every rank
+#       TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output, on every rank;
+#       allreduce-scaled also finds the reduce of a buffer o_proj's rows were copied into (DP attention's
+#       gathered buffer, reduced over the TP group): its sum x 2 there too
 #   allreduce-rank@R (F23)  on rank R, the middle layer's o_proj reduce returns R's own input
 #   skip-allreduce-all (F24)  no o_proj output is ever reduced (reduce_results=False in every layer and
 #       nobody reduces): the tp group's coordinator returns those tensors unreduced, unaudited
@@ -225,25 +237,47 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
     k = L // 2 if name == "allreduce-rank" else (arg if arg is not None else L // 2)
     rank = ctx.rank if ctx is not None else dist.get_rank()
     ptrs: dict = {}            # data_ptr of each watched o_proj output of this forward -> layer index
+    # allreduce-scaled also breaks the reduce of a copy: under DP attention SGLang copies o_proj's rows into
+    # its gathered buffer (dp_gather_partial) and the TP group reduces that buffer
+    copies = name == "allreduce-scaled"
+    # the watched o_proj output itself, not a copy, until a reduce of a buffer holding its rows: one rank of each
+    # attention-TP group adds the residual to it in place before the gather (_dp_gather_sum_read)
+    rows: dict = {}
 
     def note(i):
         def hook(m, a, out):
             t = out[0] if isinstance(out, tuple) else out
             if isinstance(t, torch.Tensor):
                 ptrs[t.data_ptr()] = i
+                if copies:
+                    rows["t"] = t
         return hook
     watch = range(L) if name in ("skip-allreduce-all",) else [k]
     for i in watch:
         if projs[i] is not None:
             projs[i].register_forward_hook(note(i))
+    layers = "every layer's" if name == "skip-allreduce-all" else f"layer {k}'s"
+    fire = counter(f"{layers} self_attn.o_proj output in the TP group's all-reduce (GroupCoordinator.all_reduce)"
+                   + (" or in a buffer it was copied into" if copies else "")
+                   + (f", on rank {arg}" if name == "allreduce-rank" else ""))
 
     def hit(x) -> bool:
-        return isinstance(x, torch.Tensor) and ptrs.pop(x.data_ptr(), None) is not None
+        if not isinstance(x, torch.Tensor):
+            return False
+        if ptrs.pop(x.data_ptr(), None) is not None:
+            rows.clear()
+            return True
+        if rows and _holds_rows(x, rows["t"]):
+            rows.clear()
+            ptrs.clear()
+            return True
+        return False
 
     tp = get_tp_group()
     if name in ("skip-allreduce-all", "skip-allreduce"):
         def all_reduce(input_, *a, **kw):
             if hit(input_):
+                fire()
                 return input_                               # nobody reduces it
             return GroupCoordinator.all_reduce(tp, input_, *a, **kw)
         tp.all_reduce = all_reduce
@@ -254,6 +288,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
 
         def all_reduce(input_, *a, **kw):
             if hit(input_):
+                fire()
                 return input_                               # never issued
             if not isinstance(input_, torch.Tensor) or tp.world_size == 1:
                 return GroupCoordinator.all_reduce(tp, input_, *a, **kw)
@@ -274,7 +309,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
         mine = input_.detach().clone()
         out = orig(self, input_, *a, **kw)
         if name == "allreduce-rank" and rank != arg:
-            pass
+            pass                                            # right on the other ranks
         elif name == "allreduce-scaled":
             out = out * scale
         elif name == "allreduce-one-buffer":
@@ -285,7 +320,19 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
             out = prev.clone() if prev is not None and prev.shape == out.shape else torch.zeros_like(out)
         elif name == "allreduce-rank":
             out = mine
+        if name != "allreduce-rank" or rank == arg:
+            fire()
         last["out"] = out.detach().clone()
         return out
 
     GroupCoordinator.all_reduce = all_reduce
+
+
+def _holds_rows(x: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `x` holds all of `t`'s rows, in order, at some offset (a gathered buffer `t` was copied into)."""
+    n = t.shape[0] if t.dim() else 0
+    if n == 0 or x.dtype != t.dtype or x.dim() != t.dim() or x.shape[1:] != t.shape[1:] or x.shape[0] < n:
+        return False
+    flat = x.reshape(x.shape[0], -1)
+    starts = (flat == t.reshape(n, -1)[0]).all(dim=1).nonzero().flatten().tolist()
+    return any(s + n <= x.shape[0] and torch.equal(x[s:s + n], t) for s in starts)

@@ -83,8 +83,20 @@ class LayerPlan:
 
     @property
     def problems(self) -> list[str]:
-        """Ids that crash or capture nothing (tpprobe layers exits 1 on any)."""
-        out = [f"id {r.requested}: {r.status}" for r in self.rows if r.status in ("crash", "dropped", "duplicate")]
+        """Ids that crash, capture nothing or capture a stream another id already put in a slot (tpprobe layers
+        exits 1 on any): each named as given, or as the model's default id when none were given, with the slot
+        that holds a duplicate's stream."""
+        defaults = [r.layer for r in self.rows]
+        out = []
+        for r in self.rows:
+            if r.status not in ("crash", "dropped", "duplicate"):
+                continue
+            name = f"id {r.requested}" if r.requested is not None else \
+                f"default id {r.layer} (ids not given: the model's default ids {defaults})"
+            held = next((x.slot for x in self.rows if x.slot is not None and x.hf_index == r.hf_index), None) \
+                if r.slot is None and r.hf_index is not None else None
+            out.append(f"{name}: {r.status}" + (f", its stream captured once, in aux slot {held}"
+                                                if held is not None else ""))
         return out + ([f"crash: {self.crash}"] if self.crash and not out else [])
 
     @property

@@ -323,8 +323,9 @@ def _step_record(s, step, mode, rank, world, tap, input_ids, result, model, t_fo
     # the rule every reader goes through (tpprobe.engines.capture_rule); TPPROBE_ID_RULE describes a patched build
     slots, rule_note = sglang_live_slots(type(model).__name__, ltc, len(tap.layer_indices)) if aux is not None \
         else (([], []), "")
-    from tpprobe.engines.sglang.draft_input import target_expectation
+    from tpprobe.engines.sglang.draft_input import refused, target_expectation
     slots, basis = target_expectation(slots, aux is not None)
+    refused(basis, rank, _say)
     return record, step_settings(record, model, backend="sglang (live server, plugin)", tokens=tokens, mode=mode,
                                  step=step, par=par, slots=slots, extra={"sglang layers_to_capture": str(ltc), **basis,
                                                                          **({"id rule": rule_note} if rule_note

@@ -34,6 +34,7 @@ from typing import Optional
 
 from tpprobe.checks.findings import FAILURE, WARNING, Finding
 from tpprobe.core.errors import UsageError
+from tpprobe.engines.draft_training import slot_count_mismatch
 
 FIELD = "eagle_aux_hidden_state_layer_ids"
 LOW = 0.5             # a rate under this is "low": the report looks for its cause and proposes a fix
@@ -100,17 +101,6 @@ def trained_slots(spec: Optional[str], config_ids: list[int], forwards=None) -> 
         return match_sample(val.strip(), forwards() if forwards is not None else [])
     raise UsageError(f"TPPROBE_DRAFT_TRAINED={spec!r}: give ids:A,B,C (HF hidden_states indices in slot order), "
                      f"convention:{'|'.join(CONVENTIONS)} or specforge:PATH (a SpecForge training sample)")
-
-
-def slot_count_mismatch(spec: str, trained: list[int], config_ids: list[int], n_slots: Optional[int]) -> str:
-    """'' when the training gives the draft one stream per slot; else the line that refuses it, naming both
-    lengths. The draft's slots: its config's ids (what its fc reads), else the slots the drafter received."""
-    n = len(config_ids) if config_ids else n_slots
-    if not n or len(trained) == n:
-        return ""
-    of = (f"its config's {FIELD} {list(config_ids)}" if config_ids else "the slots the drafter received")
-    return (f"TPPROBE_DRAFT_TRAINED={spec} gives {len(trained)} slot(s), HF hidden_states {list(trained)}, but the "
-            f"draft reads {n} ({of}): give one HF hidden_states index per slot, in slot order")
 
 
 def _hf(i) -> str:
@@ -183,7 +173,8 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
         config_ids = list(m.get("draft_config_ids") or [])
         if trained is None and spec and trained_from == "not given (TPPROBE_DRAFT_TRAINED)":
             trained, trained_from = trained_slots(spec, config_ids, lambda: captured_prefills(steps))
-            if trained is not None and (why := slot_count_mismatch(spec, trained, config_ids, m.get("n_slots"))):
+            if trained is not None and (why := slot_count_mismatch(spec, trained, config_ids, m.get("n_slots"),
+                                                                   FIELD, "the slots the drafter received")):
                 if not recorded:        # given here: one line, exit 2
                     raise UsageError(why)
                 # recorded by a plugin that did not check it: not used, said, and the report goes on

@@ -376,12 +376,12 @@ def _trained(config_ids: list, n_slots: Optional[int], rank: int) -> dict:
     spec = knob("TPPROBE_DRAFT_TRAINED") or None
     if not spec:
         return {"trained": None}
-    from tpprobe.engines.draft_training import parse
-    from tpprobe.engines.vllm.acceptance import slot_count_mismatch
+    from tpprobe.engines.draft_training import parse, slot_count_mismatch
+    from tpprobe.engines.vllm.acceptance import FIELD
 
     training = parse(spec) or {}
-    why = slot_count_mismatch(spec, training["hidden_states"], config_ids, n_slots) \
-        if "hidden_states" in training else ""
+    why = slot_count_mismatch(spec, training["hidden_states"], config_ids, n_slots, FIELD,
+                              "the slots the drafter received") if "hidden_states" in training else ""
     if not why:
         return {"trained": spec}
     if rank == 0 and not _D.get("trained_said"):

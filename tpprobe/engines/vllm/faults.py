@@ -44,6 +44,7 @@ import torch
 
 from tpprobe.core.errors import UsageError
 from tpprobe.config.knobs import knob_float
+from tpprobe.engines.fault_fired import counter
 
 SUPPORTED = ("skip-allreduce", "skip-allreduce-all", "allreduce-scaled", "allreduce-one-buffer",
              "allreduce-stale", "allreduce-rank", "skip-unreadable-allreduce", "aux-no-residual", "drop-final-id",
@@ -124,8 +125,11 @@ def _capture_fn(model, fault: str):
 def aux_no_residual(model) -> None:
     """F27: vLLM's capture appends h, not h + r (a hook that reads a decoder layer's output[0])."""
     inner, orig = _capture_fn(model, "aux-no-residual")
+    fire = counter("a capture with a residual in vLLM's EAGLE-3 _maybe_add_hidden_state")
 
     def maybe_add(aux, layer_idx, hidden_states, residual):
+        if residual is not None:
+            fire()
         return orig(aux, layer_idx, hidden_states, None)      # vLLM's own rule: no residual -> h alone
 
     inner._maybe_add_hidden_state = maybe_add
@@ -167,9 +171,11 @@ def drop_shm_reduce(proj) -> None:
     inside = threading.local()
     proj.register_forward_pre_hook(lambda m, a: setattr(inside, "on", True))
     proj.register_forward_hook(lambda m, a, o: setattr(inside, "on", False))
+    fire = counter("a shared-memory all-reduce issued inside the row-parallel layer's forward")
 
     def all_reduce(input, group=None):
         if getattr(inside, "on", False):
+            fire()
             return None                 # dropped: every rank keeps its partial sum
         return orig(input, group)
 
@@ -179,9 +185,12 @@ def drop_shm_reduce(proj) -> None:
 def drop_final_id(model, num_layers: int) -> None:
     """F29: the loop's call for id N (after the last layer) never reaches vLLM's capture."""
     inner, orig = _capture_fn(model, "drop-final-id")
+    fire = counter(f"vLLM's EAGLE-3 capture offered the final layer's output (_maybe_add_hidden_state for id "
+                   f"{num_layers})")
 
     def maybe_add(aux, layer_idx, hidden_states, residual):
         if layer_idx == num_layers:
+            fire()
             return aux
         return orig(aux, layer_idx, hidden_states, residual)
 
@@ -203,6 +212,8 @@ def communicator_fault(name: str, proj, arg: Optional[int], ctx) -> None:
 
     proj.register_forward_pre_hook(lambda m, a: setattr(inside, "on", True))
     proj.register_forward_hook(lambda m, a, o: setattr(inside, "on", False))
+    fire = counter("a reduce of the TP group's device communicator issued inside the row-parallel layer's forward"
+                   + (f", on rank {arg}" if name == "allreduce-rank" else ""))
 
     def all_reduce(input_):
         if not getattr(inside, "on", False):
@@ -211,6 +222,8 @@ def communicator_fault(name: str, proj, arg: Optional[int], ctx) -> None:
             return out
         mine = input_.detach().clone()
         out = orig(input_)                # the real reduce runs on every rank
+        if name != "allreduce-rank" or rank == arg:
+            fire()
         if name == "allreduce-rank" and rank != arg:
             pass
         elif name == "allreduce-scaled":
@@ -240,10 +253,12 @@ def communicator_once(bad_rank: int, bad_call: int, ctx=None) -> None:
     rank = tp.rank_in_group
     scale = knob_float("TPPROBE_INJECT_SCALE")
     calls = {"n": 0}
+    fire = counter(f"call {bad_call} of the TP group's device communicator on rank {bad_rank}")
 
     def all_reduce(input_):
         out = orig(input_)            # the real reduce runs on every rank, every call
         if rank == bad_rank and calls["n"] == bad_call:
+            fire()
             out = out * scale
         calls["n"] += 1
         return out
