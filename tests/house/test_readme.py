@@ -36,6 +36,7 @@ EXPECTED_EXIT = [(r"--inject skip-allreduce@2", 1),
                  (r"^tpprobe diff tpprobe-runs/train tpprobe-runs/serve$", 1),      # the slots are shifted
                  (r"^tpprobe layers --arch deepseek_v2 --ids -1,2,30", 1),         # its table shows a crash
                  (r"^tpprobe layers --draft-config examples/eagle3", 1),           # the example's contract differs
+                 (r"^tpprobe layers --target-config examples/eagle3", 1),          # id -1 crashes on that target
                  (r"^python -m examples\.accept_toy_draft$", 1),                   # the broken capture costs
                  (r"^tpprobe invariance --tp 1,2,4 --batch 1,3,8( --out tpprobe-runs/default .*)?$", 1),  # not bitwise
                  (r"^tpprobe invariance --tp 1,4 --batch 1,3,8 --reduce ordered --switch-above", 1)]  # the switch

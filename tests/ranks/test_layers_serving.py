@@ -223,3 +223,23 @@ def test_vllms_deepseek_cannot_capture_id_0():
     assert [(r.requested, r.status, r.slot, r.hf_index) for r in p.rows] == [
         (0, "crash", None, None), (3, "ok", 0, 3), (7, "ok", 1, 7)]
     assert plan("LlamaForCausalLM", [0, 3, 7], 12).crash is None       # vLLM's Llama captures the embedding at 0
+
+
+def test_the_target_config_alone_gives_its_own_architecture_and_depth(tmp_path):
+    # the hub's Kimi-K2.5 config (a wrapper: the text model under text_config) with the seed's ids: what each
+    # captures on it, as `--arch kimi --num-layers 61` would; a draft's config there is refused
+    t = _write(tmp_path, "kimi", KIMI)
+    alone = run_cli(["layers", "--target-config", str(t), "--ids", "-1,2,30", "--json"])
+    by_hand = run_cli(["layers", "--arch", "KimiK25ForConditionalGeneration", "--num-layers", "61",
+                       "--ids", "-1,2,30", "--json"])
+    assert alone.returncode == by_hand.returncode == 1, alone.stderr
+    doc = json.loads(alone.stdout)
+    assert doc == json.loads(by_hand.stdout)
+    assert doc["class"] == "KimiK25ForConditionalGeneration" and doc["layers_to_capture"] == [-1, 2, 30]
+    assert doc["problems"] == ["id -1: crash"]
+    vllm = json.loads(run_cli(["layers", "--target-config", str(t), "--engine", "vllm", "--json"]).stdout)
+    assert [r["hf_index"] for r in vllm["rows"]] == [2, 30, 58]       # vLLM's defaults (2, N//2, N-3) on 61 layers
+    d = _write(tmp_path, "draft", SEED)
+    bad = run_cli(["layers", "--target-config", str(d)])
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
+    assert f"--target-config {d} is an EAGLE-3 draft's config (LlamaForCausalLMEagle3)" in bad.stderr

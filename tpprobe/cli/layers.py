@@ -57,8 +57,9 @@ def layers_command(
                             typer.Option("--draft-config", help="the EAGLE-3 draft's config.json: check its layer-id "
                                                                 "contract against --target-config")] = None,
     target_config: Annotated[Optional[Path],
-                             typer.Option("--target-config", help="the target model's config.json (architecture and "
-                                                                  "num_hidden_layers)")] = None,
+                             typer.Option("--target-config", help="the target model's config.json: its architecture and "
+                                                                  "num_hidden_layers replace --arch and --num-layers "
+                                                                  "(alone: what --ids capture on it)")] = None,
     draft_convention: Annotated[str,
                                 typer.Option("--draft-convention",
                                              help="what the draft's ids meant in training: output (id k = output of "
@@ -93,9 +94,14 @@ def layers_command(
         raise UsageError(f"--vllm-runner {vllm_runner!r}: use v1 or v2")
     from tpprobe.engines.capture_rule import env_id_rule, parse_id_rule
     rule = parse_id_rule(id_rule) if id_rule is not None else env_id_rule()
-    if draft_config is not None or target_config is not None:
-        if draft_config is None or target_config is None:
-            raise UsageError("--draft-config and --target-config go together: give both config.json files")
+    if target_config is not None and draft_config is None:
+        # the target alone: its own architecture and depth under the engine's rule, for --ids (or its defaults)
+        arch, num_layers = _target_shape(target_config)
+        rep = plan_report(arch, parse_ids(ids), num_layers, engine, rule)
+    elif draft_config is not None or target_config is not None:
+        if target_config is None:
+            raise UsageError("--draft-config needs --target-config: give the target model's config.json too (the "
+                             "draft's ids are read against its architecture and depth)")
         res = contract(draft_config, target_config, draft_convention, vllm_runner, engine, rule)
         res["engines"]["serves_vllm"] = serves_vllm
         rep = contract_report(res)
@@ -175,6 +181,21 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
     return Report("tpprobe.layers/1", f"tpprobe layers: every {name} architecture, ids {given}, {num_layers} layers",
                   rows, verdict=verdict, sections=[t, *lines], settings={"ids": given, "num_layers": num_layers},
                   exit_code=1 if bad else 0, to_json=_json)
+
+
+def _target_shape(target_path: Path) -> tuple[str, int]:
+    """The architecture and depth of a target's config.json (a wrapper's text model too), or one line why not."""
+    from tpprobe.config.hub import check_target, read_config
+
+    check_target(target_path, "--target-config", "give the target model's config.json as --target-config and the "
+                                                 "draft's as --draft-config")
+    hub = read_config(target_path, "--target-config")
+    if not hub.architecture:
+        raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "
+                         f"model's HF config.json")
+    if hub.num_layers is None:
+        raise UsageError(f"--target-config {target_path}: no num_hidden_layers (nor under text_config)")
+    return hub.architecture, hub.num_layers
 
 
 # ---- the draft / target contract (F19) ---------------------------------------------------

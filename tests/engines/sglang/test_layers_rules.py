@@ -132,7 +132,7 @@ def test_layers_cli_names_exit_codes_and_contract(rules, tmp_path):
            "HF hidden_states[2] (layer 1's output)" in top and "capture-offset" in top
     # DeepSeek uses ids whose first is not 1 as given: one layer early for an output-of-k draft
     assert res["before"].returncode == 1 and "one layer early" in text["before"]
-    assert res["half"].returncode == 2 and "go together" in res["half"].stderr
+    assert res["half"].returncode == 2 and "--draft-config needs --target-config" in res["half"].stderr
 
 
 def test_contract_json_vocabulary(tmp_path):
