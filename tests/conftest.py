@@ -1,7 +1,16 @@
 """The backend the multi-rank tests run on: the same test bodies on gloo (CPU, the default suite)
-and on NCCL (`pytest -m gpu` on a GPU machine, as many ranks as it has GPUs)."""
-import pytest
-import torch
+and on NCCL (`pytest -m gpu` on a GPU machine, as many ranks as it has GPUs).
+
+Every process the tests start inherits OMP_WAIT_POLICY=PASSIVE (unless it is set already): an OpenMP
+worker with nothing to do sleeps instead of spinning. The ranks keep torch's default thread count and
+run the same code; on a 2-core CI box the spinning workers of 2 to 4 ranks, each with its own pool,
+took the cores from the ranks that had work (a tp-4 probe took 3x longer)."""
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch (and its OpenMP) is loaded
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def gpu_count() -> int:
