@@ -57,9 +57,10 @@ def layers_command(
                             typer.Option("--draft-config", help="the EAGLE-3 draft's config.json: check its layer-id "
                                                                 "contract against --target-config")] = None,
     target_config: Annotated[Optional[Path],
-                             typer.Option("--target-config", help="the target model's config.json: its architecture and "
-                                                                  "num_hidden_layers replace --arch and --num-layers "
-                                                                  "(alone: what --ids capture on it)")] = None,
+                             typer.Option("--target-config",
+                                          help="the target model's config.json: its architecture and num_hidden_layers "
+                                               "replace --arch and --num-layers (alone: what --ids capture on it)")
+                             ] = None,
     draft_convention: Annotated[str,
                                 typer.Option("--draft-convention",
                                              help="what the draft's ids meant in training: output (id k = output of "
