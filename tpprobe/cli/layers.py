@@ -97,8 +97,8 @@ def layers_command(
     rule = parse_id_rule(id_rule) if id_rule is not None else env_id_rule()
     if target_config is not None and draft_config is None:
         # the target alone: its own architecture and depth under the engine's rule, for --ids (or its defaults)
-        arch, num_layers = _target_shape(target_config)
-        rep = plan_report(arch, parse_ids(ids), num_layers, engine, rule)
+        hub = _target(target_config)
+        rep = plan_report(hub.architecture, parse_ids(ids), hub.num_layers, engine, rule)
     elif draft_config is not None or target_config is not None:
         if target_config is None:
             raise UsageError("--draft-config needs --target-config: give the target model's config.json too (the "
@@ -184,8 +184,9 @@ def all_report(rows: list[dict], ids, num_layers: int, engine: str = "sglang"):
                   exit_code=1 if bad else 0, to_json=_json)
 
 
-def _target_shape(target_path: Path) -> tuple[str, int]:
-    """The architecture and depth of a target's config.json (a wrapper's text model too), or one line why not."""
+def _target(target_path: Path):
+    """A target's config.json (a wrapper's text model under text_config too) with its architecture and depth, or
+    one line why not."""
     from tpprobe.config.hub import check_target, read_config
 
     check_target(target_path, "--target-config", "give the target model's config.json as --target-config and the "
@@ -196,7 +197,7 @@ def _target_shape(target_path: Path) -> tuple[str, int]:
                          f"model's HF config.json")
     if hub.num_layers is None:
         raise UsageError(f"--target-config {target_path}: no num_hidden_layers (nor under text_config)")
-    return hub.architecture, hub.num_layers
+    return hub
 
 
 # ---- the draft / target contract (F19) ---------------------------------------------------
@@ -225,19 +226,11 @@ def contract(draft_path: Path, target_path: Path, convention: str = "output", vl
 
     if convention not in ("output", "before"):
         raise UsageError(f"--draft-convention {convention!r}: use output or before")
-    from tpprobe.config.hub import check_target, read_config
 
     draft = _read(draft_path, "draft-config")
     check_is_draft(draft, draft_path, target_path)
-    check_target(target_path, "--target-config", "give the target model's config.json as --target-config and the "
-                                                 "draft's as --draft-config")
-    hub = read_config(target_path, "--target-config")      # a wrapper's text model under text_config too
-    if not hub.architecture:
-        raise UsageError(f"--target-config {target_path}: no 'architectures' list; expected the target "
-                         f"model's HF config.json")
+    hub = _target(target_path)
     L = hub.num_layers
-    if L is None:
-        raise UsageError(f"--target-config {target_path}: no num_hidden_layers (nor under text_config)")
     eagle = draft.get("eagle_config") if isinstance(draft.get("eagle_config"), dict) else None
     nested = _int_list((eagle or {}).get("eagle_aux_hidden_state_layer_ids"),
                        f"{draft_path}: eagle_config.eagle_aux_hidden_state_layer_ids")
