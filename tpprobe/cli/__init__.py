@@ -119,8 +119,8 @@ app.command("probe")(_with_options(probe, ProbeOptions))
 @app.command()
 def report(
     capture_dirs: Annotated[list[Path], typer.Argument(
-        help="a capture folder written by tpprobe probe or the SGLang plugin, or an SGLang dumper folder (detected by "
-             "its file names); a watch run's folder (TPPROBE_WATCH), or its per-node folders, merged")],
+        help="a capture folder written by tpprobe probe or the SGLang or vLLM plugin, or an SGLang dumper folder "
+             "(detected by its file names); a watch run's folder (TPPROBE_WATCH), or its per-node folders, merged")],
     json_out: Annotated[bool, typer.Option("--json", help="print report.json instead of the table")] = False,
     emit_dims: Annotated[bool, typer.Option("--emit-dims", help="dumper folders: print the dims each tensor needs in "
                                                                 "SGLang's comparator (an --override-config YAML), "

@@ -23,7 +23,7 @@ def report_dir(path: Path, json_out: bool = False, html: Optional[str] = None, m
     path = Path(path)
     if path.is_dir() and not (path / "manifest.json").exists():
         from .steps import find_steps, report_steps
-        if find_steps(path):      # the SGLang plugin's run: many steps, maybe many TP groups
+        if find_steps(path):      # a plugin's run (SGLang's, vLLM's): many steps, maybe many TP groups
             return report_steps(path, check_dir, json_out=json_out, html=html, markdown=markdown, quiet=quiet)
     rep = check_dir(path)
     damaged = damaged_files(rep)

@@ -333,7 +333,7 @@ def read_manifest(root: Path) -> dict:
         raise CaptureError(f"{root}: not a folder; expected a tpprobe capture folder with {MANIFEST}")
     if not mp.is_file():
         raise CaptureError(f"{mp}: missing; expected a tpprobe capture folder (written by "
-                           f"`tpprobe probe --out` or the SGLang plugin)")
+                           f"`tpprobe probe --out`, or a step of the SGLang or vLLM plugin)")
     manifest = _read_json(mp, "manifest")
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
