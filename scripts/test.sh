@@ -25,6 +25,7 @@ if [ "$VLLM" = 1 ]; then
     timeout -k 30 "$SUITE_LIMIT_S" .venv-vllm/bin/python -m pytest -q --durations=15 --basetemp="$(mktemp -d)" \
       -m "(vllm or vllm_live) and not sweep" tests/engines/vllm/ || rc=$?
     echo "scripts/test.sh: the vLLM tier took $(( $(date +%s) - START )) s"
+    case $rc in 124|137) echo "scripts/test.sh: the vLLM tier ran past ${SUITE_LIMIT_S} s and was stopped (rc $rc)" ;; esac
     exit $rc
   ) >"$VLLM_LOG" 2>&1 &
   VLLM_TIER=$!
@@ -50,7 +51,8 @@ bash ci/tp-libs/install.sh .venv
 wait "$CHROMIUM" || true
 rc=0
 timeout -k 30 "$SUITE_LIMIT_S" .venv/bin/python -m pytest -q --durations=40 "$@" || rc=$?
-[ "$rc" != 124 ] || echo "scripts/test.sh: the main suite ran past ${SUITE_LIMIT_S} s and was stopped"
+# 124: stopped by SIGTERM; 137: it outlived SIGTERM and was killed
+case $rc in 124|137) echo "scripts/test.sh: the main suite ran past ${SUITE_LIMIT_S} s and was stopped (rc $rc)" ;; esac
 [ "$VLLM" = 1 ] || exit $rc
 # the vLLM tier (tests/engines/vllm/, run above in the background): vLLM's own models probed at tp 2 and 4,
 # its engine with the plugin, its capture rule and its extract_hidden_states file. Its `sweep` cases (the rest
