@@ -50,7 +50,10 @@ bash ci/tp-libs/install.sh .venv
 # (the bare venv the README's main job is proven on, .venv-bare, is built by tests/house/test_bare_venv.py)
 wait "$CHROMIUM" || true
 rc=0
-timeout -k 30 "$SUITE_LIMIT_S" .venv/bin/python -m pytest -q --durations=40 "$@" || rc=$?
+# two pytest workers (pytest-xdist), whole test files each: while one waits on a rank's timeout or the vLLM
+# tier has ended, the other keeps the second core busy (TEST_WORKERS=0: one process, no worker)
+timeout -k 30 "$SUITE_LIMIT_S" .venv/bin/python -m pytest -q --durations=40 -n "${TEST_WORKERS:-2}" --dist loadfile "$@" \
+  || rc=$?
 # 124: stopped by SIGTERM; 137: it outlived SIGTERM and was killed
 case $rc in 124|137) echo "scripts/test.sh: the main suite ran past ${SUITE_LIMIT_S} s and was stopped (rc $rc)" ;; esac
 [ "$VLLM" = 1 ] || exit $rc
