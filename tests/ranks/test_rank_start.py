@@ -4,18 +4,21 @@
   the model (what transformers' weight loader does) is healthy many times in a row, through the
   CLI's launcher (forked ranks, their intra-op pool rebuilt first) and through the test runner
   (ranks forked from a clean fork server, never from pytest).
+- Ranks share the cores: unless OMP_NUM_THREADS is set, each of N ranks runs torch on cores // N
+  threads (at least 1), forked or spawned, as torchrun gives each rank one; a set value stands.
 - Nothing waits forever: a rank that ignores SIGTERM and blocks forever is killed with SIGKILL after
   a short grace by whoever started it, the launcher as well as the test runner, and the run ends.
 Real processes, real gloo; the factories are in tests/zoo/threads.py.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 from tests.helpers import ranks
-from tests.helpers.ranks import probe, spawn
+from tests.helpers.ranks import probe, run_cli, spawn
 from tests.zoo import threads
 
 ROUNDS = 4           # in CI; the sweep runs ROUNDS_SWEEP
@@ -95,3 +98,22 @@ def test_a_rank_that_ignores_sigterm_is_killed_by_the_launcher(tmp_path, monkeyp
     import subprocess
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert [line for line in ps.splitlines() if str(out) in line] == []
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("nproc, omp", [(2, None), (4, None), (4, "2")])
+def test_each_rank_runs_torch_on_its_share_of_the_cores(tmp_path, start, nproc, omp):
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    env = {"THREADS_SEEN_DIR": str(seen), "TPPROBE_RANK_START": start}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    elif "OMP_NUM_THREADS" in os.environ:
+        pytest.skip("OMP_NUM_THREADS is set in this environment: the launcher leaves it as it is")
+    cp = run_cli(["probe", "--nproc", str(nproc), "--out", str(tmp_path / "r"), "--quiet",
+                  "--model", "tests.zoo.threads:threads_seen"], env=env, timeout=180)
+    assert cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    # a set value: what torch makes of it in any process (it takes no more threads than there are cores)
+    want = min(int(omp), cores) if omp else max(1, cores // nproc)
+    assert {p.name: int(p.read_text()) for p in seen.iterdir()} == {f"rank-{r}": want for r in range(nproc)}

@@ -6,10 +6,13 @@ that will not stop.
   worker thread's first parallel op sets up the intra-op pool, all at once.
 - `stubborn_hang`: rank 1 ignores SIGTERM and blocks forever in its first forward; only a SIGKILL
   from whoever started it ends it.
+- `threads_seen`: the built-in model, each rank writing the thread count torch runs it on to
+  $THREADS_SEEN_DIR/rank-N.
 The factories also run inside the test runner's ranks (`pool_loader_rank`).
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -71,3 +74,9 @@ def stubborn_rank(rank: int, world: int, pids: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.distributed.barrier()
     threading.Event().wait()
+
+
+def threads_seen(ctx: RankContext) -> ProbeTarget:
+    with open(os.path.join(os.environ["THREADS_SEEN_DIR"], f"rank-{ctx.rank}"), "w") as f:
+        f.write(str(torch.get_num_threads()))
+    return build_builtin(ctx, BuiltinConfig(layer_ids=[-1, 1, 3]))

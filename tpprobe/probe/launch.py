@@ -18,7 +18,9 @@ local port. Two ways to start them, one contract:
   TPPROBE_RANK_START=spawn).
 
 Either way: when one rank fails the others get SIGTERM (a probe rank ignores it and goes on to
-report the failure) and SIGKILL 30 s later, as the elastic agent does.
+report the failure) and SIGKILL 30 s later, as the elastic agent does. And either way, unless
+OMP_NUM_THREADS is set, each of N ranks runs torch on its share of the cores (cores // N, at least 1),
+as torchrun gives each of its ranks one thread: N ranks of a full pool each would spin on the same cores.
 """
 from __future__ import annotations
 
@@ -101,6 +103,18 @@ def release_openmp() -> bool:
     return True
 
 
+def rank_threads(nproc: int) -> int | None:
+    """torch's threads for each of nproc local ranks: the cores this process may run on, shared out
+    (at least 1); None when OMP_NUM_THREADS is set (the user's choice stands) or there is one rank."""
+    if nproc <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
 def launch_local(nproc: int, argv: list[str], warm=None) -> int:
     """Run `tpprobe <argv>` on nproc local ranks; return the ranks' agreed exit code. `warm()`, when
     the ranks are forked: imports every rank would make (once, in the launcher, before the fork)."""
@@ -108,18 +122,24 @@ def launch_local(nproc: int, argv: list[str], warm=None) -> int:
     if method == "fork" and warm is not None:
         warm()
         method = start_method()         # asked again: warm() must have started no thread
+    threads = rank_threads(nproc)
     if method == "fork":
-        return _launch_forked(nproc, argv)
+        return _launch_forked(nproc, argv, threads)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     _quiet_agent()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn")
+    if threads is not None:           # a spawned rank's torch reads it when it starts
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "tpprobe", *argv)
     except ChildFailedError as e:
         return _agreed_code(e)
+    finally:
+        if threads is not None:
+            os.environ.pop("OMP_NUM_THREADS", None)
     return 0
 
 
@@ -131,7 +151,8 @@ def _rank_env(nproc: int, port: int, run_id: str) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socket.socket, launcher: int) -> None:
+def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socket.socket, launcher: int,
+                threads: int | None = None) -> None:
     """A forked rank: torchrun's environment, then `tpprobe <argv>`; never returns."""
     code = 1
     try:
@@ -141,7 +162,7 @@ def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socke
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         _die_with_launcher(launcher)
         os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-        fresh_pools()
+        fresh_pools(threads)
         _entry()(list(argv))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -159,10 +180,11 @@ def _rank_child(rank: int, env: dict[str, str], argv: list[str], listener: socke
         os._exit(code)
 
 
-def fresh_pools() -> None:
-    """A forked rank's intra-op pool, rebuilt now on its only thread (module docstring)."""
+def fresh_pools(threads: int | None = None) -> None:
+    """A forked rank's intra-op pool, rebuilt now on its only thread, of `threads` threads (rank_threads), or
+    as many as before (module docstring)."""
     import torch
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(threads or torch.get_num_threads())
 
 
 def _die_with_launcher(launcher: int) -> None:
@@ -184,7 +206,7 @@ def _stop(signum, frame):
     raise _Stopped(signum)
 
 
-def _launch_forked(nproc: int, argv: list[str]) -> int:
+def _launch_forked(nproc: int, argv: list[str], threads: int | None = None) -> int:
     import torch.distributed as dist
     from datetime import timedelta
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -201,7 +223,7 @@ def _launch_forked(nproc: int, argv: list[str]) -> int:
         for r in range(nproc):
             pid = os.fork()
             if pid == 0:
-                _rank_child(r, env, argv, listener, launcher)
+                _rank_child(r, env, argv, listener, launcher, threads)
             ranks[pid] = r
         # the store after the forks (its server thread is not copied into a rank); the ranks' clients
         # retry until it listens. The listening socket was bound first: no other process takes the port.
