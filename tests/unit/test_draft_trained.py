@@ -155,6 +155,7 @@ def test_the_finding_says_what_the_replay_found_when_no_id_list_gives_the_traini
            "ids in layer order")
     f = a["findings"][0]
     assert (a["fix"], a["fix_replayed"]) == (fix, True)
+    assert (a["fix_ids"], a["fix_ids_from"]) == ([0, 1, 3], "replay")      # the JSON gives the ids the line gives
     assert f["detail"] == ("the draft's ids [3, 1, 2] are not in layer order and vLLM sorts them (catalogue F30): "
                            f"...; fix: {fix}")
     assert f["line"] == f"FAILURE slot-mismatch at drafter slots [0, 1, 2], step 0 (extend) (all ranks): {f['detail']}"
@@ -162,4 +163,4 @@ def test_the_finding_says_what_the_replay_found_when_no_id_list_gives_the_traini
     b = _f30({"available": False, "why": "no captured prompt"})
     before = dict(b["findings"][0])
     replayed_fix(b)
-    assert b["findings"][0] == before and "fix_replayed" not in b
+    assert b["findings"][0] == before and "fix_replayed" not in b and b["fix_ids"] is None

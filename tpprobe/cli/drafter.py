@@ -38,6 +38,8 @@ def add_drafter(root: Path, rep: dict) -> None:
                                                     "draft was trained on other streams (catalogue F32): only the "
                                                     "draft can tell, replayed on candidate captures"}).to_json())
         a["explained"] = True
+        if rp.get("fix_ids") is not None:       # the ids the replay's line says to write
+            a["fix_ids"], a["fix_ids_from"] = list(rp["fix_ids"]), "replay"
     rep["drafter"] = a
     rep["findings"] = list(rep.get("findings") or []) + a["findings"]
     rep["exit_code"] = exit_code(rep["findings"])

@@ -419,6 +419,7 @@ def test_the_embedding_missing_from_the_config_is_named_with_its_fix_in_every_si
     assert "reads other streams than its config gives it" in f0[0]["detail"], f0[0]
     rp = rep0["drafter"]["replay"]
     assert rp["available"] and rp["fix_ids"][1] == 2, rp        # what this draft reads: HF hidden_states[2] in slot 1
+    assert (rep0["drafter"]["fix_ids"], rep0["drafter"]["fix_ids_from"]) == (rp["fix_ids"], "replay"), rep0["drafter"]
     assert f"set {FIELD} to {rp['fix_ids']}: replayed first-position acceptance " in f0[0]["detail"] and \
         " -> 1.00 (accept length" in f0[0]["detail"], f0[0]["detail"]
     # the training given: the slots against it, the fix, and the fix replayed
@@ -432,7 +433,7 @@ def test_the_embedding_missing_from_the_config_is_named_with_its_fix_in_every_si
     assert "slot 0 holds HF hidden_states[2], trained on HF hidden_states[0]" in f[0]["detail"], f[0]
     assert f"explains vLLM's acceptance {rate}" in f[0]["detail"], f[0]
     assert f"fix: set `{FIELD}` to [0, 2, 3]" in f[0]["detail"], f[0]
-    assert rep["drafter"]["fix_ids"] == [0, 2, 3], rep["drafter"]
+    assert (rep["drafter"]["fix_ids"], rep["drafter"]["fix_ids_from"]) == ([0, 2, 3], "training"), rep["drafter"]
     chk = rep["drafter"]["replay"]["fix_check"]
     assert (chk["ids"], chk["streams"]) == ([0, 2, 3], [0, 2, 3]), chk
     assert chk["current"]["first_position"] < 0.5 and chk["score"]["first_position"] == 1.0, chk

@@ -336,6 +336,7 @@ def analyse(root: Path, trained_spec: Optional[str] = None, skip: frozenset = fr
             "engine_slots": held, "trained": trained, "trained_from": trained_from, "num_layers": L,
             "draft_model": meta0.get("draft_model"), "target_arch": meta0.get("target_arch"),
             "target_model": meta0.get("target_model"), "fix_ids": fix_ids, "fix": fix_text,
+            "fix_ids_from": "training" if fix_ids is not None else None,
             "fix_finding": fix_finding,
             "findings": [f.to_json() for f in findings],
             "explained": bool(low and fails)}
@@ -374,6 +375,8 @@ def replayed_fix(a: dict) -> None:
         if rp.get("fix_ids") is not None and rp.get("explained"):
             fix = (f"{head}; replayed on {where}, ids {rp['fix_ids']} give {_gain(cur, best['score'])}: set "
                    f"`{FIELD}` to {rp['fix_ids']}")
+            # the ids to write are the replay's: fix_ids says so too, for whoever reads the JSON and not the line
+            a["fix_ids"], a["fix_ids_from"] = list(rp["fix_ids"]), "replay"
         elif rp.get("explained"):
             fix = (f"{head}; replayed on {where}, no id list serves the draft either (it replays best on HF "
                    f"hidden_states{best['streams']}, {best['score']['first_position']:.2f} first-position "
