@@ -569,3 +569,35 @@ def test_each_audit_path_is_an_interceptor_and_the_audit_names_those_that_ran():
         assert watched() == ("mode (inference mode)", ("mode",), ["ModePath"], [])
     assert watched(use_mode=True)[:3] == ("mode (the tensors may be inference tensors)", ("mode",), ["ModePath"])
     assert audit.KERNELS.active == 0 and audit.release() and not audit.KERNELS.registered() and not audit.DOORS.opened
+
+
+@pytest.mark.gpu
+def test_the_c_door_records_every_all_reduce_as_the_python_door_does():
+    """allreduce's door in C (fingerprint/triton/native.c `Door`, capture/audit/doors.py) against the
+    Python door in the same process, on world-1 NCCL: a checked forward's 9 all-reduces recorded by
+    the C door (its count says so), with the same records (module, source, layer, place, shape, dtype,
+    group, op, path), the same fingerprints of every input and output and point to the bit, the same
+    kept copies, a completion event per all-reduce, nothing left issued; each way twice."""
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "tests.helpers.native_door"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    runs = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(runs) == 8
+    for name, r in runs.items():
+        c = name.startswith("c")
+        assert r["armed"] and r["fast"] == (9 if c else 0) and r["taker"] == "Taker", (name, r["fast"])
+        assert len(r["records"]) == 9 and all(x["timed"] for x in r["records"]), name
+        assert r["events"] == list(range(9)) and r["completed"] and r["issued"] is None, name
+        kept = "keep=True" in name
+        assert all((x["inp"] is not None and x["out"] is not None) == kept for x in r["records"]), name
+    for keep in (False, True):
+        same = [runs[f"{w}{i} keep={keep}"] for w, i in (("c", 0), ("python", 0), ("c", 1), ("python", 1))]
+        first = same[0]
+        assert [(x["where"], x["module"]) for x in first["records"]][:3] == [
+            ("embed", first["records"][0]["module"]), ("layer.0", "layers.0.self_attn.o_proj"),
+            ("layer.0", "layers.0.mlp.down_proj")]
+        for r in same[1:]:
+            assert r["records"] == first["records"] and r["points"] == first["points"]

@@ -495,3 +495,64 @@ def test_device_combine_equals_the_host_combine_to_the_bit():
     assert read(False, later=True) == dev and read(True, later=True) == dev
     part = read(False, only, later=True)
     assert [i for i, v in enumerate(part) if v is not None] == only and all(part[i] == dev[i] for i in only)
+
+
+@pytest.mark.gpu
+def test_native_launch_equals_the_python_launch_to_the_bit(monkeypatch):
+    """The launch from C (`Deferred.fast()`, fingerprint/triton/native.c) against the Python path, on
+    the same tensors: the same fingerprints to the bit, queued now and queued for the read
+    (``later``), with the batch's buffer full every few launches (a new one made from C), decode
+    and prefill sizes of three dtypes; a shape whose row flags torch makes (width 130) and a first
+    tensor of a shape stay on the Python path, and the C path takes every other one."""
+    import tpprobe.fingerprint.triton as tf
+    from tpprobe.fingerprint.reference import Deferred
+    from tpprobe.fingerprint.triton import native
+    tf.Batch(9, 32)                     # a batch on the GPU builds the C module, once per process
+    assert native.NATIVE is not None, native.WHY
+    monkeypatch.setattr(tf.Batch, "CHUNK", 512)       # a new buffer every few launches
+    g = torch.Generator(device="cuda").manual_seed(11)
+    ts = []
+    for dt in DTYPES:
+        for shape in [(1, 7168), (8, 7168), (64, 7168), (2048, 7168), (300, 130), (17, 384), (2, 3, 256)]:
+            t = torch.randn(*shape, device="cuda", generator=g).to(dt)
+            if shape[0] == 64:
+                t[5, 1] = float("nan")
+            ts.append(t)
+
+    def run(fast):
+        d = Deferred(9, 32)
+        f = d.fast() if fast else d
+        got = [f.later(t.clone()) if i % 3 == 2 else f(t) for i, t in enumerate(ts)]
+        d.resolve()
+        return f, [json.dumps(x.fp.to_json()) for x in got]
+    run(False)                          # every shape's entry (and its C launch) made
+    py = run(False)[1]
+    f, c = run(True)
+    assert type(f).__name__ == "Taker"
+    assert [i for i, (a, b) in enumerate(zip(py, c)) if a != b] == []
+    narrow = sum(1 for t in ts if t.shape[-1] == 130)
+    assert f.taken == len(ts) - narrow            # every tensor but the torch-flagged shape's, from C
+
+    # a checked forward of the built-in model: the Tap's calls go to C, its fingerprints are the
+    # Python path's to the bit
+    from tpprobe.capture.hooks import Tap
+    from tpprobe.engines.builtin.model import BuiltinConfig, TPModel, full_weights, input_ids
+    from tpprobe.core.target import RankContext
+    cfg = BuiltinConfig(num_layers=4, hidden=1024, heads=8, ffn=2048, vocab=512, tokens=17, dtype=torch.bfloat16)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="none")
+    model = TPModel(full_weights(cfg), ctx, cfg).cuda().eval()
+    ids = input_ids(cfg).cuda()
+    seen = []
+    for native_on in (False, True, False, True):
+        d = Deferred(7, 32)
+        fast = d.fast
+        if not native_on:
+            monkeypatch.setattr(d, "fast", lambda: d)
+        with torch.no_grad(), Tap(model, keep=lambda n: False, summarize=d, keep_allreduce_tensors=False) as tap:
+            model(ids)
+        d.resolve()
+        assert (type(tap.summarize).__name__ == "Taker") == native_on, fast
+        if native_on:
+            assert tap.summarize.taken == len(tap.summaries)
+        seen.append({n: json.dumps(v.fp.to_json()) for n, v in tap.summaries.items()})
+    assert len(seen[0]) >= 5 and seen[1] == seen[0] and seen[3] == seen[2] == seen[0]

@@ -29,6 +29,9 @@ KNOBS = {
     "TPPROBE_FP_JIT": Knob(None, "set: launch the Triton kernels through JITFunction.run, not the direct C launch "
                            "(which is taken only on the Triton releases FAST_PATHS names)",
                            "probe, plugin (diagnosis)"),
+    "TPPROBE_NATIVE": Knob("1", "0: no C module: every fingerprint launch queued and every all-reduce recorded "
+                           "from Python (the module, fingerprint/triton/native.c, is built with Triton's own builder "
+                           "where the direct launch is taken)", "probe, plugin (diagnosis)"),
     "TPPROBE_FAST_HOOKS": Knob("1", "0: the Tap registers its hooks through torch's public register_forward_* API "
                                "(the fast path writes torch's private hook dicts, only on the torch releases "
                                "FAST_PATHS names)", "probe, plugin (diagnosis)"),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 
 import torch
 
@@ -241,6 +242,18 @@ class Deferred:
                     return it
             self._refused(t)
         return _fingerprint_torch(t, self.seed, self.k)
+
+    _take = __call__          # the Python path, which fast()'s Taker calls for what C does not take
+
+    def fast(self):
+        """This Deferred's call and ``later`` in C where fingerprint/triton/native.c is built (a
+        batch on a GPU built it earlier in the process), else the Deferred itself. A new object each
+        time: it holds the Deferred, never the other way round."""
+        nat = sys.modules.get("tpprobe.fingerprint.triton.native")
+        if nat is None or nat.NATIVE is None:
+            return self
+        from .triton.batch import Item
+        return nat.taker(self, self._take, Item) or self
 
     def later(self, t: torch.Tensor):
         """As a call, for a tensor that is the caller's own and is never written again (a copy, a sum

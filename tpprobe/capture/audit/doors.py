@@ -10,7 +10,8 @@ direct `torch.ops.c10d` call, the functional collectives, SGLang's custom ops, t
 goes through the kernel.  TPPROBE_AUDIT_DOORS=0 (or `set_doors(False)`) leaves them closed."""
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,7 @@ class Doors:
     def __init__(self):
         self.wanted = knob("TPPROBE_AUDIT_DOORS") != "0"
         self.opened: dict[str, Any] = {}     # ProcessGroup method -> its own binding, while wrapped
+        self.native: Any = None              # allreduce's door in C, while it is the open one
 
     def open(self) -> None:
         """Wrap ProcessGroup's Python methods (see `_door`); once, until `close`."""
@@ -112,11 +114,28 @@ class Doors:
             self.opened[name] = raw
             setattr(_PG, name, _door(getattr(_PG, name), read))
 
+    def to_native(self) -> Optional[Any]:
+        """allreduce's door in C (fingerprint/triton/native.c's `Door`: the one form a decode forward
+        issues recorded there, every other call handed to the Python door it wraps), once that module
+        is built in this process (a fingerprint batch on a GPU builds it); the door in place, else None."""
+        if self.native is not None or "allreduce" not in self.opened:
+            return self.native
+        mod = getattr(sys.modules.get("tpprobe.fingerprint.triton.native"), "NATIVE", None)
+        py = _PG.__dict__.get("allreduce")
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if mod is None or raw_stream is None or not getattr(py, "_tpprobe_door", False) or \
+                not hasattr(py, "__wrapped__"):
+            return None
+        self.native = mod.Door(py.__wrapped__, py, THREAD, torch.Tensor, _GUARD, raw_stream)
+        setattr(_PG, "allreduce", self.native)
+        return self.native
+
     def close(self) -> None:
         for name, raw in self.opened.items():
             if getattr(getattr(_PG, name, None), "_tpprobe_door", False):
                 setattr(_PG, name, raw)
         self.opened = {}
+        self.native = None
 
 
 DOORS = Doors()   # process-wide by nature: ProcessGroup's methods are one class's; close() puts them back
@@ -131,6 +150,7 @@ class DoorsPath(Interceptor):
 
     def enter(self, audit) -> None:
         self.doors.open()
+        self.doors.to_native()
 
     def exit(self, audit) -> None:
         pass                     # kept open, as the kernels are kept registered (`release` closes both)

@@ -13,7 +13,12 @@ from .c10d import group_size_of, named_group_size, sub_ranks, wait
 from .doors import DOORS, DoorsPath
 from .kernel import KERNELS, KernelPath
 from .mode import ModePath
-from .records import CollectiveRecord, a2a_chunks, audited, dtype_name
+from .records import DTYPE_NAMES, CollectiveRecord, a2a_chunks, audited, dtype_name
+
+# the fields allreduce's door in C sets on a record, in CollectiveRecord's order (native.c new_record)
+RECORD_FIELDS = ("seq", "module", "source", "layer", "where", "shape", "dtype", "group_size", "op", "kind", "path",
+                 "via", "checked", "group", "group_ranks", "splits", "inp", "out", "inp_summary", "out_summary",
+                 "seconds", "t0", "_out")
 
 
 # ops ("ns.name") whose Python implementation runs a wrapper's door (an engine's custom all-reduce op that
@@ -100,6 +105,9 @@ class Audit:
         # True: watch through the TorchDispatchMode (the caller's tensors may be inference tensors)
         self.use_mode = use_mode
         self._observers: OrderedDict = OrderedDict()     # observe(): called as each collective begins
+        # what allreduce's door in C records with (doors.Doors.to_native; `arm` builds it): None, the
+        # Python door records every collective
+        self.native: Optional[tuple] = None
 
     # -- on / off -------------------------------------------------------------------------------
     def __enter__(self) -> "Audit":
@@ -119,8 +127,22 @@ class Audit:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.native = None
         while self.interceptors:
             self.interceptors.pop().exit(self)
+
+    def arm(self, event, record_event, stream) -> bool:
+        """Let allreduce's door in C record this Audit's all-reduces (doors.Doors.to_native) as ``begin``
+        and ``end`` would, with ``after`` being: a CUDA event (``event()``, ``record_event(ev, stream(device))``)
+        appended to progress.events after the collective (the Tap's). Only on the doors path with that
+        door in place, a progress to post to, and CollectiveRecord's fields as the door sets them."""
+        if "doors" not in self.paths or DOORS.native is None or self.progress is None or record_event is None \
+                or CollectiveRecord.__slots__ != RECORD_FIELDS:
+            return False
+        self.native = (self.attribute, self.keep, self.summarize, self.progress, self.records, self.before,
+                       self.copy, allreduce_in, allreduce_out, CollectiveRecord, DTYPE_NAMES, dtype_name,
+                       sub_ranks, event, record_event, stream, self._observers)
+        return True
 
     # -- the one way to record a collective ------------------------------------------------------
     def begin(self, kind: str, path: str, inp: Optional[torch.Tensor], group_size: int, op: str = "SUM",

@@ -62,14 +62,14 @@ class CollectiveRecord:
         self._out = t
 
 
-_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in (
+DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 
 
 def dtype_name(t: torch.Tensor) -> str:
     d = t.dtype
-    n = _DTYPE_NAMES.get(d)
+    n = DTYPE_NAMES.get(d)
     return n if n is not None else str(d).replace("torch.", "")
 
 

@@ -89,6 +89,12 @@ class Collectives:
             _record(ev, current_stream(t.get_device()))
             self.progress.events.append((rec.seq, ev))
 
+    def _arm_native(self) -> None:
+        """allreduce's door in C, where built (capture/audit/doors.py), records this Tap's all-reduces as
+        the audit and `_after_collective` would: armed only where `_after_collective` is this one."""
+        if type(self)._after_collective is Collectives._after_collective:
+            self.auditor.arm(_Event, _record, current_stream)
+
     def _bound_lag(self) -> None:
         lag, limit = self.device_lag
         ev = self.progress.events

@@ -58,6 +58,9 @@ class Tap(Collectives):
         # admit(name, tensor): asked BEFORE a kept point is copied (a byte budget); sample_rows:
         # keep only the first rows of each kept tensor (both: the SGLang plugin's bounded memory)
         self.admit, self.sample_rows = admit, sample_rows
+        # a Deferred's calls go to C where its fast() has them (fingerprint/triton/native.py)
+        fast = getattr(summarize, "fast", None)
+        summarize = fast() if fast is not None else summarize
         self.keep, self.summarize = keep, summarize
         self._later = getattr(summarize, "later", None)     # Deferred.later: a launch the read makes
         self.keep_ar = keep_allreduce_tensors
@@ -203,6 +206,7 @@ class Tap(Collectives):
             self.auditor.use_mode = self.auditor.use_mode or plan.inference
             self.auditor.__enter__()
             self._auditing = True
+            self._arm_native()
 
     def _watch_embedding(self, name: str, module) -> None:
         """Pre/post hooks on a module that may be the embedding: the outermost one that consumes the

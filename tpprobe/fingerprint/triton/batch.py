@@ -18,7 +18,7 @@ import triton
 from ...config.knobs import knob_set
 from ...core.cuda import current_stream
 from .. import definition as fpdef
-from . import fastlaunch
+from . import fastlaunch, native
 from .combine import bitmap_hex, combine_call, combine_cb, combine_many, combine_one, exact_nonfinite
 from .kernels import DESC, RES
 from .plan import (buffers, calls, device_cc, multiprocessors, plan, sign_table, split_buffer, tuning,
@@ -49,6 +49,7 @@ class Entry:
     kp: int = 0                  # sketch columns per partial row
     ntok: int = 0                # token rows the kernel flags (0: none)
     direct: Optional[fastlaunch.DirectLaunch] = None    # set after its first launch, where taken
+    native: Any = None           # its launch from C (native.py), set with ``direct`` where taken
 
 
 class Item(fpdef.Pending):
@@ -107,6 +108,8 @@ class Batch:
         self.knobs = tuning() if knobs is None else knobs
         self.entries = state.entries.setdefault((seed, k, tuple(sorted(self.knobs.items()))), {})
         self.direct = fastlaunch.direct_launch_ok()    # per batch: a hook a profiler adds takes effect
+        if self.direct:
+            native.load()                     # built once per process (a later Deferred's calls go to C)
         self.stream = None                    # the driver's current-stream getter, at the first launch
         self.items: list[Item] = []
         self.later: list[Item] = []   # queued by ``take(later=True)``: launched by ``read``, first
@@ -163,8 +166,17 @@ class Batch:
             self._launch_jit(e, t, buf, off)
 
     def _launch_later(self, items: list[Item]) -> None:
-        """The launches ``take(later=True)`` queued, of the items to be read, in one loop."""
+        """The launches ``take(later=True)`` queued, of the items to be read, in one loop (in C where
+        every one has a native launch, on one device)."""
         chunks = self.chunks
+        nat = native.NATIVE
+        if nat is not None and self.direct and items and all(it.entry.native is not None for it in items):
+            dev = items[0].entry.dev
+            if all(it.entry.dev == dev for it in items):
+                if self.stream is None:
+                    self.stream = triton.runtime.driver.active.get_current_stream
+                nat.launch_later(items, [b.data_ptr() for b, _ in chunks], self.stream(dev))
+                return
         for it in items:
             e, t = it.entry, it.tensor
             buf = chunks[it.chunk][0]
@@ -206,6 +218,7 @@ class Batch:
         if self.direct and fastlaunch.launchable(ck):
             launch, middle = fastlaunch.launch_of(ck)
             e.direct = fastlaunch.DirectLaunch(launch, ck.function, middle, (), ck)
+            e.native = native.launch_for(e, ck)
 
     def _new_buffer(self, need: int, device) -> None:
         if self.chunks:
