@@ -17,7 +17,10 @@ one forward per variant, alternating the variants (so drift hits all alike), med
                other point and every audited all-reduce's in/out fingerprinted by the fused kernel,
                queued during the forward and read with ONE device-to-host copy after it
 With --kernel, installed_kernel / fingerprint_kernel: the same with ProcessGroup's doors closed
-(every collective through the audit's dispatcher kernel, as before the doors).
+(every collective through the audit's dispatcher kernel, as before the doors).  With
+--python, installed_python / fingerprint_python: the same without the C module
+(fingerprint/triton/native.py: allreduce's door in C, the fingerprint launches queued from C):
+every collective through the Python door, every launch queued from Python.
 Each timing runs from a synchronised start to the end of the forward's work on the device (and,
 for fingerprint, the host having its fingerprints); `off` releases the audit and registers it again
 with an untimed forward after each (harness.settled), so no timed forward runs cold behind either.
@@ -50,6 +53,11 @@ from tpprobe.core.target import RankContext  # noqa: E402
 VARIANTS = ["off", "idle", "installed", "full", "fingerprint"]
 
 
+def extra_variants(a) -> list:
+    return VARIANTS + (["installed_kernel", "fingerprint_kernel"] if a.kernel else []) + \
+        (["installed_python", "fingerprint_python"] if a.python else [])
+
+
 def worker(rank: int, a, port: int, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(rank))
@@ -59,7 +67,7 @@ def worker(rank: int, a, port: int, q):
     dist.init_process_group("nccl", device_id=dev)
     dtype = getattr(torch, a.dtype)
     layer_ids = [-1, 1, 3]
-    variants = VARIANTS + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
+    variants = extra_variants(a)
     out = {"rows": []}
     for tokens, iters in ([(a.prefill, a.iters)] if a.prefill else []) + [(n, a.decode_iters) for n in a.decode]:
         cfg = BuiltinConfig(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, ffn=2 * a.hidden,
@@ -87,7 +95,8 @@ def worker(rank: int, a, port: int, q):
 
         def run(v):
             audit.set_doors(not v.endswith("_kernel"))
-            v = v.replace("_kernel", "")
+            py = v.endswith("_python")          # no C module: the Python door, launches queued from Python
+            v = v.replace("_kernel", "").replace("_python", "")
             if v == "off":       # probe off: none of the audit's kernels or doors on the way
                 settled(bare, audit.release)
             torch.cuda.synchronize()
@@ -98,16 +107,22 @@ def worker(rank: int, a, port: int, q):
                 if v in ("off", "idle"):
                     model(ids)
                 elif v == "installed":
-                    with Tap(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()):
+                    with Tap(model, keep=lambda n: False, keep_allreduce_tensors=False, progress=Progress()) as tap:
+                        if py:
+                            tap.auditor.native = None
                         model(ids)
                 elif v == "full":
                     with Tap(model, keep=lambda n: True, keep_allreduce_tensors=True, progress=Progress()):
                         model(ids)
                 else:
                     fp = Deferred(0x7470, 32)
+                    if py:
+                        fp.fast = lambda: fp
                     keep = lambda n: n in keep_ids or n.startswith("embed") or n.endswith("in_norm")  # noqa: E731
                     with Tap(model, keep=keep, summarize=fp, keep_allreduce_tensors=False,
                              progress=Progress()) as tap:
+                        if py:
+                            tap.auditor.native = None
                         model(ids)
                     fp.resolve()
                     _ = [resolved(s).to_json() for s in tap.summaries.values()]
@@ -164,6 +179,8 @@ def main():
     ap.add_argument("--collectives", action="store_true", help="with --nproc 1: all-reduce the embedding's and "
                     "every row-parallel output over the world-1 NCCL group, as a tp-2 model does (the per-collective "
                     "host cost on one GPU)")
+    ap.add_argument("--python", action="store_true", help="also time installed / fingerprint without the C "
+                    "module (fingerprint/triton/native.py): the Python door, every launch queued from Python")
     ap.add_argument("--kernel", action="store_true", help="also time installed / fingerprint with "
                     "ProcessGroup's doors closed (capture/audit/: every collective through the audit's "
                     "dispatcher kernel, as before the doors), side by side")
@@ -197,7 +214,7 @@ def main():
     print(f"tp {a.nproc} NCCL, {res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, hidden {a.hidden}, "
           f"{a.num_layers} layers, {a.dtype}" + (", every row output all-reduced at world 1" if
                                                  res.get("collectives_at_world_1") else "") + "; median ms (x off)")
-    shown = VARIANTS + (["installed_kernel", "fingerprint_kernel"] if a.kernel else [])
+    shown = extra_variants(a)
     print(f"{'phase':<8} {'tokens':>6} " + " ".join(f"{v:>18}" for v in shown))
     for r in res["rows"]:
         cells = [f"{r['off_ms']:>18.3f}"] + [f"{r[v + '_ms']:>10.3f} ({r[v + '_x']:.3f}x)" for v in shown[1:]]
