@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--per-forward", type=int, default=25)
     ap.add_argument("--rounds", type=int, default=200)
     a = ap.parse_args()
+    os.environ["TPPROBE_NATIVE"] = "1"          # the C module built, to be timed against the Python paths
     dev = torch.device("cuda", 0)
     ts = [torch.randn(a.rows, a.hidden, device=dev).to(torch.bfloat16) for _ in range(a.per_forward)]
     real = fastlaunch.launch_of

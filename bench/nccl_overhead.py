@@ -59,6 +59,8 @@ def extra_variants(a) -> list:
 
 
 def worker(rank: int, a, port: int, q):
+    if a.python:
+        os.environ["TPPROBE_NATIVE"] = "1"     # the C module built, to be timed against the Python paths
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(rank))
     dev = torch.device("cuda", rank)

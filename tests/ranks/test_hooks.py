@@ -582,7 +582,8 @@ def test_the_c_door_records_every_all_reduce_as_the_python_door_does():
     import subprocess
     import sys
     p = subprocess.run([sys.executable, "-m", "tests.helpers.native_door"], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"})
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0",
+                                                   "TPPROBE_NATIVE": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     runs = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(runs) == 8

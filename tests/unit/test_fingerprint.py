@@ -507,6 +507,9 @@ def test_native_launch_equals_the_python_launch_to_the_bit(monkeypatch):
     import tpprobe.fingerprint.triton as tf
     from tpprobe.fingerprint.reference import Deferred
     from tpprobe.fingerprint.triton import native
+    monkeypatch.setenv("TPPROBE_NATIVE", "1")
+    if native.NATIVE is None:
+        monkeypatch.setattr(native, "_TRIED", False)
     tf.Batch(9, 32)                     # a batch on the GPU builds the C module, once per process
     assert native.NATIVE is not None, native.WHY
     monkeypatch.setattr(tf.Batch, "CHUNK", 512)       # a new buffer every few launches
