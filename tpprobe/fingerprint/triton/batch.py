@@ -218,7 +218,7 @@ class Batch:
         if self.direct and fastlaunch.launchable(ck):
             launch, middle = fastlaunch.launch_of(ck)
             e.direct = fastlaunch.DirectLaunch(launch, ck.function, middle, (), ck)
-            e.native = native.launch_for(e, ck)
+            e.native = native.launch_for(e, ck, launch)
 
     def _new_buffer(self, need: int, device) -> None:
         if self.chunks:

@@ -460,23 +460,6 @@ static PyObject *Door_get(PyObject *self, PyObject *obj, PyObject *type) {
     return PyMethod_New(self, obj);
 }
 
-static PyObject *call_py_door(Door *self, PyObject *pg, PyObject *args, PyObject *kw) {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    PyObject *a = PyTuple_New(n + 1);
-    if (!a)
-        return NULL;
-    Py_INCREF(pg);
-    PyTuple_SET_ITEM(a, 0, pg);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = PyTuple_GET_ITEM(args, i);
-        Py_INCREF(x);
-        PyTuple_SET_ITEM(a, i + 1, x);
-    }
-    PyObject *r = PyObject_Call(self->py_door, a, kw);
-    Py_DECREF(a);
-    return r;
-}
-
 static double now_wall(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -595,9 +578,7 @@ static PyObject *Door_call(Door *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "allreduce: no ProcessGroup");
         return NULL;
     }
-    PyObject *pg = PyTuple_GET_ITEM(args, 0);
-    PyObject *rest = PyTuple_GetSlice(args, 1, n);
-    if (!rest) return NULL;
+    PyObject *pg = PyTuple_GET_ITEM(args, 0);     /* args: (pg, tensors, opts), as the bound method has them */
     PyObject *st = NULL, *a = NULL, *arm = NULL, *x = NULL, *t = NULL, *op = NULL, *size = NULL, *att = NULL;
     PyObject *seq = NULL, *ranks = NULL, *rec = NULL, *g = NULL, *work = NULL, *res = NULL, *dev = NULL;
     PyObject *where = NULL, *records, *progress, *keep;
@@ -674,9 +655,7 @@ static PyObject *Door_call(Door *self, PyObject *args, PyObject *kw) {
     if (!(g = PyObject_CallNoArgs(self->guard))) goto fail;
     if (!(x = PyObject_CallMethodNoArgs(g, s_enter))) goto fail;
     Py_CLEAR(x);
-    PyObject *bound = PyMethod_New(self->raw, pg);
-    work = bound ? PyObject_Call(bound, rest, NULL) : NULL;
-    Py_XDECREF(bound);
+    work = PyObject_Call(self->raw, args, NULL);
     {
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
@@ -739,12 +718,12 @@ static PyObject *Door_call(Door *self, PyObject *args, PyObject *kw) {
     work = NULL;
     goto done;
 slow:
-    res = call_py_door(self, pg, rest, kw);
+    res = PyObject_Call(self->py_door, args, kw);
     goto done;
 fail:
     res = NULL;
 done:
-    Py_XDECREF(rest); Py_XDECREF(st); Py_XDECREF(a); Py_XDECREF(arm); Py_XDECREF(x); Py_XDECREF(t);
+    Py_XDECREF(st); Py_XDECREF(a); Py_XDECREF(arm); Py_XDECREF(x); Py_XDECREF(t);
     Py_XDECREF(op); Py_XDECREF(size); Py_XDECREF(att); Py_XDECREF(seq); Py_XDECREF(ranks); Py_XDECREF(rec);
     Py_XDECREF(g); Py_XDECREF(work); Py_XDECREF(dev);
     return res;

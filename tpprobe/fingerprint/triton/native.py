@@ -54,15 +54,15 @@ def load() -> Any:
     return NATIVE
 
 
-def launch_for(e, ck) -> Optional[Any]:
+def launch_for(e, ck, launch) -> Optional[Any]:
     """The entry's `Launch` from its CompiledKernel, or None where the C launch would not be exactly
     Triton's: another launcher than 3.6's C launch, cooperative or PDL launches, clusters, scratch,
-    a parameter that is not a pointer or an integer, or torch-side row flags."""
+    a parameter that is not a pointer or an integer, or torch-side row flags. ``launch``: what
+    fastlaunch.launch_of chose for ck."""
     if NATIVE is None or e.extra or e.why:
         return None
     run = ck.run
-    raw, _ = fastlaunch.launch_of(ck)
-    if raw is run:                                   # not Triton 3.6's C launch
+    if launch is run:                                # not Triton 3.6's C launch
         return None
     num_warps, num_ctas, shared = ck.packed_metadata
     if num_ctas != 1 or run.launch_cooperative_grid or run.launch_pdl:
