@@ -10,6 +10,8 @@ forward, how often each one ran and how long it took with everything it called: 
 inside their callers' numbers; each number is the median over the forwards of that function's time in
 one forward. The bare forward (`off`) and the unwrapped checked one are timed first,
 alternated, for the totals the split is a part of. Writes forward_split.json to --out.
+With ProcessGroup.allreduce under a timer, the collectives take the Python door (the C door,
+fingerprint/triton/native.c, is not put in place over a wrapper): the split is the Python paths'.
 """
 import argparse
 import json
