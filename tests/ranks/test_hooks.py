@@ -535,8 +535,7 @@ def test_tpprobe_audit_doors_0_keeps_every_collective_on_the_kernel():
     import subprocess
     import sys
     code = ("import os, torch, torch.distributed as dist\n"
-            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29700 + os.getpid() % 200))\n"
-            "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
             "from tpprobe.capture import audit\n"
             "with audit.Audit(lambda t: ('m', None, 'x', None), keep=lambda w: False) as a:\n"
             "    dist.all_reduce(torch.ones(2))\n"
