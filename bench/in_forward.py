@@ -10,6 +10,8 @@ else, so a variant's time over `off` divided by 18 is what that call costs insid
   pycall     two calls of an empty Python function
   launch_c   two fingerprint launches from the C Taker (fingerprint/triton/native.c)
   launch_py  two fingerprint launches through Deferred (Python)
+  launch_tiny two fingerprint launches from the C Taker of a [1, 1024] tensor (less device time)
+  sleep      two of torch's spin kernels (torch.cuda._sleep) of about a fingerprint's device time
   event      two CUDA events created and recorded (torch.cuda.Event)
   event_base two of torch's base CUDA events created and recorded on the kept Stream (as the door does)
   event_pool two CUDA events made before the forward, recorded again on the kept Stream
@@ -37,9 +39,10 @@ from bench.harness import alternate, paired, write_json  # noqa: E402
 from tpprobe.core.cuda import current_stream  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred  # noqa: E402
 
-VARIANTS = ["off", "pycall", "launch_c", "launch_py", "event", "event_base", "event_pool", "clone", "add", "copy",
-            "memcpy", "allreduce"]
+VARIANTS = ["off", "pycall", "launch_c", "launch_py", "launch_tiny", "sleep", "event", "event_base", "event_pool",
+            "clone", "add", "copy", "memcpy", "allreduce"]
 PER_FORWARD = 18
+SLEEP_CYCLES = 12000        # about 6.5 us at the H100's 1.98 GHz: a decode fingerprint's device time
 
 
 def main():
@@ -59,7 +62,7 @@ def main():
 
     def extra(mod, args, out):
         m = state["mode"]
-        if m == "off" or (m.startswith(("event", "memcpy")) and not out.is_cuda):
+        if m == "off" or (m.startswith(("event", "memcpy", "sleep")) and not out.is_cuda):
             return
         if m == "pycall":
             nothing()
@@ -68,6 +71,13 @@ def main():
             tk = state["tk"]
             tk(out)
             tk(out)
+        elif m == "launch_tiny":
+            tk, tiny = state["tk"], state["tiny"]
+            tk(tiny)
+            tk(tiny)
+        elif m == "sleep":
+            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(SLEEP_CYCLES)
         elif m == "event":
             torch.cuda.Event().record()
             torch.cuda.Event().record()
@@ -109,7 +119,7 @@ def main():
         memcpy = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
         memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
     ring = torch.empty(2, a.tokens, a.hidden, device=dev, dtype=torch.bfloat16)
-    state.update(ring=ring, ring_ptr=ring.data_ptr())
+    state.update(ring=ring, ring_ptr=ring.data_ptr(), tiny=torch.ones(1, 1024, device=dev, dtype=torch.bfloat16))
 
     def fresh(v):
         if Event is not None:
@@ -118,7 +128,9 @@ def main():
                 record(e, current_stream(dev.index))
         fp = Deferred(0x7470, 32)
         state["fp"] = fp
-        state["tk"] = fp.fast() if v == "launch_c" else fp
+        state["tk"] = fp.fast() if v in ("launch_c", "launch_tiny") else fp
+        if v == "launch_tiny":                  # its entry made on the Python path, then C
+            state["tk"](state["tiny"])
 
     # the module is built at the first GPU batch: one Deferred call through Python first
     warm = Deferred(0x7470, 32)
