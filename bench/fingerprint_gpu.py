@@ -11,8 +11,9 @@ CUDA-graph replay of the work, warm-up, median of N):
   fused       the Triton kernels for the 3 tensors (device work, no host sync)
   fused+host  the same plus the one D2H copy and the host-side combine, eager
   abl -X      the fused kernel with stage X left out (wrong results): where the time goes
-and prints each as a fraction of three floors: the datasheet's (4.8 TB/s: 0.0733 ms for 352 MB,
-the issue's number), the read kernel's and t.sum()'s.  Writes fingerprint_gpu.json to --out.
+and prints each as a fraction of three floors: the HBM datasheet's of the GPU it runs on (DATASHEET:
+H200 4.8 TB/s, 0.0733 ms for 352 MB; H100 SXM 3.35 TB/s; --datasheet-tbs for another), the read
+kernel's and t.sum()'s.  Writes fingerprint_gpu.json to --out.
 """
 import argparse
 import json
@@ -30,7 +31,18 @@ from tpprobe.fingerprint.reference import _fingerprint_torch  # noqa: E402
 import tpprobe.fingerprint.triton as tf  # noqa: E402
 from tpprobe.fingerprint.triton import kernels  # noqa: E402
 
-DATASHEET_BPS = 4.8e12
+# HBM bandwidth on the datasheet, bytes/s, by the name torch.cuda.get_device_name() gives (first match)
+DATASHEET = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
+
+
+def datasheet_bps(name: str, given_tbs: float = 0.0) -> float:
+    """The datasheet's HBM bandwidth of the GPU named ``name``, or ``given_tbs`` (TB/s) when given."""
+    if given_tbs:
+        return given_tbs * 1e12
+    for key, bps in DATASHEET:
+        if key in name:
+            return bps
+    raise SystemExit(f"fingerprint_gpu: no datasheet bandwidth known for {name!r}: give --datasheet-tbs")
 
 
 @triton.jit
@@ -106,15 +118,18 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ablate", action="store_true")
     ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--datasheet-tbs", type=float, default=0.0, help="the GPU's HBM bandwidth, TB/s (default: "
+                    "DATASHEET's for its name)")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    bps = datasheet_bps(torch.cuda.get_device_name(dev), a.datasheet_tbs)
     torch.manual_seed(0)
     ts = [torch.randn(8192, 7168, device=dev).bfloat16() for _ in range(3)]
     nbytes = sum(t.numel() * t.element_size() for t in ts)
     scratch = torch.empty(4096, dtype=torch.int32, device=dev)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "bytes": nbytes, "k": a.k,
-           "shape": "3 x [8192, 7168] bf16", "iters": a.iters}
+           "shape": "3 x [8192, 7168] bf16", "iters": a.iters, "datasheet_bps": bps}
 
     rows = {}
 
@@ -183,7 +198,7 @@ def main():
                            ("abl -hash-stats", 6), ("abl -sketch-stats", 5)):
             run(name, lambda skip=skip: launch_ablated(ts, a.k, skip))
 
-    floors = {"datasheet": nbytes / DATASHEET_BPS * 1e3, "read": rows["read-floor"]["graph_ms"],
+    floors = {"datasheet": nbytes / bps * 1e3, "read": rows["read-floor"]["graph_ms"],
               "sum": rows["sum-floor"]["graph_ms"]}
     res["floors_ms"] = floors
     print(f"\nfloors: datasheet {floors['datasheet']:.4f} ms, read kernel {floors['read']:.4f} ms, "
