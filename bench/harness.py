@@ -75,3 +75,48 @@ def settled(forward: Callable[[], object], change: Callable[[], object]) -> None
     change()
     forward()
 
+
+
+def call_prices(variants: Sequence[str], mode: dict, forward: Callable[[], object], call: Callable[[], object],
+                per_forward: int, rounds: int, sync: Callable[[], object],
+                start: Callable[[str], object] = lambda v: None, end: Callable[[], object] = lambda: None) -> dict:
+    """What one call costs between a model's ops and alone (in_forward.py, launch_api.py): hooks in the
+    model make ``per_forward`` calls of the kind ``mode["mode"]`` names ("off": none). Per variant, round by
+    round: ``start(v)``, one ``forward()`` timed from a synchronised start to the device done, ``end()``;
+    then ``call()`` (two calls of that kind) per_forward / 2 times in a row, timed the same way. Returns
+    {"off_us", "rows": [{call, in_forward_us, q1, q3 (each round's difference from off / per_forward),
+    alone_us}]}."""
+    def run(v):
+        start(v)
+        mode["mode"] = v
+        sync()
+        t0 = time.perf_counter()
+        forward()
+        sync()
+        t = time.perf_counter() - t0
+        mode["mode"] = "off"
+        end()
+        return t
+
+    def alone(v):
+        start(v)
+        mode["mode"] = v
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(per_forward // 2):
+            call()
+        t = time.perf_counter() - t0
+        sync()
+        mode["mode"] = "off"
+        end()
+        return t / per_forward
+
+    times = alternate(variants, run, rounds, warmup=3)
+    al = alternate(variants[1:], alone, rounds, warmup=3)
+    out = {"off_us": statistics.median(times["off"]) * 1e6, "rows": []}
+    for v in variants[1:]:
+        d = sorted((t - b) / per_forward * 1e6 for t, b in zip(times[v], times["off"]))
+        q1, q2, q3 = statistics.quantiles(d, n=4)
+        out["rows"].append({"call": v, "in_forward_us": q2, "q1": q1, "q3": q3,
+                            "alone_us": statistics.median(al[v]) * 1e6})
+    return out

@@ -26,16 +26,14 @@ in a warm loop, the same way. Prints µs per call in the forward and alone; writ
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.decode_setup import add_model_args, decode_model  # noqa: E402
-from bench.harness import alternate, paired, write_json  # noqa: E402
+from bench.harness import call_prices, write_json  # noqa: E402
 from tpprobe.core.cuda import current_stream  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred  # noqa: E402
 
@@ -137,51 +135,22 @@ def main():
     warm(torch.ones(a.tokens, a.hidden, device=dev, dtype=torch.bfloat16))
     warm.resolve()
 
-    def run(v):
-        fresh(v)
-        state["mode"] = v
-        sync()
-        t0 = time.perf_counter()
+    def forward():
         with torch.no_grad():
             model(ids)
-        sync()
-        t = time.perf_counter() - t0
-        state["mode"] = "off"
-        state["fp"].resolve()
-        return t
 
-    times = alternate(VARIANTS, run, a.rounds, warmup=3)
-    med = {v: statistics.median(ts) for v, ts in times.items()}
-    pair = paired(times)
     x = torch.ones(a.tokens, a.hidden, device=dev, dtype=torch.bfloat16)
-
-    def alone(v):
-        fresh(v)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(PER_FORWARD // 2):
-            state["mode"] = v
-            extra(None, None, x)
-        t = time.perf_counter() - t0
-        sync()
-        state["fp"].resolve()
-        return t / PER_FORWARD
-
-    al = alternate(VARIANTS[1:], alone, a.rounds, warmup=3)
-    al_med = {v: statistics.median(ts) for v, ts in al.items()}
+    res = call_prices(VARIANTS, state, forward, lambda: extra(None, None, x), PER_FORWARD, a.rounds, sync,
+                      start=fresh, end=lambda: state["fp"].resolve())
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    out = {"gpu": gpu, "torch": torch.__version__, "tokens": a.tokens,
-           "off_us": med["off"] * 1e6, "rows": []}
-    print(f"in_forward: {out['gpu']}, torch {out['torch']}, {a.tokens} token(s), off {med['off'] * 1e6:.0f} us; "
+    out = {"gpu": gpu, "torch": torch.__version__, "tokens": a.tokens, **res}
+    print(f"in_forward: {out['gpu']}, torch {out['torch']}, {a.tokens} token(s), off {res['off_us']:.0f} us; "
           f"{PER_FORWARD} calls a forward, us per call (round by round: median of each round's difference / 18)")
     print(f"{'call':<11}{'in forward':>12}{'[q1, q3]':>20}{'alone':>9}{'x alone':>9}")
-    for v in VARIANTS[1:]:
-        d = sorted((t - b) / PER_FORWARD * 1e6 for t, b in zip(times[v], times["off"]))
-        q1, q2, q3 = statistics.quantiles(d, n=4)
-        row = {"call": v, "in_forward_us": q2, "q1": q1, "q3": q3, "alone_us": al_med[v] * 1e6,
-               "ratio_paired": pair[v]}
-        out["rows"].append(row)
-        print(f"{v:<11}{q2:>12.2f}{f'[{q1:.2f}, {q3:.2f}]':>20}{row['alone_us']:>9.2f}{q2 / row['alone_us']:>9.2f}")
+    for row in res["rows"]:
+        q1, q2, q3 = row["q1"], row["in_forward_us"], row["q3"]
+        print(f"{row['call']:<11}{q2:>12.2f}{f'[{q1:.2f}, {q3:.2f}]':>20}{row['alone_us']:>9.2f}"
+              f"{q2 / row['alone_us']:>9.2f}")
     write_json(a.out, "in_forward.json", out)
     dist.destroy_process_group()
 

@@ -20,9 +20,7 @@ Prints µs per launch in the forward (each round's difference / 18, median [quar
 import argparse
 import ctypes
 import os
-import statistics
 import sys
-import time
 
 import torch
 import triton
@@ -30,7 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.decode_setup import add_model_args, decode_model  # noqa: E402
-from bench.harness import alternate, write_json  # noqa: E402
+from bench.harness import call_prices, write_json  # noqa: E402
 from tpprobe.fingerprint.reference import Deferred  # noqa: E402
 
 VARIANTS = ["off", "driver", "runtime", "taker", "later1", "props"]
@@ -147,43 +145,17 @@ def main():
         assert buf[0].item() == before + 2, (v, before, buf[0].item())
     state["mode"] = "off"
 
-    def run(v):
-        fresh()
-        state["mode"] = v
-        sync()
-        t0 = time.perf_counter()
+    def forward():
         with torch.no_grad():
             model(ids)
-        sync()
-        t = time.perf_counter() - t0
-        state["mode"] = "off"
-        state["d"].resolve()
-        return t
 
-    def alone(v):
-        fresh()
-        state["mode"] = v
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(PER_FORWARD // 2):
-            extra(None, None, x)
-        t = time.perf_counter() - t0
-        sync()
-        state["mode"] = "off"
-        state["d"].resolve()
-        return t / PER_FORWARD
-
-    times = alternate(VARIANTS, run, a.rounds, warmup=3)
-    al = alternate(VARIANTS[1:], alone, a.rounds, warmup=3)
-    out = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "tokens": a.tokens,
-           "off_us": statistics.median(times["off"]) * 1e6, "rows": []}
-    print(f"launch_api: {out['gpu']}, {a.tokens} token(s), off {out['off_us']:.0f} us; us per launch")
-    for v in VARIANTS[1:]:
-        d = sorted((t - b) / PER_FORWARD * 1e6 for t, b in zip(times[v], times["off"]))
-        q1, q2, q3 = statistics.quantiles(d, n=4)
-        row = {"call": v, "in_forward_us": q2, "q1": q1, "q3": q3, "alone_us": statistics.median(al[v]) * 1e6}
-        out["rows"].append(row)
-        print(f"{v:<9}{q2:>8.2f} [{q1:.2f}, {q3:.2f}]  alone {row['alone_us']:.2f}")
+    res = call_prices(VARIANTS, state, forward, lambda: extra(None, None, x), PER_FORWARD, a.rounds, sync,
+                      start=lambda v: fresh(), end=lambda: state["d"].resolve())
+    out = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "tokens": a.tokens, **res}
+    print(f"launch_api: {out['gpu']}, {a.tokens} token(s), off {res['off_us']:.0f} us; us per launch")
+    for row in res["rows"]:
+        print(f"{row['call']:<9}{row['in_forward_us']:>8.2f} [{row['q1']:.2f}, {row['q3']:.2f}]  "
+              f"alone {row['alone_us']:.2f}")
     write_json(a.out, "launch_api.json", out)
 
 
