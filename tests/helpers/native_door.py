@@ -4,7 +4,6 @@ output's, reduced by hooks over the world-1 group), the doors alternated, finger
 every all-reduce's tensors kept; printed as one JSON line (tests/ranks/test_hooks.py runs it)."""
 import hashlib
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -15,10 +14,10 @@ def _digest(t):
 
 
 def main():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29100 + os.getpid() % 400))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    # world 1: the store's own free port (none chosen here that a test beside it could hold)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1, device_id=dev)
     from tpprobe.capture.audit import DOORS
     from tpprobe.capture.hooks import Tap
     from tpprobe.capture.progress import Progress
