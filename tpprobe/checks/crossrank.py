@@ -40,8 +40,10 @@ def rounding_noise(names: list[str], point_stats: dict, explained: set) -> list[
              and any(s["level"] == "noise" for s in point_stats.get(n, {}).values())]
     if not noisy:
         return []
-    worst_ulp = max([s.get("ulp_max") or 0 for n in noisy for s in point_stats[n].values()] + [0])
-    worst_rel = max([s.get("rel_norm") or 0 for n in noisy for s in point_stats[n].values()] + [0])
+    # the worst of the noise itself: a point noisy on one rank may be material on another (named elsewhere)
+    noise = [s for n in noisy for s in point_stats[n].values() if s["level"] == "noise"]
+    worst_ulp = max([s.get("ulp_max") or 0 for s in noise] + [0])
+    worst_rel = max([s.get("rel_norm") or 0 for s in noise] + [0])
     return [Finding("rounding-noise", ", ".join(noisy[:6]) + (" …" if len(noisy) > 6 else "") or "all-reduce",
                     sorted({r for n in noisy for r, s in point_stats[n].items() if s["level"] == "noise"}),
                     severity=INFO,
