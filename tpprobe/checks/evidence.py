@@ -168,6 +168,14 @@ class TensorEvidence:
         cands = {n: rec.tensors[n] for n in slot_candidates(names)}
         return match_slots(packed, hidden, cands, self.dtype)
 
+    def points_equal(self, r: int, a: str, b: str) -> bool:
+        """Capture points a and b hold equal values on rank r (bitwise or within noise, as a slot matches a point):
+        a stream a layer added nothing to is its previous point too."""
+        ta, tb = self.tensor(a, r), self.tensor(b, r)
+        if ta is None or tb is None or ta.shape != tb.shape:
+            return False
+        return compare(ta, tb, dtype=judge_dtype(ta.dtype, tb.dtype, self.dtype))["level"] in ("bitwise", "noise")
+
     def slot_differs(self, i: int, hidden: int, live: list[int]) -> Optional[list[int]]:
         """Ranks whose slot i of the packed aux differs materially from the first live rank's (a slot can
         equal no stream and still differ across ranks); None where some rank's packed aux is not held."""
@@ -206,6 +214,12 @@ class FingerprintEvidence(TensorEvidence):
 
     def fp(self, name, r) -> Optional[Fingerprint]:
         return self.fps.get(r, {}).get(name)
+
+    def points_equal(self, r: int, a: str, b: str) -> bool:
+        fa, fb = self.fp(a, r), self.fp(b, r)
+        if fa is None or fb is None:
+            return False
+        return fp_level(fa, fb, judge_dtype(fp_dtype(fa), fp_dtype(fb), self.dtype)) in ("bitwise", "noise")
 
     def slot_differs(self, i: int, hidden: int, live: list[int]) -> Optional[list[int]]:
         """As TensorEvidence's, from the fingerprint each rank took of a slot that equals no capture point

@@ -111,8 +111,12 @@ def incomplete_findings(ar: dict, records, live: list[int], world: int) -> list[
                          for t, rs in looks.items()) if looks else f"its output is not {defn} of its inputs"
         grp = f"group {e['group']}, " if e.get("group") else ""
         n = e.get("group_size")
-        agree = (" The ranks agree with each other, so only the audit's input/output pair shows it."
-                 if len(bad) == world and kind == "all_reduce" and len(looks) == 1 else "")
+        # wrong alike on every rank: comparing the ranks' outputs of this reduce cannot show it (the streams after it
+        # may still differ: under SGLang's DP attention each group reads its own rows of the buffer)
+        agree = (" It is wrong alike on every rank, which comparing the ranks' outputs cannot show: the audit's "
+                 "input/output pair does."
+                 if len(bad) == world and kind == "all_reduce" and len(looks) == 1
+                 and not next(iter(looks)).startswith("not the ") else "")
         sketch = ar.get("method") == "sketch"
         if kind in ("all_gather", "all_to_all"):
             against = "against the chunks sent, bit for bit" + (" (their sketches' hashes)" if sketch else "")

@@ -78,9 +78,12 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
             typical = Counter(n for w,
                               n in n_here.items() if is_layer_place(w) and w != layer_place(layer)).most_common(1)
             others = f" (other layers: {typical[0][0]})" if typical else ""
+        # the layers where the same module's output went unreduced, less those where it was summed as a copy
+        # (SGLang's DP attention reduces a buffer o_proj's rows were copied into, in every layer)
         every = sorted({u.layer for r in live for u in records[r].meta.unreduced_rows
                         if u.layer is not None and _relative(u.module, _layer_name(records, live, u.layer))
-                        == _relative(mod, _layer_name(records, live, layer))})
+                        == _relative(mod, _layer_name(records, live, layer))
+                        and (u.layer == layer or not summed_as_copy(records, live, u.layer))})
         n_layers = _coverage(records, live).layers_found or 0
         span = (f"; the same module's output is unreduced in every layer ({len(every)} of {n_layers})"
                 if n_layers > 1 and len(every) == n_layers else
@@ -270,7 +273,9 @@ def summed_as_copy(records, live, layer) -> bool:
         typical, _, _ = _typical([counts.get(k, 0) for k in range(n)], kinds, layer)
         if counts.get(layer, 0) < typical:
             return False
-        untraced = sum(1 for a in reduces if a.layer == layer and a.kind == "all_reduce" and a.source is None)
+        # a reduce the audit counts but cannot read ("unknown": vLLM's CPU shm op) may be the copy's as well
+        untraced = sum(1 for a in reduces if a.layer == layer and a.kind in ("all_reduce", "unknown")
+                       and a.source is None)
         if untraced < sum(1 for u in records[r].meta.unreduced_rows if u.layer == layer):
             return False
     return True
