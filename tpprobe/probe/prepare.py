@@ -142,7 +142,12 @@ def _validate_dp_attention(opts: ProbeOptions, world: int, runs_it: bool) -> Non
         if world % opts.dp_attention or world == opts.dp_attention:
             raise UsageError(f"--dp-attention {opts.dp_attention} needs a tp (--nproc, now {world}) it divides into "
                              f"attention-TP groups of 2 or more ranks, e.g. --nproc 4 --dp-attention 2")
-    if "dp-attention-gather" in [f.partition("@")[0] for f in opts.inject]:
+    faults = [f.partition("@")[0] for f in opts.inject]
+    if opts.dp_attention > 1 and "fused-allreduce-capture" in faults:
+        raise UsageError("--inject fused-allreduce-capture does not run under --dp-attention: there SGLang holds a "
+                         "layer's owed partial sum in its gathered buffer (the rows of every attention-DP group), not "
+                         "in the stream the capture reads; drop --dp-attention to see it")
+    if "dp-attention-gather" in faults:
         if opts.dp_attention < 2:
             raise UsageError("--inject dp-attention-gather needs DP attention: add --nproc 4 --dp-attention 2")
         if opts.tokens % (world // opts.dp_attention):

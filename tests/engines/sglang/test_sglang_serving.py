@@ -8,7 +8,8 @@
   all-reduce, module and layer whose owed sum the capture read too early;
 * F18 `--inject capture-no-residual` is named capture-no-residual at the aux slot, in both exchange modes;
 * DP attention (tp 4, attention-DP 2): healthy runs clean, each reduce checked against its own
-  group; F17 `--inject dp-attention-gather` is named dp-gather-group with the groups involved.
+  group; F17 `--inject dp-attention-gather` is named dp-gather-group with the groups involved; the
+  reduce faults F2, F22-F25 break the reduce of SGLang's gathered buffer and are named at their layer.
 
 Healthy runs of the other architectures are `sweep` (the captures themselves are proven equal to
 HF for qwen3 and qwen3_moe by tests/engines/sglang/test_sglang_archs.py in the default run).
@@ -224,31 +225,92 @@ def test_a_row_output_reduced_as_a_copy_is_not_named_never_reduced(tmp_path):
     assert "every audited reduce returned the sum of its inputs" in failures(rep)[0]["evidence"]["explain"]
 
 
-def test_dp_attention_allreduce_scaled_breaks_the_reduce_of_the_gathered_buffer(tmp_path):
-    # under DP attention SGLang copies layer 1's o_proj rows (plus the residual, on one rank of each attention-TP
-    # group) into its gathered buffer and the TP group reduces that: the fault scales that reduce, every rank
-    code, rep, p = _dp_probe(tmp_path, "--inject", "allreduce-scaled@1")
+# the reduce faults under DP attention: SGLang copies layer K's o_proj rows (plus the residual, on one rank of each
+# attention-TP group) into its gathered buffer and the TP group reduces that buffer, so each fault breaks that reduce
+DP_REDUCE_CASES = [
+    ("allreduce-scaled@1", "allreduce-incomplete", "layer 1 (model.layers.1)", [0, 1, 2, 3],
+     "group tp:0, 4 ranks, shape [12, 64]) ran, but its output is not the sum of its inputs: on ranks [0, 1, 2, 3] "
+     "it returned the sum scaled by 2"),
+    ("allreduce-one-buffer@1", "allreduce-incomplete", "layer 1 (model.layers.1)", [0, 1, 2, 3],
+     "it returned rank 0's input alone (the sum never happened)"),
+    ("allreduce-stale@1", "allreduce-incomplete", "layer 1 (model.layers.1)", [0, 1, 2, 3],
+     "it returned the previous all-reduce's output (a stale buffer)"),
+    ("allreduce-rank@1", "allreduce-incomplete", f"layer {L // 2} (model.layers.{L // 2})", [1],
+     "on rank 1 it returned rank 1's input alone"),
+    # layer 1 alone: the other layers reduced their copy, so the line names no other layer as unreduced
+    ("skip-allreduce@1", "partial-allreduce", "layer 1 (model.layers.1.self_attn.o_proj)", [0, 1, 2, 3],
+     "model.layers.1.self_attn.o_proj output was never all-reduced: 1 all-reduce(s) ran in layer 1 (other layers: "
+     "2); from here on the stream holds each rank's partial sum"),
+    ("skip-allreduce-all", "partial-allreduce", "layer 0 (model.layers.0.self_attn.o_proj)", [0, 1, 2, 3],
+     f"the same module's output is unreduced in every layer ({L} of {L})"),
+    ("skip-unreadable-allreduce@1", "partial-allreduce", "layer 1 (model.layers.1.self_attn.o_proj)", [0, 1, 2, 3],
+     "(other layers: 2); from here on"),
+]
+
+
+# CI runs the fault whose broken reduce leaves one attention-DP group's stream stuck (its later layers add nothing,
+# so its later slots equal layer 1's output as the points do: never an aliased capture); the others, and the same
+# from fingerprints alone, in the sweep
+DP_REDUCE_PARAMS = [pytest.param(*c, "full", id=c[0],
+                                 marks=() if c[0] == "allreduce-one-buffer@1" else pytest.mark.sweep)
+                    for c in DP_REDUCE_CASES]
+DP_REDUCE_PARAMS.append(pytest.param(*DP_REDUCE_CASES[1], "fingerprint", id="allreduce-one-buffer@1-fingerprint",
+                                     marks=pytest.mark.sweep))
+
+
+@pytest.mark.parametrize("inject,kind,where,ranks,says,exchange", DP_REDUCE_PARAMS)
+def test_dp_attention_reduce_faults_break_the_reduce_of_the_gathered_buffer(tmp_path, inject, kind, where, ranks,
+                                                                            says, exchange):
+    code, rep, p = _dp_probe(tmp_path, "--inject", inject, "--exchange", exchange)
     assert code == 1, p.stderr[-3000:]
     f = failures(rep)
-    assert [(x["kind"], x["where"], x["ranks"]) for x in f] == \
-        [("allreduce-incomplete", "layer 1 (model.layers.1)", [0, 1, 2, 3])], rep["findings"]
-    assert "group tp:0, 4 ranks, shape [12, 64]) ran, but its output is not the sum of its inputs: on ranks " \
-        "[0, 1, 2, 3] it returned the sum scaled by 2" in f[0]["detail"], f[0]["detail"]
-    assert rep["allreduce"]["incomplete"] == 1
+    assert [(x["kind"], x["where"], x["ranks"]) for x in f] == [(kind, where, ranks)], rep["findings"]
+    assert says in f[0]["detail"], f[0]["detail"]
+    if kind == "allreduce-incomplete":
+        assert rep["allreduce"]["incomplete"] == 1
+        # wrong alike on every rank is said of the reduce's outputs, never of the streams after it (here ranks
+        # [2, 3] differ from layer 1 on: each attention-DP group reads its own rows of the buffer)
+        assert ("wrong alike on every rank" in f[0]["detail"]) == (len(ranks) == 4), f[0]["detail"]
+        assert "The ranks agree" not in f[0]["detail"]
+    else:
+        assert "unreduced in every layer" not in f[0]["detail"] or inject == "skip-allreduce-all", f[0]["detail"]
+    # the noise line's numbers are the noise's own, never a material rank's
+    noise = [x for x in rep["findings"] if x["kind"] == "rounding-noise"]
+    assert all(float(x["detail"].split("worst element ")[1].split(" ULP")[0]) < 1e3 for x in noise), noise
+    if inject == "allreduce-one-buffer@1" and exchange == "full":   # the case: on ranks 2, 3 layers 2, 3 added nothing
+        import torch
+
+        from tpprobe.formats.capture_dir import load_run
+        run = load_run(tmp_path)
+        for r in (2, 3):
+            t = run.records[r].tensors
+            assert torch.equal(t["layer.1.out"], t["layer.3.out"]), r
+        assert not torch.equal(run.records[0].tensors["layer.1.out"], run.records[0].tensors["layer.3.out"])
 
 
-def test_dp_attention_fault_that_never_fires_gives_no_verdict(tmp_path):
-    # allreduce-stale looks for the reduce of layer 1's o_proj output itself; under DP attention SGLang reduces a
-    # copy of it, so the fault never acts: the run says so in one line and exits 2, never HEALTHY, and so does
-    # `tpprobe report` on the folder it wrote
+def test_fused_allreduce_capture_under_dp_attention_is_one_line_exit_2(tmp_path):
+    from tests.helpers.ranks import run_cli
+    p = run_cli(["probe", "--engine", "sglang", "--arch", "qwen3", "--nproc", "4", "--dp-attention", "2", "--inject",
+                 "fused-allreduce-capture", "--out", str(tmp_path / "r")], timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip() == (
+        "tpprobe: error: --inject fused-allreduce-capture does not run under --dp-attention: there SGLang holds a "
+        "layer's owed partial sum in its gathered buffer (the rows of every attention-DP group), not in the stream "
+        "the capture reads; drop --dp-attention to see it"), p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_reduce_fault_that_never_fires_gives_no_verdict(tmp_path):
+    # at tp 1 SGLang's coordinator reduces nothing, so allreduce-stale never acts: the run says so in one line and
+    # exits 2, never HEALTHY, and so does `tpprobe report` on the folder it wrote
     from tests.helpers.ranks import run_cli
 
-    said = ("--inject allreduce-stale@1 did not fire on any of the 4 ranks: it looks for layer 1's self_attn.o_proj "
-            "output in the TP group's all-reduce (GroupCoordinator.all_reduce), and none came: the model ran "
-            "unbroken, so this run gives no verdict")
-    p = subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "4", "--out", str(tmp_path),
+    said = ("--inject allreduce-stale@1 did not fire on any of the 1 ranks: it looks for layer 1's self_attn.o_proj "
+            "output in the TP group's all-reduce (GroupCoordinator.all_reduce) or in a buffer it was copied into, and "
+            "none came: the model ran unbroken, so this run gives no verdict")
+    p = subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "1", "--out", str(tmp_path),
                         "--num-layers", str(L), "--tokens", "6", "--seed", "0", "--timeout", "120",
-                        "--engine", "sglang", "--arch", "qwen3", "--dp-attention", "2", "--layers", "-1,1",
+                        "--engine", "sglang", "--arch", "qwen3", "--layers", "-1,1",
                         "--inject", "allreduce-stale@1"], capture_output=True, text=True, cwd=ROOT, timeout=420,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 2, p.stderr[-3000:]

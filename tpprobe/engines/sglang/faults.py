@@ -208,9 +208,7 @@ def _partial(hidden, owed_cls) -> Optional[torch.Tensor]:
 # coordinator, so the audit sees the broken call as SGLang issues it:
 #
 #   allreduce-scaled@K, -one-buffer@K, -stale@K (F22)  layer K's o_proj reduce returns the sum x
-#       TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output, on every rank;
-#       allreduce-scaled also finds the reduce of a buffer o_proj's rows were copied into (DP attention's
-#       gathered buffer, reduced over the TP group): its sum x 2 there too
+#       TPPROBE_INJECT_SCALE (2), rank 0's input, or the previous reduce's output, on every rank
 #   allreduce-rank@R (F23)  on rank R, the middle layer's o_proj reduce returns R's own input
 #   skip-allreduce-all (F24)  no o_proj output is ever reduced (reduce_results=False in every layer and
 #       nobody reduces): the tp group's coordinator returns those tensors unreduced, unaudited
@@ -219,6 +217,8 @@ def _partial(hidden, owed_cls) -> Optional[torch.Tensor]:
 #       read (like vLLM's CPU `_C.shm_allreduce`), bypassing the coordinator; layer K's o_proj reduce
 #       is never issued
 #
+# Each finds the reduce of o_proj's output itself, or of a buffer its rows were copied into: under DP attention
+# SGLang copies them into its gathered buffer (dp_gather_partial) and the TP group reduces that buffer.
 # A corrupt call still runs the real reduce, so every rank issues the same collectives.
 def _o_projs(model) -> list:
     out = []
@@ -237,9 +237,6 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
     k = L // 2 if name == "allreduce-rank" else (arg if arg is not None else L // 2)
     rank = ctx.rank if ctx is not None else dist.get_rank()
     ptrs: dict = {}            # data_ptr of each watched o_proj output of this forward -> layer index
-    # allreduce-scaled also breaks the reduce of a copy: under DP attention SGLang copies o_proj's rows into
-    # its gathered buffer (dp_gather_partial) and the TP group reduces that buffer
-    copies = name == "allreduce-scaled"
     # the watched o_proj output itself, not a copy, until a reduce of a buffer holding its rows: one rank of each
     # attention-TP group adds the residual to it in place before the gather (_dp_gather_sum_read)
     rows: dict = {}
@@ -249,8 +246,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
             t = out[0] if isinstance(out, tuple) else out
             if isinstance(t, torch.Tensor):
                 ptrs[t.data_ptr()] = i
-                if copies:
-                    rows["t"] = t
+                rows["t"] = t
         return hook
     watch = range(L) if name in ("skip-allreduce-all",) else [k]
     for i in watch:
@@ -258,7 +254,7 @@ def reduce_fault(name: str, model, arg: Optional[int], ctx) -> None:
             projs[i].register_forward_hook(note(i))
     layers = "every layer's" if name == "skip-allreduce-all" else f"layer {k}'s"
     fire = counter(f"{layers} self_attn.o_proj output in the TP group's all-reduce (GroupCoordinator.all_reduce)"
-                   + (" or in a buffer it was copied into" if copies else "")
+                   " or in a buffer it was copied into"
                    + (f", on rank {arg}" if name == "allreduce-rank" else ""))
 
     def hit(x) -> bool:
