@@ -25,6 +25,13 @@ def test_a_fault_that_acts_on_no_rank_is_named_with_where_it_looked():
         "looks, and none came: the model ran unbroken, so this run gives no verdict")
 
 
+def test_one_rank_is_said_as_one():
+    ranks = {0: ("ok", _counts(("allreduce-stale@1", 0)))}
+    assert fault_fired.unfired_line(["allreduce-stale@1"], 1, ranks) == (
+        "--inject allreduce-stale@1 did not fire on its one rank: it looks for where allreduce-stale@1 looks, and "
+        "none came: the model ran unbroken, so this run gives no verdict")
+
+
 def test_faults_that_act_somewhere_or_at_build_fired():
     ranks = {0: ("ok", _counts(("allreduce-rank@1", 0), ("nan@1", None))),
              1: ("ok", _counts(("allreduce-rank@1", 1), ("nan@1", None)))}

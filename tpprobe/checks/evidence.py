@@ -169,12 +169,10 @@ class TensorEvidence:
         return match_slots(packed, hidden, cands, self.dtype)
 
     def points_equal(self, r: int, a: str, b: str) -> bool:
-        """Capture points a and b hold equal values on rank r (bitwise or within noise, as a slot matches a point):
-        a stream a layer added nothing to is its previous point too."""
+        """Capture points a and b hold the same values on rank r, bit for bit: a stream a layer added nothing to is
+        its previous point too (within noise is not enough: a slot one layer off differs from its point that little)."""
         ta, tb = self.tensor(a, r), self.tensor(b, r)
-        if ta is None or tb is None or ta.shape != tb.shape:
-            return False
-        return compare(ta, tb, dtype=judge_dtype(ta.dtype, tb.dtype, self.dtype))["level"] in ("bitwise", "noise")
+        return ta is not None and tb is not None and ta.dtype == tb.dtype and torch.equal(ta, tb)
 
     def slot_differs(self, i: int, hidden: int, live: list[int]) -> Optional[list[int]]:
         """Ranks whose slot i of the packed aux differs materially from the first live rank's (a slot can
@@ -217,9 +215,7 @@ class FingerprintEvidence(TensorEvidence):
 
     def points_equal(self, r: int, a: str, b: str) -> bool:
         fa, fb = self.fp(a, r), self.fp(b, r)
-        if fa is None or fb is None:
-            return False
-        return fp_level(fa, fb, judge_dtype(fp_dtype(fa), fp_dtype(fb), self.dtype)) in ("bitwise", "noise")
+        return fa is not None and fb is not None and fp_level(fa, fb, self.dtype) == "bitwise"
 
     def slot_differs(self, i: int, hidden: int, live: list[int]) -> Optional[list[int]]:
         """As TensorEvidence's, from the fingerprint each rank took of a slot that equals no capture point

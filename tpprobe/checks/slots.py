@@ -62,10 +62,11 @@ def check_slots(ev, records, live, settings, offset_rule: bool = True) -> tuple[
         match = ev.slot_match(r, hidden)
         if match is None:
             continue
-        # a slot equal to several points (a layer that added nothing leaves its stream equal to the one before)
+        # a slot equal to several points (a layer that added nothing leaves its stream bit for bit the one before)
         # holds its expected point when that is one of them: the match names the first in model order
-        match = [e if m is not None and e is not None and m != e and ev.points_equal(r, m, e) else m
-                 for m, e in zip(match, list(expected) + [None] * (len(match) - len(expected)))]
+        if len(match) == len(expected):
+            match = [e if m is not None and e is not None and m != e and ev.points_equal(r, m, e) else m
+                     for m, e in zip(match, expected)]
         if r == live[0]:
             rows_out = [{"slot": i, "id": ids[i] if i < len(ids) else None,
                          "expected": expected[i] if i < len(expected) else None, "matched": m,

@@ -65,7 +65,8 @@ def unfired_line(inject: list, world: int, ranks: dict) -> Optional[str]:
         if len(seen) != world or any(s.get("count", 0) for s in seen):
             continue
         where = next((s["where"] for s in seen if s.get("where")), None)
-        said.append(f"--inject {spec} did not fire on any of the {world} ranks"
+        on = "its one rank" if world == 1 else f"any of the {world} ranks"
+        said.append(f"--inject {spec} did not fire on {on}"
                     + (f": it looks for {where}, and none came" if where else ""))
     if not said:
         return None

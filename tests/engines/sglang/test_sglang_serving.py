@@ -305,7 +305,7 @@ def test_a_reduce_fault_that_never_fires_gives_no_verdict(tmp_path):
     # exits 2, never HEALTHY, and so does `tpprobe report` on the folder it wrote
     from tests.helpers.ranks import run_cli
 
-    said = ("--inject allreduce-stale@1 did not fire on any of the 1 ranks: it looks for layer 1's self_attn.o_proj "
+    said = ("--inject allreduce-stale@1 did not fire on its one rank: it looks for layer 1's self_attn.o_proj "
             "output in the TP group's all-reduce (GroupCoordinator.all_reduce) or in a buffer it was copied into, and "
             "none came: the model ran unbroken, so this run gives no verdict")
     p = subprocess.run([sys.executable, "-m", "tpprobe", "probe", "--nproc", "1", "--out", str(tmp_path),
