@@ -80,10 +80,10 @@ def diagnose_stream(ev, records, live, world, point_stats, ar, dtype, references
             others = f" (other layers: {typical[0][0]})" if typical else ""
         # the layers where the same module's output went unreduced, less those where it was summed as a copy
         # (SGLang's DP attention reduces a buffer o_proj's rows were copied into, in every layer)
-        every = sorted({u.layer for r in live for u in records[r].meta.unreduced_rows
-                        if u.layer is not None and _relative(u.module, _layer_name(records, live, u.layer))
-                        == _relative(mod, _layer_name(records, live, layer))
-                        and (u.layer == layer or not summed_as_copy(records, live, u.layer))})
+        same = {u.layer for r in live for u in records[r].meta.unreduced_rows
+                if u.layer is not None and _relative(u.module, _layer_name(records, live, u.layer))
+                == _relative(mod, _layer_name(records, live, layer))}
+        every = sorted(k for k in same if k == layer or not summed_as_copy(records, live, k))
         n_layers = _coverage(records, live).layers_found or 0
         span = (f"; the same module's output is unreduced in every layer ({len(every)} of {n_layers})"
                 if n_layers > 1 and len(every) == n_layers else
